@@ -1,0 +1,27 @@
+# Two commands do everything on a fresh machine (see README):
+#   make main   set-up, then the main job
+#   make test   set-up, then the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: setup main test bench
+
+setup: $(VENV)/.installed
+
+# torch goes first and alone: installed after transformers it would be resolved to the newest
+# CUDA build. Every later step is constrained to the same torch.
+$(VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e ".[all,dev]"
+	touch $@
+
+main: setup
+	$(VENV)/bin/loramcl demo --out runs/demo
+
+test: setup
+	$(VENV)/bin/pytest
+
+bench: setup
+	$(PY) benchmarks/training_step.py
