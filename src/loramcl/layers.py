@@ -1,0 +1,117 @@
+"""MCLLoraLinear: a frozen linear layer plus K stacked LoRA adapters (paper eq. 8, DESIGN decision 1).
+
+All K hypotheses run in one batched matmul per layer. Rows are hypothesis-major: with K*B rows,
+hypothesis k owns rows k*B ... (k+1)*B - 1, a contiguous view, so no permute is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+STACKED, SINGLE, INDEXED = "stacked", "single", "indexed"
+
+
+@dataclass
+class HypothesisRouting:
+    """Which hypothesis each row of the current forward uses; one object shared by all layers of a model.
+
+    - ``stacked``: K*B rows, hypothesis-major (the MCL training forward);
+    - ``single``: every row uses ``hypothesis``;
+    - ``indexed``: row group i uses ``index[i]`` (a LongTensor); a layer seeing n*len(index) rows gives
+      each index entry n consecutive rows (e.g. [B*T, d] inputs, or beams kept inside their row).
+
+    The routing stays as set after a forward, so activation checkpointing recomputes with the same one.
+    """
+
+    mode: str = STACKED
+    hypothesis: int = 0
+    index: torch.Tensor | None = None
+
+
+class MCLLoraLinear(nn.Module):
+    """``base(x) + (alpha / r) * dropout(x) @ A_k @ B_k`` with k the hypothesis of each row.
+
+    ``base_layer`` is an ``nn.Linear`` or a transformers ``Conv1D`` (GPT-2), kept frozen inside.
+    """
+
+    def __init__(self, base_layer: nn.Module, routing: HypothesisRouting, num_hypotheses: int, r: int,
+                 alpha: float, dropout: float = 0.0, adapter_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if isinstance(base_layer, nn.Linear):
+            in_features, out_features = base_layer.in_features, base_layer.out_features
+        elif isinstance(base_layer, Conv1D):
+            in_features, out_features = base_layer.weight.shape  # Conv1D stores W as [d_in, d_out]
+        else:
+            raise TypeError(f"MCLLoraLinear wraps nn.Linear or transformers Conv1D, got {type(base_layer).__name__}")
+        self.base_layer = base_layer
+        self.routing = routing
+        self.num_hypotheses = num_hypotheses
+        self.in_features, self.out_features = in_features, out_features
+        self.r = r
+        self.scaling = alpha / r
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        weight = base_layer.weight
+        dtype = adapter_dtype or weight.dtype
+        self.lora_A = nn.Parameter(torch.empty(num_hypotheses, in_features, r, device=weight.device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(num_hypotheses, r, out_features, device=weight.device, dtype=dtype))
+        self.reset_adapters()
+
+    def reset_adapters(self) -> None:
+        """PEFT's LoRA init for every hypothesis: A ~ kaiming_uniform(a=sqrt(5)) = U(+-1/sqrt(d_in)), B = 0."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        with torch.no_grad():
+            self.lora_A.uniform_(-bound, bound)
+            self.lora_B.zero_()
+
+    @property
+    def weight(self) -> torch.Tensor:  # models read e.g. `self.wo.weight.dtype` (T5)
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base_layer.bias
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        result = self.base_layer(x, *args, **kwargs)  # [..., d_out]
+        h = self.dropout(x).to(self.lora_A.dtype)  # [rows, ..., d_in]
+        delta = self._adapter_delta(h)  # [rows, ..., d_out]
+        return result + (delta * self.scaling).to(result.dtype)
+
+    def _adapter_delta(self, h: torch.Tensor) -> torch.Tensor:
+        routing, rows, d_in = self.routing, h.shape[0], self.in_features
+        out_shape = (*h.shape[:-1], self.out_features)
+        if routing.mode == SINGLE:
+            k = routing.hypothesis
+            return h @ self.lora_A[k] @ self.lora_B[k]
+        if routing.mode == STACKED:
+            if rows % self.num_hypotheses:
+                raise RuntimeError(f"stacked routing needs K*B rows (K={self.num_hypotheses}), got {rows}")
+            grouped = h.reshape(self.num_hypotheses, -1, d_in)  # [K, B*T, d_in], hypothesis-major
+            return torch.bmm(torch.bmm(grouped, self.lora_A), self.lora_B).reshape(out_shape)
+        if routing.mode == INDEXED:
+            index = routing.index  # [n]
+            if rows != index.numel():
+                if rows % index.numel():
+                    raise RuntimeError(f"{rows} rows cannot be split among {index.numel()} hypothesis indices")
+                index = index.repeat_interleave(rows // index.numel())  # [rows]
+            grouped = h.reshape(rows, -1, d_in)  # [rows, T, d_in]
+            per_row_a = self.lora_A.index_select(0, index)  # [rows, d_in, r]
+            per_row_b = self.lora_B.index_select(0, index)  # [rows, r, d_out]
+            return torch.bmm(torch.bmm(grouped, per_row_a), per_row_b).reshape(out_shape)
+        raise RuntimeError(f"unknown routing mode {routing.mode!r}")
+
+    def delta_weight(self, k: int) -> torch.Tensor:
+        """The weight update of hypothesis k in the base layer's layout and dtype."""
+        delta = (self.lora_A[k].float() @ self.lora_B[k].float()) * self.scaling  # [d_in, d_out]
+        if isinstance(self.base_layer, nn.Linear):
+            delta = delta.T  # nn.Linear stores W as [d_out, d_in]
+        return delta.to(self.base_layer.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"hypotheses={self.num_hypotheses}, in={self.in_features}, out={self.out_features}, r={self.r}, "
+                f"scaling={self.scaling:g}")

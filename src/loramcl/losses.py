@@ -1,0 +1,83 @@
+"""Winner-takes-all losses as pure functions of the per-example, per-hypothesis NLL matrix.
+
+Every loss is ``mean_b sum_k q[b, k] * nll[b, k]`` with assignment weights ``q`` that are detached
+(paper eq. 4): the variants differ only in how ``q`` is computed from ``nll``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from loramcl.config import MCLConfig
+
+
+def wta_weights(nll: torch.Tensor) -> torch.Tensor:
+    """Eq. 2: one-hot on the winner argmin_k nll[b, k]; ties go to the lowest k. [B, K] -> [B, K]."""
+    winners = nll.argmin(dim=1)  # torch.argmin returns the first minimum
+    return torch.nn.functional.one_hot(winners, nll.shape[1]).to(torch.float32)
+
+
+def relaxed_weights(nll: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Relaxed WTA (Rupprecht et al. 2017): 1 - epsilon on the winner, epsilon / (K-1) on each other."""
+    num_hypotheses = nll.shape[1]
+    winner = wta_weights(nll)
+    if num_hypotheses == 1:
+        return winner
+    return winner * (1.0 - epsilon) + (1.0 - winner) * (epsilon / (num_hypotheses - 1))
+
+
+def annealed_weights(nll: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Eq. 5: q_k = p_k^(1/tau) / sum_s p_s^(1/tau) = softmax_k(-nll / tau), computed in log space.
+
+    Shifting by the row minimum (softmax is shift-invariant) puts the winner's logit at exactly 0 and
+    the others at -inf at worst, so tiny temperatures and large NLLs give the hard assignment, never 0/0.
+    """
+    nll = nll.float()
+    gap = nll - nll.min(dim=1, keepdim=True).values  # [B, K], >= 0, 0 at the winner(s)
+    return torch.softmax(-gap / max(temperature, 1e-30), dim=1)
+
+
+def temperature_at(step: int, config: MCLConfig) -> float | None:
+    """tau(t) = tau0 * rho^t at optimizer step t, or None once below temperature_min (hard WTA from then on)."""
+    if config.temperature_decay == 1.0:
+        tau = config.temperature0
+    else:
+        # In log space: rho^t underflows to 0.0 long before tau0 * rho^t stops being representable.
+        log_tau = math.log(config.temperature0) + step * math.log(config.temperature_decay)
+        tau = math.exp(log_tau) if log_tau > -700 else 0.0
+    return None if tau < config.temperature_min or tau == 0.0 else tau
+
+
+def weighted_nll(nll: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """mean_b sum_k q[b, k] nll[b, k] with q detached. A zero weight contributes exactly zero, even where
+    the NLL is infinite (0 * inf would be NaN)."""
+    weights = weights.detach().to(nll.dtype)
+    terms = torch.where(weights > 0, weights * nll, torch.zeros_like(nll))
+    return terms.sum(dim=1).mean()
+
+
+WeightFn = Callable[[torch.Tensor, MCLConfig, int], torch.Tensor]
+
+
+def _annealed(nll: torch.Tensor, config: MCLConfig, step: int) -> torch.Tensor:
+    temperature = temperature_at(step, config)
+    return wta_weights(nll) if temperature is None else annealed_weights(nll, temperature)
+
+
+ASSIGNMENTS: dict[str, WeightFn] = {
+    "wta": lambda nll, config, step: wta_weights(nll),
+    "relaxed": lambda nll, config, step: relaxed_weights(nll, config.epsilon),
+    "annealed": _annealed,
+}
+
+
+def mcl_loss(nll: torch.Tensor, config: MCLConfig, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The configured loss of ``nll`` [B, K] at optimizer step ``step``: (scalar loss, weights q [B, K])."""
+    if nll.dim() != 2 or nll.shape[1] != config.num_hypotheses:
+        raise ValueError(f"nll must have shape [batch, K={config.num_hypotheses}], got {tuple(nll.shape)}")
+    with torch.no_grad():
+        weights = ASSIGNMENTS[config.loss](nll.detach(), config, step)
+    return weighted_nll(nll, weights), weights

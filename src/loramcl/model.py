@@ -1,0 +1,524 @@
+"""Wrap any transformers model with K LoRA hypotheses: routing, the MCL forward, and the files.
+
+Data flow of one MCL forward (labels given, all K hypotheses):
+  inputs [B, ...] -> frozen modules that precede every adapter run once on B rows
+  -> at the entry of the smallest transformers model holding all adapters, every per-example tensor is
+     repeated K times, hypothesis-major [K*B, ...] (DESIGN decision 6)
+  -> adapted layers route row block k through hypothesis k (one bmm per layer, decision 2)
+  -> the LM head sees only the hidden states at label positions (decision 5)
+  -> nll [B, K] (scoring) -> loss (losses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import safetensors.torch
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.pytorch_utils import Conv1D
+from transformers.utils import ModelOutput
+
+from loramcl.config import MCLConfig
+from loramcl.layers import INDEXED, SINGLE, STACKED, HypothesisRouting, MCLLoraLinear
+from loramcl.losses import mcl_loss
+from loramcl.scoring import IGNORE_INDEX, aligned_targets, check_targets, mean_token_nll
+
+CONFIG_NAME = "mcl_config.json"
+WEIGHTS_NAME = "mcl_adapters.safetensors"
+FORMAT_VERSION = 1
+PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
+
+# Keyword inputs that never carry a batch dimension even when their first size happens to equal B.
+_NOT_PER_EXAMPLE = frozenset({"cache_position"})
+_ADAPTABLE = (nn.Linear, Conv1D)
+
+
+@dataclass
+class MCLOutput(ModelOutput):
+    """Output of ``MCLModel.forward``.
+
+    loss: the configured MCL loss (scalar), when labels are given.
+    nll: [B, K] mean NLL over the label tokens of each example under each hypothesis; [B] when the
+        forward ran one hypothesis per example (``hypotheses=``).
+    weights: [B, K] the detached assignment q of the loss (one-hot for vanilla WTA).
+    logits: [B, K, T, V] when no labels are given.
+    """
+
+    loss: torch.Tensor | None = None
+    nll: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class _PendingForward:
+    """What the hooks must do during the next base-model call (cleared by the hook that does it)."""
+
+    expand_batch: int | None = None  # B: repeat per-example inputs K times at the expansion module
+    logit_positions: torch.Tensor | None = None  # [rows, T] bool: hidden states the LM head must see
+
+
+class MCLModel(nn.Module):
+    """A frozen transformers model with K LoRA hypotheses. Build it with ``get_mcl_model``."""
+
+    # Our loss is a mean over examples: let Trainer divide it for gradient accumulation.
+    accepts_loss_kwargs = False
+
+    def __init__(self, model: nn.Module, config: MCLConfig, routing: HypothesisRouting,
+                 layer_names: list[str]) -> None:
+        super().__init__()
+        self.base_model = model
+        self.mcl_config = config
+        self.routing = routing
+        self.layer_names = layer_names
+        self.training_step = 0  # optimizer step, for the annealed temperature; MCLTrainer keeps it current
+        self._pending = _PendingForward()
+        self._explicit_routing = 0
+        self._merged = False
+        self.expansion_module_name = _expansion_module_name(model, layer_names)
+        output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self._output_layer_name = next((n for n, m in model.named_modules() if m is output_layer), None)
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._install_hooks()
+
+    # ---- properties -------------------------------------------------------------------------------------
+
+    @property
+    def num_hypotheses(self) -> int:
+        return self.mcl_config.num_hypotheses
+
+    @property
+    def config(self):  # the base model's transformers config, as Trainer and PEFT users expect
+        return self.base_model.config
+
+    def mcl_layers(self) -> Iterator[tuple[str, MCLLoraLinear]]:
+        for name in self.layer_names:
+            yield name, self.base_model.get_submodule(name)
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(trainable, total) parameter counts."""
+        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        return trainable, sum(p.numel() for p in self.parameters())
+
+    def print_trainable_parameters(self) -> None:
+        trainable, total = self.parameter_counts()
+        print(f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}"
+              f" || hypotheses: {self.num_hypotheses}")
+
+    # ---- routing ----------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def use_hypotheses(self, hypotheses: int | torch.Tensor) -> Iterator[None]:
+        """Run the base model with hypothesis ``k`` on every row (an int), or with ``index[i]`` on row i
+        (a LongTensor); e.g. ``with model.use_hypotheses(1): model.generate(...)``."""
+        saved = copy.copy(self.routing)
+        self._set_routing(hypotheses, rows=None)
+        self._explicit_routing += 1
+        try:
+            yield
+        finally:
+            self._explicit_routing -= 1
+            self.routing.mode, self.routing.hypothesis, self.routing.index = saved.mode, saved.hypothesis, saved.index
+
+    def _set_routing(self, hypotheses: int | torch.Tensor | None, rows: int | None) -> None:
+        routing, k_max = self.routing, self.num_hypotheses
+        if hypotheses is None:
+            routing.mode, routing.index = STACKED, None
+        elif isinstance(hypotheses, int):
+            self._check_hypothesis(hypotheses)
+            routing.mode, routing.hypothesis, routing.index = SINGLE, hypotheses, None
+        elif torch.is_tensor(hypotheses):
+            index = hypotheses.flatten().long()
+            if rows is not None and index.numel() != rows:
+                raise ValueError(f"hypotheses must give one hypothesis per example ({rows}), got {index.numel()}")
+            if index.numel() == 0 or int(index.min()) < 0 or int(index.max()) >= k_max:
+                raise ValueError(f"hypothesis indices must be in [0, {k_max - 1}], got {hypotheses.tolist()}")
+            routing.mode, routing.index = INDEXED, index.to(self._adapter_device())
+        else:
+            raise TypeError(f"hypotheses must be None, an int or a LongTensor, got {type(hypotheses).__name__}")
+
+    def _check_hypothesis(self, k: int) -> None:
+        if not (isinstance(k, int) and 0 <= k < self.num_hypotheses):
+            raise ValueError(f"hypothesis {k!r} does not exist: this model has K={self.num_hypotheses} "
+                             f"(0..{self.num_hypotheses - 1})")
+
+    def _adapter_device(self) -> torch.device:
+        return self.base_model.get_submodule(self.layer_names[0]).lora_A.device
+
+    # ---- hooks ------------------------------------------------------------------------------------------
+
+    def _install_hooks(self) -> None:
+        expansion = self.base_model.get_submodule(self.expansion_module_name)
+        self._hooks.append(expansion.register_forward_pre_hook(self._expand_rows, with_kwargs=True))
+        if self._output_layer_name is not None:
+            output_layer = self.base_model.get_submodule(self._output_layer_name)
+            self._hooks.append(output_layer.register_forward_pre_hook(self._keep_label_positions))
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def _expand_rows(self, module: nn.Module, args: tuple, kwargs: dict):
+        """Repeat every per-example tensor K times, hypothesis-major: [B, ...] -> [K*B, ...]."""
+        batch = self._pending.expand_batch
+        if batch is None:
+            return None
+        self._pending.expand_batch = None
+        k = self.num_hypotheses
+
+        def repeat(name: str | None, value):
+            if torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == batch and name not in _NOT_PER_EXAMPLE:
+                return value.repeat(k, *([1] * (value.dim() - 1)))
+            return value
+
+        return tuple(repeat(None, a) for a in args), {n: repeat(n, v) for n, v in kwargs.items()}
+
+    def _keep_label_positions(self, module: nn.Module, args: tuple):
+        """Give the LM head only the hidden states that predict a label: [rows, T, d] -> [N, d]."""
+        positions = self._pending.logit_positions
+        if positions is None:
+            return None
+        self._pending.logit_positions = None
+        hidden = args[0]
+        if tuple(hidden.shape[:2]) != tuple(positions.shape):
+            raise RuntimeError(
+                f"the output layer received hidden states of shape {tuple(hidden.shape)} but the labels give "
+                f"{tuple(positions.shape)} (rows, positions); labels must be aligned with the sequence the model "
+                "processes (e.g. image/audio tokens already expanded in input_ids, as current processors do).")
+        return (hidden[positions], *args[1:])
+
+    # ---- forward ----------------------------------------------------------------------------------------
+
+    def forward(self, labels: torch.Tensor | None = None, hypotheses: int | torch.Tensor | None = None,
+                **inputs) -> MCLOutput:
+        """Run the hypotheses on a batch.
+
+        labels: [B, T] token ids, -100 where nothing is predicted. With labels, returns ``nll`` and ``loss``.
+        hypotheses: None runs all K hypotheses on every example (the MCL forward); an int k runs hypothesis
+            k only; a LongTensor [B] runs hypothesis ``hypotheses[b]`` on example b (then ``nll`` is [B]).
+        inputs: every other input of the base model (input_ids, attention_mask, pixel_values,
+            input_features, decoder_input_ids, ...), passed through untouched.
+        """
+        self._check_usable()
+        if labels is None:
+            return self._forward_logits(hypotheses, inputs)
+        base, k = self.base_model, self.num_hypotheses
+        causal = not getattr(base.config, "is_encoder_decoder", False)
+        if not causal and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
+            if not hasattr(base, "prepare_decoder_input_ids_from_labels"):
+                raise ValueError("pass decoder_input_ids: this encoder-decoder cannot derive them from labels")
+            inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
+        targets = aligned_targets(labels, causal)  # [B, T]
+        check_targets(targets)
+        positions = targets != IGNORE_INDEX  # [B, T]
+        batch = labels.shape[0]
+        self._set_routing(hypotheses, rows=batch)
+        stacked = hypotheses is None
+        row_positions = positions.repeat(k, 1) if stacked else positions  # [rows, T]
+        self._pending = _PendingForward(expand_batch=batch if stacked else None,
+                                        logit_positions=row_positions if self._output_layer_name else None)
+        try:
+            outputs = base(**inputs, use_cache=False)
+            self._check_hooks_ran()
+        finally:
+            self._pending = _PendingForward()
+        logits = getattr(outputs, "logits", None)
+        if logits is None:
+            raise ValueError(f"{type(base).__name__} returns no logits: LoRA-MCL needs a model with a language-"
+                             "modeling head (e.g. AutoModelForCausalLM, AutoModelForSeq2SeqLM)")
+        token_targets = targets[positions]  # [N_B] in (example, position) order
+        if stacked:
+            token_targets = token_targets.repeat(k)  # [K*N_B], hypothesis-major like the rows
+        token_logits = logits if self._output_layer_name else logits[row_positions]  # [N, V]
+        rows = row_positions.nonzero()[:, 0]  # [N]
+        nll = mean_token_nll(token_logits, token_targets, rows, row_positions.shape[0])  # [rows]
+        if not stacked:
+            return MCLOutput(loss=nll.mean(), nll=nll)
+        nll = nll.view(k, batch).T  # [B, K]
+        loss, weights = mcl_loss(nll, self.mcl_config, self.training_step)
+        return MCLOutput(loss=loss, nll=nll, weights=weights)
+
+    def _forward_logits(self, hypotheses: int | torch.Tensor | None, inputs: dict) -> MCLOutput:
+        batch = _batch_size(inputs)
+        self._set_routing(hypotheses, rows=batch)
+        self._pending = _PendingForward(expand_batch=batch if hypotheses is None else None)
+        try:
+            logits = self.base_model(**inputs).logits  # [K*B, T, V] or [B, T, V]
+            self._check_hooks_ran()
+        finally:
+            self._pending = _PendingForward()
+        if hypotheses is None:
+            logits = logits.view(self.num_hypotheses, batch, *logits.shape[1:]).transpose(0, 1)  # [B, K, T, V]
+        return MCLOutput(logits=logits)
+
+    def _check_hooks_ran(self) -> None:
+        if self._pending.expand_batch is not None:
+            raise RuntimeError(
+                f"the batch was never duplicated for the K hypotheses: module '{self.expansion_module_name}' did not "
+                "run during this forward. Please report this model class to loramcl.")
+        if self._pending.logit_positions is not None:
+            raise RuntimeError(f"the output layer '{self._output_layer_name}' did not run during this forward")
+
+    def _check_usable(self) -> None:
+        if self._merged:
+            raise RuntimeError("this MCLModel was merged in place (merge_hypothesis(..., inplace=True)); use the "
+                               "returned base model, or load the adapters again with load_mcl_model")
+
+    def generate(self, *args, **kwargs):
+        """``base_model.generate`` with the hypotheses chosen by an enclosing ``use_hypotheses`` block."""
+        self._check_usable()
+        if not self._explicit_routing:
+            raise RuntimeError("choose the hypotheses to decode: `with model.use_hypotheses(k): model.generate(...)`")
+        return self.base_model.generate(*args, **kwargs)
+
+    # ---- training helpers -------------------------------------------------------------------------------
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """Activation checkpointing in the base model; the frozen embeddings then must emit grad-requiring
+        outputs so that reentrant checkpointing still reaches the adapters (as PEFT does)."""
+        self.base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+        self.base_model.enable_input_require_grads()
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.base_model.gradient_checkpointing_disable()
+
+    # ---- files ------------------------------------------------------------------------------------------
+
+    def adapter_state_dict(self, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """{'<layer>.lora_A': [K, d_in, r], '<layer>.lora_B': [K, r, d_out]} on CPU, from ``state_dict`` (e.g.
+        one Trainer gathered from DeepSpeed/FSDP) when given, else from this model."""
+        tensors = {}
+        for name, layer in self.mcl_layers():
+            for part in ("lora_A", "lora_B"):
+                key = f"{name}.{part}"
+                value = getattr(layer, part) if state_dict is None else state_dict[f"base_model.{key}"]
+                tensors[key] = value.detach().to("cpu").contiguous()
+        return tensors
+
+    def save_pretrained(self, path: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> str:
+        """Write the K hypotheses: ``mcl_adapters.safetensors`` and ``mcl_config.json`` (no pickle)."""
+        os.makedirs(path, exist_ok=True)
+        safetensors.torch.save_file(self.adapter_state_dict(state_dict), os.path.join(path, WEIGHTS_NAME),
+                                    metadata={"format": "pt", "loramcl_format": str(FORMAT_VERSION)})
+        meta = {
+            "loramcl_format": FORMAT_VERSION,
+            "mcl_config": self.mcl_config.to_dict(),
+            "base_model_name_or_path": getattr(self.config, "_name_or_path", None) or None,
+            "base_model_class": type(self.base_model).__name__,
+            "adapted_modules": self.layer_names,
+        }
+        with open(os.path.join(path, CONFIG_NAME), "w") as f:
+            json.dump(meta, f, indent=2)
+        return str(path)
+
+    def load_adapters(self, path: str | os.PathLike) -> None:
+        """Load adapter weights written by ``save_pretrained`` into this model (same layers and shapes)."""
+        file = os.path.join(path, WEIGHTS_NAME)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"no {WEIGHTS_NAME} in {path}: not a folder written by MCLModel.save_pretrained")
+        tensors = safetensors.torch.load_file(file)
+        expected = {f"{name}.{part}" for name in self.layer_names for part in ("lora_A", "lora_B")}
+        missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        if missing or unexpected:
+            raise ValueError(f"{file} does not match this model's adapted layers: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}. Load it onto the same base model and MCLConfig.")
+        with torch.no_grad():
+            for name, layer in self.mcl_layers():
+                for part in ("lora_A", "lora_B"):
+                    param, value = getattr(layer, part), tensors[f"{name}.{part}"]
+                    if param.shape != value.shape:
+                        raise ValueError(f"{name}.{part}: file has shape {tuple(value.shape)}, model has "
+                                         f"{tuple(param.shape)}; was it saved from another base model or rank?")
+                    param.copy_(value)
+
+    def export_hypothesis(self, k: int, path: str | os.PathLike) -> str:
+        """Write hypothesis k as a standard PEFT LoRA adapter folder (``PeftModel.from_pretrained`` loads it)."""
+        from peft import LoraConfig
+
+        self._check_hypothesis(k)
+        cfg = self.mcl_config
+        is_conv1d = [isinstance(layer.base_layer, Conv1D) for _, layer in self.mcl_layers()]
+        if any(is_conv1d) and not all(is_conv1d):
+            raise ValueError("cannot export a mix of nn.Linear and Conv1D layers as one PEFT adapter")
+        is_encoder_decoder = getattr(self.config, "is_encoder_decoder", False)
+        lora_config = LoraConfig(
+            r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
+            target_modules=self._peft_target_modules(), fan_in_fan_out=all(is_conv1d),
+            task_type="SEQ_2_SEQ_LM" if is_encoder_decoder else "CAUSAL_LM",
+            base_model_name_or_path=getattr(self.config, "_name_or_path", None) or None,
+        )
+        os.makedirs(path, exist_ok=True)
+        lora_config.save_pretrained(path)
+        tensors = {}
+        for name, layer in self.mcl_layers():  # PEFT stores lora_A as [r, d_in] and lora_B as [d_out, r]
+            tensors[f"base_model.model.{name}.lora_A.weight"] = layer.lora_A[k].detach().T.contiguous().cpu()
+            tensors[f"base_model.model.{name}.lora_B.weight"] = layer.lora_B[k].detach().T.contiguous().cpu()
+        safetensors.torch.save_file(tensors, os.path.join(path, PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
+        return str(path)
+
+    def _peft_target_modules(self) -> list[str]:
+        """Short layer names (q_proj, ...) when PEFT's matching of them selects exactly our layers, else full names."""
+        from peft.tuners.tuners_utils import check_target_module_exists
+
+        ours = set(self.layer_names)
+        original = [n for n, _ in self.base_model.named_modules()
+                    if n and not any(n.startswith(layer + ".") for layer in ours)]
+        short = sorted({n.rsplit(".", 1)[-1] for n in ours})
+        probe = _TargetProbe(short)
+        if {n for n in original if check_target_module_exists(probe, n)} == ours:
+            return short
+        return sorted(ours)
+
+    def merge_hypothesis(self, k: int, inplace: bool = False) -> nn.Module:
+        """The base model with hypothesis k merged into its weights (W + alpha/r * (A_k B_k)^T), adapters removed.
+
+        By default the base model is copied first, so this MCLModel stays usable (e.g. to merge another k);
+        ``inplace=True`` saves the copy's memory on large models and leaves this MCLModel unusable.
+        """
+        self._check_usable()
+        self._check_hypothesis(k)
+        self._remove_hooks()
+        try:
+            model = self.base_model if inplace else copy.deepcopy(self.base_model)
+            with torch.no_grad():
+                for name in self.layer_names:
+                    layer = model.get_submodule(name)
+                    layer.base_layer.weight.add_(layer.delta_weight(k))
+                    model.set_submodule(name, layer.base_layer)
+        finally:
+            if not inplace:
+                self._install_hooks()
+        self._merged = inplace
+        return model
+
+
+@dataclass
+class _TargetProbe:
+    """The attributes of a PEFT config that ``check_target_module_exists`` reads."""
+
+    target_modules: list[str]
+    exclude_modules: None = None
+    target_parameters: None = None
+    layers_to_transform: None = None
+    layers_pattern: None = None
+    modules_to_save: None = None
+
+
+def _batch_size(inputs: dict) -> int:
+    for name in ("input_ids", "inputs_embeds", "decoder_input_ids", "input_features", "pixel_values"):
+        if torch.is_tensor(inputs.get(name)):
+            return inputs[name].shape[0]
+    raise ValueError(f"cannot tell the batch size from the inputs {sorted(inputs)}: pass input_ids or inputs_embeds")
+
+
+def _expansion_module_name(model: nn.Module, layer_names: list[str]) -> str:
+    """The smallest transformers model (e.g. LlamaModel, T5Stack, a vision tower) holding every adapted layer:
+    the K copies are made at its entry, where per-example inputs are batch-first. The whole model if none."""
+    parts = [name.split(".") for name in layer_names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    while common:
+        name = ".".join(common)
+        if isinstance(model.get_submodule(name), PreTrainedModel):
+            return name
+        common.pop()
+    return ""
+
+
+def _resolve_target_modules(model: nn.Module, config: MCLConfig) -> list[str] | str:
+    targets = config.target_modules
+    if targets is None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type not in defaults:
+            raise ValueError(f"PEFT has no default target modules for model_type={model_type!r}; set "
+                             f"MCLConfig.target_modules, e.g. from the linear layers: {_candidate_names(model)}")
+        targets = list(defaults[model_type])
+    return targets
+
+
+def _candidate_names(model: nn.Module) -> list[str]:
+    output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, _ADAPTABLE) and module is not output_layer})
+
+
+def _matched_layer_names(model: nn.Module, targets: list[str] | str) -> list[str]:
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if targets == "all-linear":
+        return [name for name, module in model.named_modules()
+                if isinstance(module, _ADAPTABLE) and module is not output_layer]
+    probe = _TargetProbe(targets)
+    names = [name for name, _ in model.named_modules() if name and check_target_module_exists(probe, name)]
+    for name in names:
+        module = model.get_submodule(name)
+        if module is output_layer:
+            raise ValueError(f"'{name}' is the output layer: LoRA-MCL adapts hidden layers, not the LM head")
+        if not isinstance(module, _ADAPTABLE):
+            raise ValueError(f"target '{name}' is a {type(module).__name__}; MCL adapters wrap nn.Linear and "
+                             f"transformers Conv1D layers only. Linear layers of this model: {_candidate_names(model)}")
+    return names
+
+
+def get_mcl_model(model: nn.Module, config: MCLConfig) -> MCLModel:
+    """Give ``model`` (any transformers model, modified in place) K LoRA hypotheses on the target layers.
+
+    Every base parameter is frozen; only the adapters train.
+    """
+    if isinstance(model, MCLModel):
+        raise ValueError("this model already has MCL adapters")
+    targets = _resolve_target_modules(model, config)
+    names = _matched_layer_names(model, targets)
+    if not names:
+        raise ValueError(f"target_modules={targets!r} matched no layer of {type(model).__name__}. Its linear "
+                         f"layers are named: {_candidate_names(model)}")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    routing = HypothesisRouting()
+    adapter_dtype = torch.float32 if config.adapter_dtype == "float32" else None
+    for name in names:
+        layer = MCLLoraLinear(model.get_submodule(name), routing, config.num_hypotheses, config.r, config.alpha,
+                              config.dropout, adapter_dtype=adapter_dtype)
+        model.set_submodule(name, layer)
+    return MCLModel(model, config, routing, names)
+
+
+def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool = False) -> MCLModel:
+    """Rebuild the MCL model saved in ``path`` on top of ``model`` (the same base model it was trained on).
+
+    As with PEFT, the adapters are frozen unless ``is_trainable=True`` (to continue training).
+    """
+    config_file = os.path.join(path, CONFIG_NAME)
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"no {CONFIG_NAME} in {path}: not a folder written by MCLModel.save_pretrained")
+    with open(config_file) as f:
+        meta = json.load(f)
+    if meta.get("loramcl_format") != FORMAT_VERSION:
+        raise ValueError(f"{config_file} has format {meta.get('loramcl_format')!r}; this loramcl reads {FORMAT_VERSION}")
+    config = MCLConfig.from_dict(meta["mcl_config"])
+    if meta.get("base_model_class") not in (None, type(model).__name__):
+        warnings.warn(f"adapters were trained on a {meta['base_model_class']}, loading onto a {type(model).__name__}")
+    mcl = get_mcl_model(model, config)
+    if mcl.layer_names != meta["adapted_modules"]:
+        raise ValueError(f"the saved adapters are on {len(meta['adapted_modules'])} layers but the config matches "
+                         f"{len(mcl.layer_names)} layers of this model: is it the same base architecture?")
+    mcl.load_adapters(path)
+    for name, layer in mcl.mcl_layers():
+        layer.lora_A.requires_grad_(is_trainable)
+        layer.lora_B.requires_grad_(is_trainable)
+    return mcl

@@ -1,0 +1,130 @@
+"""MCLTrainer: transformers.Trainer for an MCLModel (DESIGN decisions 3 and 4).
+
+Distribution (DDP, DeepSpeed, FSDP through accelerate/torchrun) is the Trainer's; this subclass only
+computes the MCL loss, logs how often each hypothesis wins, and saves the adapters in our format.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+from torch import nn
+from transformers import Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
+
+from loramcl.losses import temperature_at
+from loramcl.model import MCLModel
+
+
+class MCLTrainer(Trainer):
+    """Train an ``MCLModel`` exactly as a ``Trainer`` trains any model.
+
+    two_pass_wta: with ``loss='wta'`` only the winner of each example gets a gradient, so the trainer
+        scores all K hypotheses under ``torch.no_grad()``, then runs forward + backward on the winner rows
+        only: the same gradient for about (K+2)/2 MLE steps of compute instead of K, and K times less
+        activation memory. Set False to backpropagate through all K (the one-pass reference). With dropout,
+        the two passes draw different dropout masks, so the winner is picked on another draw of the noise.
+
+    Logged while training: ``loss``, ``win_rate_h{k}`` (share of examples won by hypothesis k since the last
+    log: a hypothesis near 0 has collapsed) and ``temperature`` for the annealed loss (0 once hard WTA).
+    Evaluation reports ``eval_loss`` as the vanilla WTA loss (mean over examples of min_k NLL, eq. 2)
+    whatever the training loss, plus ``eval_nll_h{k}`` and ``eval_win_rate_h{k}``.
+    """
+
+    def __init__(self, model: MCLModel | None = None, *args, two_pass_wta: bool = True, **kwargs) -> None:
+        if not isinstance(model, MCLModel):
+            raise TypeError(f"MCLTrainer trains an MCLModel (from get_mcl_model), got {type(model).__name__}")
+        self.two_pass_wta = two_pass_wta
+        super().__init__(model, *args, **kwargs)
+        k = model.num_hypotheses
+        self._train_wins = torch.zeros(k, dtype=torch.long, device=self.args.device)  # [K] since the last log
+        self._last_temperature: float | None = None  # tau used by the latest training step (annealed loss)
+        self._eval_nll: list[torch.Tensor] = []
+
+    # ---- loss -------------------------------------------------------------------------------------------
+
+    def _mcl_model(self) -> MCLModel:
+        return self.accelerator.unwrap_model(self.model)
+
+    def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None):
+        mcl = self._mcl_model()
+        mcl.training_step = self.state.global_step
+        if model.training and self.two_pass_wta and mcl.mcl_config.loss == "wta" and mcl.num_hypotheses > 1:
+            with torch.no_grad():
+                nll = model(**inputs).nll  # [B, K]
+            winners = nll.argmin(dim=1)  # [B], ties -> lowest k, as in the one-pass loss
+            outputs = model(**inputs, hypotheses=winners)  # forward + backward of the winner rows only
+            outputs.nll = nll
+        else:
+            outputs = model(**inputs)
+            nll = outputs.nll.detach()
+        if model.training:
+            self._last_temperature = temperature_at(mcl.training_step, mcl.mcl_config)
+            self._train_wins += torch.bincount(nll.argmin(dim=1), minlength=mcl.num_hypotheses).to(self._train_wins.device)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    # ---- evaluation -------------------------------------------------------------------------------------
+
+    def prediction_step(self, model: nn.Module, inputs: dict, prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            nll = model(**inputs).nll.detach()  # [B, K]
+        self._eval_nll.append(self.accelerator.gather_for_metrics(nll).float().cpu())
+        loss = nll.min(dim=1).values.mean()  # vanilla WTA, eq. 2
+        return loss, (None if prediction_loss_only else nll), None
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        self._eval_nll = []
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                         metric_key_prefix)
+        if self._eval_nll:
+            nll = torch.cat(self._eval_nll)  # [N, K]
+            wins = torch.bincount(nll.argmin(dim=1), minlength=nll.shape[1]).float() / nll.shape[0]
+            for k in range(nll.shape[1]):
+                output.metrics[f"{metric_key_prefix}_nll_h{k}"] = nll[:, k].mean().item()
+                output.metrics[f"{metric_key_prefix}_win_rate_h{k}"] = wins[k].item()
+        self._eval_nll = []
+        return output
+
+    # ---- logging ----------------------------------------------------------------------------------------
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training log: every rank gets here at the same step (Trainer gathers the loss too)
+            wins = self.accelerator.reduce(self._train_wins.clone(), reduction="sum")
+            total = int(wins.sum())
+            if total:
+                for k, count in enumerate(wins.tolist()):
+                    logs[f"win_rate_h{k}"] = count / total
+            self._train_wins.zero_()
+            if self._mcl_model().mcl_config.loss == "annealed":
+                logs["temperature"] = self._last_temperature or 0.0  # of the latest step; 0 once hard WTA
+        super().log(logs, start_time)
+
+    # ---- inputs, files ----------------------------------------------------------------------------------
+
+    def _set_signature_columns_if_needed(self) -> None:
+        if self._signature_columns is None:  # the base model's inputs, not MCLModel.forward's **inputs
+            base = self._mcl_model().base_model
+            self._signature_columns = list(inspect.signature(base.forward).parameters)
+            self._signature_columns += list({"label", "label_ids", *self.label_names})
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        self._mcl_model().save_pretrained(output_dir, state_dict=state_dict)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        mcl = self.accelerator.unwrap_model(model if model is not None else self.model)
+        mcl.load_adapters(resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        self._mcl_model().load_adapters(self.state.best_model_checkpoint)

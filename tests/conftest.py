@@ -1,0 +1,48 @@
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers.utils import logging  # noqa: E402
+
+logging.set_verbosity_error()
+torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def randomize_adapters(mcl, std: float = 0.1, seed: int = 0) -> None:
+    """B is zero at init (every hypothesis equals the base model); give each hypothesis its own non-zero B."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, layer in mcl.mcl_layers():
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g) * std)
+
+
+def peft_reference(model, mcl):
+    """A PEFT model on ``model`` with one LoRA adapter 'h{k}' per hypothesis of ``mcl``, weights copied."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = mcl.mcl_config
+    names = mcl.layer_names
+
+    def lora_config():
+        return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=names)
+
+    peft = get_peft_model(model, lora_config(), adapter_name="h0")
+    for k in range(1, cfg.num_hypotheses):
+        peft.add_adapter(f"h{k}", lora_config())
+    with torch.no_grad():
+        for name, layer in mcl.mcl_layers():
+            module = peft.base_model.model.get_submodule(name)
+            for k in range(cfg.num_hypotheses):
+                module.lora_A[f"h{k}"].weight.copy_(layer.lora_A[k].T)
+                module.lora_B[f"h{k}"].weight.copy_(layer.lora_B[k].T)
+    return peft

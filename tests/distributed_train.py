@@ -1,0 +1,40 @@
+"""Run by test_distributed.py under `torchrun --nproc_per_node 2`: train with MCLTrainer (DDP over gloo, CPU)
+and write each rank's adapters to OUT/rank{r}.safetensors."""
+
+import os
+import sys
+
+import safetensors.torch
+import torch
+from transformers import TrainingArguments
+from transformers.utils import logging
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny_models import build_model  # noqa: E402
+
+from loramcl import MCLConfig, MCLTrainer, get_mcl_model  # noqa: E402
+
+
+def main(out: str) -> None:
+    logging.set_verbosity_error()
+    torch.manual_seed(0)  # the same initial adapters on both ranks, as Trainer users get from a seeded script
+    mcl = get_mcl_model(build_model("llama"), MCLConfig(num_hypotheses=2, r=4, alpha=8, dropout=0.1,
+                                                        target_modules=["q_proj", "v_proj"], loss="wta"))
+    initial = mcl.adapter_state_dict()
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": ids, "attention_mask": torch.ones(8, dtype=torch.long), "labels": ids}
+            for ids in torch.randint(3, 80, (32, 8), generator=g)]
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=3, learning_rate=1e-2,
+                             report_to=[], use_cpu=True, ddp_backend="gloo", save_strategy="no", disable_tqdm=True,
+                             logging_steps=1, seed=0)
+    trainer = MCLTrainer(mcl, args=args, train_dataset=data)  # two-pass WTA: the trickiest path under DDP
+    trainer.train()
+    rank = trainer.args.process_index
+    assert trainer.args.world_size == 2, trainer.args.world_size
+    final = mcl.adapter_state_dict()
+    assert any(not torch.equal(initial[k], final[k]) for k in final), "the adapters did not train"
+    safetensors.torch.save_file(final, os.path.join(out, f"rank{rank}.safetensors"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

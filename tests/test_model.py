@@ -1,0 +1,185 @@
+"""get_mcl_model on every architecture family: equivalence with PEFT, routing, inputs passing through."""
+
+import copy
+
+import pytest
+import torch
+from conftest import peft_reference, randomize_adapters
+from tiny_models import CASES, build_batch, build_model
+
+from loramcl import MCLConfig, get_mcl_model
+from loramcl.scoring import sequence_nll
+
+ARCHITECTURES = list(CASES)
+
+
+def _wrapped(name, num_hypotheses=3, targets=None, **config):
+    base = build_model(name).eval()
+    reference = copy.deepcopy(base)
+    case = CASES[name]
+    mcl = get_mcl_model(base, MCLConfig(num_hypotheses=num_hypotheses, r=4, alpha=8,
+                                        target_modules=targets or case.targets, **config)).eval()
+    randomize_adapters(mcl)
+    inputs, labels = build_batch(name, reference)
+    return mcl, reference, inputs, labels
+
+
+def _decoder_inputs(mcl, inputs, labels):
+    if mcl.config.is_encoder_decoder:
+        return {**inputs, "decoder_input_ids": mcl.base_model.prepare_decoder_input_ids_from_labels(labels=labels)}
+    return inputs
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_stacked_forward_equals_k_separate_peft_adapters(name):
+    mcl, reference, inputs, labels = _wrapped(name)
+    assert mcl.expansion_module_name == CASES[name].expansion_module
+    out = mcl(**inputs, labels=labels)
+    all_logits = mcl(**_decoder_inputs(mcl, inputs, labels)).logits  # [B, K, T, V]
+    peft = peft_reference(reference, mcl).eval()
+    causal = CASES[name].causal
+    for k in range(mcl.num_hypotheses):
+        peft.set_adapter(f"h{k}")
+        with torch.no_grad():
+            logits = peft(**_decoder_inputs(mcl, inputs, labels)).logits
+        torch.testing.assert_close(out.nll[:, k], sequence_nll(logits, labels, causal), rtol=0, atol=1e-5)
+        torch.testing.assert_close(all_logits[:, k], logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "t5", "llava_next"])
+def test_one_hypothesis_equals_peft_lora(name):
+    mcl, reference, inputs, labels = _wrapped(name, num_hypotheses=1)
+    peft = peft_reference(reference, mcl).eval()
+    with torch.no_grad():
+        expected = sequence_nll(peft(**_decoder_inputs(mcl, inputs, labels)).logits, labels, CASES[name].causal)
+        out = mcl(**inputs, labels=labels)
+    torch.testing.assert_close(out.nll[:, 0], expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.loss, expected.mean(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "t5", "qwen2_audio"])
+def test_one_hypothesis_per_row_equals_the_stacked_columns(name):
+    mcl, _, inputs, labels = _wrapped(name)
+    with torch.no_grad():
+        nll = mcl(**inputs, labels=labels).nll  # [B, K]
+        for k in range(mcl.num_hypotheses):
+            torch.testing.assert_close(mcl(**inputs, labels=labels, hypotheses=k).nll, nll[:, k], atol=1e-5, rtol=0)
+        index = torch.tensor([2, 0])
+        chosen = mcl(**inputs, labels=labels, hypotheses=index).nll
+    torch.testing.assert_close(chosen, nll[torch.arange(2), index], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["qwen2_audio", "llava_next"])
+def test_encoders_without_adapters_run_once(name):
+    """Decision 6: rows are duplicated where hypotheses start to differ, so a frozen encoder sees B rows."""
+    mcl, _, inputs, labels = _wrapped(name, targets=CASES[name].language_model_targets)
+    assert mcl.expansion_module_name == "model.language_model"
+    tower = mcl.base_model.model.audio_tower if name == "qwen2_audio" else mcl.base_model.model.vision_tower
+    seen = []
+    tower.register_forward_pre_hook(lambda module, args, kwargs: seen.append(
+        next(v for v in [*args, *kwargs.values()] if torch.is_tensor(v)).shape[0]), with_kwargs=True)
+    with torch.no_grad(), mcl.use_hypotheses(0):
+        mcl.base_model(**inputs)  # one hypothesis, no duplication: the rows the encoder sees for this batch
+        out = mcl(**inputs, labels=labels)
+    assert len(seen) == 2 and seen[1] == seen[0]  # not K times as many
+    assert out.nll.shape == (2, 3)
+
+
+def test_only_adapters_are_trainable_and_counts_match():
+    mcl, _, _, _ = _wrapped("llama")
+    trainable = {n for n, p in mcl.named_parameters() if p.requires_grad}
+    assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
+    # 2 layers x (q, k, v: 32 -> 32/16/16, up: 32 -> 48, down: 48 -> 32), each K * r * (d_in + d_out)
+    per_layer = sum(3 * 4 * (d_in + d_out) for d_in, d_out in [(32, 32), (32, 16), (32, 16), (32, 48), (48, 32)])
+    assert mcl.parameter_counts()[0] == 2 * per_layer
+
+
+def test_no_matching_target_lists_the_candidate_layer_names():
+    with pytest.raises(ValueError, match=r"matched no layer.*down_proj.*q_proj"):
+        get_mcl_model(build_model("llama"), MCLConfig(target_modules=["query"]))
+
+
+def test_bad_targets_are_refused():
+    with pytest.raises(ValueError, match="output layer"):
+        get_mcl_model(build_model("llama"), MCLConfig(target_modules=["lm_head"]))
+    with pytest.raises(ValueError, match="Embedding.*nn.Linear"):
+        get_mcl_model(build_model("llama"), MCLConfig(target_modules=["embed_tokens"]))
+    with pytest.raises(ValueError, match="no default target modules"):
+        get_mcl_model(build_model("llava_next"), MCLConfig())
+    mcl = get_mcl_model(build_model("llama"), MCLConfig())  # PEFT's default for llama: q_proj, v_proj
+    assert {n.rsplit(".", 1)[-1] for n in mcl.layer_names} == {"q_proj", "v_proj"}
+    with pytest.raises(ValueError, match="already has MCL adapters"):
+        get_mcl_model(mcl, MCLConfig())
+
+
+def test_all_linear_skips_the_output_layer():
+    mcl = get_mcl_model(build_model("gpt2"), MCLConfig(target_modules="all-linear"))
+    assert "lm_head" not in mcl.layer_names and len(mcl.layer_names) == 2 * 4
+
+
+def test_example_without_label_token_is_an_error():
+    mcl, _, inputs, labels = _wrapped("llama")
+    labels[1, :] = -100
+    labels[1, 0] = 5  # a causal LM never predicts the first token: still no target
+    with pytest.raises(ValueError, match=r"examples \[1\] of the batch have no label token"):
+        mcl(**inputs, labels=labels)
+
+
+def test_bad_hypothesis_choices_are_errors():
+    mcl, _, inputs, labels = _wrapped("llama")
+    with pytest.raises(ValueError, match="hypothesis 3 does not exist"):
+        mcl(**inputs, labels=labels, hypotheses=3)
+    with pytest.raises(ValueError, match="one hypothesis per example"):
+        mcl(**inputs, labels=labels, hypotheses=torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"in \[0, 2\]"):
+        mcl(**inputs, labels=labels, hypotheses=torch.tensor([0, 5]))
+    with pytest.raises(RuntimeError, match="use_hypotheses"):
+        mcl.generate(input_ids=inputs["input_ids"])
+
+
+def test_use_hypotheses_routes_generate_and_restores():
+    mcl, reference, inputs, _ = _wrapped("llama")
+    peft = peft_reference(reference, mcl).eval()
+    prompt = inputs["input_ids"][:1, :4]
+    for k in range(mcl.num_hypotheses):
+        with mcl.use_hypotheses(k):
+            ours = mcl.generate(input_ids=prompt, max_new_tokens=5, do_sample=False)
+        peft.set_adapter(f"h{k}")
+        assert torch.equal(ours, peft.generate(input_ids=prompt, max_new_tokens=5, do_sample=False))
+    assert mcl.routing.mode == "stacked"
+
+
+def test_packed_logits_equal_the_full_logits_path():
+    """Decision 5: the LM head sees label positions only; the NLL must not change."""
+    mcl, _, inputs, labels = _wrapped("qwen2")
+    with torch.no_grad():
+        packed = mcl(**inputs, labels=labels).nll  # [B, K]
+        full = mcl(**inputs).logits  # [B, K, T, V]
+    for k in range(mcl.num_hypotheses):
+        torch.testing.assert_close(packed[:, k], sequence_nll(full[:, k], labels, causal=True), atol=1e-6, rtol=0)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        mcl, _, inputs, labels = _wrapped("llama")
+        mcl.train()
+        if checkpointing:
+            mcl.gradient_checkpointing_enable({"use_reentrant": True})
+        mcl(**inputs, labels=labels, hypotheses=torch.tensor([1, 2])).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in mcl.parameters() if p.requires_grad]))
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=0)
+
+
+def test_low_precision_base_keeps_float32_adapters():
+    base = build_model("llama").to(torch.bfloat16)
+    mcl = get_mcl_model(base, MCLConfig(num_hypotheses=2, target_modules=["q_proj"], loss="annealed"))
+    inputs, labels = build_batch("llama", base)
+    out = mcl(**inputs, labels=labels)
+    layer = next(layer for _, layer in mcl.mcl_layers())
+    assert layer.lora_A.dtype == torch.float32 and layer.weight.dtype == torch.bfloat16
+    assert out.nll.dtype == torch.float32 and torch.isfinite(out.loss)
+    out.loss.backward()
+    assert layer.lora_A.grad is not None

@@ -1,0 +1,134 @@
+"""MCLTrainer: what changes after a step, the two-pass WTA gradient, accumulation, resume, logs."""
+
+import pytest
+import torch
+from conftest import randomize_adapters
+from tiny_models import build_model
+from transformers import TrainingArguments
+
+from loramcl import MCLConfig, MCLTrainer, get_mcl_model, load_mcl_model
+
+
+def _dataset(n=16, length=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(3, 80, (length,), generator=g)
+        labels = ids.clone()
+        labels[:2] = -100
+        rows.append({"input_ids": ids, "attention_mask": torch.ones(length, dtype=torch.long), "labels": labels})
+    return rows
+
+
+def _model(loss="wta", num_hypotheses=3, dropout=0.0, **config):
+    torch.manual_seed(0)
+    mcl = get_mcl_model(build_model("llama"), MCLConfig(num_hypotheses=num_hypotheses, r=4, alpha=8, dropout=dropout,
+                                                        target_modules=["q_proj", "v_proj", "down_proj"],
+                                                        loss=loss, **config))
+    randomize_adapters(mcl, std=0.05)
+    return mcl
+
+
+def _args(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, learning_rate=1e-2,
+                  weight_decay=0.0, report_to=[], use_cpu=True, save_strategy="no", logging_steps=1,
+                  disable_tqdm=True, seed=0, data_seed=0)
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def _snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _batch(rows):
+    return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+
+
+def test_one_step_changes_only_adapter_tensors(tmp_path):
+    mcl = _model(loss="relaxed", epsilon=0.1)
+    before = _snapshot(mcl)
+    MCLTrainer(mcl, args=_args(tmp_path), train_dataset=_dataset(4)).train()
+    changed = {n for n, p in mcl.named_parameters() if not torch.equal(p, before[n])}
+    adapters = {n for n in before if n.endswith(("lora_A", "lora_B"))}
+    assert changed == adapters
+
+
+@pytest.mark.parametrize("two_pass", [True, False])
+def test_vanilla_wta_updates_only_the_winners(tmp_path, two_pass):
+    mcl = _model(loss="wta", num_hypotheses=4)
+    data = _dataset(2)  # 2 examples, 4 hypotheses: at least 2 hypotheses win nothing
+    with torch.no_grad():
+        winners = set(mcl(**_batch(data)).nll.argmin(dim=1).tolist())
+    before = _snapshot(mcl)
+    MCLTrainer(mcl, args=_args(tmp_path, per_device_train_batch_size=2), train_dataset=data,
+               two_pass_wta=two_pass).train()
+    for name, layer in mcl.mcl_layers():
+        for part in ("lora_A", "lora_B"):
+            old, new = before[f"base_model.{name}.{part}"], getattr(layer, part)
+            for k in range(4):
+                assert torch.equal(old[k], new[k]) == (k not in winners), (name, part, k)
+
+
+def test_two_pass_gradient_equals_the_one_pass_gradient(tmp_path):
+    batch = _batch(_dataset(6))
+    grads = {}
+    for two_pass in (True, False):
+        mcl = _model(loss="wta").train()
+        trainer = MCLTrainer(mcl, args=_args(tmp_path), two_pass_wta=two_pass)
+        trainer.compute_loss(mcl, dict(batch)).backward()
+        grads[two_pass] = torch.cat([p.grad.flatten() for p in mcl.parameters() if p.requires_grad])
+    assert grads[True].abs().sum() > 0
+    torch.testing.assert_close(grads[True], grads[False], atol=1e-5, rtol=0)
+
+
+def test_gradient_accumulation_averages_over_the_whole_batch(tmp_path):
+    results = []
+    for batch_size, accumulation in ((4, 1), (2, 2)):
+        mcl = _model(loss="relaxed", epsilon=0.2)
+        args = _args(tmp_path, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation,
+                     optim="sgd", learning_rate=1.0)
+        MCLTrainer(mcl, args=args, train_dataset=_dataset(4)).train()
+        results.append(torch.cat([p.detach().flatten() for p in mcl.parameters() if p.requires_grad]))
+    torch.testing.assert_close(results[0], results[1], atol=1e-6, rtol=0)
+
+
+def test_logs_win_rates_temperature_and_wta_eval(tmp_path):
+    mcl = _model(loss="annealed", temperature0=1.0, temperature_decay=0.5)
+    data = _dataset(8)
+    trainer = MCLTrainer(mcl, args=_args(tmp_path, max_steps=2), train_dataset=data, eval_dataset=data)
+    trainer.train()
+    train_logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert [log["temperature"] for log in train_logs] == [1.0, 0.5]  # tau at steps 0 and 1
+    for log in train_logs:
+        assert sum(log[f"win_rate_h{k}"] for k in range(3)) == pytest.approx(1.0)
+    metrics = trainer.evaluate()
+    with torch.no_grad():
+        nll = mcl.eval()(**_batch(data)).nll
+    assert metrics["eval_loss"] == pytest.approx(nll.min(dim=1).values.mean().item(), abs=1e-6)
+    for k in range(3):
+        assert metrics[f"eval_nll_h{k}"] == pytest.approx(nll[:, k].mean().item(), abs=1e-6)
+        assert metrics[f"eval_win_rate_h{k}"] == pytest.approx((nll.argmin(dim=1) == k).float().mean().item())
+
+
+def test_resuming_from_a_checkpoint_continues_the_same_run(tmp_path):
+    data = _dataset(16)
+    straight = _model(loss="relaxed", epsilon=0.05)
+    MCLTrainer(straight, args=_args(tmp_path / "a", max_steps=4), train_dataset=data).train()
+    first = _model(loss="relaxed", epsilon=0.05)
+    MCLTrainer(first, args=_args(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2),
+               train_dataset=data).train()
+    checkpoint = tmp_path / "b" / "checkpoint-2"
+    resumed = _model(loss="relaxed", epsilon=0.05)
+    MCLTrainer(resumed, args=_args(tmp_path / "c", max_steps=4), train_dataset=data).train(
+        resume_from_checkpoint=str(checkpoint))
+    for (_, a), (_, b) in zip(straight.mcl_layers(), resumed.mcl_layers(), strict=True):
+        torch.testing.assert_close(a.lora_B, b.lora_B, atol=1e-6, rtol=0)
+    # a trainer checkpoint is an MCL folder too
+    loaded = load_mcl_model(build_model("llama"), checkpoint)
+    assert loaded.num_hypotheses == 3
+
+
+def test_trainer_refuses_a_plain_model(tmp_path):
+    with pytest.raises(TypeError, match="MCLTrainer trains an MCLModel"):
+        MCLTrainer(build_model("llama"), args=_args(tmp_path))
