@@ -132,3 +132,15 @@ def test_resuming_from_a_checkpoint_continues_the_same_run(tmp_path):
 def test_trainer_refuses_a_plain_model(tmp_path):
     with pytest.raises(TypeError, match="MCLTrainer trains an MCLModel"):
         MCLTrainer(build_model("llama"), args=_args(tmp_path))
+
+
+def test_a_datasets_dataset_keeps_the_base_models_inputs_and_drops_other_columns(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = _dataset(8)
+    table = datasets.Dataset.from_dict({
+        **{key: [r[key].tolist() for r in rows] for key in ("input_ids", "attention_mask", "labels")},
+        "text": ["a caption"] * 8})
+    trainer = MCLTrainer(_model(), args=_args(tmp_path), train_dataset=table)
+    trainer.train()  # a string column reaching the collator, or input_ids dropped, would fail here
+    assert {"input_ids", "attention_mask", "labels"} <= set(trainer._signature_columns)
+    assert "text" not in trainer._signature_columns

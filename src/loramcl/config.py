@@ -80,7 +80,8 @@ class MCLConfig:
                    f"epsilon must be in [0, (K-1)/K] = [0, {upper:.4g}] for K={k}, got {self.epsilon!r}.{hint}")
         _check(self.temperature0 > 0, f"temperature0 must be > 0, got {self.temperature0!r}")
         _check(0 < self.temperature_decay <= 1,
-               f"temperature_decay must be in (0, 1] (1 keeps the temperature constant), got {self.temperature_decay!r}")
+               "temperature_decay must be in (0, 1] (1 keeps the temperature constant), "
+               f"got {self.temperature_decay!r}")
         _check(self.temperature_min >= 0, f"temperature_min must be >= 0, got {self.temperature_min!r}")
         _check(self.target_modules is None or isinstance(self.target_modules, str)
                or (isinstance(self.target_modules, list) and self.target_modules

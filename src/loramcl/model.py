@@ -425,7 +425,7 @@ def _expansion_module_name(model: nn.Module, layer_names: list[str]) -> str:
     the K copies are made at its entry, where per-example inputs are batch-first. The whole model if none."""
     parts = [name.split(".") for name in layer_names]
     common = []
-    for level in zip(*parts):
+    for level in zip(*parts, strict=False):
         if len(set(level)) > 1:
             break
         common.append(level[0])
@@ -509,16 +509,18 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
     with open(config_file) as f:
         meta = json.load(f)
     if meta.get("loramcl_format") != FORMAT_VERSION:
-        raise ValueError(f"{config_file} has format {meta.get('loramcl_format')!r}; this loramcl reads {FORMAT_VERSION}")
+        raise ValueError(f"{config_file} has format {meta.get('loramcl_format')!r}; "
+                         f"this loramcl reads format {FORMAT_VERSION}")
     config = MCLConfig.from_dict(meta["mcl_config"])
     if meta.get("base_model_class") not in (None, type(model).__name__):
-        warnings.warn(f"adapters were trained on a {meta['base_model_class']}, loading onto a {type(model).__name__}")
+        warnings.warn(f"adapters were trained on a {meta['base_model_class']}, loading onto a "
+                      f"{type(model).__name__}", stacklevel=2)
     mcl = get_mcl_model(model, config)
     if mcl.layer_names != meta["adapted_modules"]:
         raise ValueError(f"the saved adapters are on {len(meta['adapted_modules'])} layers but the config matches "
                          f"{len(mcl.layer_names)} layers of this model: is it the same base architecture?")
     mcl.load_adapters(path)
-    for name, layer in mcl.mcl_layers():
+    for _, layer in mcl.mcl_layers():
         layer.lora_A.requires_grad_(is_trainable)
         layer.lora_B.requires_grad_(is_trainable)
     return mcl

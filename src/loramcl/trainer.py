@@ -63,7 +63,8 @@ class MCLTrainer(Trainer):
             nll = outputs.nll.detach()
         if model.training:
             self._last_temperature = temperature_at(mcl.training_step, mcl.mcl_config)
-            self._train_wins += torch.bincount(nll.argmin(dim=1), minlength=mcl.num_hypotheses).to(self._train_wins.device)
+            wins = torch.bincount(nll.argmin(dim=1), minlength=mcl.num_hypotheses)  # [K]
+            self._train_wins += wins.to(self._train_wins.device)
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
     # ---- evaluation -------------------------------------------------------------------------------------
