@@ -1,0 +1,31 @@
+"""Quality and diversity metrics for K candidates per input (paper App. E and H.6).
+
+    quality        sentence metrics from pycocoevalcap / sentence-transformers: bleu, meteor, rouge_l, cider_d,
+                   spice, spider, sbert_sim  (list[str] candidates, list[list[str]] references -> {name: [N]})
+    oracle         candidate_scores (-> {name: [N, K]}) and oracle (best of K per item, mean over items)
+    diversity      div_n, mbleu  (among the K candidates)
+    translation    loo_bleu, pairwise_bleu (Shen et al. 2019, sacrebleu), sacrebleu_sentence
+    nll            oracle_nll (references' NLL under K hypotheses)
+    specialisation win_rates, win_rate_table
+    suite          evaluate_candidates: all of them in one call (the Python side of `loramcl evaluate`)
+    plot           tradeoff_plot (paper Fig. 3 style)
+
+The modules import their heavy libraries inside the functions.
+"""
+
+from loramcl.metrics.diversity import div_n, mbleu
+from loramcl.metrics.nll import oracle_nll
+from loramcl.metrics.oracle import candidate_scores, oracle, uses_corpus_statistics, winners
+from loramcl.metrics.quality import bleu, cider_d, meteor, rouge_l, sbert_sim, spice, spider
+from loramcl.metrics.specialisation import win_rate_table, win_rates
+from loramcl.metrics.suite import METRICS, PRESETS, evaluate_candidates, markdown_report, resolve_metrics
+from loramcl.metrics.text import ptb_tokenize
+from loramcl.metrics.translation import loo_bleu, pairwise_bleu, sacrebleu_sentence
+
+__all__ = [
+    "bleu", "meteor", "rouge_l", "cider_d", "spice", "spider", "sbert_sim",
+    "candidate_scores", "oracle", "winners", "uses_corpus_statistics",
+    "div_n", "mbleu", "loo_bleu", "pairwise_bleu", "sacrebleu_sentence", "oracle_nll",
+    "win_rates", "win_rate_table", "evaluate_candidates", "markdown_report", "resolve_metrics", "METRICS", "PRESETS",
+    "ptb_tokenize",
+]

@@ -1,0 +1,125 @@
+"""Files of `loramcl evaluate`: predictions / references JSONL in, a JSON + a markdown report out.
+
+    preds.jsonl  {"id": ..., "candidates": [K strings]}        one line per item
+    refs.jsonl   {"id": ..., "references": [R strings], ...}   other fields (e.g. "lang") may name groups
+    nll.jsonl    {"id": ..., "nll": [[K floats] per reference]}  optional, for the oracle NLL
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+
+def read_jsonl(path: str | Path, field: str) -> dict[object, dict]:
+    """{id: record} from a JSONL file whose records all have "id" and `field`; clear errors on bad lines."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    records, ids = {}, []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number} is not valid JSON ({error.msg})") from None
+            if not isinstance(record, dict) or "id" not in record or field not in record:
+                raise ValueError(f'{path}:{number} must be an object with "id" and "{field}", got {line.strip()[:120]}')
+            if not isinstance(record["id"], (str, int)) or isinstance(record["id"], bool):
+                raise ValueError(f"{path}:{number}: id must be a string or an integer, got {record['id']!r}")
+            ids.append(record["id"])
+            records[record["id"]] = record
+    duplicated = [i for i, n in Counter(ids).items() if n > 1]
+    if duplicated:
+        raise ValueError(f"{path} has duplicate ids (each item once): {_names(duplicated)}")
+    if not records:
+        raise ValueError(f"{path} has no record")
+    return records
+
+
+def _names(ids: list) -> str:
+    shown = ", ".join(repr(i) for i in ids[:10])
+    return shown + (f" ... ({len(ids)} in all)" if len(ids) > 10 else "")
+
+
+def align(predictions: dict[object, dict], references: dict[object, dict], what=("predictions", "references")) -> list:
+    """Ids in the predictions' order; an error naming the ids found in only one of the two files."""
+    only_pred = [i for i in predictions if i not in references]
+    only_ref = [i for i in references if i not in predictions]
+    if only_pred or only_ref:
+        message = []
+        if only_pred:
+            message.append(f"ids in {what[0]} but not in {what[1]}: {_names(only_pred)}")
+        if only_ref:
+            message.append(f"ids in {what[1]} but not in {what[0]}: {_names(only_ref)}")
+        hint = ""
+        if {str(i) for i in only_pred} & {str(i) for i in only_ref}:
+            hint = ' (some differ only in type, e.g. 1 vs "1": use the same JSON type in both files)'
+        raise ValueError("; ".join(message) + hint)
+    return list(predictions)
+
+
+def load_run(predictions_path: str | Path, references_path: str | Path, group_key: str | None = None):
+    """(ids, candidates [N][K], references [N][R], groups [N] or None) from the two JSONL files."""
+    predictions = read_jsonl(predictions_path, "candidates")
+    references = read_jsonl(references_path, "references")
+    ids = align(predictions, references)
+    candidates = [predictions[i]["candidates"] for i in ids]
+    refs = [references[i]["references"] for i in ids]
+    for name, rows in (("candidates", candidates), ("references", refs)):
+        bad = [i for i, row in zip(ids, rows, strict=True)
+               if not isinstance(row, list) or not all(isinstance(t, str) for t in row)]
+        if bad:
+            raise ValueError(f'"{name}" must be a list of strings; not so for ids {_names(bad)}')
+    groups = None
+    if group_key:
+        def label(i):
+            for record in (references[i], predictions[i]):
+                if group_key in record:
+                    return str(record[group_key])
+            raise ValueError(f'id {i!r} has no "{group_key}" field in the references or predictions file (group_key)')
+
+        groups = [label(i) for i in ids]
+    return ids, candidates, refs, groups
+
+
+def load_nll(path: str | Path, ids: list) -> list[np.ndarray]:
+    """Per-item [R_i, K] NLL arrays in the order of `ids`."""
+    records = read_jsonl(path, "nll")
+    align(records, {i: None for i in ids}, what=("the NLL file", "the predictions"))
+    return [np.asarray(records[i]["nll"], dtype=float) for i in ids]
+
+
+def to_jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def write_json(data: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_jsonable(data), indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def read_report(path: str | Path) -> dict:
+    """An `evaluate` JSON report; a clear error if the file is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (expected a JSON written by `loramcl evaluate`)")
+    report = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(report, dict) or "metrics" not in report:
+        raise ValueError(f'{path} is not an evaluation report: no "metrics" field')
+    return report

@@ -1,0 +1,242 @@
+"""All metrics of a K-candidate system in one call: `evaluate_candidates` (the Python side of `loramcl evaluate`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from loramcl.metrics import diversity, quality, translation
+from loramcl.metrics.nll import oracle_nll
+from loramcl.metrics.oracle import candidate_scores, oracle
+from loramcl.metrics.specialisation import win_rates
+from loramcl.metrics.text import check_candidate_sets, check_pairs, ptb_tokenize, require_java
+
+
+@dataclass(frozen=True)
+class Metric:
+    kind: str  # "oracle" (best of K vs references), "diversity" (among the K), "translation", "likelihood"
+    higher_is_better: bool
+    what: str  # one line for the report
+
+
+METRICS: dict[str, Metric] = {
+    **{f"bleu{n}": Metric("oracle", True, f"oracle BLEU-{n} (pycocoevalcap, PTB tokens)") for n in range(1, 5)},
+    "meteor": Metric("oracle", True, "oracle METEOR 1.5 (pycocoevalcap jar)"),
+    "rouge_l": Metric("oracle", True, "oracle ROUGE-L (pycocoevalcap)"),
+    "cider_d": Metric("oracle", True, "oracle CIDEr-D (pycocoevalcap; idf over all references)"),
+    "spice": Metric("oracle", True, "oracle SPICE (SPICE 1.0 jar)"),
+    "spider": Metric("oracle", True, "oracle SPIDEr = (CIDEr-D + SPICE) / 2 per candidate"),
+    "sbert_sim": Metric("oracle", True, "oracle sBERT similarity (mean cosine to the references)"),
+    **{f"div{n}": Metric("diversity", True, f"Div-{n}: distinct / total {n}-grams among the K") for n in range(1, 5)},
+    **{f"mbleu{n}": Metric("diversity", False, f"mBLEU-{n}: BLEU-{n} of each candidate vs the K-1 others")
+       for n in range(1, 5)},
+    "loo_bleu": Metric("translation", True, "Leave-One-Out BLEU (sacrebleu, 0-100)"),
+    "pairwise_bleu": Metric("translation", False, "Pairwise-BLEU among the K (sacrebleu, 0-100)"),
+    "oracle_nll": Metric("likelihood", False, "oracle NLL of the references (nats/token)"),
+    "oracle_ppl": Metric("likelihood", False, "oracle perplexity = exp(oracle NLL)"),
+}
+
+PRESETS: dict[str, tuple[str, ...]] = {
+    # paper App. E tables: Div-2, mBLEU-4, BLEU-1/4, METEOR, ROUGE-L, sBERT, CIDEr-D, SPICE, SPIDEr
+    "captioning": ("bleu1", "bleu2", "bleu3", "bleu4", "meteor", "rouge_l", "cider_d", "spice", "spider",
+                   "sbert_sim", "div1", "div2", "mbleu4"),
+    "translation": ("loo_bleu", "pairwise_bleu"),  # paper App. H.6
+}
+
+NEEDS_PTB = {name for name, m in METRICS.items() if m.kind in ("oracle", "diversity")}
+
+
+def resolve_metrics(metrics: str | Sequence[str], exclude: str | Sequence[str] = ()) -> list[str]:
+    """Preset and metric names (a list or a comma-separated string) -> the ordered list of metric names."""
+    def split(value):
+        return [v.strip() for v in (value.split(",") if isinstance(value, str) else value) if v.strip()]
+
+    names: list[str] = []
+    for name in split(metrics):
+        names += PRESETS.get(name, (name,))
+    excluded = split(exclude)
+    known = set(METRICS) - {"oracle_nll", "oracle_ppl"}
+    unknown = [n for n in [*names, *excluded] if n not in known]
+    if unknown:
+        raise ValueError(
+            f"unknown metric(s) {unknown}; presets: {sorted(PRESETS)}; metrics: {sorted(known)} "
+            "(the oracle NLL comes from an NLL file, not from this list)"
+        )
+    names = [n for n in dict.fromkeys(names) if n not in excluded]
+    if not names:
+        raise ValueError("no metric left to compute")
+    return names
+
+
+def evaluate_candidates(
+    candidates: Sequence[Sequence[str]],
+    references: Sequence[Sequence[str]],
+    metrics: str | Sequence[str] = "captioning",
+    exclude: str | Sequence[str] = (),
+    groups: Sequence[str] | None = None,
+    winner_metric: str | None = None,
+    nll=None,
+    spice_dir: str | None = None,
+    sbert_model: str | None = None,
+    sbert_batch_size: int = 64,
+    bleu_tokenize: str = "13a",
+    tokenize: bool = True,
+) -> dict:
+    """Every requested metric for N items x K candidates with R_i references each.
+
+    Args:
+        candidates: N lists of K raw candidate strings (candidate k = hypothesis k).
+        references: N lists of R_i raw reference strings.
+        metrics: metric or preset names ("captioning", "translation"), list or comma-separated.
+        exclude: names to leave out (e.g. "spice,spider" without the SPICE jars).
+        groups: one label per item (e.g. its language) for the per-group win-rate table.
+        winner_metric: the candidate-level metric that decides which hypothesis wins an item; default cider_d if
+            computed, else the first oracle metric, else sacrebleu sentence BLEU.
+        nll: optional per-reference NLL [num_refs, K] or per-item [R_i, K] arrays -> oracle_nll / oracle_ppl.
+        spice_dir: folder with the Stanford CoreNLP 3.6.0 jars for SPICE (default $LORAMCL_SPICE_DIR).
+        sbert_model: local sentence-transformers folder (default: the packaged all-MiniLM-L6-v2).
+        sbert_batch_size: encoder batch size.
+        bleu_tokenize: sacrebleu tokenizer of the translation metrics (the paper: 13a).
+        tokenize: PTB-tokenize the text for the COCO metrics and diversity (the paper's protocol). False when the
+            text is tokenized already.
+
+    Returns:
+        {"metrics": {name: value}, "candidate_scores": {name: array [N, K]}, "specialisation": {...},
+        "num_items", "num_candidates", "references_per_item", "timing_s": {step: seconds}, "settings": {...}}.
+    """
+    start = time.perf_counter()
+    names = resolve_metrics(metrics, exclude)
+    num_candidates = check_candidate_sets(candidates)
+    check_pairs([c[0] for c in candidates], references)
+    # Fail before the long computations if a tool is missing.
+    if "spice" in names or "spider" in names:
+        quality.spice_command(spice_dir)
+    if "sbert_sim" in names and sbert_model is None:
+        sbert_model = quality.default_sentence_encoder()
+    if "meteor" in names or (tokenize and NEEDS_PTB & set(names)):
+        require_java("METEOR" if "meteor" in names else "The PTB tokenizer")
+    for name in names:
+        if METRICS[name].kind == "diversity" and name.startswith("mbleu") and num_candidates < 2:
+            raise ValueError(f"{name} needs K >= 2 candidates per item")
+    if ("cider_d" in names or "spider" in names) and len(candidates) < 2:
+        raise ValueError("CIDEr-D (and SPIDEr) need at least 2 items (idf over the reference corpus)")
+    if groups is not None and len(groups) != len(candidates):
+        raise ValueError(f"{len(groups)} group labels for {len(candidates)} items: give one label per item")
+    scored = [n for n in names if METRICS[n].kind == "oracle"]  # the candidate-level metrics
+    scored += [n for n in ("cider_d", "spice") if "spider" in names and n not in scored]
+    if winner_metric is None:
+        winner_metric = "cider_d" if "cider_d" in scored else (scored[0] if scored else "sacrebleu")
+    if winner_metric not in [*scored, "sacrebleu"]:
+        raise ValueError(f"winner_metric {winner_metric!r} is not a candidate-level metric of this run: "
+                         f"choose one of {[*scored, 'sacrebleu']}")
+    likelihood = oracle_nll(nll) if nll is not None else None
+
+    timing: dict[str, float] = {}
+
+    def timed(step, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        timing[step] = round(time.perf_counter() - t0, 3)
+        return out
+
+    cands_tok, refs_tok = candidates, references
+    if tokenize and NEEDS_PTB & set(names):
+        flat = [c for cands in candidates for c in cands] + [r for refs in references for r in refs]
+        tokenized = iter(timed("ptb_tokenize", ptb_tokenize, flat))
+        cands_tok = [[next(tokenized) for _ in cands] for cands in candidates]
+        refs_tok = [[next(tokenized) for _ in refs] for refs in references]
+
+    matrices: dict[str, np.ndarray] = {}
+    meteor_job = executor = None
+    if "meteor" in names:
+        # METEOR's JVM (a second core) works while we compute the rest; `meteor` streams its pipe, so the thread
+        # needs the GIL rarely and is not stalled by our pure-Python metrics.
+        executor = ThreadPoolExecutor(1)
+        meteor_job = (time.perf_counter(), executor.submit(candidate_scores, quality.meteor, cands_tok, refs_tok))
+    try:
+        bleu_orders = [int(n[4:]) for n in names if n.startswith("bleu")]
+        if bleu_orders:
+            scores = timed("bleu", candidate_scores, quality.bleu, cands_tok, refs_tok, n=max(bleu_orders))
+            matrices |= {f"bleu{n}": scores[f"bleu{n}"] for n in bleu_orders}
+        if "rouge_l" in names:
+            matrices |= timed("rouge_l", candidate_scores, quality.rouge_l, cands_tok, refs_tok)
+        if "cider_d" in names or "spider" in names:
+            matrices |= timed("cider_d", candidate_scores, quality.cider_d, cands_tok, refs_tok)
+        if "spice" in names or "spider" in names:
+            matrices |= timed("spice", candidate_scores, quality.spice, cands_tok, refs_tok, spice_dir=spice_dir)
+        if "spider" in names:
+            matrices["spider"] = (matrices["cider_d"] + matrices["spice"]) / 2
+        if "sbert_sim" in names:
+            matrices |= timed("sbert_sim", candidate_scores, quality.sbert_sim, cands_tok, refs_tok,
+                              model=sbert_model, batch_size=sbert_batch_size)
+        if meteor_job is not None:
+            matrices |= meteor_job[1].result()
+            timing["meteor (overlapped)"] = round(time.perf_counter() - meteor_job[0], 3)
+    finally:
+        if executor is not None:
+            executor.shutdown(cancel_futures=True)
+
+    values: dict[str, float] = {n: oracle(matrices[n]) for n in names if METRICS[n].kind == "oracle"}
+    div_orders = [int(n[3:]) for n in names if n.startswith("div")]
+    if div_orders:
+        values |= timed("div", diversity.div_n, cands_tok, div_orders)
+    mbleu_orders = [int(n[5:]) for n in names if n.startswith("mbleu")]
+    if mbleu_orders:
+        scores = timed("mbleu", diversity.mbleu, cands_tok, max(mbleu_orders))
+        values |= {f"mbleu{n}": scores[f"mbleu{n}"] for n in mbleu_orders}
+    if "loo_bleu" in names:
+        values |= timed("loo_bleu", translation.loo_bleu, candidates, references, tokenize=bleu_tokenize)
+    if "pairwise_bleu" in names:
+        values |= timed("pairwise_bleu", translation.pairwise_bleu, candidates, tokenize=bleu_tokenize)
+    values = {n: values[n] for n in names}  # the requested order
+
+    if likelihood is not None:
+        values |= {"oracle_nll": likelihood["oracle_nll"], "oracle_ppl": likelihood["oracle_ppl"]}
+
+    # Specialisation: which hypothesis wins each item under one candidate-level metric.
+    if winner_metric == "sacrebleu":
+        matrices |= timed("sacrebleu", candidate_scores, translation.sacrebleu_sentence, candidates, references,
+                          tokenize=bleu_tokenize)
+    higher_is_better = METRICS[winner_metric].higher_is_better if winner_metric in METRICS else True
+    specialisation = {"metric": winner_metric, **win_rates(matrices[winner_metric], groups, higher_is_better)}
+    if likelihood is not None:
+        specialisation["nll_win_rate"] = likelihood["win_rate"]
+
+    timing["total"] = round(time.perf_counter() - start, 3)
+    ref_counts = [len(r) for r in references]
+    return {
+        "metrics": values,
+        "likelihood": likelihood,
+        "specialisation": specialisation,
+        "candidate_scores": matrices,
+        "num_items": len(candidates),
+        "num_candidates": num_candidates,
+        "references_per_item": {"min": min(ref_counts), "max": max(ref_counts), "mean": float(np.mean(ref_counts))},
+        "timing_s": timing,
+        "settings": {"metrics": names, "tokenize": "ptb" if tokenize else "none", "bleu_tokenize": bleu_tokenize,
+                     "sbert_model": sbert_model if "sbert_sim" in names else None},
+    }
+
+
+def markdown_report(report: dict) -> str:
+    """The metrics of one `evaluate_candidates` report as a markdown table (+ the win-rate table)."""
+    from loramcl.metrics.specialisation import win_rate_table
+
+    lines = [f"# {report.get('name', 'evaluation')}", "",
+             f"{report['num_items']} items x {report['num_candidates']} candidates, "
+             f"{report['references_per_item']['min']}-{report['references_per_item']['max']} references per item.", "",
+             "| metric | value | better | what |", "|---|---:|:---:|---|"]
+    for name, value in report["metrics"].items():
+        metric = METRICS[name]
+        lines.append(f"| {name} | {value:.4g} | {'↑' if metric.higher_is_better else '↓'} | {metric.what} |")
+    lines += ["", win_rate_table(report["specialisation"], report["specialisation"]["metric"])]
+    if report.get("likelihood"):
+        lik = report["likelihood"]
+        lines += ["", "| hypothesis | NLL | PPL | best for (% of references) |", "|---|---:|---:|---:|"]
+        rows = zip(lik["hypothesis_nll"], lik["hypothesis_ppl"], lik["win_rate"], strict=True)
+        lines += [f"| h{k} | {n:.4f} | {p:.3f} | {100 * w:.1f} |" for k, (n, p, w) in enumerate(rows)]
+    return "\n".join(lines) + "\n"

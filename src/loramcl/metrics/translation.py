@@ -1,0 +1,68 @@
+"""Diverse machine translation metrics of Shen et al. 2019 (paper App. H.6), computed with sacrebleu.
+
+The semantics are those of fairseq's `examples/translation_moe/score.py` (the paper's "official codebase"): one
+corpus-level BLEU over pooled (hypothesis, reference) pairs, in sacrebleu's 0-100 scale, default settings (exp
+smoothing). The tokenization is sacrebleu's 13a, as the paper states (fairseq's script passes pre-tokenized text
+with tokenize='none'; give `tokenize="none"` to reproduce that on tokenized text). Inputs are raw (detokenized)
+strings: `candidates: list[list[str]]` (N x K), `references: list[list[str]]` (N x R).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from loramcl.metrics.text import check_candidate_sets, check_pairs
+
+
+def _corpus_bleu(hypotheses: list[str], reference_streams: list[list[str]], tokenize: str) -> float:
+    from sacrebleu.metrics import BLEU
+
+    return float(BLEU(tokenize=tokenize).corpus_score(hypotheses, reference_streams).score)
+
+
+def loo_bleu(
+    candidates: Sequence[Sequence[str]], references: Sequence[Sequence[str]], tokenize: str = "13a"
+) -> dict[str, float]:
+    """Leave-One-Out BLEU (higher = better): for each r, corpus BLEU of all N*K candidates against the other R-1
+    references of their item; mean over r. Every item needs the same number R >= 2 of references (the R
+    reference streams are held out one at a time)."""
+    num_candidates = check_candidate_sets(candidates)
+    check_pairs([c[0] for c in candidates], references)
+    counts = sorted({len(r) for r in references})
+    if len(counts) > 1 or counts[0] < 2:
+        raise ValueError(
+            "Loo-BLEU holds out one of R reference streams at a time: every item needs the same number R >= 2 of "
+            f"references, got R in {counts}"
+        )
+    num_references = counts[0]
+    hypotheses = [c for cands in candidates for c in cands]  # item-major, row i*K + k
+    # stream r: item i's r-th reference, repeated for its K candidates
+    streams = [[refs[r] for refs in references for _ in range(num_candidates)] for r in range(num_references)]
+    scores = [_corpus_bleu(hypotheses, streams[:r] + streams[r + 1 :], tokenize) for r in range(num_references)]
+    return {"loo_bleu": float(np.mean(scores))}
+
+
+def pairwise_bleu(candidates: Sequence[Sequence[str]], tokenize: str = "13a") -> dict[str, float]:
+    """Pairwise-BLEU (lower = more diverse): one corpus BLEU over every ordered pair (j, k), j != k, of candidates
+    of the same item, candidate k as hypothesis and candidate j as its single reference."""
+    num_candidates = check_candidate_sets(candidates)
+    if num_candidates < 2:
+        raise ValueError("Pairwise-BLEU compares candidates with each other: it needs K >= 2 candidates per item")
+    pairs = [(cands[j], cands[k])
+             for cands in candidates for j in range(num_candidates) for k in range(num_candidates) if j != k]
+    return {"pairwise_bleu": _corpus_bleu([h for _, h in pairs], [[r for r, _ in pairs]], tokenize)}
+
+
+def sacrebleu_sentence(
+    candidates: Sequence[str], references: Sequence[Sequence[str]], tokenize: str = "13a"
+) -> dict[str, np.ndarray]:
+    """Sentence BLEU of sacrebleu (exp smoothing, effective order, 0-100) per candidate: a sentence metric for
+    `candidate_scores` (e.g. to find which hypothesis wins each translation)."""
+    check_pairs(candidates, references)
+    from sacrebleu.metrics import BLEU
+
+    scorer = BLEU(tokenize=tokenize, effective_order=True)
+    pairs = zip(candidates, references, strict=True)
+    return {"sacrebleu": np.array([scorer.sentence_score(c, list(r)).score for c, r in pairs])}

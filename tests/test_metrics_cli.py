@@ -1,0 +1,115 @@
+"""`loramcl evaluate` / `loramcl plot-tradeoff`: files in, JSON + markdown + plot out, clear errors on bad files."""
+
+import json
+from pathlib import Path
+
+import pytest
+from jsonargparse import CLI
+
+from loramcl.metrics.cli import evaluate, plot_tradeoff
+from loramcl.metrics.io import load_run
+
+FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
+PREDS, REFS = str(FIXTURES / "preds.jsonl"), str(FIXTURES / "refs.jsonl")
+
+
+def run_cli(*args):
+    """Parse like `loramcl` does (jsonargparse, as_positional=False) and run."""
+    return CLI({"evaluate": evaluate, "plot-tradeoff": plot_tradeoff}, args=list(args), as_positional=False)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """Every metric but SPICE (no CoreNLP jars offline) on the 6-item fixture, K = 3, R = 3, with an NLL file."""
+    out = tmp_path_factory.mktemp("eval")
+    nll = out / "nll.jsonl"
+    with nll.open("w") as f:
+        for i, item in enumerate(["a1", "a2", "a3", "a4", "a5", "a6"]):
+            french = i >= 3  # h0 explains the French references best, h1 the English ones
+            f.write(json.dumps({"id": item, "nll": [[1.0, 2.0, 3.0] if french else [2.5, 1.5, 3.0]] * 3}) + "\n")
+    paths = run_cli("evaluate", "--predictions", PREDS, "--references", REFS, "--metrics", "captioning,translation",
+                    "--exclude", "spice,spider", "--group_key", "lang", "--nll", str(nll), "--out", str(out),
+                    "--name", "run_a")
+    return paths, json.loads(Path(paths["json"]).read_text())
+
+
+def test_evaluate_writes_every_metric(full_run):
+    paths, report = full_run
+    expected = ["bleu1", "bleu2", "bleu3", "bleu4", "meteor", "rouge_l", "cider_d", "sbert_sim", "div1", "div2",
+                "mbleu4", "loo_bleu", "pairwise_bleu", "oracle_nll", "oracle_ppl"]
+    assert list(report["metrics"]) == expected
+    assert all(0 <= report["metrics"][m] <= 1 for m in ["bleu4", "meteor", "rouge_l", "div2", "mbleu4"])
+    assert report["num_items"] == 6 and report["num_candidates"] == 3
+    assert report["metrics"]["oracle_nll"] == pytest.approx(1.25)  # (1.0 * 3 + 1.5 * 3) / 6 per item
+    markdown = Path(paths["markdown"]).read_text()
+    assert "| cider_d |" in markdown and "| fr | 3 |" in markdown and "| h0 | " in markdown
+    items = [json.loads(line) for line in Path(paths["items"]).read_text().splitlines()]
+    assert [i["id"] for i in items] == ["a1", "a2", "a3", "a4", "a5", "a6"]
+    assert len(items[0]["scores"]["cider_d"]) == 3
+
+
+def test_specialisation_per_language(full_run):
+    _, report = full_run
+    spec = report["specialisation"]
+    assert spec["metric"] == "cider_d" and set(spec["by_group"]) == {"en", "fr"}
+    # a4-a6: the only French candidate (h0) matches the French references
+    assert spec["by_group"]["fr"]["win_rate"] == [1.0, 0.0, 0.0]
+    assert spec["nll_win_rate"] == pytest.approx([0.5, 0.5, 0.0])
+
+
+def test_cli_parses_lists_and_plots(tmp_path, capsys, full_run):
+    run_cli("evaluate", "--predictions", PREDS, "--references", REFS, "--metrics", "bleu4,cider_d,div2,mbleu4",
+            "--out", str(tmp_path), "--name", "run_b")
+    assert "metrics (JSON):" in capsys.readouterr().out
+    first = full_run[0]["json"]
+    png = tmp_path / "tradeoff.png"
+    run_cli("plot-tradeoff", "--runs", f"{first},{tmp_path / 'run_b.json'}", "--x", "mbleu4", "--y", "cider_d",
+            "--out", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert f"plot (2 runs, x=mbleu4, y=cider_d): {png}" in capsys.readouterr().out
+    run_cli("plot-tradeoff", "--runs", str(tmp_path / "*.json"), "--x", "div2", "--y", "bleu4", "--out", str(png))
+    with pytest.raises(ValueError, match=r"run 'run_b' has no \['loo_bleu'\]"):
+        plot_tradeoff([first, str(tmp_path / "run_b.json")], x="mbleu4", y="loo_bleu", out=str(png))
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_mismatched_and_duplicate_ids_are_named(tmp_path):
+    preds = write(tmp_path / "p.jsonl", [{"id": 1, "candidates": ["a"]}, {"id": "x", "candidates": ["b"]}])
+    refs = write(tmp_path / "r.jsonl", [{"id": "1", "references": ["a"]}, {"id": "x", "references": ["b"]}])
+    with pytest.raises(ValueError, match=r"ids in predictions but not in refer.*: 1;.*: '1' \(some differ only in"):
+        load_run(preds, refs)
+    dup = write(tmp_path / "d.jsonl", [{"id": 1, "candidates": ["a"]}, {"id": 1, "candidates": ["b"]}])
+    with pytest.raises(ValueError, match="duplicate ids .*: 1"):
+        load_run(dup, refs)
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"id": 1, "candidates": ["a"]}\n{"id": 2, "cands": ["a"]}\n')
+    with pytest.raises(ValueError, match=r'b.jsonl:2 must be an object with "id" and "candidates"'):
+        load_run(str(bad), refs)
+    not_a_list = write(tmp_path / "s.jsonl", [{"id": 1, "candidates": "a"}])
+    with pytest.raises(ValueError, match='"candidates" must be a list of strings; not so for ids 1'):
+        load_run(not_a_list, write(tmp_path / "t.jsonl", [{"id": 1, "references": ["a"]}]))
+    plain_preds = write(tmp_path / "u.jsonl", [{"id": 1, "candidates": ["a"]}])
+    plain_refs = write(tmp_path / "v.jsonl", [{"id": 1, "references": ["a"]}])
+    with pytest.raises(ValueError, match="id 1 has no \"lang\" field"):
+        load_run(plain_preds, plain_refs, group_key="lang")
+
+
+def test_unknown_metric_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown metric\(s\) \['bleu5'\]; presets: \['captioning', 'translation'\]"):
+        evaluate(PREDS, REFS, metrics="bleu5", out=str(tmp_path))
+
+
+def test_bad_options_fail_before_any_computation():
+    from loramcl.metrics import evaluate_candidates
+
+    cands, refs = [["a dog", "a cat"], ["a man", "a horse"]], [["a dog"], ["a man"]]
+    with pytest.raises(ValueError, match=r"winner_metric 'meteor' is not a candidate-level metric.*\['bleu4', 'sacre"):
+        evaluate_candidates(cands, refs, metrics="bleu4,div2", winner_metric="meteor")
+    with pytest.raises(ValueError, match="3 group labels for 2 items"):
+        evaluate_candidates(cands, refs, metrics="bleu4", groups=["a", "b", "c"])
+    with pytest.raises(ValueError, match="no metric left"):
+        evaluate_candidates(cands, refs, metrics="translation", exclude="loo_bleu,pairwise_bleu")
