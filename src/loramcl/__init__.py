@@ -1,14 +1,33 @@
-"""loramcl: K diverse, plausible answers from one language model (LoRA-MCL, ICML 2026)."""
+"""loramcl: K diverse, plausible answers from one language model (LoRA-MCL, ICML 2026).
 
-from loramcl.config import MCLConfig
-from loramcl.layers import MCLLoraLinear
-from loramcl.losses import annealed_weights, mcl_loss, relaxed_weights, temperature_at, wta_weights
-from loramcl.model import MCLModel, MCLOutput, get_mcl_model, load_mcl_model
-from loramcl.trainer import MCLTrainer
+The public names load on first use, so that `loramcl --help` and `loramcl.metrics` do not import torch and
+transformers.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "MCLConfig", "MCLLoraLinear", "MCLModel", "MCLOutput", "MCLTrainer", "get_mcl_model", "load_mcl_model",
-    "mcl_loss", "wta_weights", "relaxed_weights", "annealed_weights", "temperature_at",
-]
+_EXPORTS = {
+    "MCLConfig": "loramcl.config",
+    "MCLLoraLinear": "loramcl.layers",
+    "MCLModel": "loramcl.model", "MCLOutput": "loramcl.model", "get_mcl_model": "loramcl.model",
+    "load_mcl_model": "loramcl.model",
+    "MCLTrainer": "loramcl.trainer",
+    "mcl_loss": "loramcl.losses", "wta_weights": "loramcl.losses", "relaxed_weights": "loramcl.losses",
+    "annealed_weights": "loramcl.losses", "temperature_at": "loramcl.losses",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'loramcl' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

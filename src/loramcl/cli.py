@@ -1,0 +1,23 @@
+"""`loramcl <command>`: each command is a function whose signature and docstring are its CLI (jsonargparse),
+so `loramcl <command> --help` documents it and `--config file.yaml` reads the same arguments from a file."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from jsonargparse import CLI
+
+    from loramcl.demo import demo
+    from loramcl.metrics.cli import evaluate, plot_tradeoff
+
+    commands = {"demo": demo, "evaluate": evaluate, "plot-tradeoff": plot_tradeoff}
+    CLI(commands, args=sys.argv[1:] if argv is None else argv, as_positional=False)
+
+
+if __name__ == "__main__":
+    main()
