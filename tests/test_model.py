@@ -183,3 +183,22 @@ def test_low_precision_base_keeps_float32_adapters():
     assert out.nll.dtype == torch.float32 and torch.isfinite(out.loss)
     out.loss.backward()
     assert layer.lora_A.grad is not None
+
+
+@pytest.mark.parametrize("num_hypotheses", [1, 3])
+def test_gradients_equal_those_of_separate_peft_adapters(num_hypotheses):
+    """sum_k q[b,k] nll[b,k] (q detached) gives each hypothesis the gradient PEFT gives its own adapter."""
+    mcl, reference, inputs, labels = _wrapped("llama", num_hypotheses=num_hypotheses, loss="relaxed",
+                                              epsilon=0.2 if num_hypotheses > 1 else 0.0)
+    out = mcl(**inputs, labels=labels)
+    out.loss.backward()
+    peft = peft_reference(reference, mcl).eval()
+    for k in range(num_hypotheses):
+        peft.set_adapter(f"h{k}")  # PEFT trains the active adapter only
+        nll = sequence_nll(peft(**inputs).logits, labels, causal=True)  # [B]
+        (out.weights[:, k] * nll).mean().backward()
+        for name, layer in mcl.mcl_layers():
+            module = peft.base_model.model.get_submodule(name)
+            torch.testing.assert_close(layer.lora_A.grad[k], module.lora_A[f"h{k}"].weight.grad.T, atol=1e-6, rtol=0)
+            torch.testing.assert_close(layer.lora_B.grad[k], module.lora_B[f"h{k}"].weight.grad.T, atol=1e-6, rtol=0)
+    assert any(layer.lora_B.grad.abs().sum() > 0 for _, layer in mcl.mcl_layers())

@@ -30,7 +30,8 @@ class MCLTrainer(Trainer):
     Logged while training: ``loss``, ``win_rate_h{k}`` (share of examples won by hypothesis k since the last
     log: a hypothesis near 0 has collapsed) and ``temperature`` for the annealed loss (0 once hard WTA).
     Evaluation reports ``eval_loss`` as the vanilla WTA loss (mean over examples of min_k NLL, eq. 2)
-    whatever the training loss, plus ``eval_nll_h{k}`` and ``eval_win_rate_h{k}``.
+    whatever the training loss, plus ``eval_nll_h{k}`` and ``eval_win_rate_h{k}``. A ``compute_metrics`` function
+    receives the per-example NLLs [N, K] as its predictions.
     """
 
     def __init__(self, model: MCLModel | None = None, *args, two_pass_wta: bool = True, **kwargs) -> None:
