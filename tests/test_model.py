@@ -159,14 +159,17 @@ def test_packed_logits_equal_the_full_logits_path():
         torch.testing.assert_close(packed[:, k], sequence_nll(full[:, k], labels, causal=True), atol=1e-6, rtol=0)
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
+    """Checkpointed layers are recomputed during backward: the routing must still be the forward's."""
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
         mcl, _, inputs, labels = _wrapped("llama")
         mcl.train()
         if checkpointing:
-            mcl.gradient_checkpointing_enable({"use_reentrant": True})
+            mcl.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+            assert mcl.is_activation_checkpointing
         mcl(**inputs, labels=labels, hypotheses=torch.tensor([1, 2])).loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in mcl.parameters() if p.requires_grad]))
     assert grads[0].abs().sum() > 0

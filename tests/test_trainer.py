@@ -144,3 +144,14 @@ def test_a_datasets_dataset_keeps_the_base_models_inputs_and_drops_other_columns
     trainer.train()  # a string column reaching the collator, or input_ids dropped, would fail here
     assert {"input_ids", "attention_mask", "labels"} <= set(trainer._signature_columns)
     assert "text" not in trainer._signature_columns
+
+
+def test_activation_checkpointing_through_training_arguments(tmp_path):
+    results = []
+    for checkpointing in (False, True):
+        mcl = _model(loss="relaxed", epsilon=0.1)
+        args = _args(tmp_path, activation_checkpointing=checkpointing, max_steps=2)
+        MCLTrainer(mcl, args=args, train_dataset=_dataset(8)).train()
+        assert mcl.is_activation_checkpointing == checkpointing
+        results.append(torch.cat([p.detach().flatten() for p in mcl.parameters() if p.requires_grad]))
+    torch.testing.assert_close(results[0], results[1], atol=1e-6, rtol=0)

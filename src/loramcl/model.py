@@ -84,7 +84,7 @@ class MCLModel(nn.Module):
         self._explicit_routing = 0
         self._merged = False
         self.expansion_module_name = _expansion_module_name(model, layer_names)
-        output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        output_layer = _output_layer(model)
         self._output_layer_name = next((n for n, m in model.named_modules() if m is output_layer), None)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._install_hooks()
@@ -126,7 +126,7 @@ class MCLModel(nn.Module):
             yield
         finally:
             self._explicit_routing -= 1
-            self.routing.mode, self.routing.hypothesis, self.routing.index = saved.mode, saved.hypothesis, saved.index
+            vars(self.routing).update(vars(saved))  # the same object: every layer holds it
 
     def _set_routing(self, hypotheses: int | torch.Tensor | None, rows: int | None) -> None:
         routing, k_max = self.routing, self.num_hypotheses
@@ -224,13 +224,8 @@ class MCLModel(nn.Module):
         self._set_routing(hypotheses, rows=batch)
         stacked = hypotheses is None
         row_positions = positions.repeat(k, 1) if stacked else positions  # [rows, T]
-        self._pending = _PendingForward(expand_batch=batch if stacked else None,
-                                        logit_positions=row_positions if self._output_layer_name else None)
-        try:
-            outputs = base(**inputs, use_cache=False)
-            self._check_hooks_ran()
-        finally:
-            self._pending = _PendingForward()
+        outputs = self._call_base({**inputs, "use_cache": False}, expand_batch=batch if stacked else None,
+                                  logit_positions=row_positions if self._output_layer_name else None)
         logits = getattr(outputs, "logits", None)
         if logits is None:
             raise ValueError(f"{type(base).__name__} returns no logits: LoRA-MCL needs a model with a language-"
@@ -250,15 +245,20 @@ class MCLModel(nn.Module):
     def _forward_logits(self, hypotheses: int | torch.Tensor | None, inputs: dict) -> MCLOutput:
         batch = _batch_size(inputs)
         self._set_routing(hypotheses, rows=batch)
-        self._pending = _PendingForward(expand_batch=batch if hypotheses is None else None)
-        try:
-            logits = self.base_model(**inputs).logits  # [K*B, T, V] or [B, T, V]
-            self._check_hooks_ran()
-        finally:
-            self._pending = _PendingForward()
+        logits = self._call_base(inputs, expand_batch=batch if hypotheses is None else None).logits  # [K*B|B, T, V]
         if hypotheses is None:
             logits = logits.view(self.num_hypotheses, batch, *logits.shape[1:]).transpose(0, 1)  # [B, K, T, V]
         return MCLOutput(logits=logits)
+
+    def _call_base(self, inputs: dict, expand_batch: int | None, logit_positions: torch.Tensor | None = None):
+        """Run the base model with the hooks armed for this call, and check that they fired."""
+        self._pending = _PendingForward(expand_batch, logit_positions)
+        try:
+            outputs = self.base_model(**inputs)
+            self._check_hooks_ran()
+        finally:
+            self._pending = _PendingForward()
+        return outputs
 
     def _check_hooks_ran(self) -> None:
         if self._pending.expand_batch is not None:
@@ -282,14 +282,29 @@ class MCLModel(nn.Module):
 
     # ---- training helpers -------------------------------------------------------------------------------
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
-        """Activation checkpointing in the base model; the frozen embeddings then must emit grad-requiring
-        outputs so that reentrant checkpointing still reaches the adapters (as PEFT does)."""
-        self.base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
-        self.base_model.enable_input_require_grads()
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None, **kwargs) -> None:
+        """Activation checkpointing in the base model (what Trainer calls for ``activation_checkpointing=True``;
+        ``kwargs`` such as ``every_n_layers`` go to the base model). The frozen embeddings then must emit
+        grad-requiring outputs so that reentrant checkpointing still reaches the adapters (as PEFT does)."""
+        base = self.base_model
+        if hasattr(base, "activation_checkpointing_enable"):
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=activation_checkpointing_kwargs,
+                                                 **kwargs)
+        else:  # transformers releases before the rename
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=activation_checkpointing_kwargs)
+        base.enable_input_require_grads()
 
-    def gradient_checkpointing_disable(self) -> None:
-        self.base_model.gradient_checkpointing_disable()
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs) -> None:
+        """The former name of ``activation_checkpointing_enable``."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def activation_checkpointing_disable(self) -> None:
+        base = self.base_model
+        getattr(base, "activation_checkpointing_disable", base.gradient_checkpointing_disable)()
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return any(getattr(m, "gradient_checkpointing", False) is True for m in self.base_model.modules())
 
     # ---- files ------------------------------------------------------------------------------------------
 
@@ -450,8 +465,12 @@ def _resolve_target_modules(model: nn.Module, config: MCLConfig) -> list[str] | 
     return targets
 
 
+def _output_layer(model: nn.Module) -> nn.Module | None:
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+
 def _candidate_names(model: nn.Module) -> list[str]:
-    output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_layer = _output_layer(model)
     return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                    if isinstance(module, _ADAPTABLE) and module is not output_layer})
 
@@ -459,7 +478,7 @@ def _candidate_names(model: nn.Module) -> list[str]:
 def _matched_layer_names(model: nn.Module, targets: list[str] | str) -> list[str]:
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_layer = _output_layer(model)
     if targets == "all-linear":
         return [name for name, module in model.named_modules()
                 if isinstance(module, _ADAPTABLE) and module is not output_layer]

@@ -39,6 +39,10 @@ class MCLTrainer(Trainer):
             raise TypeError(f"MCLTrainer trains an MCLModel (from get_mcl_model), got {type(model).__name__}")
         self.two_pass_wta = two_pass_wta
         super().__init__(model, *args, **kwargs)
+        if self.args.ddp_find_unused_parameters is None:
+            # Every adapter tensor takes part in every MCL forward (all routings index the stacked tensors), so DDP
+            # need not search the graph for unused ones; Trainer would assume it must for a non-PreTrainedModel.
+            self.args.ddp_find_unused_parameters = False
         k = model.num_hypotheses
         self._train_wins = torch.zeros(k, dtype=torch.long, device=self.args.device)  # [K] since the last log
         self._last_temperature: float | None = None  # tau used by the latest training step (annealed loss)
