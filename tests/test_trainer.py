@@ -129,9 +129,13 @@ def test_resuming_from_a_checkpoint_continues_the_same_run(tmp_path):
     assert loaded.num_hypotheses == 3
 
 
-def test_trainer_refuses_a_plain_model(tmp_path):
+def test_trainer_refuses_a_plain_model_and_options_it_would_ignore(tmp_path):
     with pytest.raises(TypeError, match="MCLTrainer trains an MCLModel"):
         MCLTrainer(build_model("llama"), args=_args(tmp_path))
+    with pytest.raises(ValueError, match="label_smoothing_factor is not supported"):
+        MCLTrainer(_model(), args=_args(tmp_path, label_smoothing_factor=0.1))
+    with pytest.raises(ValueError, match="compute_loss_func is not used"):
+        MCLTrainer(_model(), args=_args(tmp_path), compute_loss_func=lambda outputs, labels, **kw: outputs.loss)
 
 
 def test_a_datasets_dataset_keeps_the_base_models_inputs_and_drops_other_columns(tmp_path):

@@ -39,6 +39,12 @@ class MCLTrainer(Trainer):
             raise TypeError(f"MCLTrainer trains an MCLModel (from get_mcl_model), got {type(model).__name__}")
         self.two_pass_wta = two_pass_wta
         super().__init__(model, *args, **kwargs)
+        # compute_loss is ours: these Trainer options would otherwise be silently ignored.
+        if self.args.label_smoothing_factor:
+            raise ValueError("label_smoothing_factor is not supported: the MCL losses are computed on the plain "
+                             "per-example NLL (paper eq. 2-5); set it to 0")
+        if self.compute_loss_func is not None:
+            raise ValueError("compute_loss_func is not used by MCLTrainer: the loss is MCLConfig.loss; choose it there")
         if self.args.ddp_find_unused_parameters is None:
             # Every adapter tensor takes part in every MCL forward (all routings index the stacked tensors), so DDP
             # need not search the graph for unused ones; Trainer would assume it must for a non-PreTrainedModel.
