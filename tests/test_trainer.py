@@ -159,3 +159,14 @@ def test_activation_checkpointing_through_training_arguments(tmp_path):
         assert mcl.is_activation_checkpointing == checkpointing
         results.append(torch.cat([p.detach().flatten() for p in mcl.parameters() if p.requires_grad]))
     torch.testing.assert_close(results[0], results[1], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("logging_steps, save_steps", [(1, 10), (10, 1)])
+def test_a_nan_loss_stops_training_before_a_checkpoint_is_written(tmp_path, logging_steps, save_steps):
+    mcl = _model(loss="relaxed", epsilon=0.1)
+    with torch.no_grad():
+        mcl.base_model.model.layers[0].mlp.down_proj.base_layer.weight[0, 0] = float("nan")
+    args = _args(tmp_path, max_steps=3, logging_steps=logging_steps, save_strategy="steps", save_steps=save_steps)
+    with pytest.raises(FloatingPointError, match="NaN or infinite"):
+        MCLTrainer(mcl, args=args, train_dataset=_dataset(16)).train()
+    assert not any(tmp_path.glob("checkpoint-*"))

@@ -52,6 +52,7 @@ class MCLTrainer(Trainer):
         k = model.num_hypotheses
         self._train_wins = torch.zeros(k, dtype=torch.long, device=self.args.device)  # [K] since the last log
         self._last_temperature: float | None = None  # tau used by the latest training step (annealed loss)
+        self._nonfinite_loss = torch.zeros((), dtype=torch.bool, device=self.args.device)  # checked when logging
         self._eval_nll: list[torch.Tensor] = []
 
     # ---- loss -------------------------------------------------------------------------------------------
@@ -73,6 +74,7 @@ class MCLTrainer(Trainer):
             outputs = model(**inputs)
             nll = outputs.nll.detach()
         if model.training:
+            self._nonfinite_loss |= ~torch.isfinite(outputs.loss.detach())  # no host sync here
             self._last_temperature = temperature_at(mcl.training_step, mcl.mcl_config)
             wins = torch.bincount(nll.argmin(dim=1), minlength=mcl.num_hypotheses)  # [K]
             self._train_wins += wins.to(self._train_wins.device)
@@ -107,6 +109,8 @@ class MCLTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log: every rank gets here at the same step (Trainer gathers the loss too)
+            if self.accelerator.reduce(self._nonfinite_loss.int(), reduction="sum"):
+                self._raise_nonfinite()
             wins = self.accelerator.reduce(self._train_wins.clone(), reduction="sum")
             total = int(wins.sum())
             if total:
@@ -125,10 +129,18 @@ class MCLTrainer(Trainer):
             self._signature_columns = list(inspect.signature(base.forward).parameters)
             self._signature_columns += list({"label", "label_ids", *self.label_names})
 
+    def _raise_nonfinite(self) -> None:
+        raise FloatingPointError(
+            f"the training loss became NaN or infinite before step {self.state.global_step}; stopping before any "
+            "checkpoint is written with broken adapters. Lower the learning rate, train in bf16 or fp32 rather than "
+            "fp16, or check the inputs of the base model.")
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
+        if self._nonfinite_loss:  # this rank's own flag: _save runs on the writing rank only
+            self._raise_nonfinite()
         self._mcl_model().save_pretrained(output_dir, state_dict=state_dict)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
