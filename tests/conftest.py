@@ -18,6 +18,23 @@ def _seed():
     torch.manual_seed(0)
 
 
+def wrapped_model(name: str, num_hypotheses: int = 3, targets=None, **config):
+    """(mcl, pristine copy of the base model, inputs, labels) for a tiny ``name`` model with random adapters."""
+    import copy
+
+    from tiny_models import CASES, build_batch, build_model
+
+    from loramcl import MCLConfig, get_mcl_model
+
+    base = build_model(name).eval()
+    pristine = copy.deepcopy(base)
+    mcl = get_mcl_model(base, MCLConfig(num_hypotheses=num_hypotheses, r=4, alpha=8,
+                                        target_modules=targets or CASES[name].targets, **config)).eval()
+    randomize_adapters(mcl)
+    inputs, labels = build_batch(name, pristine)
+    return mcl, pristine, inputs, labels
+
+
 def randomize_adapters(mcl, std: float = 0.1, seed: int = 0) -> None:
     """B is zero at init (every hypothesis equals the base model); give each hypothesis its own non-zero B."""
     g = torch.Generator().manual_seed(seed)

@@ -1,25 +1,18 @@
 """save_pretrained / load_mcl_model, export_hypothesis (a PEFT adapter), merge_hypothesis."""
 
-import copy
 import json
 import os
 
 import pytest
 import torch
-from conftest import randomize_adapters
-from tiny_models import CASES, build_batch, build_model
+from conftest import wrapped_model
+from tiny_models import CASES, build_model
 
 from loramcl import MCLConfig, get_mcl_model, load_mcl_model
 
 
-def _trained_like(name, num_hypotheses=3):
-    base = build_model(name).eval()
-    pristine = copy.deepcopy(base)
-    mcl = get_mcl_model(base, MCLConfig(num_hypotheses=num_hypotheses, r=4, alpha=8, dropout=0.1,
-                                        target_modules=CASES[name].targets, loss="relaxed", epsilon=0.05)).eval()
-    randomize_adapters(mcl)
-    inputs, labels = build_batch(name, pristine)
-    return mcl, pristine, inputs, labels
+def _trained_like(name):
+    return wrapped_model(name, dropout=0.1, loss="relaxed", epsilon=0.05)
 
 
 def _hypothesis_logits(mcl, inputs, labels, k):

@@ -1,27 +1,14 @@
 """get_mcl_model on every architecture family: equivalence with PEFT, routing, inputs passing through."""
 
-import copy
-
 import pytest
 import torch
-from conftest import peft_reference, randomize_adapters
+from conftest import peft_reference, wrapped_model
 from tiny_models import CASES, build_batch, build_model
 
 from loramcl import MCLConfig, get_mcl_model
 from loramcl.scoring import sequence_nll
 
 ARCHITECTURES = list(CASES)
-
-
-def _wrapped(name, num_hypotheses=3, targets=None, **config):
-    base = build_model(name).eval()
-    reference = copy.deepcopy(base)
-    case = CASES[name]
-    mcl = get_mcl_model(base, MCLConfig(num_hypotheses=num_hypotheses, r=4, alpha=8,
-                                        target_modules=targets or case.targets, **config)).eval()
-    randomize_adapters(mcl)
-    inputs, labels = build_batch(name, reference)
-    return mcl, reference, inputs, labels
 
 
 def _decoder_inputs(mcl, inputs, labels):
@@ -32,7 +19,7 @@ def _decoder_inputs(mcl, inputs, labels):
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_stacked_forward_equals_k_separate_peft_adapters(name):
-    mcl, reference, inputs, labels = _wrapped(name)
+    mcl, reference, inputs, labels = wrapped_model(name)
     assert mcl.expansion_module_name == CASES[name].expansion_module
     out = mcl(**inputs, labels=labels)
     all_logits = mcl(**_decoder_inputs(mcl, inputs, labels)).logits  # [B, K, T, V]
@@ -48,7 +35,7 @@ def test_stacked_forward_equals_k_separate_peft_adapters(name):
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "t5", "llava_next"])
 def test_one_hypothesis_equals_peft_lora(name):
-    mcl, reference, inputs, labels = _wrapped(name, num_hypotheses=1)
+    mcl, reference, inputs, labels = wrapped_model(name, num_hypotheses=1)
     peft = peft_reference(reference, mcl).eval()
     with torch.no_grad():
         expected = sequence_nll(peft(**_decoder_inputs(mcl, inputs, labels)).logits, labels, CASES[name].causal)
@@ -59,7 +46,7 @@ def test_one_hypothesis_equals_peft_lora(name):
 
 @pytest.mark.parametrize("name", ["llama", "t5", "qwen2_audio"])
 def test_one_hypothesis_per_row_equals_the_stacked_columns(name):
-    mcl, _, inputs, labels = _wrapped(name)
+    mcl, _, inputs, labels = wrapped_model(name)
     with torch.no_grad():
         nll = mcl(**inputs, labels=labels).nll  # [B, K]
         for k in range(mcl.num_hypotheses):
@@ -72,7 +59,7 @@ def test_one_hypothesis_per_row_equals_the_stacked_columns(name):
 @pytest.mark.parametrize("name", ["qwen2_audio", "llava_next"])
 def test_encoders_without_adapters_run_once(name):
     """Decision 6: rows are duplicated where hypotheses start to differ, so a frozen encoder sees B rows."""
-    mcl, _, inputs, labels = _wrapped(name, targets=CASES[name].language_model_targets)
+    mcl, _, inputs, labels = wrapped_model(name, targets=CASES[name].language_model_targets)
     assert mcl.expansion_module_name == "model.language_model"
     tower = mcl.base_model.model.audio_tower if name == "qwen2_audio" else mcl.base_model.model.vision_tower
     seen = []
@@ -86,7 +73,7 @@ def test_encoders_without_adapters_run_once(name):
 
 
 def test_only_adapters_are_trainable_and_counts_match():
-    mcl, _, _, _ = _wrapped("llama")
+    mcl, _, _, _ = wrapped_model("llama")
     trainable = {n for n, p in mcl.named_parameters() if p.requires_grad}
     assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
     # 2 layers x (q, k, v: 32 -> 32/16/16, up: 32 -> 48, down: 48 -> 32), each K * r * (d_in + d_out)
@@ -118,7 +105,7 @@ def test_all_linear_skips_the_output_layer():
 
 
 def test_example_without_label_token_is_an_error():
-    mcl, _, inputs, labels = _wrapped("llama")
+    mcl, _, inputs, labels = wrapped_model("llama")
     labels[1, :] = -100
     labels[1, 0] = 5  # a causal LM never predicts the first token: still no target
     with pytest.raises(ValueError, match=r"examples \[1\] of the batch have no label token"):
@@ -126,7 +113,7 @@ def test_example_without_label_token_is_an_error():
 
 
 def test_bad_hypothesis_choices_are_errors():
-    mcl, _, inputs, labels = _wrapped("llama")
+    mcl, _, inputs, labels = wrapped_model("llama")
     with pytest.raises(ValueError, match="hypothesis 3 does not exist"):
         mcl(**inputs, labels=labels, hypotheses=3)
     with pytest.raises(ValueError, match="one hypothesis per example"):
@@ -138,7 +125,7 @@ def test_bad_hypothesis_choices_are_errors():
 
 
 def test_use_hypotheses_routes_generate_and_restores():
-    mcl, reference, inputs, _ = _wrapped("llama")
+    mcl, reference, inputs, _ = wrapped_model("llama")
     peft = peft_reference(reference, mcl).eval()
     prompt = inputs["input_ids"][:1, :4]
     for k in range(mcl.num_hypotheses):
@@ -151,7 +138,7 @@ def test_use_hypotheses_routes_generate_and_restores():
 
 def test_packed_logits_equal_the_full_logits_path():
     """Decision 5: the LM head sees label positions only; the NLL must not change."""
-    mcl, _, inputs, labels = _wrapped("qwen2")
+    mcl, _, inputs, labels = wrapped_model("qwen2")
     with torch.no_grad():
         packed = mcl(**inputs, labels=labels).nll  # [B, K]
         full = mcl(**inputs).logits  # [B, K, T, V]
@@ -165,7 +152,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        mcl, _, inputs, labels = _wrapped("llama")
+        mcl, _, inputs, labels = wrapped_model("llama")
         mcl.train()
         if checkpointing:
             mcl.activation_checkpointing_enable({"use_reentrant": use_reentrant})
@@ -191,7 +178,7 @@ def test_low_precision_base_keeps_float32_adapters():
 @pytest.mark.parametrize("num_hypotheses", [1, 3])
 def test_gradients_equal_those_of_separate_peft_adapters(num_hypotheses):
     """sum_k q[b,k] nll[b,k] (q detached) gives each hypothesis the gradient PEFT gives its own adapter."""
-    mcl, reference, inputs, labels = _wrapped("llama", num_hypotheses=num_hypotheses, loss="relaxed",
+    mcl, reference, inputs, labels = wrapped_model("llama", num_hypotheses=num_hypotheses, loss="relaxed",
                                               epsilon=0.2 if num_hypotheses > 1 else 0.0)
     out = mcl(**inputs, labels=labels)
     out.loss.backward()

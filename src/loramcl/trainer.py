@@ -72,11 +72,11 @@ class MCLTrainer(Trainer):
             outputs.nll = nll
         else:
             outputs = model(**inputs)
-            nll = outputs.nll.detach()
+            winners = outputs.nll.detach().argmin(dim=1)  # [B]
         if model.training:
             self._nonfinite_loss |= ~torch.isfinite(outputs.loss.detach())  # no host sync here
             self._last_temperature = temperature_at(mcl.training_step, mcl.mcl_config)
-            wins = torch.bincount(nll.argmin(dim=1), minlength=mcl.num_hypotheses)  # [K]
+            wins = torch.bincount(winners, minlength=mcl.num_hypotheses)  # [K]
             self._train_wins += wins.to(self._train_wins.device)
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
