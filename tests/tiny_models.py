@@ -134,3 +134,15 @@ def build_batch(name: str, model: torch.nn.Module, batch: int = 2, generator: to
     attention_mask[1:, -2:] = 0  # right padding
     labels[1:, -2:] = -100
     return {"input_ids": input_ids, "attention_mask": attention_mask}, labels
+
+
+def word_tokenizer():
+    """A word-level tokenizer over the tiny models' vocabulary: w3 ... w96, with <pad>=0, <s>=1, </s>=2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")

@@ -14,8 +14,11 @@ from pathlib import Path
 import numpy as np
 
 
-def read_jsonl(path: str | Path, field: str) -> dict[object, dict]:
-    """{id: record} from a JSONL file whose records all have "id" and `field`; clear errors on bad lines."""
+def read_jsonl(path: str | Path, field: str, number_missing_ids: bool = False) -> dict[object, dict]:
+    """{id: record} from a JSONL file whose records all have "id" and `field`; clear errors on bad lines.
+
+    number_missing_ids: a record without "id" gets its position among the records (0, 1, ...) instead.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
@@ -28,8 +31,11 @@ def read_jsonl(path: str | Path, field: str) -> dict[object, dict]:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{number} is not valid JSON ({error.msg})") from None
+            if number_missing_ids and isinstance(record, dict) and "id" not in record:
+                record["id"] = len(ids)
             if not isinstance(record, dict) or "id" not in record or field not in record:
-                raise ValueError(f'{path}:{number} must be an object with "id" and "{field}", got {line.strip()[:120]}')
+                fields = f'"{field}"' if number_missing_ids else f'"id" and "{field}"'
+                raise ValueError(f"{path}:{number} must be an object with {fields}, got {line.strip()[:120]}")
             if not isinstance(record["id"], (str, int)) or isinstance(record["id"], bool):
                 raise ValueError(f"{path}:{number}: id must be a string or an integer, got {record['id']!r}")
             ids.append(record["id"])

@@ -1,0 +1,123 @@
+"""Decoding K hypotheses: one batched generate (K*B rows, hypothesis-major) against a loop of K generates.
+
+For K in {3, 5} and greedy / beam search, both through ``generate_hypotheses`` (``hypotheses=[k]`` for one
+hypothesis), on the same prompts, with every candidate forced to the same length (min_new_tokens) so that both
+sides decode the same number of steps. The two are interleaved repeat by repeat and the median is kept; the
+headline is their ratio, measured side by side. Before timing, the script checks that both give the same tokens.
+
+    python benchmarks/generation_speed.py                        # CPU, small Llama (a few minutes)
+    python benchmarks/generation_speed.py --threads 1            # when other processes share the CPU
+    python benchmarks/generation_speed.py --device cuda --layers 8 --hidden 1024 --batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from loramcl import MCLConfig, get_mcl_model
+from loramcl.generation import generate_hypotheses
+
+SETTINGS = [(k, strategy, beams) for k in (3, 5) for strategy, beams in (("greedy", 1), ("beam", 2))]
+
+
+def build(args, k: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
+                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                         num_key_value_heads=max(args.hidden // 192, 1),
+                         max_position_embeddings=args.prompt + args.new_tokens)
+    base = LlamaForCausalLM(config).to(args.device, getattr(torch, args.dtype))
+    mcl = get_mcl_model(base, MCLConfig(num_hypotheses=k, r=8, alpha=8,
+                                        target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():  # non-zero B, so that the hypotheses differ as they do after training
+        for _, layer in mcl.mcl_layers():
+            layer.lora_B.normal_(std=0.02)
+    return mcl.eval()
+
+
+def prompts(args) -> dict:
+    """B prompts of different lengths (between prompt/2 and prompt tokens), left-padded."""
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.zeros(args.batch, args.prompt, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row in range(args.batch):
+        n = args.prompt - (row * args.prompt // 2) // max(args.batch - 1, 1)
+        input_ids[row, -n:] = torch.randint(3, args.vocab, (n,), generator=g)
+        attention_mask[row, -n:] = 1
+    return {"input_ids": input_ids.to(args.device), "attention_mask": attention_mask.to(args.device)}
+
+
+def batched(mcl, inputs, strategy, beams, args):
+    return generate_hypotheses(mcl, None, inputs, strategy=strategy, num_beams=beams, max_new_tokens=args.new_tokens,
+                               min_new_tokens=args.new_tokens, repetition_penalty=1.1)
+
+
+def loop(mcl, inputs, strategy, beams, args):
+    return [generate_hypotheses(mcl, None, inputs, strategy=strategy, num_beams=beams, hypotheses=[k],
+                                max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, repetition_penalty=1.1)
+            for k in range(mcl.num_hypotheses)]
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(decode, mcl, inputs, strategy: str, beams: int, args) -> float:
+    synchronize(args.device)
+    started = time.perf_counter()
+    decode(mcl, inputs, strategy, beams, args)
+    synchronize(args.device)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=576)  # SmolLM2-135M's width
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=4, help="prompts per call (B)")
+    parser.add_argument("--prompt", type=int, default=32, help="longest prompt, in tokens")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per candidate")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats of each side (after one warm-up)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    inputs = prompts(args)
+    print(f"Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; B={args.batch} prompts of "
+          f"{args.prompt // 2}-{args.prompt} tokens, {args.new_tokens} new tokens per candidate, repetition penalty "
+          f"1.1; LoRA r=8 on q,k,v,up,down; {args.device} {args.dtype}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; median of {args.repeats} repeats\n")
+    print("| K | decoding | batched (ms) | loop of K (ms) | loop / batched | batched tokens/s |")
+    print("|---|---|---|---|---|---|")
+    for k, strategy, beams in SETTINGS:
+        mcl = build(args, k)
+        one, many = batched(mcl, inputs, strategy, beams, args), loop(mcl, inputs, strategy, beams, args)  # warm-up
+        same = all(one[i][h].token_ids == many[h][i][0].token_ids for i in range(args.batch) for h in range(k))
+        if not same:
+            raise RuntimeError(f"K={k} {strategy}: the batched and the looped hypotheses decoded different tokens")
+        times = {"batched": [], "loop": []}
+        for _ in range(args.repeats):
+            times["batched"].append(timed(batched, mcl, inputs, strategy, beams, args))
+            times["loop"].append(timed(loop, mcl, inputs, strategy, beams, args))
+        fused, looped = statistics.median(times["batched"]), statistics.median(times["loop"])
+        label = "greedy" if beams == 1 else f"beam {beams}/hypothesis"
+        tokens = k * args.batch * args.new_tokens
+        print(f"| {k} | {label} | {fused * 1000:.0f} | {looped * 1000:.0f} | {looped / fused:.2f} | "
+              f"{tokens / fused:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

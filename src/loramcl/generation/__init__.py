@@ -1,0 +1,40 @@
+"""Decoding: K candidates per input from an MCL model, and the single-model baselines, with one API.
+
+    from loramcl.generation import generate_hypotheses, equal_budget
+    outs = generate_hypotheses(model, tokenizer, ["a prompt", ...], strategy="beam", num_beams=2,
+                               max_new_tokens=64, repetition_penalty=1.1)
+    outs[i][k].text, outs[i][k].log_prob   # candidate k of input i
+
+- ``decoding``: ``generate_hypotheses`` (all K hypotheses of an ``MCLModel`` in one batched ``generate``, or a
+  single model's beam search / diverse beam search / sampling / test-time augmentation), ``equal_budget``
+  (beam sizes at an equal forward budget, paper §4.1), ``Candidate``.
+- ``diverse_beam``: diverse (group) beam search, gone from transformers' core since 4.57.
+- ``augment``: SpecAugment time/frequency masking of audio features, for test-time augmentation.
+- ``cli``: ``loramcl generate``.
+
+The names load on first use, so that ``loramcl --help`` does not import torch.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "generate_hypotheses": "loramcl.generation.decoding", "equal_budget": "loramcl.generation.decoding",
+    "EqualBudget": "loramcl.generation.decoding", "Candidate": "loramcl.generation.decoding",
+    "tokenize_prompts": "loramcl.generation.decoding",
+    "generate_diverse_beam": "loramcl.generation.diverse_beam",
+    "spec_augment": "loramcl.generation.augment",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'loramcl.generation' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -1,0 +1,154 @@
+"""`loramcl generate`: the function's signature and docstring are its CLI (jsonargparse).
+
+torch and transformers load inside the function, so `loramcl --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+
+from loramcl.metrics.io import read_jsonl
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def generate(
+    model: str,
+    input: str,
+    out: str = "preds.jsonl",
+    adapters: str | None = None,
+    tokenizer: str | None = None,
+    strategy: str = "greedy",
+    num_beams: int | None = None,
+    budget: int | None = None,
+    num_sequences: int | None = None,
+    hypotheses: list[int] | None = None,
+    max_new_tokens: int = 64,
+    repetition_penalty: float = 1.0,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    typical_p: float = 1.0,
+    seed: int = 0,
+    num_beam_groups: int | None = None,
+    diversity_penalty: float | None = None,
+    augment: str | None = None,
+    batch_size: int = 8,
+    prompt_key: str = "prompt",
+    chat_template: bool = False,
+    dtype: str = "float32",
+    device: str = "cpu",
+) -> str:
+    """Decode K candidates per prompt of a JSONL file; write them as `loramcl evaluate` reads predictions.
+
+    With MCL adapters, candidate k is hypothesis k's output (all hypotheses decoded in one batched generate per
+    batch). With a PEFT adapter or none, the model is a single-model baseline and needs --num_sequences K.
+
+    Args:
+        model: local folder of the base model (transformers format; a causal or a sequence-to-sequence LM).
+        input: JSONL, one object per prompt: {"id": ..., "prompt": "..."} ("id" optional: the line's index).
+        out: output JSONL, one line per prompt: {"id", "candidates": [K texts], "log_probs": [K floats]} (+
+            "hypotheses" for an MCL model). log_probs: sum of the generated tokens' log-probabilities under the
+            model's raw distribution (before repetition penalty, temperature or filtering).
+        adapters: a folder written by MCLModel.save_pretrained / MCLTrainer (MCL hypotheses), or a PEFT adapter
+            folder (a LoRA-MLE baseline); none: the base model itself.
+        tokenizer: tokenizer folder (default: the model folder).
+        strategy: MCL: greedy, beam, sample. Single model: beam, diverse_beam, sample, tta.
+        num_beams: beams (MCL: per hypothesis; tta: per perturbed context; beam/diverse_beam: in all).
+        budget: instead of num_beams, a forward budget B: beam B for a single model, B/K per MCL hypothesis or
+            tta context (paper §4.1).
+        num_sequences: K candidates per prompt for a single-model baseline.
+        hypotheses: MCL hypotheses to decode, e.g. [2, 0] (default: all, in order).
+        max_new_tokens: maximum generated tokens per candidate.
+        repetition_penalty: the paper decodes with 1.1.
+        temperature: sampling temperature.
+        top_k: sampling: keep the k most likely tokens (0: no limit).
+        top_p: sampling: nucleus mass (1.0: no limit).
+        typical_p: sampling: typical-decoding mass (1.0: no limit).
+        seed: sampling and augmentation seed; batch b uses seed + b.
+        num_beam_groups: diverse_beam: groups (default K).
+        diversity_penalty: diverse_beam: λ of the Hamming diversity term (the paper: 0.8 or 1.0).
+        augment: tta: "package.module:function", a function (inputs, k) -> perturbed inputs.
+        batch_size: prompts per generate call (an MCL model decodes K x batch_size rows at once).
+        prompt_key: field of the input lines holding the prompt.
+        chat_template: wrap each prompt as a user message with the tokenizer's chat template.
+        dtype: float32, bfloat16 or float16.
+        device: e.g. cpu, cuda, cuda:1.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from loramcl.generation.decoding import generate_hypotheses, tokenize_prompts
+    from loramcl.model import CONFIG_NAME, MCLModel, load_mcl_model
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    ids, prompts = _read_prompts(input, prompt_key)
+    config = AutoConfig.from_pretrained(model)
+    model_class = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    decoder = model_class.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
+    if adapters is not None:
+        if os.path.isfile(os.path.join(adapters, CONFIG_NAME)):
+            decoder = load_mcl_model(decoder, adapters)
+        elif os.path.isfile(os.path.join(adapters, "adapter_config.json")):
+            from peft import PeftModel
+
+            decoder = PeftModel.from_pretrained(decoder, adapters)
+        else:
+            raise FileNotFoundError(f"{adapters} holds neither MCL adapters ({CONFIG_NAME}) nor a PEFT adapter "
+                                    "(adapter_config.json)")
+        decoder = decoder.to(device).eval()
+    tok = AutoTokenizer.from_pretrained(tokenizer or model)
+    augment_fn = _import_function(augment) if augment else None
+
+    out_path = Path(out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    is_mcl = isinstance(decoder, MCLModel)
+    with out_path.open("w", encoding="utf-8") as f:
+        for b, start in enumerate(range(0, len(prompts), batch_size)):
+            chunk = prompts[start:start + batch_size]
+            if chat_template:
+                texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                 add_generation_prompt=True) for p in chunk]
+                batch = tokenize_prompts(decoder, tok, texts, add_special_tokens=False)
+            else:
+                batch = tokenize_prompts(decoder, tok, chunk)
+            outs = generate_hypotheses(
+                decoder, tok, batch, strategy=strategy, num_beams=num_beams, budget=budget,
+                num_sequences=num_sequences, hypotheses=hypotheses, max_new_tokens=max_new_tokens,
+                repetition_penalty=repetition_penalty, temperature=temperature, top_k=top_k, top_p=top_p,
+                typical_p=typical_p, seed=seed + b, num_beam_groups=num_beam_groups,
+                diversity_penalty=diversity_penalty, augment=augment_fn)
+            for item_id, candidates in zip(ids[start:start + batch_size], outs, strict=True):
+                record = {"id": item_id, "candidates": [c.text for c in candidates],
+                          "log_probs": [c.log_prob for c in candidates]}
+                if is_mcl and candidates[0].hypothesis is not None:
+                    record["hypotheses"] = [c.hypothesis for c in candidates]
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    per_prompt = len(outs[0])
+    print(f"{len(prompts)} prompts x {per_prompt} candidates ({strategy}): {out_path}")
+    return str(out_path)
+
+
+def _read_prompts(path: str, prompt_key: str) -> tuple[list, list[str]]:
+    records = read_jsonl(path, prompt_key, number_missing_ids=True)
+    for record in records.values():
+        if not isinstance(record[prompt_key], str):
+            raise ValueError(f'{path}: "{prompt_key}" must be a string, got {record[prompt_key]!r} '
+                             f'(id {record["id"]!r})')
+    return list(records), [record[prompt_key] for record in records.values()]
+
+
+def _import_function(path: str):
+    module_name, _, name = path.partition(":")
+    if not module_name or not name:
+        raise ValueError(f'augment must be "package.module:function", got {path!r}')
+    function = getattr(importlib.import_module(module_name), name, None)
+    if not callable(function):
+        raise ValueError(f"{path} is not a function")
+    return function

@@ -1,0 +1,82 @@
+"""`loramcl generate`: a JSONL of prompts in, the K candidates per prompt out (the format `loramcl evaluate` reads)."""
+
+import json
+
+import pytest
+import torch
+from conftest import randomize_adapters
+from jsonargparse import CLI
+from tiny_models import build_model, word_tokenizer
+from transformers import AutoModelForCausalLM
+
+from loramcl import MCLConfig, get_mcl_model, load_mcl_model
+from loramcl.generation import generate_hypotheses
+from loramcl.generation.cli import generate
+
+PROMPTS = ["w5 w6 w7", "w9", "w10 w11 w12 w13 w14"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny Llama + tokenizer folder, its MCL adapters (K=3) and hypothesis 1 exported as a PEFT adapter."""
+    root = tmp_path_factory.mktemp("generate")
+    torch.manual_seed(0)
+    base = build_model("llama")
+    base.save_pretrained(root / "base")
+    word_tokenizer().save_pretrained(root / "base")
+    mcl = get_mcl_model(base, MCLConfig(num_hypotheses=3, r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    randomize_adapters(mcl, std=0.5)
+    mcl.save_pretrained(root / "mcl")
+    mcl.export_hypothesis(1, root / "peft")
+    with open(root / "prompts.jsonl", "w") as f:
+        for i, prompt in enumerate(PROMPTS):
+            f.write(json.dumps({"id": f"p{i}", "prompt": prompt}) + "\n")
+    return root
+
+
+def read(path) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+def test_mcl_adapters_give_one_candidate_per_hypothesis(saved, capsys):
+    out = saved / "mcl_preds.jsonl"
+    CLI(generate, args=["--model", str(saved / "base"), "--adapters", str(saved / "mcl"), "--input",
+                        str(saved / "prompts.jsonl"), "--out", str(out), "--strategy", "beam", "--num_beams", "2",
+                        "--max_new_tokens", "5", "--repetition_penalty", "1.1", "--batch_size", "2"],
+        as_positional=False)
+    assert str(out) in capsys.readouterr().out
+    records = read(out)
+    assert [r["id"] for r in records] == ["p0", "p1", "p2"]
+    assert all(r["hypotheses"] == [0, 1, 2] and len(r["candidates"]) == len(r["log_probs"]) == 3 for r in records)
+
+    mcl = load_mcl_model(AutoModelForCausalLM.from_pretrained(saved / "base"), saved / "mcl")
+    outs = generate_hypotheses(mcl, word_tokenizer(), PROMPTS, strategy="beam", num_beams=2, max_new_tokens=5,
+                               repetition_penalty=1.1)
+    assert [r["candidates"] for r in records] == [[c.text for c in row] for row in outs]
+    logged = [value for r in records for value in r["log_probs"]]
+    assert logged == pytest.approx([c.log_prob for row in outs for c in row], abs=1e-4)
+
+
+def test_peft_adapter_is_a_single_model_baseline(saved):
+    out = saved / "peft_preds.jsonl"
+    generate(model=str(saved / "base"), adapters=str(saved / "peft"), input=str(saved / "prompts.jsonl"),
+             out=str(out), strategy="sample", num_sequences=4, max_new_tokens=5, top_k=10)
+    records = read(out)
+    assert all(len(r["candidates"]) == 4 and "hypotheses" not in r for r in records)
+    again = saved / "peft_preds_again.jsonl"
+    generate(model=str(saved / "base"), adapters=str(saved / "peft"), input=str(saved / "prompts.jsonl"),
+             out=str(again), strategy="sample", num_sequences=4, max_new_tokens=5, top_k=10)
+    assert read(again) == records  # seeded
+
+
+def test_bad_files_are_clear_errors(saved, tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither MCL adapters"):
+        generate(model=str(saved / "base"), adapters=str(tmp_path), input=str(saved / "prompts.jsonl"),
+                 out=str(tmp_path / "x.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "text": "w5"}\n')
+    with pytest.raises(ValueError, match='must be an object with "prompt"'):
+        generate(model=str(saved / "base"), input=str(bad), out=str(tmp_path / "x.jsonl"))
+    bad.write_text('{"prompt": ["w5"]}\n')
+    with pytest.raises(ValueError, match='"prompt" must be a string'):
+        generate(model=str(saved / "base"), input=str(bad), out=str(tmp_path / "x.jsonl"))
