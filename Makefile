@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 main: setup
-	$(VENV)/bin/loramcl demo --out runs/demo
+	$(VENV)/bin/loramcl markov --out runs/markov
 
 test: setup
 	$(VENV)/bin/pytest

@@ -12,11 +12,11 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from jsonargparse import CLI
 
-    from loramcl.demo import demo
     from loramcl.generation.cli import generate
+    from loramcl.markov.reproduce import markov
     from loramcl.metrics.cli import evaluate, plot_tradeoff
 
-    commands = {"demo": demo, "generate": generate, "evaluate": evaluate, "plot-tradeoff": plot_tradeoff}
+    commands = {"markov": markov, "generate": generate, "evaluate": evaluate, "plot-tradeoff": plot_tradeoff}
     CLI(commands, args=sys.argv[1:] if argv is None else argv, as_positional=False)
 
 
