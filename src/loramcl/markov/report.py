@@ -67,7 +67,7 @@ def _matrix(m) -> str:
 
 def markdown(report: dict) -> str:
     s = report["settings"]
-    lines = [f"# Markov mixture: LoRA-MLE vs LoRA-MCL ({s['preset']})", ""]
+    lines = [f"# Markov mixture: LoRA-MLE vs LoRA-MCL ({s['name']})", ""]
     lines.append(f"{len(report['chains']['chains'])} chains over {len(report['chains']['chains'][0])} states, "
                  f"weights {[round(w, 3) for w in report['chains']['weights']]}, sequences of "
                  f"{report['chains']['seq_len']} tokens. All losses are in nats per predicted token (the first "
@@ -153,7 +153,7 @@ def figure(report: dict, path: str) -> None:
     ax.set_ylim(report["mcl_lower"] - 0.03, top)
     ax.set_xlabel("training step")
     ax.set_ylabel("validation loss (nats / token)")
-    ax.set_title(f"Markov mixture ({report['settings']['preset']})")
+    ax.set_title(f"Markov mixture ({report['settings']['name']})")
     ax.legend(fontsize=8)
     for row, items in ((0, learned), (1, true)):
         for col, (title, matrix) in enumerate(items):

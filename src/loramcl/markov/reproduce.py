@@ -98,15 +98,16 @@ def markov(out: str = "runs/markov", preset: str = "fig2", chains: str | None = 
 
     started = time.perf_counter()
     th = theory(mixture, settings.hypotheses)
-    print(f"Markov mixture '{preset}': {mixture.num_chains} chains, {mixture.num_states} states, T={mixture.seq_len}. "
+    title = f"{mixture.name}, settings of {preset}" if chains else preset
+    print(f"Markov mixture '{title}': {mixture.num_chains} chains, {mixture.num_states} states, T={mixture.seq_len}. "
           f"Theory: MLE optimum H(x) = {th.mle_optimum:.4f}, MCL band [{th.mcl_lower:.4f}, {th.mcl_upper:.4f}] "
           "nats/token.")
     runs = []
     for seed in range(seeds):
         for name in ("mcl",) if skip_mle else ("mle", "mcl"):
             runs.append(train_run(name, mixture, settings, seed, os.path.join(out, f"{name}-seed{seed}")))
-    run_settings = {"preset": preset, "chains_file": chains, "seeds": seeds, "quick": quick, **settings.to_dict(),
-                    "notes": note, "seconds": round(time.perf_counter() - started, 1)}
+    run_settings = {"name": title, "preset": preset, "chains_file": chains, "seeds": seeds, "quick": quick,
+                    **settings.to_dict(), "notes": note, "seconds": round(time.perf_counter() - started, 1)}
     report = summarise(mixture, th, runs, run_settings)
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
