@@ -218,12 +218,12 @@ def train_run(name: str, mixture: MarkovMixture, settings: RunSettings, seed: in
     started = time.perf_counter()
     initial = trainer.evaluate()  # the step-0 point of the curve
     trainer.train()
+    evaluations = [log for log in trainer.state.log_history if "eval_loss" in log and log["step"] > 0]
+    if evaluations[-1]["step"] != settings.steps:  # Trainer evaluates the last step only when eval_every divides it
+        evaluations.append({**trainer.evaluate(), "step": settings.steps})
     seconds = time.perf_counter() - started
-    final = trainer.evaluate()
-    history = [(0, initial["eval_loss"])]
-    history += [(log["step"], log["eval_loss"]) for log in trainer.state.log_history
-                if "eval_loss" in log and 0 < log["step"] < settings.steps]
-    history.append((settings.steps, final["eval_loss"]))
+    final = evaluations[-1]
+    history = [(0, initial["eval_loss"])] + [(log["step"], log["eval_loss"]) for log in evaluations]
     device = next(p for p in model.parameters() if p.requires_grad).device
     transitions, transitions_all = learned_transitions(model, torch.from_numpy(eval_x).to(device),
                                                        mixture.num_states)
