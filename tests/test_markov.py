@@ -179,6 +179,19 @@ def test_transition_error_takes_the_best_permutation():
         transition_error(learned[:2], chains)
 
 
+def test_transition_error_equals_brute_force_over_permutations():
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        k = int(rng.integers(1, 6))
+        c, v = int(rng.integers(1, k + 1)), int(rng.integers(2, 4))
+        learned, true = rng.random((k, v, v)), rng.random((c, v, v))
+        brute = min(max(np.abs(learned[h] - true[i]).max() for i, h in enumerate(assignment))
+                    for assignment in itertools.permutations(range(k), c))
+        error, assignment = transition_error(learned, true)
+        assert error == pytest.approx(min(brute, 1.0)) and len(set(assignment)) == c
+        assert max(np.abs(learned[h] - true[i]).max() for i, h in enumerate(assignment)) == pytest.approx(error)
+
+
 class ChainPredictors:
     """A stand-in MCL model whose hypothesis k predicts exactly P_k[x_t] at every position: [N, K, T, V] logits."""
 
