@@ -4,7 +4,7 @@ The public names load on first use, so that `loramcl --help` and `loramcl.metric
 transformers.
 """
 
-import importlib
+from loramcl._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -22,14 +22,4 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'loramcl' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

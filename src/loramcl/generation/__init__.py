@@ -15,7 +15,7 @@
 The names load on first use, so that ``loramcl --help`` does not import torch.
 """
 
-import importlib
+from loramcl._lazy import lazy_exports
 
 _EXPORTS = {
     "generate_hypotheses": "loramcl.generation.decoding", "equal_budget": "loramcl.generation.decoding",
@@ -27,14 +27,4 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'loramcl.generation' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
