@@ -429,7 +429,7 @@ class _TargetProbe:
 
 
 def _batch_size(inputs: dict) -> int:
-    for name in ("input_ids", "inputs_embeds", "decoder_input_ids", "input_features", "pixel_values"):
+    for name in ("input_ids", "inputs_embeds", "decoder_input_ids", "input_features", "input_values", "pixel_values"):
         if torch.is_tensor(inputs.get(name)):
             return inputs[name].shape[0]
     raise ValueError(f"cannot tell the batch size from the inputs {sorted(inputs)}: pass input_ids or inputs_embeds")

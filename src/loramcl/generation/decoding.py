@@ -18,17 +18,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loramcl.model import MCLModel
+from loramcl.model import _NOT_PER_EXAMPLE, MCLModel, _batch_size
 
 MCL_STRATEGIES = ("greedy", "beam", "sample")
 BASELINE_STRATEGIES = ("beam", "diverse_beam", "sample", "tta")
 # generate() arguments that the strategy sets; passing them in **generate_kwargs would contradict it.
 _SET_BY_STRATEGY = frozenset({"num_beams", "do_sample", "num_return_sequences", "return_dict_in_generate",
                               "output_logits"})
-# Inputs that carry no per-example batch dimension, or whose K' copies we cannot make.
-_NOT_PER_EXAMPLE = frozenset({"cache_position"})
+# Inputs whose K' copies we cannot make.
 _UNSUPPORTED_INPUTS = frozenset({"past_key_values", "encoder_outputs"})
-_BATCH_KEYS = ("input_ids", "inputs_embeds", "input_features", "input_values", "pixel_values")
 
 
 @dataclass
@@ -328,13 +326,6 @@ def _prepare_inputs(model: nn.Module, tokenizer, inputs) -> dict:
         return value.to(parameter.device, dtype=dtype if value.is_floating_point() else None)
 
     return {name: place(value) for name, value in batch.items()}
-
-
-def _batch_size(batch: dict) -> int:
-    for name in _BATCH_KEYS:
-        if torch.is_tensor(batch.get(name)):
-            return batch[name].shape[0]
-    raise ValueError(f"cannot tell the batch size of the inputs {sorted(batch)}: pass input_ids (or inputs_embeds)")
 
 
 def _repeat_batch(batch: dict, copies: int) -> dict:
