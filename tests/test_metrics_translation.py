@@ -1,9 +1,17 @@
 """Loo-BLEU and Pairwise-BLEU (Shen et al. 2019; fairseq translation_moe/score.py semantics, sacrebleu 13a)."""
 
+import numpy as np
 import pytest
 import sacrebleu
 
-from loramcl.metrics import candidate_scores, loo_bleu, pairwise_bleu, sacrebleu_sentence
+from loramcl.metrics import (
+    candidate_scores,
+    chrf_sentence,
+    evaluate_candidates,
+    loo_bleu,
+    pairwise_bleu,
+    sacrebleu_sentence,
+)
 
 CANDIDATES = [["Le chat dort sur le canapé.", "Un chat dort sur un sofa.", "Le chat est endormi."],
               ["Il pleut sur la ville.", "La pluie tombe sur la ville.", "Il pleut beaucoup."]]
@@ -55,3 +63,16 @@ def test_sacrebleu_sentence_is_a_k1_oracle_of_sacrebleu():
     bleu = sacrebleu.metrics.BLEU(effective_order=True)
     assert scores[1, 2] == pytest.approx(bleu.sentence_score(CANDIDATES[1][2], REFERENCES[1]).score)
     assert scores[0, 0] == pytest.approx(100)
+
+
+def test_chrf_sentence_matches_sacrebleu_and_both_are_oracle_metrics_of_the_suite():
+    scores = candidate_scores(chrf_sentence, CANDIDATES, REFERENCES)["chrf"]  # [2, 3]
+    chrf = sacrebleu.metrics.CHRF()
+    for i, k in [(0, 1), (1, 2)]:
+        assert scores[i, k] == pytest.approx(chrf.sentence_score(CANDIDATES[i][k], REFERENCES[i]).score)
+    report = evaluate_candidates(CANDIDATES, REFERENCES, metrics="sacrebleu,chrf", winner_metric="chrf")
+    assert report["metrics"]["chrf"] == pytest.approx(scores.max(axis=1).mean())  # best of K, mean over items
+    bleu = candidate_scores(sacrebleu_sentence, CANDIDATES, REFERENCES)["sacrebleu"]
+    assert report["metrics"]["sacrebleu"] == pytest.approx(bleu.max(axis=1).mean())
+    assert report["specialisation"]["win_rate"] == pytest.approx(
+        (np.bincount(scores.argmax(axis=1), minlength=3) / 2).tolist())

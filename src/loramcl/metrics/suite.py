@@ -31,6 +31,8 @@ METRICS: dict[str, Metric] = {
     "spice": Metric("oracle", True, "oracle SPICE (SPICE 1.0 jar)"),
     "spider": Metric("oracle", True, "oracle SPIDEr = (CIDEr-D + SPICE) / 2 per candidate"),
     "sbert_sim": Metric("oracle", True, "oracle sBERT similarity (mean cosine to the references)"),
+    "sacrebleu": Metric("oracle", True, "oracle sentence BLEU (sacrebleu, raw text, 0-100)"),
+    "chrf": Metric("oracle", True, "oracle sentence chrF (sacrebleu, raw text, 0-100)"),
     **{f"div{n}": Metric("diversity", True, f"Div-{n}: distinct / total {n}-grams among the K") for n in range(1, 5)},
     **{f"mbleu{n}": Metric("diversity", False, f"mBLEU-{n}: BLEU-{n} of each candidate vs the K-1 others")
        for n in range(1, 5)},
@@ -47,7 +49,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "translation": ("loo_bleu", "pairwise_bleu"),  # paper App. H.6
 }
 
-NEEDS_PTB = {name for name, m in METRICS.items() if m.kind in ("oracle", "diversity")}
+RAW_TEXT = {"sacrebleu", "chrf"}  # sacrebleu tokenizes (or not) on its own
+NEEDS_PTB = {name for name, m in METRICS.items() if m.kind in ("oracle", "diversity")} - RAW_TEXT
 
 
 def resolve_metrics(metrics: str | Sequence[str], exclude: str | Sequence[str] = ()) -> list[str]:
@@ -170,6 +173,11 @@ def evaluate_candidates(
             matrices |= timed("spice", candidate_scores, quality.spice, cands_tok, refs_tok, spice_dir=spice_dir)
         if "spider" in names:
             matrices["spider"] = (matrices["cider_d"] + matrices["spice"]) / 2
+        if "sacrebleu" in names:
+            matrices |= timed("sacrebleu", candidate_scores, translation.sacrebleu_sentence, candidates, references,
+                              tokenize=bleu_tokenize)
+        if "chrf" in names:
+            matrices |= timed("chrf", candidate_scores, translation.chrf_sentence, candidates, references)
         if "sbert_sim" in names:
             matrices |= timed("sbert_sim", candidate_scores, quality.sbert_sim, cands_tok, refs_tok,
                               model=sbert_model, batch_size=sbert_batch_size)
@@ -198,7 +206,7 @@ def evaluate_candidates(
         values |= {"oracle_nll": likelihood["oracle_nll"], "oracle_ppl": likelihood["oracle_ppl"]}
 
     # Specialisation: which hypothesis wins each item under one candidate-level metric.
-    if winner_metric == "sacrebleu":
+    if winner_metric == "sacrebleu" and "sacrebleu" not in matrices:
         matrices |= timed("sacrebleu", candidate_scores, translation.sacrebleu_sentence, candidates, references,
                           tokenize=bleu_tokenize)
     higher_is_better = METRICS[winner_metric].higher_is_better if winner_metric in METRICS else True

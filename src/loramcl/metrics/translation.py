@@ -66,3 +66,14 @@ def sacrebleu_sentence(
     scorer = BLEU(tokenize=tokenize, effective_order=True)
     pairs = zip(candidates, references, strict=True)
     return {"sacrebleu": np.array([scorer.sentence_score(c, list(r)).score for c, r in pairs])}
+
+
+def chrf_sentence(candidates: Sequence[str], references: Sequence[Sequence[str]]) -> dict[str, np.ndarray]:
+    """Sentence chrF of sacrebleu (character 6-grams, beta 2, 0-100) per candidate against its references: a
+    sentence metric for `candidate_scores`, robust to the rich morphology and short outputs of translation."""
+    check_pairs(candidates, references)
+    from sacrebleu.metrics import CHRF
+
+    scorer = CHRF()
+    pairs = zip(candidates, references, strict=True)
+    return {"chrf": np.array([scorer.sentence_score(c, list(r)).score for c, r in pairs])}
