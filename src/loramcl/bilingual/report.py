@@ -1,0 +1,215 @@
+"""The bilingual experiment's report: quality and diversity per system, who wins each language, the language of each
+hypothesis's outputs, embedding probes, and the training curves (paper Table 7, Fig. 4-5, App. H.5)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+
+from loramcl.data.gettext_pairs import LANGUAGES
+
+IDENTIFIER_EXAMPLES = 3000  # per language, from the training split
+EXAMPLES_SHOWN = 6
+
+
+def _read(path: Path) -> list[dict]:
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train_identifier(train: list[dict], test: list[dict], seed: int = 0):
+    """Character n-gram identifier of fr / de / en, fit on training targets and English sources; its accuracy on
+    the test references and sources (never seen in training: the split is by English message)."""
+    from loramcl.analysis import LanguageIdentifier, evaluate_identifier
+
+    rng = random.Random(seed)
+    texts, labels = [], []
+    for lang in LANGUAGES:
+        rows = [r["target"] for r in train if r["lang"] == lang]
+        chosen = rng.sample(rows, min(IDENTIFIER_EXAMPLES, len(rows)))
+        texts += chosen
+        labels += [lang] * len(chosen)
+    sources = rng.sample([r["source"] for r in train], min(IDENTIFIER_EXAMPLES, len(train)))
+    identifier = LanguageIdentifier().fit(texts + sources, labels + ["en"] * len(sources))
+    check_texts = [t for r in test for lang in LANGUAGES for t in r[lang]] + [r["source"] for r in test]
+    check_labels = [lang for r in test for lang in LANGUAGES for _ in r[lang]] + ["en"] * len(test)
+    return identifier, evaluate_identifier(identifier, check_texts, check_labels)
+
+
+def language_wins(candidates: list[list[str]], test: list[dict]) -> dict:
+    """Per reference language, which hypothesis's candidate is closest (sentence chrF) to that language's
+    references: the paper's Table 7 (which picks the winner with BLEU-4)."""
+    from loramcl.metrics import candidate_scores, chrf_sentence, win_rates
+
+    scores, groups = [], []
+    for lang in LANGUAGES:
+        scores.append(candidate_scores(chrf_sentence, candidates, [r[lang] for r in test])["chrf"])
+        groups += [lang] * len(test)
+    return win_rates(np.concatenate(scores), groups)
+
+
+def _curves(root: Path, runs: tuple[str, ...], out: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_win) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for run in runs:
+        log = json.loads((root / run / "train_log.json").read_text())
+        train = [(e["step"], e["loss"]) for e in log if "loss" in e]
+        evals = [(e["step"], e["eval_loss"]) for e in log if "eval_loss" in e]
+        line, = ax_loss.plot(*zip(*train, strict=True), label=f"{run} (train)") if train else (None,)
+        if evals:
+            ax_loss.plot(*zip(*evals, strict=True), "o--", color=line.get_color() if line else None,
+                         label=f"{run} (validation, WTA)")
+        wins = [(e["step"], e["win_rate_h0"]) for e in log if "win_rate_h0" in e]
+        if run != "mle" and wins:
+            ax_win.plot(*zip(*wins, strict=True), label=run)
+    ax_loss.set(xlabel="step", ylabel="NLL per target token (nats)", title="Loss")
+    ax_win.set(xlabel="step", ylabel="share of the batch won by h0", ylim=(-0.02, 1.02),
+               title="Training win rate of hypothesis 0")
+    ax_win.axhline(0.5, color="grey", lw=0.5)
+    for ax in (ax_loss, ax_win):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return str(out)
+
+
+def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> dict:
+    from loramcl.analysis import embed, hypothesis_probe, language_shares, pca_plot
+    from loramcl.metrics import evaluate_candidates
+    from loramcl.metrics.io import load_nll, to_jsonable
+
+    test = _read(root / "data" / "test.jsonl")
+    train = _read(root / "data" / "train.jsonl")
+    references = [r["references"] for r in test]
+    identifier, identifier_accuracy = train_identifier(train, test)
+    runs = tuple(dict.fromkeys(s.run for s in systems))
+    run_info = {run: json.loads((root / run / "run.json").read_text()) for run in runs}
+
+    results: dict[str, dict] = {}
+    outputs: dict[str, list[list[str]]] = {}
+    for system in systems:
+        predictions = {p["id"]: p["candidates"] for p in _read(root / "predictions" / f"{system.name}.jsonl")}
+        candidates = [predictions[r["id"]] for r in test]
+        outputs[system.name] = candidates
+        nll = load_nll(root / "nll" / f"{system.run}.jsonl", [r["id"] for r in test])
+        report = evaluate_candidates(candidates, references, metrics=metrics, nll=nll, winner_metric="chrf")
+        report.pop("candidate_scores")
+        shares = language_shares(candidates, identifier, languages=list(LANGUAGES))
+        shares.pop("predictions")
+        results[system.name] = {"system": system.__dict__, "metrics": report["metrics"],
+                                "likelihood": report["likelihood"], "language_wins": language_wins(candidates, test),
+                                "languages": shares, "timing_s": report["timing_s"]}
+
+    probes, figures = {}, {"curves": _curves(root, runs, root / "figures" / "training.png")}
+    for name in probed:
+        candidates = outputs[name]
+        flat = [c for cands in candidates for c in cands]
+        vectors = embed(flat).reshape(len(candidates), len(candidates[0]), -1)
+        mask = np.array([[bool(c.strip()) for c in cands] for cands in candidates])
+        probes[name] = hypothesis_probe(vectors, mask=mask)
+        predicted = np.array(identifier.predict(flat)).reshape(mask.shape)
+        by_hypothesis = pca_plot(vectors, root / "figures" / f"pca-{name}.png", mask=mask,
+                                 title=f"{name}: candidates by hypothesis")
+        by_language = pca_plot(vectors, root / "figures" / f"pca-{name}-language.png", mask=mask,
+                               colours_by=predicted, label_names=sorted(set(predicted.ravel())),
+                               title=f"{name}: candidates by identified language")
+        probes[name]["explained_variance"] = by_hypothesis["explained_variance"]
+        figures[f"pca-{name}"] = by_hypothesis["path"]
+        figures[f"pca-{name}-language"] = by_language["path"]
+
+    examples = [{"source": r["source"], "fr": r["fr"][0], "de": r["de"][0],
+                 **{name: outputs[name][i] for name in probed}} for i, r in enumerate(test[:EXAMPLES_SHOWN])]
+    report = to_jsonable({"identifier": identifier_accuracy, "systems": results, "probes": probes,
+                          "runs": run_info, "figures": figures, "examples": examples,
+                          "num_test_items": len(test)})
+    (root / "report.md").write_text(markdown(report), encoding="utf-8")
+    return report
+
+
+def _inline(text: str, limit: int = 90) -> str:
+    """One markdown line: newlines shown as ⏎, backticks made quotes, long text cut."""
+    text = text.replace("\n", "⏎").replace("`", "'")
+    return f"`{text[:limit]}{'…' if len(text) > limit else ''}`" if text.strip() else "(empty)"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def markdown(report: dict) -> str:
+    systems = report["systems"]
+    lines = ["# SmolLM2-135M on an ambiguous translation task (English -> French or German)", "",
+             f"{report['num_test_items']} test messages, each with its French and German human translations as "
+             "references. K = 2 candidates per message for every system.", "",
+             "## Runs", "", "| run | K | rank | loss | steps x batch | trainable | seconds |",
+             "|---|---:|---:|---|---|---:|---:|"]
+    for run, info in report["runs"].items():
+        mcl, arguments = info["arguments"]["mcl"], info["arguments"]
+        loss = {"wta": "WTA", "relaxed": f"relaxed ε={mcl['epsilon']:g}",
+                "annealed": f"annealed τ0={mcl['temperature0']:g}, ρ={mcl['temperature_decay']:g}"}[mcl["loss"]]
+        loss = "MLE" if mcl["num_hypotheses"] == 1 else loss
+        lines.append(f"| {run} | {mcl['num_hypotheses']} | {mcl['r']} | {loss} | {arguments['steps']} x "
+                     f"{arguments['batch_size']} | {info['trainable_parameters']:,} | {info['seconds']:.0f} |")
+
+    lines += ["", "## Quality and diversity at equal forward budget", "",
+              "Oracle = best of the K candidates per message, against all references of both languages. "
+              "mBLEU-4: lower is more diverse. Oracle NLL: references' NLL under the best hypothesis "
+              "(nats per token; one number per trained run).", "",
+              "| system | budget | oracle BLEU | oracle chrF | mBLEU-4 | Div-2 | oracle NLL | both FR and DE |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, result in systems.items():
+        m, lik = result["metrics"], result["likelihood"]
+        lines.append(f"| {name} | {result['system']['budget']} | {m['sacrebleu']:.2f} | {m['chrf']:.2f} | "
+                     f"{m['mbleu4']:.3f} | {m['div2']:.3f} | {lik['oracle_nll']:.3f} | "
+                     f"{_pct(result['languages']['both_languages'])}% |")
+
+    lines += ["", "## Which hypothesis wins each reference language (paper Table 7)", "",
+              "For each test message and each language, the candidate closest to that language's reference "
+              "(sentence chrF) wins; ties go to h0.", "",
+              "| system | reference | h0 | h1 | ties (both languages) |", "|---|---|---:|---:|---:|"]
+    for name, result in systems.items():
+        wins = result["language_wins"]
+        for lang in LANGUAGES:
+            rates = wins["by_group"][lang]["win_rate"]
+            lines.append(f"| {name} | {lang} | {_pct(rates[0])} | {_pct(rates[1])} | "
+                         f"{_pct(wins['tie_rate'])} |")
+
+    identified = report["identifier"]["per_language"]
+    per_language = ", ".join(f"{lang}: {_pct(v['accuracy'])}%" for lang, v in identified.items())
+    lines += ["", "## Language of each hypothesis's outputs", "",
+              f"Identified by a character n-gram classifier trained on the training split; on the test references "
+              f"and sources it is right {_pct(report['identifier']['accuracy'])}% of the time ({per_language}).", "",
+              "| system | hypothesis | fr | de | en | other/empty | majority |", "|---|---|---:|---:|---:|---:|---|"]
+    for name, result in systems.items():
+        shares = result["languages"]
+        for k, share in enumerate(shares["per_hypothesis"]):
+            rest = 1 - sum(share.get(lang, 0.0) for lang in ("fr", "de", "en"))
+            lines.append(f"| {name} | h{k} | {_pct(share.get('fr', 0))} | {_pct(share.get('de', 0))} | "
+                         f"{_pct(share.get('en', 0))} | {_pct(rest)} | {shares['majority'][k]} "
+                         f"({_pct(shares['majority_share'][k])}%) |")
+
+    lines += ["", "## Embedding probes (App. H.5)", "",
+              "A linear SVM predicts the hypothesis from the candidate's all-MiniLM-L6-v2 embedding (70/30 split by "
+              "message); a PCA of the embeddings shows the same.", "",
+              "| system | SVM test accuracy | chance | PC1, PC2 variance |", "|---|---:|---:|---|"]
+    for name, probe in report["probes"].items():
+        variance = ", ".join(f"{100 * v:.1f}%" for v in probe["explained_variance"])
+        lines.append(f"| {name} | {_pct(probe['accuracy'])}% | {_pct(probe['chance'])}% | {variance} |")
+    lines += ["", "Figures: " + ", ".join(f"`{Path(p).name}`" for p in report["figures"].values()), "",
+              "## Examples", ""]
+    for example in report["examples"]:
+        lines.append(f"- **{_inline(example['source'])}** (fr: {_inline(example['fr'])} / de: "
+                     f"{_inline(example['de'])})")
+        for name, candidates in example.items():
+            if name not in ("source", "fr", "de"):
+                lines.append(f"  - {name}: " + " · ".join(f"h{k}: {_inline(c)}" for k, c in enumerate(candidates)))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,52 @@
+"""`loramcl bilingual --quick`: the whole recipe (real SmolLM2-135M, real catalogs) on a few examples and steps,
+then again to check that finished stages are reused."""
+
+import json
+import math
+
+import pytest
+
+from loramcl.bilingual.reproduce import RUNS, SYSTEMS, bilingual
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bilingual")
+    return out, bilingual(out=str(out), quick=True, threads=2)
+
+
+def test_quick_recipe_writes_every_output(quick):
+    out, report = quick
+    assert set(report["systems"]) == {s.name for s in SYSTEMS} and set(report["runs"]) == set(RUNS)
+    for name, result in report["systems"].items():
+        for metric in ("sacrebleu", "chrf", "mbleu4", "div2"):
+            assert math.isfinite(result["metrics"][metric]), (name, metric)
+        assert math.isfinite(result["likelihood"]["oracle_nll"])
+        for share in result["languages"]["per_hypothesis"]:
+            assert sum(share.values()) == pytest.approx(1.0)
+        assert set(result["language_wins"]["by_group"]) == {"fr", "de"}
+    assert report["runs"]["mle"]["trainable_parameters"] == report["runs"]["mcl-relaxed"]["trainable_parameters"]
+    # the identifier is trained and checked on the real catalogs, so its accuracy means something even here
+    assert report["identifier"]["accuracy"] > 0.9
+    for path in report["figures"].values():
+        assert (out / "figures" / path.rsplit("/", 1)[-1]).stat().st_size > 1000
+    markdown = (out / "report.md").read_text()
+    assert "paper Table 7" in markdown and "SVM test accuracy" in markdown
+    assert json.loads((out / "report.json").read_text())["systems"].keys() == report["systems"].keys()
+
+
+def test_a_second_run_reuses_the_finished_stages(quick):
+    out, first = quick
+    again = bilingual(out=str(out), quick=True, threads=2)
+    assert set(again["timing_s"]) == {"convert model", "evaluate and report", "runs"}  # nothing retrained or decoded
+    name = "mcl-annealed-greedy-b2"
+    assert again["systems"][name]["metrics"] == first["systems"][name]["metrics"]
+
+
+def test_systems_compare_at_equal_forward_budget():
+    decoding = {s.name: s.decoding(2) for s in SYSTEMS}
+    assert decoding["mle-beam-b4"] == {"num_sequences": 2, "num_beams": 4}
+    assert decoding["mle-dbs-b2"] == {"num_sequences": 2, "num_beams": 2, "num_beam_groups": 2,
+                                      "diversity_penalty": 0.8}
+    assert decoding["mcl-annealed-beam-b4"] == {"num_beams": 2}  # 2 beams x 2 hypotheses = 4
+    assert decoding["mcl-relaxed-greedy-b2"] == {}  # 1 x 2 = 2
