@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from loramcl.bilingual.reproduce import RUNS, SYSTEMS, bilingual
+from loramcl.bilingual.reproduce import RUNS, SYSTEMS, _run_stamp, bilingual
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,8 @@ def test_a_second_run_reuses_the_finished_stages(quick):
     out, first = quick
     again = bilingual(out=str(out), quick=True, threads=2)
     assert set(again["timing_s"]) == {"convert model", "evaluate and report", "runs"}  # nothing retrained or decoded
+    for run in RUNS:  # each run records the dataset it was trained on: a rebuilt dataset retrains it
+        assert (out / run / "data.stamp").read_text() == _run_stamp(out / "data", "stats.json")
     name = "mcl-annealed-greedy-b2"
     assert again["systems"][name]["metrics"] == first["systems"][name]["metrics"]
 

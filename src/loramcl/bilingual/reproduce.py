@@ -97,7 +97,7 @@ def bilingual(out: str = "runs/bilingual", quick: bool = False, budgets: list[in
               device: str = "cpu") -> dict:
     """Train LoRA-MLE and LoRA-MCL (K = 2) to translate English UI messages to French or German, and report.
 
-    Writes to `out`: the converted model, data/, one folder per run (adapters, logs), predictions/, eval/,
+    Writes to `out`: the converted model, data/, one folder per run (adapters, logs), predictions/, nll/,
     figures/, report.json and report.md. Finished stages are reused when their settings are unchanged.
 
     Args:
@@ -120,6 +120,9 @@ def bilingual(out: str = "runs/bilingual", quick: bool = False, budgets: list[in
     from loramcl.generation.cli import generate
     from loramcl.models import convert_smollm2
 
+    known = sorted({s.budget for s in SYSTEMS})
+    if budgets is not None and (not budgets or set(budgets) - set(known)):
+        raise ValueError(f"budgets must be a non-empty subset of {known}, got {budgets}")
     if threads is not None:
         torch.set_num_threads(threads)
     folder = _recipes_folder(recipes)
@@ -139,19 +142,20 @@ def bilingual(out: str = "runs/bilingual", quick: bool = False, budgets: list[in
     if not _same_settings(data / "stats.json", asdict(data_settings)):
         stage("build data", build_dataset, data, data_settings)
 
+    data_stamp = _run_stamp(data, "stats.json")  # a rebuilt dataset invalidates the runs trained on the old one
     for run in RUNS:
         values = recipe(folder, run, root, quick)
         mcl = MCLConfig.from_dict(values.pop("mcl"))
-        if not _trained_with(root / run, values | {"mcl": mcl.to_dict()}):
+        stamp = root / run / "data.stamp"
+        if not (_trained_with(root / run, values | {"mcl": mcl.to_dict()})
+                and stamp.is_file() and stamp.read_text() == data_stamp):
             stage(f"train {run}", train, mcl=mcl, threads=threads, **values)
+            stamp.write_text(data_stamp)
 
     model = str(root / MODEL_FOLDER)
     test = str(data / "test.jsonl")
     predictions = root / "predictions"
     decoding = DECODING | (QUICK_DECODING if quick else {})
-    known = sorted({s.budget for s in SYSTEMS})
-    if budgets is not None and (not budgets or set(budgets) - set(known)):
-        raise ValueError(f"budgets must be a non-empty subset of {known}, got {budgets}")
     systems = tuple(s for s in SYSTEMS if budgets is None or s.budget in budgets)
     for system in systems:
         path = predictions / f"{system.name}.jsonl"
@@ -180,9 +184,9 @@ def bilingual(out: str = "runs/bilingual", quick: bool = False, budgets: list[in
     return report
 
 
-def _run_stamp(folder: Path) -> str:
-    """Identifies a finished training run (its run.json holds the wall time to 0.1 s), so outputs decoded from an
-    older run of the same name are not reused."""
+def _run_stamp(folder: Path, name: str = "run.json") -> str:
+    """Identifies a finished stage by the hash of its record (a run's run.json holds its wall time to 0.1 s), so
+    outputs made from an older run or dataset of the same name are not reused."""
     import hashlib
 
-    return hashlib.sha256((folder / "run.json").read_bytes()).hexdigest()[:16]
+    return hashlib.sha256((folder / name).read_bytes()).hexdigest()[:16]
