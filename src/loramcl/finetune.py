@@ -73,7 +73,7 @@ def train(
     import torch
     from transformers import AutoTokenizer, PrinterCallback, TrainingArguments, set_seed
 
-    from loramcl.data.prompts import PairDataset, collate, encode_pairs, read_pairs
+    from loramcl.data.prompts import PairDataset, collate, encode_pairs, pad_token_id, read_pairs
     from loramcl.generation.cli import load_model
     from loramcl.model import get_mcl_model
     from loramcl.trainer import MCLTrainer
@@ -83,7 +83,7 @@ def train(
     if threads is not None:
         torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
 
     def dataset(path: str, limit: int | None = None) -> PairDataset:
         _, prompts, targets = read_pairs(path, prompt_key, target_key)
@@ -166,7 +166,7 @@ def nll(
     import torch
     from transformers import AutoTokenizer
 
-    from loramcl.data.prompts import collate, encode_pairs, read_pairs
+    from loramcl.data.prompts import collate, encode_pairs, pad_token_id, read_pairs
     from loramcl.generation.cli import load_model
     from loramcl.model import MCLModel
 
@@ -175,7 +175,7 @@ def nll(
         raise ValueError(f"{adapters} is not an MCL adapters folder: `loramcl nll` scores the K hypotheses of an "
                          "MCL (or K = 1 MLE) run of `loramcl train`")
     tokenizer = AutoTokenizer.from_pretrained(model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
     ids, prompts, references = read_pairs(input, prompt_key, references_key)
     references = [[r] if isinstance(r, str) else list(r) for r in references]
     owner = [i for i, refs in enumerate(references) for _ in refs]

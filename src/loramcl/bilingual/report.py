@@ -15,11 +15,6 @@ IDENTIFIER_EXAMPLES = 3000  # per language, from the training split
 EXAMPLES_SHOWN = 6
 
 
-def _read(path: Path) -> list[dict]:
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def train_identifier(train: list[dict], test: list[dict], seed: int = 0):
     """Character n-gram identifier of fr / de / en, fit on training targets and English sources; its accuracy on
     the test references and sources (never seen in training: the split is by English message)."""
@@ -88,10 +83,10 @@ def _curves(root: Path, runs: tuple[str, ...], out: Path) -> str:
 def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> dict:
     from loramcl.analysis import embed, hypothesis_probe, language_shares, pca_plot
     from loramcl.metrics import evaluate_candidates
-    from loramcl.metrics.io import load_nll, to_jsonable
+    from loramcl.metrics.io import load_nll, read_jsonl, to_jsonable
 
-    test = _read(root / "data" / "test.jsonl")
-    train = _read(root / "data" / "train.jsonl")
+    test = list(read_jsonl(root / "data" / "test.jsonl", "references").values())
+    train = list(read_jsonl(root / "data" / "train.jsonl", "target").values())
     references = [r["references"] for r in test]
     identifier, identifier_accuracy = train_identifier(train, test)
     runs = tuple(dict.fromkeys(s.run for s in systems))
@@ -100,8 +95,8 @@ def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> 
     results: dict[str, dict] = {}
     outputs: dict[str, list[list[str]]] = {}
     for system in systems:
-        predictions = {p["id"]: p["candidates"] for p in _read(root / "predictions" / f"{system.name}.jsonl")}
-        candidates = [predictions[r["id"]] for r in test]
+        predictions = read_jsonl(root / "predictions" / f"{system.name}.jsonl", "candidates")
+        candidates = [predictions[r["id"]]["candidates"] for r in test]
         outputs[system.name] = candidates
         nll = load_nll(root / "nll" / f"{system.run}.jsonl", [r["id"] for r in test])
         report = evaluate_candidates(candidates, references, metrics=metrics, nll=nll, winner_metric="chrf")

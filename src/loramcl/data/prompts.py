@@ -70,6 +70,11 @@ class PairDataset(torch.utils.data.Dataset):
         return self.rows[i]
 
 
+def pad_token_id(tokenizer) -> int:
+    """The tokenizer's padding id, else its end-of-sequence id (padding is masked out either way)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def collate(rows: list[dict[str, list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-pad a batch: input_ids with pad_token_id, labels with -100, attention_mask 0 on padding."""
     width = max(len(r["input_ids"]) for r in rows)
