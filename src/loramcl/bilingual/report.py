@@ -94,6 +94,7 @@ def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> 
 
     results: dict[str, dict] = {}
     outputs: dict[str, list[list[str]]] = {}
+    languages: dict[str, np.ndarray] = {}
     for system in systems:
         predictions = read_jsonl(root / "predictions" / f"{system.name}.jsonl", "candidates")
         candidates = [predictions[r["id"]]["candidates"] for r in test]
@@ -102,7 +103,7 @@ def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> 
         report = evaluate_candidates(candidates, references, metrics=metrics, nll=nll, winner_metric="chrf")
         report.pop("candidate_scores")
         shares = language_shares(candidates, identifier, languages=list(LANGUAGES))
-        shares.pop("predictions")
+        languages[system.name] = np.array(shares.pop("predictions"))  # [N, K] identified language per candidate
         results[system.name] = {"system": system.__dict__, "metrics": report["metrics"],
                                 "likelihood": report["likelihood"], "language_wins": language_wins(candidates, test),
                                 "languages": shares, "timing_s": report["timing_s"]}
@@ -114,7 +115,7 @@ def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> 
         vectors = embed(flat).reshape(len(candidates), len(candidates[0]), -1)
         mask = np.array([[bool(c.strip()) for c in cands] for cands in candidates])
         probes[name] = hypothesis_probe(vectors, mask=mask)
-        predicted = np.array(identifier.predict(flat)).reshape(mask.shape)
+        predicted = languages[name]
         by_hypothesis = pca_plot(vectors, root / "figures" / f"pca-{name}.png", mask=mask,
                                  title=f"{name}: candidates by hypothesis")
         by_language = pca_plot(vectors, root / "figures" / f"pca-{name}-language.png", mask=mask,
