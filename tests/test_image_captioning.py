@@ -164,3 +164,113 @@ def test_an_anyres_batch_of_different_sizes_scores_as_each_example_alone(tmp_pat
         together = mcl(**collate_captions(rows, pad)).nll  # [3, K]
         alone = torch.cat([mcl(**collate_captions([r], pad)).nll for r in rows])  # [3, K]
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+
+
+LM_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|up_proj|down_proj)"
+
+
+def write_tiny_recipe(tmp_path: Path) -> Path:
+    """A tiny random LLaVA-NeXT and its processor saved as a model folder, TextCaps-layout files, and a recipe folder
+    (experiment.yaml, common.yaml, one file per run: LoRA-MCL K = 3, LoRA-MLE, LoRA-MoE) using them."""
+    import yaml
+    from tiny_models import build_model, llava_next_processor
+
+    write_textcaps(tmp_path / "textcaps")
+    build_model("llava_next").save_pretrained(tmp_path / "model")
+    llava_next_processor().save_pretrained(tmp_path / "model")
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    files = {
+        "experiment.yaml": {"textcaps": "../textcaps", "images": "../textcaps/images", "budgets": [3, 6],
+                            "metrics": "bleu4,cider_d,div2,mbleu4", "decoding": {"max_new_tokens": 5}},
+        "common.yaml": {"model": "../model", "training": {"learning_rate": 1e-3}},
+        "mcl.yaml": {"mcl": {"num_hypotheses": 3, "r": 2, "alpha": 8, "target_modules": LM_TARGETS,
+                             "loss": "relaxed", "epsilon": 0.1}},
+        "mle.yaml": {"mcl": {"num_hypotheses": 1, "r": 6, "alpha": 24, "target_modules": LM_TARGETS}},
+        "moe.yaml": {"method": "moe", "moe": {"num_experts": 3, "r": 2, "alpha": 8, "target_modules": LM_TARGETS}},
+    }
+    for name, content in files.items():
+        (recipes / name).write_text(yaml.safe_dump(content))
+    return recipes
+
+
+def test_quick_recipe_runs_end_to_end_and_reuses_its_stages(tmp_path):
+    """`loramcl image-captioning --quick` on the tiny model: data -> train MCL, MLE, MoE -> decode every system at
+    the smallest budget (MCL greedy; MLE and MoE beam and diverse beam with both λ) -> evaluate -> report; a second
+    call reuses every stage."""
+    from loramcl.captioning.reproduce import image_captioning
+    from loramcl.metrics.io import read_jsonl
+
+    recipes = write_tiny_recipe(tmp_path)
+    out = tmp_path / "out"
+    report = image_captioning(out=str(out), recipes=str(recipes), quick=True)
+    names = {"mcl-greedy-b3", "mle-beam-b3", "mle-diversebeam0.8-b3", "mle-diversebeam1-b3", "moe-beam-b3",
+             "moe-diversebeam0.8-b3", "moe-diversebeam1-b3"}
+    assert set(report["systems"]) == names
+    test = read_jsonl(out / "data" / "test.jsonl", "references")
+    assert [len(r["references"]) for r in test.values()] == [3, 2, 1]  # every reference of each image
+    mcl = read_jsonl(out / "predictions" / "mcl-greedy-b3.jsonl", "candidates")
+    assert list(mcl) == list(test) and all(r["hypotheses"] == [0, 1, 2] for r in mcl.values())
+    for name in names:
+        predictions = read_jsonl(out / "predictions" / f"{name}.jsonl", "candidates")
+        assert all(len(r["candidates"]) == 3 for r in predictions.values())
+        assert {"cider_d", "bleu4", "mbleu4", "div2"} <= set(report["systems"][name]["metrics"])
+    assert json.loads((out / "mle" / "run.json").read_text())["train_examples"] == 6  # one per (image, reference)
+    assert "CIDEr-D" in (out / "report.md").read_text() and (out / "figures" / "quality_diversity.png").is_file()
+    again = image_captioning(out=str(out), recipes=str(recipes), quick=True)
+    assert set(again["timing_s"]) == {"evaluate and report", "runs"}  # nothing trained or decoded again
+
+
+def llava_v16_vicuna_7b_config():
+    """LLaVA-1.6-Vicuna-7B's architecture (llava-hf/llava-v1.6-vicuna-7b-hf's config.json), written out: no file or
+    weights are needed to build it."""
+    from transformers import LlavaNextConfig
+
+    return LlavaNextConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096,
+                           num_hidden_layers=24, num_attention_heads=16, image_size=336, patch_size=14,
+                           projection_dim=768),
+        text_config=dict(model_type="llama", vocab_size=32064, hidden_size=4096, intermediate_size=11008,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                         max_position_embeddings=4096),
+        image_token_index=32000, vision_feature_layer=-2,
+        image_grid_pinpoints=[[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]])
+
+
+def test_paper_scale_recipe_files_load_and_build_the_model_from_a_config(tmp_path):
+    """recipes/image_captioning/textcaps: every file parses into its typed settings, and each run's method wraps
+    LLaVA-1.6-Vicuna-7B built from its config on the meta device (no weights): adapters on q/k/v/up/down of the
+    language model only, the tower and projector frozen and shared at decoding, MCL and MLE at equal trainable
+    count (App. H.2)."""
+    from transformers import LlavaNextForConditionalGeneration
+
+    from loramcl.captioning.reproduce import COMMON, EXPERIMENT, Experiment, method_settings, run_values, systems_of
+    from loramcl.config import TrainConfig
+    from loramcl.finetune import method_model
+    from loramcl.recipe.files import run_names
+
+    folder = Path(__file__).resolve().parents[1] / "recipes" / "image_captioning" / "textcaps"
+    experiment = Experiment.read(folder / EXPERIMENT)
+    assert (experiment.candidates, experiment.budgets, experiment.test_split) == (3, [3, 6], "val")
+    assert Path(experiment.textcaps).is_absolute()
+    runs = run_names(folder, reserved=(EXPERIMENT, COMMON))
+    assert runs == ["mcl", "mle", "moe"]
+    values = {run: run_values(folder, run, tmp_path, quick=False) for run in runs}
+    training = TrainConfig(**values["mcl"]["training"])
+    assert (training.learning_rate, training.scheduler, training.batch_size) == (2e-4, "cosine", 8)
+    assert training.warmup_steps == round(0.03 * training.steps) and values["mcl"]["dtype"] == "bfloat16"
+    assert {s.name for s in systems_of(experiment, values, [3])} >= {"mcl-greedy-b3", "mle-beam-b3",
+                                                                     "mle-diversebeam0.8-b3", "moe-diversebeam1-b3"}
+    trainable = {}
+    for run in runs:
+        method, config = method_settings(values[run])
+        with torch.device("meta"):
+            model = method_model(LlavaNextForConditionalGeneration(llava_v16_vicuna_7b_config()), method, config)
+        assert len(model.layer_names) == 32 * 5
+        assert all(".language_model." in name and name.rsplit(".", 1)[1] in ("q_proj", "k_proj", "v_proj",
+                                                                              "up_proj", "down_proj")
+                   for name in model.layer_names)
+        assert model.shared_module_names == ["model.vision_tower", "model.multi_modal_projector"]
+        trainable[run] = model.parameter_counts()[0]
+    assert trainable["mcl"] == trainable["mle"] == 3 * 8 * 32 * (3 * (4096 + 4096) + 2 * (4096 + 11008))
+    assert trainable["moe"] > trainable["mcl"]  # the routers

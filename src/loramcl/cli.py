@@ -22,14 +22,16 @@ EXIT_USAGE, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
 def commands() -> dict:
     """{name: function} of every `loramcl` command (light imports: torch loads inside the functions)."""
     from loramcl.bilingual.reproduce import bilingual
+    from loramcl.captioning.reproduce import image_captioning
     from loramcl.finetune import nll, train
     from loramcl.generation.cli import generate
     from loramcl.markov.reproduce import markov
     from loramcl.metrics.cli import evaluate, plot_tradeoff
     from loramcl.models import convert_smollm2_command
 
-    return {"markov": markov, "bilingual": bilingual, "train": train, "generate": generate, "nll": nll,
-            "evaluate": evaluate, "plot-tradeoff": plot_tradeoff, "convert-smollm2": convert_smollm2_command}
+    return {"markov": markov, "bilingual": bilingual, "image-captioning": image_captioning, "train": train,
+            "generate": generate, "nll": nll, "evaluate": evaluate, "plot-tradeoff": plot_tradeoff,
+            "convert-smollm2": convert_smollm2_command}
 
 
 def main(argv: list[str] | None = None) -> None:

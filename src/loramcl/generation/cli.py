@@ -155,16 +155,21 @@ def generate(
 
 
 def load_model(model: str, adapters: str | None = None, dtype: str = "float32", device: str = "cpu"):
-    """A local transformers model (causal or sequence-to-sequence) in eval mode, with MCL adapters (an MCLModel),
-    a PEFT adapter (a PeftModel) or none."""
+    """A local transformers model (causal, sequence-to-sequence, or image-text-to-text such as LLaVA-NeXT) in eval
+    mode, with MCL adapters (an MCLModel), a PEFT adapter (a PeftModel) or none."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
     from loramcl.model import CONFIG_NAME, load_mcl_model
 
     check_choice("dtype", dtype, DTYPES)
     config = AutoConfig.from_pretrained(model)
-    model_class = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    if getattr(config, "vision_config", None) is not None:
+        model_class = AutoModelForImageTextToText
+    elif getattr(config, "is_encoder_decoder", False):
+        model_class = AutoModelForSeq2SeqLM
+    else:
+        model_class = AutoModelForCausalLM
     loaded = model_class.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
     if adapters is None:
         return loaded

@@ -40,11 +40,18 @@ def loss_name(mcl: dict) -> str:
 
 
 def runs_table(records: dict[str, dict]) -> list[str]:
-    """One row per trained run (its run.json): K, rank, loss, steps x batch, trainable parameters, seconds."""
+    """One row per trained run (its run.json): K, rank, loss, steps x batch, trainable parameters, seconds. A
+    baseline's row names its method: LoRA-MoE (K: its experts, one model), multi-head MCL (rank: –)."""
     lines = ["| run | K | rank | loss | steps x batch | trainable | seconds |", "|---|---:|---:|---|---|---:|---:|"]
     for run, record in records.items():
-        mcl, training = record["settings"]["mcl"], record["settings"]["training"]
-        lines.append(f"| {run} | {mcl['num_hypotheses']} | {mcl['r']} | {loss_name(mcl)} | {training['steps']} x "
+        settings = record["settings"]
+        method = settings.get("method", "mcl")
+        config, training = settings[method], settings["training"]
+        if method == "moe":
+            k, loss = f"{config['num_experts']} experts", "MoE (NLL)"
+        else:
+            k, loss = config["num_hypotheses"], loss_name(config) + (" (multi-head)" if method == "multihead" else "")
+        lines.append(f"| {run} | {k} | {config.get('r', '–')} | {loss} | {training['steps']} x "
                      f"{training['batch_size']} | {record['trainable_parameters']:,} | {record['seconds']:.0f} |")
     return lines
 
