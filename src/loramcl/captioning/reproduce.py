@@ -262,10 +262,11 @@ def caption(model: str, adapters: str, test: Path, out: Path, arguments: dict, b
 def image_captioning(out: str | None = None, recipes: str | None = None, quick: bool = False,
                      budgets: list[int] | None = None, stop_after: str | None = None, threads: int | None = None,
                      device: str = "cpu") -> dict:
-    """Image captioning with reading comprehension (paper §4.3, Table 3): train LoRA-MLE, LoRA-MCL (K = 3) and the
-    baselines of a recipe folder on TextCaps, decode K captions per image at equal forward budgets (MCL: beam B/K per
-    hypothesis; single models: beam B and diverse beam search), score them (`loramcl evaluate --metrics
-    captioning`), plot quality against diversity, and report.
+    """Image captioning on TextCaps (paper §4.3, Table 3): train, decode at equal budget, score and report.
+
+    Trains the runs of a recipe folder (LoRA-MLE, LoRA-MCL K = 3, LoRA-MoE), decodes K captions per image at equal
+    forward budgets (MCL: beam B/K per hypothesis; single models: beam B and diverse beam search), scores them
+    (`loramcl evaluate --metrics captioning`), plots quality against diversity, and reports.
 
     Writes to `out`: data/, one folder per run (adapters, logs), predictions/, figures/, report.json and report.md.
     Finished stages are reused when their settings are unchanged; an interrupted training resumes.
