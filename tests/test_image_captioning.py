@@ -83,6 +83,14 @@ def test_training_examples_per_reference_or_one_drawn_per_image_and_epoch(tmp_pa
     assert len({tuple(d) for d in epochs}) > 1
     with pytest.raises(ValueError, match="per_image"):
         CaptionTrainingSet(images, per_image="some")
+    # finetune.fit tells the dataset Trainer's epoch at each epoch's start (resumed mid-epoch too)
+    import types
+
+    from loramcl.finetune import _epoch_callback
+
+    for epoch, expected in ((0, 0), (1.0, 1), (2.5, 2)):
+        _epoch_callback(one).on_epoch_begin(None, types.SimpleNamespace(epoch=epoch), None)
+        assert one.epoch == expected
 
 
 def test_reader_errors_name_the_file_and_the_item(tmp_path):

@@ -306,7 +306,7 @@ def _epoch_callback(dataset) -> object:
 
     class SetEpoch(TrainerCallback):
         def on_epoch_begin(self, args, state, control, **kwargs):
-            dataset.set_epoch(int(state.epoch or 0))
+            dataset.set_epoch(int((state.epoch or 0) + 1e-6))  # 1.0 after epoch 0's last step; 1.5 when resumed
 
     return SetEpoch()
 
