@@ -76,6 +76,12 @@ class Experiment:
     """`loramcl evaluate --metrics` presets or names (the 'captioning' preset: BLEU, METEOR, ROUGE-L, CIDEr-D, SPICE
     and SPIDEr where the SPICE jars are installed, sBERT, Div-n, mBLEU-4)."""
 
+    bilingual: dict | None = None
+    """The bilingual variant (§4.3, App. H.5): `data.caption_translation.BilingualSettings` (translator: a local
+    seq2seq model folder, relative to this file; prefix, language, fraction, seed). Half the training captions become
+    French, the test set keeps the English references and their translations; the report adds which hypothesis wins
+    each reference language, the language of each hypothesis's outputs, and the embedding probes."""
+
     def __post_init__(self) -> None:
         from loramcl.data.textcaps import PER_IMAGE, SPLIT_FILES
 
@@ -101,6 +107,17 @@ class Experiment:
             isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in self.diversity_penalties),
             f"diversity_penalties must be a list of numbers >= 0, got {self.diversity_penalties!r}")
         DecodeConfig(**self.decoding)
+        if self.bilingual is not None:
+            self.bilingual_settings()
+
+    def bilingual_settings(self):
+        """The typed `bilingual:` settings, or None."""
+        from loramcl.data.caption_translation import BilingualSettings
+
+        if self.bilingual is None:
+            return None
+        _check(isinstance(self.bilingual, dict), f"bilingual must be a mapping of settings, got {self.bilingual!r}")
+        return BilingualSettings(**self.bilingual)
 
     @classmethod
     def read(cls, path: Path) -> Experiment:
@@ -114,6 +131,10 @@ class Experiment:
         for name in ("textcaps", "images"):  # relative to the recipe file, as `--config` paths are
             if isinstance(values.get(name), str) and not Path(values[name]).is_absolute():
                 values[name] = str((path.parent / values[name]).resolve())
+        translator = (values.get("bilingual") or {}).get("translator") if isinstance(values.get("bilingual"),
+                                                                                        dict) else None
+        if isinstance(translator, str) and not Path(translator).is_absolute():
+            values["bilingual"] = {**values["bilingual"], "translator": str((path.parent / translator).resolve())}
         return cls(**values)
 
 
@@ -166,9 +187,11 @@ def systems_of(experiment: Experiment, values: dict[str, dict], budgets: list[in
     return systems
 
 
-def prepare_data(out: Path, experiment: Experiment, quick: bool) -> dict:
+def prepare_data(out: Path, experiment: Experiment, quick: bool, device: str = "cpu") -> dict:
     """Read and check the TextCaps splits (every image opened), and write data/{train,test}.jsonl: {"id", "image",
-    "references"} per image."""
+    "references"} per image. The bilingual variant translates its share of the training captions and every test
+    reference (cached in <out>/../translations/), and tags them: "languages" (train), "reference_languages" (test)."""
+    from loramcl.data.caption_translation import bilingual_splits
     from loramcl.data.textcaps import SPLIT_FILES, read_textcaps
 
     splits = {}
@@ -176,14 +199,21 @@ def prepare_data(out: Path, experiment: Experiment, quick: bool) -> dict:
         images = read_textcaps(Path(experiment.textcaps) / SPLIT_FILES[split], experiment.images, captions=True)
         limit = QUICK_DATA[name] if quick else (experiment.test_images if name == "test" else None)
         splits[name] = images[:limit]
+    rows = {name: [{"id": i.image_id, "image": str(i.image_path), "references": i.references} for i in images]
+            for name, images in splits.items()}
+    bilingual = experiment.bilingual_settings()
+    if bilingual is not None:
+        rows["train"], rows["test"] = bilingual_splits(splits["train"], splits["test"], bilingual,
+                                                       out.parent / "translations" / bilingual.cache_name(), device)
     out.mkdir(parents=True, exist_ok=True)
-    for name, images in splits.items():
+    for name, lines in rows.items():
         with (out / f"{name}.jsonl").open("w", encoding="utf-8") as f:
-            for image in images:
-                f.write(json.dumps({"id": image.image_id, "image": str(image.image_path),
-                                    "references": image.references}, ensure_ascii=False) + "\n")
-    stats = {"images": {name: len(images) for name, images in splits.items()},
-             "captions": {name: sum(len(i.references) for i in images) for name, images in splits.items()}}
+            for line in lines:
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    stats = {"images": {name: len(images) for name, images in rows.items()},
+             "captions": {name: sum(len(r["references"]) for r in images) for name, images in rows.items()}}
+    if bilingual is not None:
+        stats["translated_training_captions"] = sum(lang != "en" for r in rows["train"] for lang in r["languages"])
     (out / "stats.json").write_text(json.dumps(stats, indent=1) + "\n", encoding="utf-8")
     return stats
 
@@ -310,7 +340,7 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
         for split in {experiment.train_split, experiment.test_split}}}
     for name in ("out", "decoded", "decoding", "budgets", "candidates", "diversity_penalties", "metrics"):
         data_settings.pop(name)  # decoding settings: not the data's
-    stages.run("prepare data", data / "prepare.json", data_settings, prepare_data, data, experiment, quick)
+    stages.run("prepare data", data / "prepare.json", data_settings, prepare_data, data, experiment, quick, device)
     if stop_after == "data":
         return {"data": str(data)}
 
