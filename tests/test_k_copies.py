@@ -184,3 +184,25 @@ def test_decoding_runs_a_frozen_tower_once_for_the_k_copies():
         expected = mcl.base_model(**other).logits
         mcl.share_frozen_modules = True
     torch.testing.assert_close(logits, expected, atol=0, rtol=0)
+
+
+def test_decoding_runs_an_encoder_without_adapters_once():
+    """Whisper with adapters in its decoder only: the encoder runs on the B examples, not K*B, and every
+    hypothesis decodes as it does alone."""
+    base = build_model("whisper").eval()
+    inputs, _ = build_batch("whisper", base)
+    mcl = get_mcl_model(base, MCLConfig(num_hypotheses=K, r=4, alpha=8,
+                                        target_modules=r".*decoder.*\.(q_proj|k_proj|v_proj)")).eval()
+    randomize_adapters(mcl, std=0.5)
+    assert mcl.shared_module_names == ["model.encoder"]
+    seen = []
+    mcl.base_model.get_encoder().register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((args[0] if args else kwargs["input_features"]).shape[0]),
+        with_kwargs=True)
+    settings = dict(strategy="beam", num_beams=2, max_new_tokens=4, min_new_tokens=4)
+    batched = generate_hypotheses(mcl, None, inputs, **settings)
+    assert set(seen) == {B}
+    for k in range(K):
+        alone = generate_hypotheses(mcl, None, inputs, hypotheses=[k], **settings)
+        assert [row[k].token_ids for row in batched] == [row[0].token_ids for row in alone]
+    assert any(len({tuple(c.token_ids) for c in row}) > 1 for row in batched)

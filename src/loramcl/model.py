@@ -736,6 +736,9 @@ def _shared_module_names(model: nn.Module, expansion_name: str, layer_names: lis
     ``MCLModel._run_on_one_copy`` runs them once when decoding copies of a batch too."""
     if not expansion_name:
         return []
+    # A module also used inside the expansion module (T5's `shared` embeddings are its decoder's embed_tokens) sees
+    # per-hypothesis inputs there: not shared.
+    inside = {id(module) for module in model.get_submodule(expansion_name).modules()}
     names, prefix = [], ""
     for part in expansion_name.split("."):
         for child_name, _ in model.get_submodule(prefix).named_children():
@@ -745,6 +748,8 @@ def _shared_module_names(model: nn.Module, expansion_name: str, layer_names: lis
             if output_layer_name and output_layer_name.startswith(name + "."):
                 continue
             if any(layer == name or layer.startswith(name + ".") for layer in layer_names):
+                continue
+            if id(model.get_submodule(name)) in inside:
                 continue
             names.append(name)
         prefix = f"{prefix}.{part}" if prefix else part
