@@ -39,14 +39,22 @@ def method_name(record: dict) -> str:
     return f"LoRA-MLE r={r}" if k == 1 else f"LoRA-MCL K={k} r={r}"
 
 
-def hypothesis_profile(candidates: list[list[str]], sources: list[str]) -> dict:
+def hypothesis_profile(candidates: list[list[str]], sources: list[str], references: list[list[str]],
+                       tokenize: str = "13a") -> dict:
     """Per candidate position k (hypothesis k for MCL, beam rank for a single model): mean length in words, the
-    share of untranslated candidates (the English copied) and the share showing each of FEATURES."""
+    share of untranslated candidates (the English copied), the share whose closest reference (score.py's sentence
+    BLEU+1, as #refs covered) is the item's most used translation (reference 0), and the share showing each of
+    FEATURES."""
+    from loramcl.metrics import bleu_plus_one
+
     num_candidates = len(candidates[0])
-    profile: dict = {"words": [], "untranslated": [], **{name: [] for name in FEATURES}}
+    profile: dict = {"words": [], "untranslated": [], "closest_is_first": [], **{name: [] for name in FEATURES}}
     for k in range(num_candidates):
         column = [cands[k] for cands in candidates]
         profile["words"].append(float(np.mean([len(c.split()) for c in column])))
+        profile["closest_is_first"].append(float(np.mean([
+            np.argmax([bleu_plus_one(c, r, tokenize) for r in refs]) == 0
+            for c, refs in zip(column, references, strict=True)])))
         profile["untranslated"].append(float(np.mean([c.casefold() == s.casefold() for c, s in
                                                       zip(column, sources, strict=True)])))
         for name, pattern in FEATURES.items():
@@ -84,7 +92,8 @@ def build_report(root: Path, experiment, systems, nll_table: list[str], runs: li
         results[system.name] = {"system": system.to_dict(), "method": method_name(records[system.run]),
                                 "decoding": DECODING_NAMES[system.strategy], "metrics": metrics,
                                 "best_candidate": evaluated["specialisation"]["win_rate"],
-                                "profile": hypothesis_profile(candidates, sources)}
+                                "profile": hypothesis_profile(candidates, sources, references,
+                                                              experiment.bleu_tokenize)}
 
     nll_rows = {}
     for run in nll_table:
@@ -138,16 +147,18 @@ def markdown(report: dict) -> str:
                          f"{won} |")
     lines += ["", "## What tells the K candidates apart", "",
               "Per candidate position (hypothesis k for LoRA-MCL, beam or group rank for LoRA-MLE): mean words, "
-              "untranslated share, features of German style, and how often that candidate is the best of the K "
-              "(sentence BLEU; ties to the lowest k). Shares in %.", "",
-              "| system | k | words | untranslated | " + " | ".join(FEATURES) + " | best of K |",
-              "|---|---:|---:|---:|" + "---:|" * len(FEATURES) + "---:|"]
+              "untranslated share, how often its closest reference is the most used translation (reference 0), "
+              "features of German style, and how often that candidate is the best of the K (sentence BLEU; ties to "
+              "the lowest k). Shares in %.", "",
+              "| system | k | words | untranslated | closest is ref 0 | " + " | ".join(FEATURES) + " | best of K |",
+              "|---|---:|---:|---:|---:|" + "---:|" * len(FEATURES) + "---:|"]
     for name, result in report["systems"].items():
         profile = result["profile"]
         for position in range(len(profile["words"])):
             cells = " | ".join(percent(profile[f][position]) for f in FEATURES)
             lines.append(f"| {name} | {position} | {profile['words'][position]:.2f} | "
-                         f"{percent(profile['untranslated'][position])} | {cells} | "
+                         f"{percent(profile['untranslated'][position])} | "
+                         f"{percent(profile['closest_is_first'][position])} | {cells} | "
                          f"{percent(result['best_candidate'][position])} |")
     lines += ["", "Figures: " + ", ".join(f"`{Path(p).name}`" for p in report["figures"].values()), "",
               "## Examples (the first test sources)", ""]
