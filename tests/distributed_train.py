@@ -1,11 +1,12 @@
-"""Run by test_distributed.py under `torchrun --nproc_per_node 2`: train with MCLTrainer (DDP over gloo, CPU)
-and write each rank's adapters to OUT/rank{r}.safetensors."""
+"""Run by test_distributed.py under `torchrun --nproc_per_node 2`: train with MCLTrainer (DDP over gloo, CPU),
+writing checkpoints at steps 2 and 3, and write each rank's adapters to OUT/rank{r}.safetensors."""
 
 import os
 import sys
 
 import safetensors.torch
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainingArguments
 from transformers.utils import logging
 
@@ -25,12 +26,16 @@ def main(out: str) -> None:
     data = [{"input_ids": ids, "attention_mask": torch.ones(8, dtype=torch.long), "labels": ids}
             for ids in torch.randint(3, 80, (32, 8), generator=g)]
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=3, learning_rate=1e-2,
-                             report_to=[], use_cpu=True, ddp_backend="gloo", save_strategy="no", disable_tqdm=True,
-                             logging_steps=1, seed=0)
+                             report_to=[], use_cpu=True, ddp_backend="gloo", save_strategy="steps", save_steps=2,
+                             disable_tqdm=True, logging_steps=1, seed=0)
     trainer = MCLTrainer(mcl, args=args, train_dataset=data)  # two-pass WTA: the trickiest path under DDP
     trainer.train()
     rank = trainer.args.process_index
     assert trainer.args.world_size == 2, trainer.args.world_size
+    # every adapter tensor takes part in every MCL forward: DDP must not search the graph for unused ones
+    assert isinstance(trainer.model_wrapped, DistributedDataParallel), type(trainer.model_wrapped)
+    assert trainer.model_wrapped.find_unused_parameters is False
+    assert args.ddp_find_unused_parameters is None  # the caller's arguments are left as they were
     final = mcl.adapter_state_dict()
     assert any(not torch.equal(initial[k], final[k]) for k in final), "the adapters did not train"
     safetensors.torch.save_file(final, os.path.join(out, f"rank{rank}.safetensors"))

@@ -1,4 +1,5 @@
-"""A 2-process CPU run of MCLTrainer (torchrun, gloo) ends with identical adapters on both ranks."""
+"""A 2-process CPU run of MCLTrainer (torchrun, gloo) ends with identical adapters on both ranks, without DDP's
+unused-parameter search, and its checkpoint holds both ranks' RNG states."""
 
 import os
 import subprocess
@@ -19,3 +20,8 @@ def test_two_process_training_keeps_ranks_identical(tmp_path):
     assert ranks[0].keys() == ranks[1].keys() and ranks[0]
     for key in ranks[0]:
         assert torch.equal(ranks[0][key], ranks[1][key]), key
+    # published once every rank had written into it: the rank-1 RNG state is inside, no staging folder is left
+    assert sorted(os.listdir(tmp_path / "checkpoint-2")) == sorted([
+        "mcl_adapters.safetensors", "mcl_config.json", "optimizer.pt", "rng_state_0.pth", "rng_state_1.pth",
+        "scheduler.pt", "trainer_state.json", "training_args.json"])
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-3", "rank0.safetensors", "rank1.safetensors"]

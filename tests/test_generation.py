@@ -136,8 +136,8 @@ def test_teacher_forced_rescoring_equals_the_step_log_probs(name):
     decoder = decoding._Decoder(mcl, None, kwargs, seed=None, log_probs=True, routing=1)
     with decoder._routed():
         output = mcl.generate(**batch, **kwargs, num_return_sequences=2)
-    generated = output.beam_indices >= 0  # [N, L]
-    rescored = decoder._rescore(batch, output.sequences, generated, per_input=2)
+        generated = output.beam_indices >= 0  # [N, L]
+        rescored = decoder._rescore(batch, output.sequences, generated, per_input=2)
     assert rescored == pytest.approx([c.log_prob for row in outs for c in row], abs=1e-4)
 
 

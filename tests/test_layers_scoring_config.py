@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from loramcl import MCLConfig, MCLLoraLinear
+from loramcl import DataConfig, MCLConfig, MCLLoraLinear, TrainConfig
 from loramcl.layers import HypothesisRouting
 from loramcl.scoring import aligned_targets, sequence_nll
 
@@ -105,17 +105,32 @@ def test_sequence_nll_is_the_mean_cross_entropy_of_each_example():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(num_hypotheses=0), "num_hypotheses must be an integer >= 1"),
     (dict(r=0), "r .LoRA rank. must be an integer >= 1"),
-    (dict(alpha=0), "alpha must be > 0"),
-    (dict(dropout=1.0), r"dropout must be in \[0, 1\)"),
+    (dict(alpha=0), r"alpha must be a finite number in \(0, inf\)"),
+    (dict(alpha=float("inf")), r"alpha must be a finite number in \(0, inf\).*got inf"),
+    (dict(alpha=float("nan")), "alpha must be a finite number.*got nan"),
+    (dict(alpha="8"), "alpha must be a finite number.*got '8'"),
+    (dict(num_hypotheses=True), "num_hypotheses must be an integer >= 1, got True"),  # not taken as K = 1
+    (dict(r=True), r"r \(LoRA rank\) must be an integer >= 1, got True"),
+    (dict(dropout=1.0), r"dropout must be a finite number in \[0, 1\)"),
     (dict(loss="hard"), "loss must be one of"),
-    (dict(loss="relaxed", epsilon=0.6, num_hypotheses=2), r"epsilon must be in \[0, \(K-1\)/K\] = \[0, 0.5\]"),
+    (dict(loss="relaxed", epsilon=0.6, num_hypotheses=2), r"epsilon must be in \[0, \(K-1\)/K\] = \[0, 1/2\]"),
+    # the largest accepted value is printed in full, so the message never shows a bound that is itself rejected
+    (dict(loss="relaxed", epsilon=0.6667, num_hypotheses=3), r"\[0, 2/3\] for K=3 \(at most 0.6666666666666666\)"),
     (dict(loss="relaxed", epsilon=0.05, num_hypotheses=1), "With one hypothesis"),
-    (dict(epsilon=-0.1), "epsilon must be >= 0"),
-    (dict(temperature0=0), "temperature0 must be > 0"),
-    (dict(temperature_decay=1.5), r"temperature_decay must be in \(0, 1\]"),
-    (dict(temperature_min=-1), "temperature_min must be >= 0"),
+    (dict(epsilon=-0.1), r"epsilon must be a finite number in \[0, inf\)"),
+    (dict(epsilon=float("nan")), "epsilon must be a finite number.*got nan"),
+    (dict(temperature0=0), r"temperature0 must be a finite number in \(0, inf\)"),
+    (dict(temperature0=float("inf")), "temperature0 must be a finite number.*got inf"),
+    (dict(temperature_decay=1.5), r"temperature_decay must be a finite number in \(0, 1\]"),
+    (dict(temperature_min=-1), r"temperature_min must be a finite number in \[0, inf\)"),
     (dict(target_modules=[]), "target_modules must be"),
     (dict(adapter_dtype="fp8"), "adapter_dtype must be one of"),
+    (dict(layers_to_transform=[-1]), "layers_to_transform must be"),
+    (dict(layers_to_transform=True), "layers_to_transform must be"),
+    (dict(layers_pattern="layers"), "set layers_to_transform too"),
+    (dict(target_modules=r".*q_proj", layers_to_transform=[0]), "regular expression"),
+    (dict(exclude_modules=[]), "exclude_modules must be"),
+    (dict(use_rslora="yes"), "use_rslora must be True or False"),
 ])
 def test_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -128,3 +143,18 @@ def test_config_round_trip_and_unknown_fields():
     assert MCLConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match=r"unknown MCLConfig fields \['rank'\]"):
         MCLConfig.from_dict({"rank": 4})
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: TrainConfig(steps=0), "steps must be an integer >= 1, got 0"),
+    (lambda: TrainConfig(batch_size=True), "batch_size must be an integer >= 1, got True"),
+    (lambda: TrainConfig(learning_rate=float("nan")), "learning_rate must be a finite number"),
+    (lambda: TrainConfig(save_every=-1), "save_every must be an integer >= 0"),
+    (lambda: TrainConfig(keep_checkpoints=0), "keep_checkpoints must be an integer >= 1"),
+    (lambda: DataConfig(train_file=""), "train_file must be a non-empty string"),
+    (lambda: DataConfig(train_file="a.jsonl", max_length=1), "max_length must be an integer >= 2"),
+    (lambda: DataConfig(train_file="a.jsonl", chat_template="yes"), "chat_template must be true or false"),
+])
+def test_run_settings_validation(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()

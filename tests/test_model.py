@@ -3,12 +3,10 @@
 import pytest
 import torch
 from conftest import peft_reference, wrapped_model
-from tiny_models import CASES, build_batch, build_model
+from tiny_models import ARCHITECTURES, CASES, build_batch, build_model
 
 from loramcl import MCLConfig, get_mcl_model
 from loramcl.scoring import sequence_nll
-
-ARCHITECTURES = list(CASES)
 
 
 def _decoder_inputs(mcl, inputs, labels):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
+
+from loramcl.inputs import LocalPath
 
 LossName = Literal["wta", "relaxed", "annealed"]
 LOSS_NAMES: tuple[str, ...] = ("wta", "relaxed", "annealed")
@@ -59,6 +62,22 @@ class MCLConfig:
     """dtype of the adapter tensors and their matmuls: 'float32' (as PEFT does by default, so bf16/fp16 bases
     still train stable adapters) or 'base' (the frozen layer's dtype)."""
 
+    use_rslora: bool = False
+    """Rank-stabilised LoRA (as PEFT's ``use_rslora``): scale the adapter output by alpha / sqrt(r) instead of
+    alpha / r, so that larger ranks keep learning at the same rate."""
+
+    exclude_modules: list[str] | str | None = None
+    """Layers that never get adapters even when ``target_modules`` matches them, matched as PEFT matches
+    ``exclude_modules``: a list of names (exact or '.'-suffix) or a regular expression string (full match)."""
+
+    layers_to_transform: list[int] | int | None = None
+    """Only the transformer blocks with these indices get adapters (PEFT's ``layers_to_transform``): the index is
+    the number after the blocks' list name in the layer path (e.g. 'model.layers.3.self_attn.q_proj' is block 3)."""
+
+    layers_pattern: list[str] | str | None = None
+    """With ``layers_to_transform``: the name of the blocks' list (e.g. 'layers', 'h') when the default
+    search for it is ambiguous, as PEFT's ``layers_pattern``."""
+
     def __post_init__(self) -> None:
         if isinstance(self.target_modules, tuple | set):
             self.target_modules = sorted(self.target_modules)
@@ -90,29 +109,100 @@ class MCLConfig:
                "target_modules must be None, a non-empty list of layer names, a regular expression string or "
                f"'all-linear', got {self.target_modules!r}")
 
+        for name in ("exclude_modules", "layers_pattern"):
+            value = getattr(self, name)
+            if isinstance(value, tuple | set):
+                value = sorted(value)
+                setattr(self, name, value)
+            _check(value is None or (isinstance(value, str) and value) or (
+                isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)),
+                f"{name} must be None, a non-empty list of names or a regular expression string, got {value!r}")
+        layers = self.layers_to_transform
+        if isinstance(layers, tuple | set):
+            self.layers_to_transform = layers = sorted(layers)
+        _check(layers is None or _is_index(layers) or (
+            isinstance(layers, list) and layers and all(_is_index(i) for i in layers)),
+            f"layers_to_transform must be None, a block index >= 0 or a non-empty list of them, got {layers!r}")
+        _check(layers is None or not isinstance(self.target_modules, str) or self.target_modules == "all-linear",
+               "layers_to_transform cannot be used with a regular expression target_modules (as in PEFT): "
+               "write the block indices into the expression, or give target_modules as a list of names")
+        _check(self.layers_pattern is None or layers is not None,
+               "layers_pattern names the list of blocks that layers_to_transform indexes: set layers_to_transform "
+               "too, or leave layers_pattern out")
+        _check(isinstance(self.use_rslora, bool), f"use_rslora must be True or False, got {self.use_rslora!r}")
+
     @property
     def scaling(self) -> float:
-        return self.alpha / self.r
+        return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict) -> MCLConfig:
+        _refuse_peft_only_options(values)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         _check(not unknown, f"unknown MCLConfig fields {unknown}; known fields are {sorted(known)}")
         return cls(**values)
 
 
+# PEFT LoraConfig options that MCLConfig does not take, with what to do instead: a PEFT user's habit gets an
+# answer, not "unexpected keyword argument".
+PEFT_ONLY_OPTIONS: dict[str, str] = {
+    "use_dora": "DoRA (weight-decomposed LoRA) is not supported: LoRA-MCL hypotheses are plain LoRA adapters",
+    "modules_to_save": "modules_to_save is not supported: only the K LoRA hypotheses train, every base weight "
+                       "stays frozen (a fully trained module would be shared by all hypotheses)",
+    "trainable_token_indices": "trainable token embeddings are not supported: adapters wrap linear layers only",
+    "target_parameters": "target_parameters (LoRA on raw parameters, e.g. MoE experts) is not supported: "
+                         "adapters wrap nn.Linear and Conv1D layers",
+    "rank_pattern": "per-layer ranks are not supported: every adapted layer has rank r",
+    "alpha_pattern": "per-layer alphas are not supported: every adapted layer has alpha",
+    "layer_replication": "layer_replication is not supported",
+    "lora_bias": "a trainable LoRA bias is not supported",
+    "bias": "bias training is not supported: the base biases stay frozen (PEFT's bias='none')",
+    "use_qalora": "QA-LoRA is not supported, nor are quantized base layers",
+    "loftq_config": "LoftQ initialisation is not supported, nor are quantized base layers",
+    "init_lora_weights": "only PEFT's default LoRA initialisation is supported (A Kaiming-uniform, B zero)",
+    "fan_in_fan_out": "fan_in_fan_out is not needed: transformers Conv1D layers are recognised by their class",
+    "task_type": "task_type is not needed: the model class decides (export_hypothesis writes the task type "
+                 "that suits it)",
+    "lora_alpha": "the LoRA scaling numerator is called alpha in MCLConfig",
+    "lora_dropout": "the adapter dropout is called dropout in MCLConfig",
+}
+
+
+def _refuse_peft_only_options(values: dict) -> None:
+    given = [name for name in values if name in PEFT_ONLY_OPTIONS]
+    if given:
+        raise ValueError("MCLConfig does not take these PEFT LoraConfig options: " + "; ".join(
+            f"{name!r}: {PEFT_ONLY_OPTIONS[name]}" for name in given))
+
+
+def _refusing_peft_only_options(init):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:
+        _refuse_peft_only_options(kwargs)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+MCLConfig.__init__ = _refusing_peft_only_options(MCLConfig.__init__)
+
+
+def _is_index(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where a run's prompt -> target pairs come from and how they are tokenized (`loramcl train --data.*`)."""
 
-    train_file: str
+    train_file: LocalPath
     """JSONL, one {"prompt": ..., "target": ...} object per line (field names: prompt_key, target_key)."""
 
-    validation_file: str | None = None
+    validation_file: LocalPath | None = None
     """JSONL like train_file, scored every `training.eval_every` steps (WTA loss, NLL and win rate per hypothesis)."""
 
     prompt_key: str = "prompt"
@@ -125,7 +215,8 @@ class DataConfig:
     """Wrap the prompt as a user message with the tokenizer's chat template (decoding must then do the same)."""
 
     max_length: int = 128
-    """Pairs longer than this (tokens) lose the end of their target."""
+    """Pairs longer than this (tokens) lose the end of their target (an encoder-decoder: prompt and target each at
+    most this long; a longer prompt is refused)."""
 
     eval_examples: int | None = 128
     """Validation examples used (the first ones; None: all)."""

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-STACKED, SINGLE, INDEXED = "stacked", "single", "indexed"
+STACKED, SINGLE, INDEXED, DISABLED = "stacked", "single", "indexed", "disabled"
 
 
 @dataclass
@@ -24,6 +24,10 @@ class HypothesisRouting:
     - ``single``: every row uses ``hypothesis``;
     - ``indexed``: row group i uses ``index[i]`` (a LongTensor); a layer seeing n*len(index) rows gives
       each index entry n consecutive rows (e.g. [B*T, d] inputs, or beams kept inside their row).
+      ``per_copy``: the entries are identical copies of one batch (decoding K hypotheses at once), so every
+      layer's rows split evenly among them, even where the rows per example vary (image patches); otherwise
+      they are examples, whose rows the model checks (``MCLModel``);
+    - ``disabled``: the adapters are off, every row runs the frozen base layer only.
 
     The routing stays as set after a forward, so activation checkpointing recomputes with the same one.
     """
@@ -31,6 +35,8 @@ class HypothesisRouting:
     mode: str = STACKED
     hypothesis: int = 0
     index: torch.Tensor | None = None
+    per_copy: bool = False
+    rows: int | None = None  # stacked: the K*B rows the K copies of the batch made (set where they are made)
 
 
 def linear_features(layer: nn.Module) -> tuple[int, int]:
@@ -44,13 +50,15 @@ def linear_features(layer: nn.Module) -> tuple[int, int]:
 
 
 class MCLLoraLinear(nn.Module):
-    """``base(x) + (alpha / r) * dropout(x) @ A_k @ B_k`` with k the hypothesis of each row.
+    """``base(x) + (alpha / r) * dropout(x) @ A_k @ B_k`` with k the hypothesis of each row (alpha / sqrt(r) with
+    ``use_rslora``).
 
     ``base_layer`` is an ``nn.Linear`` or a transformers ``Conv1D`` (GPT-2), kept frozen inside.
     """
 
     def __init__(self, base_layer: nn.Module, routing: HypothesisRouting, num_hypotheses: int, r: int,
-                 alpha: float, dropout: float = 0.0, adapter_dtype: torch.dtype | None = None) -> None:
+                 alpha: float, dropout: float = 0.0, adapter_dtype: torch.dtype | None = None,
+                 use_rslora: bool = False) -> None:
         super().__init__()
         in_features, out_features = linear_features(base_layer)
         self.base_layer = base_layer
@@ -58,7 +66,7 @@ class MCLLoraLinear(nn.Module):
         self.num_hypotheses = num_hypotheses
         self.in_features, self.out_features = in_features, out_features
         self.r = r
-        self.scaling = alpha / r
+        self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r  # rsLoRA (Kalajdzievski 2023): alpha/sqrt(r)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         weight = base_layer.weight
         dtype = adapter_dtype or weight.dtype
@@ -73,6 +81,10 @@ class MCLLoraLinear(nn.Module):
             self.lora_A.uniform_(-bound, bound)
             self.lora_B.zero_()
 
+    def adapter_tensors(self) -> dict[str, nn.Parameter]:
+        """The trained tensors, by their name in this layer: what the adapter files hold and load freezes."""
+        return {"lora_A": self.lora_A, "lora_B": self.lora_B}
+
     @property
     def weight(self) -> torch.Tensor:  # models read e.g. `self.wo.weight.dtype` (T5)
         return self.base_layer.weight
@@ -83,6 +95,8 @@ class MCLLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         result = self.base_layer(x, *args, **kwargs)  # [..., d_out]
+        if self.routing.mode == DISABLED:
+            return result
         h = self.dropout(x).to(self.lora_A.dtype)  # [rows, ..., d_in]
         delta = self._adapter_delta(h)  # [rows, ..., d_out]
         return result + (delta * self.scaling).to(result.dtype)
@@ -96,6 +110,11 @@ class MCLLoraLinear(nn.Module):
         if routing.mode == STACKED:
             if rows % self.num_hypotheses:
                 raise RuntimeError(f"stacked routing needs K*B rows (K={self.num_hypotheses}), got {rows}")
+            if h.dim() >= 3 and routing.rows and rows != routing.rows and h.shape[1] == routing.rows:
+                raise RuntimeError(
+                    f"this layer sees [{rows}, {h.shape[1]}, ...] while the K copies of the batch are {routing.rows} "
+                    "rows: the batch is on dimension 1 (a time-first layout, as in XLNet or FSMT), and LoRA-MCL "
+                    "routes the rows of dimension 0. Such models are not supported.")
             grouped = h.reshape(self.num_hypotheses, -1, d_in)  # [K, B*T, d_in], hypothesis-major
             return torch.bmm(torch.bmm(grouped, self.lora_A), self.lora_B).reshape(out_shape)
         if routing.mode == INDEXED:

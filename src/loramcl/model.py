@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
+import importlib
+import inspect
 import json
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,11 +29,12 @@ import safetensors.torch
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import ModelOutput
 
 from loramcl.config import MCLConfig
-from loramcl.layers import INDEXED, SINGLE, STACKED, HypothesisRouting, MCLLoraLinear, linear_features
+from loramcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting, MCLLoraLinear, linear_features
 from loramcl.losses import mcl_loss
 from loramcl.scoring import IGNORE_INDEX, aligned_targets, check_targets, mean_token_nll
 
@@ -38,9 +43,67 @@ WEIGHTS_NAME = "mcl_adapters.safetensors"
 FORMAT_VERSION = 1
 PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
 
-# Keyword inputs that never carry a batch dimension even when their first size happens to equal B.
+# Models of the baselines: method in mcl_config.json -> "module:function(base_model, path, saved, tensors,
+# is_trainable)" rebuilding the model from checked files; imported on use (loramcl.baselines sits above this module).
+_BASELINE_LOADERS = {"moe": "loramcl.baselines.moe:load_from_files",
+                     "multihead": "loramcl.baselines.multihead:load_from_files"}
+# Keyword inputs that never carry a batch dimension even when one of their sizes happens to equal B.
 _NOT_PER_EXAMPLE = frozenset({"cache_position"})
 _ADAPTABLE = (nn.Linear, Conv1D)
+
+
+def _batch_dim(name: str | None, value: torch.Tensor) -> int:
+    """The dimension of a per-example model input that runs over the examples.
+
+    transformers' inputs are batch-first, except multimodal rotary positions (M-RoPE, Qwen2-VL and its
+    successors): ``position_ids`` of shape [3 or 4, B, T]. This is the rule transformers itself applies when it
+    copies inputs for beam search (``GenerationMixin._expand_inputs_for_generation``).
+    """
+    return 1 if name is not None and name.endswith("position_ids") and value.dim() == 3 else 0
+
+
+def repeat_examples(value, copies: int, batch: int, name: str | None = None):
+    """``copies`` copies of a model input, copy-major: copy c of a batch-first tensor [B, ...] is rows
+    c*B ... (c+1)*B - 1 of the result [copies*B, ...]. The one K-copy rule (DESIGN decision 9), for any input:
+
+    - dicts, lists, tuples and ``ModelOutput``s: every element (e.g. Gemma3's dict of attention masks);
+    - a tensor: repeated along its batch dimension (``_batch_dim``), except when it has size 1 there while
+      B > 1 (broadcast over the batch, e.g. positions [1, T]) or is named in ``_NOT_PER_EXAMPLE``. A tensor
+      whose first size is not B holds per-example items flattened over the batch in example order (Qwen2-VL's
+      image patches [N, d] with ``image_grid_thw`` [n_images, 3]; all images or crops of a LLaVA batch):
+      repeating it copy-major keeps copy c's items in the order of copy c's placeholder tokens;
+    - anything else (None, numbers, strings, an empty cache) as it is. A cache holding past keys and values is
+      refused: its layout is the model's own.
+    """
+    if copies == 1:
+        return value
+    if torch.is_tensor(value):
+        if value.dim() == 0 or name in _NOT_PER_EXAMPLE:
+            return value
+        dim = _batch_dim(name, value)
+        size = value.shape[dim]
+        if size == 1 and batch != 1:
+            return value
+        if dim != 0 and size != batch:
+            raise ValueError(f"input {name!r} of shape {tuple(value.shape)} should have the batch ({batch}) on "
+                             f"dimension {dim}: its K copies cannot be made")
+        return value.repeat(*(copies if d == dim else 1 for d in range(value.dim())))
+    if isinstance(value, ModelOutput):
+        return type(value)(**{key: repeat_examples(item, copies, batch, key) for key, item in value.items()})
+    if isinstance(value, dict):
+        return type(value)((key, repeat_examples(item, copies, batch, key)) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        items = [repeat_examples(item, copies, batch, name) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuples too
+    if isinstance(value, Cache) and value.get_seq_length() > 0:
+        raise ValueError(f"input {name!r} is a cache of past keys and values: its K copies cannot be made; run the "
+                         "hypotheses on the full inputs instead")
+    return value
+
+
+class RowsPerExampleUnknown(RuntimeError):
+    """Rows of an adapted module cannot be assigned to examples (e.g. a different number of image patches per
+    example in a vision tower), so one hypothesis per example cannot be routed there."""
 
 
 @dataclass
@@ -84,8 +147,12 @@ class MCLModel(nn.Module):
         self.training_step = 0  # optimizer step, for the annealed temperature; MCLTrainer keeps it current
         self._pending = _PendingForward()
         self._explicit_routing = 0
-        self._merged = False
+        self._adapters_disabled = 0
+        self._detached: str | None = None  # how the adapters left the base model: 'merged in place' / 'unloaded'
+        self._main_rows: int | None = None  # rows of the base model's main input in the current call
+        self._base_requires_grad: list[tuple[nn.Parameter, bool]] = []  # the base's flags before it was frozen
         self.expansion_module_name = _expansion_module_name(model, layer_names)
+        self.branch_names = _branch_names(model, self.expansion_module_name, layer_names)
         output_layer = _output_layer(model)
         self._output_layer_name = next((n for n, m in model.named_modules() if m is output_layer), None)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -118,11 +185,18 @@ class MCLModel(nn.Module):
     # ---- routing ----------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def use_hypotheses(self, hypotheses: int | torch.Tensor) -> Iterator[None]:
-        """Run the base model with hypothesis ``k`` on every row (an int), or with ``index[i]`` on row i
-        (a LongTensor); e.g. ``with model.use_hypotheses(1): model.generate(...)``."""
+    def use_hypotheses(self, hypotheses: int | torch.Tensor, copies: bool = False) -> Iterator[None]:
+        """Run the base model with hypothesis ``k`` on every row (an int), or with ``index[i]`` on example i
+        (a LongTensor); e.g. ``with model.use_hypotheses(1): model.generate(...)``.
+
+        ``copies=True``: the batch is ``len(index)`` identical copies of one batch, copy-major (as
+        ``repeat_examples`` makes them), and copy c runs hypothesis ``index[c]``. This routes every adapted layer,
+        including towers whose rows per example vary; one hypothesis per example is checked and may be refused
+        there (``RowsPerExampleUnknown``).
+        """
+        self._check_usable()
         saved = copy.copy(self.routing)
-        self._set_routing(hypotheses, rows=None)
+        self._set_routing(hypotheses, rows=None, copies=copies)
         self._explicit_routing += 1
         try:
             yield
@@ -130,20 +204,42 @@ class MCLModel(nn.Module):
             self._explicit_routing -= 1
             vars(self.routing).update(vars(saved))  # the same object: every layer holds it
 
-    def _set_routing(self, hypotheses: int | torch.Tensor | None, rows: int | None) -> None:
+    @contextlib.contextmanager
+    def disable_adapters(self) -> Iterator[None]:
+        """Run the frozen base model, every hypothesis off (as PEFT's ``disable_adapter``), e.g. for a reference
+        pass: inside the block, ``model(**inputs, labels=labels)`` returns the base model's ``nll`` [B] and
+        ``model.generate(...)`` decodes with the base model."""
+        self._check_usable()
+        saved = copy.copy(self.routing)
+        self.routing.mode, self.routing.index = DISABLED, None
+        self._explicit_routing += 1
+        self._adapters_disabled += 1
+        try:
+            yield
+        finally:
+            self._adapters_disabled -= 1
+            self._explicit_routing -= 1
+            vars(self.routing).update(vars(saved))
+
+    def _set_routing(self, hypotheses: int | torch.Tensor | None, rows: int | None, copies: bool = False) -> None:
         routing, k_max = self.routing, self.num_hypotheses
+        routing.per_copy, routing.rows, self._main_rows = False, None, None
         if hypotheses is None:
             routing.mode, routing.index = STACKED, None
-        elif isinstance(hypotheses, int):
+        elif isinstance(hypotheses, int) and not isinstance(hypotheses, bool):
             self._check_hypothesis(hypotheses)
             routing.mode, routing.hypothesis, routing.index = SINGLE, hypotheses, None
-        elif torch.is_tensor(hypotheses):
+        elif torch.is_tensor(hypotheses) and not hypotheses.is_floating_point():
             index = hypotheses.flatten().long()
             if rows is not None and index.numel() != rows:
                 raise ValueError(f"hypotheses must give one hypothesis per example ({rows}), got {index.numel()}")
             if index.numel() == 0 or int(index.min()) < 0 or int(index.max()) >= k_max:
                 raise ValueError(f"hypothesis indices must be in [0, {k_max - 1}], got {hypotheses.tolist()}")
-            routing.mode, routing.index = INDEXED, index.to(self._adapter_device())
+            if bool((index == index[0]).all()):  # one hypothesis for every row: no per-row routing to check
+                routing.mode, routing.hypothesis, routing.index = SINGLE, int(index[0]), None
+            else:
+                routing.mode, routing.index = INDEXED, index.to(self._adapter_device())
+                routing.per_copy = copies
         else:
             raise TypeError(f"hypotheses must be None, an int or a LongTensor, got {type(hypotheses).__name__}")
 
@@ -153,13 +249,17 @@ class MCLModel(nn.Module):
                              f"(0..{self.num_hypotheses - 1})")
 
     def _adapter_device(self) -> torch.device:
-        return self.base_model.get_submodule(self.layer_names[0]).lora_A.device
+        return next(iter(self.base_model.get_submodule(self.layer_names[0]).adapter_tensors().values())).device
 
     # ---- hooks ------------------------------------------------------------------------------------------
 
     def _install_hooks(self) -> None:
         expansion = self.base_model.get_submodule(self.expansion_module_name)
+        self._hooks.append(self.base_model.register_forward_pre_hook(self._record_main_rows, with_kwargs=True))
         self._hooks.append(expansion.register_forward_pre_hook(self._expand_rows, with_kwargs=True))
+        for name in self.branch_names:
+            check = functools.partial(self._check_rows_per_example, name)
+            self._hooks.append(self.base_model.get_submodule(name).register_forward_pre_hook(check, with_kwargs=True))
         if self._output_layer_name is not None:
             output_layer = self.base_model.get_submodule(self._output_layer_name)
             self._hooks.append(output_layer.register_forward_pre_hook(self._keep_label_positions))
@@ -170,19 +270,41 @@ class MCLModel(nn.Module):
         self._hooks.clear()
 
     def _expand_rows(self, module: nn.Module, args: tuple, kwargs: dict):
-        """Repeat every per-example tensor K times, hypothesis-major: [B, ...] -> [K*B, ...]."""
+        """Make the K copies of every per-example input, hypothesis-major: [B, ...] -> [K*B, ...]."""
         batch = self._pending.expand_batch
         if batch is None:
             return None
         self._pending.expand_batch = None
         k = self.num_hypotheses
+        self.routing.rows = k * batch
+        return repeat_examples(args, k, batch), {n: repeat_examples(v, k, batch, n) for n, v in kwargs.items()}
 
-        def repeat(name: str | None, value):
-            if torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == batch and name not in _NOT_PER_EXAMPLE:
-                return value.repeat(k, *([1] * (value.dim() - 1)))
-            return value
+    def _record_main_rows(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs = kwargs if kwargs else dict(zip(("input_ids",), args, strict=False))
+        self._main_rows = _batch_size(inputs, strict=False)
 
-        return tuple(repeat(None, a) for a in args), {n: repeat(n, v) for n, v in kwargs.items()}
+    def _check_rows_per_example(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """With one hypothesis per example (indexed routing, not copies), the adapted layers of ``name`` give each
+        example rows/E consecutive rows. That is right only if the module's main input (its first per-example
+        tensor that is not a broadcast: hidden states, pixel values, audio features) has one row per example (E, or
+        the E*beams rows of beam search); image patches or crops whose number varies per example cannot be assigned
+        to their examples from their shapes, so they are refused, not misrouted."""
+        routing = self.routing
+        if routing.mode != INDEXED or routing.per_copy:
+            return
+        examples = routing.index.numel()
+        for input_name, value in _tensor_inputs(args, kwargs):
+            size = value.shape[_batch_dim(input_name, value)]
+            if size == 1:  # a broadcast over the batch tells nothing
+                continue
+            if size not in (examples, self._main_rows or examples):
+                raise RowsPerExampleUnknown(
+                    f"one hypothesis per example cannot be routed in '{name}': its input {input_name or '#0'} has "
+                    f"{size} rows for {examples} examples (e.g. image patches or crops whose number varies per "
+                    "example), so its rows cannot be assigned to examples. Decode all hypotheses at once "
+                    "(generate_hypotheses, use_hypotheses(index, copies=True)), one hypothesis for every row "
+                    "(use_hypotheses(k)), or keep adapters out of that module (target_modules).")
+            return
 
     def _keep_label_positions(self, module: nn.Module, args: tuple):
         """Give the LM head only the hidden states that predict a label: [rows, T, d] -> [N, d]."""
@@ -205,26 +327,48 @@ class MCLModel(nn.Module):
         """Run the hypotheses on a batch.
 
         labels: [B, T] token ids, -100 where nothing is predicted. With labels, returns ``nll`` and ``loss``.
+            An encoder-decoder derives its ``decoder_input_ids`` from them, as the model itself does.
         hypotheses: None runs all K hypotheses on every example (the MCL forward); an int k runs hypothesis
             k only; a LongTensor [B] runs hypothesis ``hypotheses[b]`` on example b (then ``nll`` is [B]).
+            Inside ``disable_adapters()``: None, and the frozen base model runs (``nll`` [B]).
         inputs: every other input of the base model (input_ids, attention_mask, pixel_values,
             input_features, decoder_input_ids, ...), passed through untouched.
         """
         self._check_usable()
+        if self._adapters_disabled and hypotheses is not None:
+            raise ValueError("the adapters are disabled in this block (disable_adapters): leave hypotheses out")
         if labels is None:
             return self._forward_logits(hypotheses, inputs)
-        base, k = self.base_model, self.num_hypotheses
+        base = self.base_model
         causal = not getattr(base.config, "is_encoder_decoder", False)
         if not causal and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
-            if not hasattr(base, "prepare_decoder_input_ids_from_labels"):
-                raise ValueError("pass decoder_input_ids: this encoder-decoder cannot derive them from labels")
-            inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
+            inputs["decoder_input_ids"] = decoder_input_ids_from_labels(base, labels)
         targets = aligned_targets(labels, causal)  # [B, T]
         check_targets(targets)
         positions = targets != IGNORE_INDEX  # [B, T]
         batch = labels.shape[0]
-        self._set_routing(hypotheses, rows=batch)
-        stacked = hypotheses is None
+        stacked = hypotheses is None and not self._adapters_disabled
+        if not self._adapters_disabled:
+            self._set_routing(hypotheses, rows=batch)
+        if torch.is_tensor(hypotheses) and self.routing.mode == INDEXED:
+            try:
+                return self._forward_nll(inputs, targets, positions, stacked=False)
+            except RowsPerExampleUnknown as error:
+                # Exact without knowing the rows of each example: run all K hypotheses (K times the compute)
+                # and keep each example's own; the gradient is the same as that of the per-example forward.
+                warnings.warn(f"{error} Running all K hypotheses instead and keeping each example's own.",
+                              stacklevel=4)  # the caller of model(...), past nn.Module's call wrappers
+                index = self.routing.index.to(labels.device)
+                self._set_routing(None, rows=batch)
+                nll = self._forward_nll(inputs, targets, positions, stacked=True).nll  # [B, K]
+                nll = nll.gather(1, index.unsqueeze(1)).squeeze(1)  # [B]
+                return MCLOutput(loss=nll.mean(), nll=nll)
+        return self._forward_nll(inputs, targets, positions, stacked)
+
+    def _forward_nll(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, stacked: bool
+                     ) -> MCLOutput:
+        """nll of every example under the routing already set: [B, K] (stacked, with the loss) or [B]."""
+        base, k, batch = self.base_model, self.num_hypotheses, targets.shape[0]
         row_positions = positions.repeat(k, 1) if stacked else positions  # [rows, T]
         outputs = self._call_base({**inputs, "use_cache": False}, expand_batch=batch if stacked else None,
                                   logit_positions=row_positions if self._output_layer_name else None)
@@ -246,9 +390,11 @@ class MCLModel(nn.Module):
 
     def _forward_logits(self, hypotheses: int | torch.Tensor | None, inputs: dict) -> MCLOutput:
         batch = _batch_size(inputs)
-        self._set_routing(hypotheses, rows=batch)
-        logits = self._call_base(inputs, expand_batch=batch if hypotheses is None else None).logits  # [K*B|B, T, V]
-        if hypotheses is None:
+        stacked = hypotheses is None and not self._adapters_disabled
+        if not self._adapters_disabled:
+            self._set_routing(hypotheses, rows=batch)
+        logits = self._call_base(inputs, expand_batch=batch if stacked else None).logits  # [K*B|B, T, V]
+        if stacked:
             logits = logits.view(self.num_hypotheses, batch, *logits.shape[1:]).transpose(0, 1)  # [B, K, T, V]
         return MCLOutput(logits=logits)
 
@@ -271,9 +417,9 @@ class MCLModel(nn.Module):
             raise RuntimeError(f"the output layer '{self._output_layer_name}' did not run during this forward")
 
     def _check_usable(self) -> None:
-        if self._merged:
-            raise RuntimeError("this MCLModel was merged in place (merge_hypothesis(..., inplace=True)); use the "
-                               "returned base model, or load the adapters again with load_mcl_model")
+        if self._detached:
+            raise RuntimeError(f"this MCLModel's adapters were {self._detached}; use the returned base model, or "
+                               "load the adapters again with load_mcl_model")
 
     def generate(self, *args, **kwargs):
         """``base_model.generate`` with the hypotheses chosen by an enclosing ``use_hypotheses`` block."""
@@ -315,9 +461,9 @@ class MCLModel(nn.Module):
         one Trainer gathered from DeepSpeed/FSDP) when given, else from this model."""
         tensors = {}
         for name, layer in self.mcl_layers():
-            for part in ("lora_A", "lora_B"):
+            for part, param in layer.adapter_tensors().items():
                 key = f"{name}.{part}"
-                value = getattr(layer, part) if state_dict is None else state_dict[f"base_model.{key}"]
+                value = param if state_dict is None else state_dict[f"base_model.{key}"]
                 tensors[key] = value.detach().to("cpu").contiguous()
         return tensors
 
@@ -331,7 +477,7 @@ class MCLModel(nn.Module):
             self.adapter_state_dict(state_dict), tmp, metadata={"format": "pt", "loramcl_format": str(FORMAT_VERSION)}))
         meta = {
             "loramcl_format": FORMAT_VERSION,
-            "mcl_config": self.mcl_config.to_dict(),
+            **self._config_metadata(),
             "base_model_name_or_path": getattr(self.config, "_name_or_path", None) or None,
             "base_model_class": type(self.base_model).__name__,
             "adapted_modules": self.layer_names,
@@ -340,6 +486,10 @@ class MCLModel(nn.Module):
         _write_atomically(os.path.join(path, CONFIG_NAME),
                           lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8"))
         return str(path)
+
+    def _config_metadata(self) -> dict:
+        """What ``save_pretrained`` writes to rebuild the model: its method's configuration."""
+        return {"mcl_config": self.mcl_config.to_dict()}
 
     def load_adapters(self, path: str | os.PathLike, verify: bool = True) -> None:
         """Load adapter weights written by ``save_pretrained`` into this model (same layers, K, r and alpha).
@@ -368,11 +518,14 @@ class MCLModel(nn.Module):
         is_conv1d = [isinstance(layer.base_layer, Conv1D) for _, layer in self.mcl_layers()]
         if any(is_conv1d) and not all(is_conv1d):
             raise ValueError("cannot export a mix of nn.Linear and Conv1D layers as one PEFT adapter")
-        is_encoder_decoder = getattr(self.config, "is_encoder_decoder", False)
+        targets = self._peft_target_modules()
+        by_short_names = targets != sorted(self.layer_names)  # then PEFT must apply the same selection options
         lora_config = LoraConfig(
-            r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
-            target_modules=self._peft_target_modules(), fan_in_fan_out=all(is_conv1d),
-            task_type="SEQ_2_SEQ_LM" if is_encoder_decoder else "CAUSAL_LM",
+            r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none", use_rslora=cfg.use_rslora,
+            target_modules=targets, fan_in_fan_out=all(is_conv1d), task_type=_peft_task_type(self.base_model),
+            exclude_modules=cfg.exclude_modules if by_short_names else None,
+            layers_to_transform=cfg.layers_to_transform if by_short_names else None,
+            layers_pattern=cfg.layers_pattern if by_short_names else None,
             base_model_name_or_path=getattr(self.config, "_name_or_path", None) or None,
         )
         os.makedirs(path, exist_ok=True)
@@ -392,7 +545,7 @@ class MCLModel(nn.Module):
         original = [n for n, _ in self.base_model.named_modules()
                     if n and not any(n.startswith(layer + ".") for layer in ours)]
         short = sorted({n.rsplit(".", 1)[-1] for n in ours})
-        probe = _TargetProbe(short)
+        probe = _TargetProbe.of(self.mcl_config, short)
         if {n for n in original if check_target_module_exists(probe, n)} == ours:
             return short
         return sorted(ours)
@@ -403,20 +556,39 @@ class MCLModel(nn.Module):
         By default the base model is copied first, so this MCLModel stays usable (e.g. to merge another k);
         ``inplace=True`` saves the copy's memory on large models and leaves this MCLModel unusable.
         """
-        self._check_usable()
         self._check_hypothesis(k)
+        return self._remove_adapters(k, inplace, "merged in place (merge_hypothesis(..., inplace=True))")
+
+    def unload(self) -> nn.Module:
+        """Remove every adapter and return the base model as it was before ``get_mcl_model`` (its original layers,
+        untouched weights, the ``requires_grad`` flags it had), as PEFT's ``unload``. This MCLModel is unusable
+        afterwards."""
+        model = self._remove_adapters(None, True, "unloaded (unload())")
+        for param, flag in self._base_requires_grad:
+            param.requires_grad_(flag)
+        return model
+
+    def get_base_model(self) -> nn.Module:
+        """The transformers model holding the adapted layers (as PEFT's ``get_base_model``)."""
+        return self.base_model
+
+    def _remove_adapters(self, k: int | None, inplace: bool, how: str) -> nn.Module:
+        """Put the original layers back, hypothesis k merged into them (None: unchanged)."""
+        self._check_usable()
         self._remove_hooks()
         try:
             model = self.base_model if inplace else copy.deepcopy(self.base_model)
             with torch.no_grad():
                 for name in self.layer_names:
                     layer = model.get_submodule(name)
-                    layer.base_layer.weight.add_(layer.delta_weight(k))
+                    if k is not None:
+                        layer.base_layer.weight.add_(layer.delta_weight(k))
                     model.set_submodule(name, layer.base_layer)
         finally:
             if not inplace:
                 self._install_hooks()
-        self._merged = inplace
+        if inplace:
+            self._detached = how
         return model
 
 
@@ -424,19 +596,62 @@ class MCLModel(nn.Module):
 class _TargetProbe:
     """The attributes of a PEFT config that ``check_target_module_exists`` reads."""
 
-    target_modules: list[str]
-    exclude_modules: None = None
+    target_modules: list[str] | str
+    exclude_modules: list[str] | str | None = None
     target_parameters: None = None
-    layers_to_transform: None = None
-    layers_pattern: None = None
+    layers_to_transform: list[int] | int | None = None
+    layers_pattern: list[str] | str | None = None
     modules_to_save: None = None
 
+    @classmethod
+    def of(cls, config: MCLConfig, target_modules: list[str] | str) -> _TargetProbe:
+        return cls(target_modules, config.exclude_modules, None, config.layers_to_transform, config.layers_pattern)
 
-def _batch_size(inputs: dict) -> int:
+
+def _batch_size(inputs: dict, strict: bool = True) -> int | None:
     for name in ("input_ids", "inputs_embeds", "decoder_input_ids", "input_features", "input_values", "pixel_values"):
         if torch.is_tensor(inputs.get(name)):
             return inputs[name].shape[0]
+    if not strict:
+        return None
     raise ValueError(f"cannot tell the batch size from the inputs {sorted(inputs)}: pass input_ids or inputs_embeds")
+
+
+def _tensor_inputs(args: tuple, kwargs: dict) -> Iterator[tuple[str | None, torch.Tensor]]:
+    """(name, tensor) for every per-example tensor of a module call, nested ones included (named by their key)."""
+    def walk(name, value):
+        if torch.is_tensor(value):
+            if value.dim() > 0 and name not in _NOT_PER_EXAMPLE:
+                yield name, value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                yield from walk(key, item)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                yield from walk(name, item)
+
+    for value in args:
+        yield from walk(None, value)
+    for name, value in kwargs.items():
+        yield from walk(name, value)
+
+
+def decoder_input_ids_from_labels(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    """The decoder inputs an encoder-decoder builds itself when given only labels (teacher forcing): its
+    ``prepare_decoder_input_ids_from_labels`` (T5, BART, Marian, mBART, Pegasus), else its module's
+    ``shift_tokens_right(labels, pad_token_id, decoder_start_token_id)`` as its forward calls it (Whisper)."""
+    if hasattr(model, "prepare_decoder_input_ids_from_labels"):
+        return model.prepare_decoder_input_ids_from_labels(labels=labels)
+    shift = getattr(sys.modules.get(type(model).__module__), "shift_tokens_right", None)
+    config = model.config
+    start, pad = getattr(config, "decoder_start_token_id", None), getattr(config, "pad_token_id", None)
+    if shift is not None and len(inspect.signature(shift).parameters) == 3:
+        if start is None or pad is None:
+            raise ValueError(f"{type(model).__name__} derives decoder inputs from labels with its config's "
+                             f"decoder_start_token_id ({start}) and pad_token_id ({pad}): set both in its config, "
+                             "or pass decoder_input_ids")
+        return shift(labels, pad, start)
+    raise ValueError(f"pass decoder_input_ids: {type(model).__name__} has no rule to derive them from labels")
 
 
 def _expansion_module_name(model: nn.Module, layer_names: list[str]) -> str:
@@ -454,6 +669,36 @@ def _expansion_module_name(model: nn.Module, layer_names: list[str]) -> str:
             return name
         common.pop()
     return ""
+
+
+def _branch_names(model: nn.Module, expansion_name: str, layer_names: list[str]) -> list[str]:
+    """The modules inside the expansion module through which the adapted layers are reached: its children that
+    hold adapters (a list of blocks gives its blocks), e.g. the vision tower and the language model of a VLM, the
+    encoder and decoder of T5, the decoder blocks of Llama. Their inputs tell whether each example has its own
+    rows (``MCLModel._check_rows_per_example``)."""
+    branches = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for child_name, child in module.named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if not any(layer == name or layer.startswith(name + ".") for layer in layer_names):
+                continue
+            if isinstance(child, nn.ModuleList | nn.ModuleDict):
+                visit(name, child)
+            else:
+                branches.append(name)
+
+    visit(expansion_name, model.get_submodule(expansion_name))
+    return branches
+
+
+def _peft_task_type(model: nn.Module) -> str | None:
+    """The PEFT task type whose model class passes this model's inputs through: PEFT's language-model wrappers
+    take ``input_ids`` as their first input, which suits text models only; others (Whisper's ``input_features``,
+    BLIP-2's ``pixel_values``) get PEFT's plain ``PeftModel``, which forwards every input as it is."""
+    if getattr(model, "main_input_name", "input_ids") != "input_ids":
+        return None
+    return "SEQ_2_SEQ_LM" if getattr(model.config, "is_encoder_decoder", False) else "CAUSAL_LM"
 
 
 def _resolve_target_modules(model: nn.Module, config: MCLConfig) -> list[str] | str:
@@ -479,19 +724,69 @@ def _candidate_names(model: nn.Module) -> list[str]:
                    if isinstance(module, _ADAPTABLE) and module is not output_layer})
 
 
-def _matched_layer_names(model: nn.Module, targets: list[str] | str) -> list[str]:
+def _quantized_reason(module: nn.Module) -> str | None:
+    """Why ``module`` is a quantized (or otherwise non-float) layer that adapters must not wrap, or None.
+
+    A quantized layer cannot take W + alpha/r * (A B)^T when merging, and its ``weight`` may not be the matrix
+    that its forward uses (packed integers, a quantized tensor subclass): wrapping it silently would give wrong
+    merges and exports. Recognised: torch's quantized modules (dynamic or static), layers of quantization
+    libraries (bitsandbytes, GPTQ, AWQ, HQQ, quanto, torchao) and any layer whose weight is not a plain
+    floating-point tensor.
+    """
+    origin = type(module).__module__
+    libraries = ("bitsandbytes", "auto_gptq", "gptqmodel", "awq", "hqq", "optimum.quanto", "torchao", "fp_quant",
+                 "compressed_tensors", "aqlm", "eetq", "vptq", "higgs")
+    if origin.startswith(("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.nn.intrinsic.quantized")):
+        return f"torch quantized module {type(module).__name__}"
+    if any(origin == lib or origin.startswith(lib + ".") for lib in libraries):
+        return f"{type(module).__name__} from {origin.split('.')[0]}"
+    weight = getattr(module, "weight", None)
+    if isinstance(module, _ADAPTABLE) and torch.is_tensor(weight):
+        if not weight.is_floating_point():
+            return f"{type(module).__name__} with {weight.dtype} weights"
+        if type(weight) not in (torch.Tensor, nn.Parameter):
+            return f"{type(module).__name__} whose weight is a {type(weight).__name__}"
+    return None
+
+
+def _refuse_quantized(model: nn.Module, names: list[str] | None = None) -> None:
+    """A clear error for quantized layers among ``names`` (default: every module of ``model``)."""
+    modules = model.named_modules() if names is None else ((n, model.get_submodule(n)) for n in names)
+    found: list[tuple[str, str]] = []
+    for name, module in modules:
+        if not any(name.startswith(outer + ".") for outer, _ in found) and (reason := _quantized_reason(module)):
+            found.append((name, reason))
+    if found:
+        name, reason = found[0]
+        raise ValueError(f"{type(model).__name__} has quantized layers ({len(found)}, e.g. '{name}': {reason}). "
+                         "LoRA-MCL adapters need floating-point base layers: merging a hypothesis into packed "
+                         "integer weights would be wrong. Load the base model unquantized (e.g. dtype="
+                         "torch.bfloat16, without quantization_config) or dequantize it first.")
+
+
+def _matched_layer_names(model: nn.Module, targets: list[str] | str, config: MCLConfig) -> list[str]:
     from peft.tuners.tuners_utils import check_target_module_exists
 
     output_layer = _output_layer(model)
     if targets == "all-linear":
-        return [name for name, module in model.named_modules()
-                if isinstance(module, _ADAPTABLE) and module is not output_layer]
-    probe = _TargetProbe(targets)
+        candidates = [name for name, module in model.named_modules()
+                      if isinstance(module, _ADAPTABLE) and module is not output_layer]
+        # matched by their short names, so that exclude_modules and layers_to_transform apply as in PEFT
+        names = [name for name in candidates
+                 if check_target_module_exists(_TargetProbe.of(config, [name.rsplit(".", 1)[-1]]), name)]
+        _refuse_quantized(model, names)
+        return names
+    probe = _TargetProbe.of(config, targets)
     names = [name for name, _ in model.named_modules() if name and check_target_module_exists(probe, name)]
+    _refuse_quantized(model, names)
     for name in names:
         module = model.get_submodule(name)
         if module is output_layer:
             raise ValueError(f"'{name}' is the output layer: LoRA-MCL adapts hidden layers, not the LM head")
+        if isinstance(module, nn.Embedding):
+            raise ValueError(f"target '{name}' is an Embedding: embedding LoRA is not supported, MCL adapters wrap "
+                             f"nn.Linear and transformers Conv1D layers. Linear layers of this model: "
+                             f"{_candidate_names(model)}")
         if not isinstance(module, _ADAPTABLE):
             raise ValueError(f"target '{name}' is a {type(module).__name__}; MCL adapters wrap nn.Linear and "
                              f"transformers Conv1D layers only. Linear layers of this model: {_candidate_names(model)}")
@@ -501,29 +796,45 @@ def _matched_layer_names(model: nn.Module, targets: list[str] | str) -> list[str
 def get_mcl_model(model: nn.Module, config: MCLConfig) -> MCLModel:
     """Give ``model`` (any transformers model, modified in place) K LoRA hypotheses on the target layers.
 
-    Every base parameter is frozen; only the adapters train. If anything fails, the model is left as it was.
+    Every base parameter is frozen; only the adapters train. Quantized base layers are refused. If anything fails,
+    the model is left as it was.
     """
+    routing = HypothesisRouting()
+    adapter_dtype = torch.float32 if config.adapter_dtype == "float32" else None
+    return replace_modules(model, target_layer_names(model, config), lambda layer: MCLLoraLinear(
+        layer, routing, config.num_hypotheses, config.r, config.alpha, config.dropout, adapter_dtype=adapter_dtype,
+        use_rslora=config.use_rslora), lambda names: MCLModel(model, config, routing, names))
+
+
+def target_layer_names(model: nn.Module, config: MCLConfig) -> list[str]:
+    """The layers of ``model`` that ``config.target_modules`` selects (PEFT's matching), checked non-empty."""
     if isinstance(model, MCLModel):
         raise ValueError("this model already has MCL adapters")
     targets = _resolve_target_modules(model, config)
-    names = _matched_layer_names(model, targets)
+    names = _matched_layer_names(model, targets, config)
     if not names:
+        _refuse_quantized(model)
         raise ValueError(f"target_modules={targets!r} matched no layer of {type(model).__name__}. Its linear "
                          f"layers are named: {_candidate_names(model)}")
+    return names
+
+
+def replace_modules(model: nn.Module, names: list[str], make_module, make_model):
+    """Freeze ``model``, replace each module ``names[i]`` with ``make_module(module)`` and return
+    ``make_model(names)``; if anything fails, the model is left as it was."""
     originals = {name: model.get_submodule(name) for name in names}
     trainable = [(param, param.requires_grad) for param in model.parameters()]
     try:
         for param in model.parameters():
             param.requires_grad_(False)
-        routing = HypothesisRouting()
-        adapter_dtype = torch.float32 if config.adapter_dtype == "float32" else None
-        for name, layer in originals.items():
-            model.set_submodule(name, MCLLoraLinear(layer, routing, config.num_hypotheses, config.r, config.alpha,
-                                                    config.dropout, adapter_dtype=adapter_dtype))
-        return MCLModel(model, config, routing, names)
+        for name, module in originals.items():
+            model.set_submodule(name, make_module(module))
+        wrapped = make_model(names)
+        wrapped._base_requires_grad = trainable  # for unload(): the base model as it was
+        return wrapped
     except BaseException:
-        for name, layer in originals.items():  # roll back: the caller's model must not stay half-wrapped
-            model.set_submodule(name, layer)
+        for name, module in originals.items():  # roll back: the caller's model must not stay half-wrapped
+            model.set_submodule(name, module)
         for param, flag in trainable:
             param.requires_grad_(flag)
         raise
@@ -537,14 +848,19 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
     and checked against ``model`` (layer names and shapes, the weights' checksum unless ``verify=False``, finite
     values) before ``model`` is touched, so a failed load leaves it as it was.
     """
-    saved, config, tensors = read_adapters(path, verify)
+    saved, tensors = read_adapter_files(path, verify)
     if saved.get("base_model_class") not in (None, type(model).__name__):
         warnings.warn(f"adapters were trained on a {saved['base_model_class']}, loading onto a "
                       f"{type(model).__name__}", stacklevel=2)
     if isinstance(model, MCLModel):
         raise ValueError("this model already has MCL adapters: load onto the plain base model")
+    method = saved.get("method", "mcl")
+    if method in _BASELINE_LOADERS:  # a baseline (loramcl.baselines) checks and rebuilds its own layers
+        module, _, loader = _BASELINE_LOADERS[method].partition(":")
+        return getattr(importlib.import_module(module), loader)(model, path, saved, tensors, is_trainable)
+    config = _mcl_part(path, saved, tensors)
     targets = _resolve_target_modules(model, config)
-    names = _matched_layer_names(model, targets)
+    names = _matched_layer_names(model, targets, config)
     _check_adapters_fit(path, saved, config, tensors, names,
                         {name: linear_features(model.get_submodule(name)) for name in names})
     mcl = get_mcl_model(model, config)
@@ -562,6 +878,33 @@ def read_adapters(path: str | os.PathLike, verify: bool = True) -> tuple[dict, M
     a well-formed config, the weights' SHA-256 against the one recorded at save (``verify=False`` skips it, e.g.
     for a file repaired by hand), one lora_A [K, d_in, r] and lora_B [K, r, d_out] per adapted layer, finite.
     Every error names the file and what is wrong."""
+    saved, tensors = read_adapter_files(path, verify)
+    return saved, _mcl_part(path, saved, tensors), tensors
+
+
+def _mcl_part(path: str | os.PathLike, saved: dict, tensors: dict[str, torch.Tensor]) -> MCLConfig:
+    """The MCLConfig of checked LoRA-MCL files, after checking the adapters' shapes against it."""
+    config_file = os.path.join(path, CONFIG_NAME)
+    method = saved.get("method", "mcl")
+    if method != "mcl":
+        raise ValueError(f"{config_file} holds a {method!r} model, not LoRA-MCL adapters: load it with load_mcl_model")
+    if "mcl_config" not in saved:
+        raise ValueError(f"{config_file} lacks ['mcl_config']: not a complete file written by "
+                         "MCLModel.save_pretrained")
+    if not isinstance(saved["mcl_config"], dict):
+        raise ValueError(f"{config_file}: mcl_config must be a JSON object, got {saved['mcl_config']!r}")
+    try:
+        config = MCLConfig.from_dict(saved["mcl_config"])
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{config_file}: {error}") from None
+    _check_adapter_tensors(os.path.join(path, WEIGHTS_NAME), config, saved["adapted_modules"], tensors)
+    return config
+
+
+def read_adapter_files(path: str | os.PathLike, verify: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(saved metadata, tensors) of a folder written by ``save_pretrained`` (LoRA-MCL or a baseline), checked for
+    what every method shares: a well-formed config with its adapted modules, the weights' SHA-256 (unless
+    ``verify=False``), readable safetensors, every tensor floating point and finite."""
     config_file = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"no {CONFIG_NAME} in {path}: not a folder written by MCLModel.save_pretrained")
@@ -576,18 +919,12 @@ def read_adapters(path: str | os.PathLike, verify: bool = True) -> tuple[dict, M
     if saved.get("loramcl_format") != FORMAT_VERSION:
         raise ValueError(f"{config_file} has format {saved.get('loramcl_format')!r}; "
                          f"this loramcl reads format {FORMAT_VERSION}")
-    missing = [key for key in ("mcl_config", "adapted_modules") if key not in saved]
-    if missing:
-        raise ValueError(f"{config_file} lacks {missing}: not a complete file written by MCLModel.save_pretrained")
+    if "adapted_modules" not in saved:
+        raise ValueError(f"{config_file} lacks ['adapted_modules']: not a complete file written by "
+                         "MCLModel.save_pretrained")
     modules = saved["adapted_modules"]
     if not (isinstance(modules, list) and modules and all(isinstance(m, str) and m for m in modules)):
         raise ValueError(f"{config_file}: adapted_modules must be a non-empty list of layer names, got {modules!r}")
-    if not isinstance(saved["mcl_config"], dict):
-        raise ValueError(f"{config_file}: mcl_config must be a JSON object, got {saved['mcl_config']!r}")
-    try:
-        config = MCLConfig.from_dict(saved["mcl_config"])
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{config_file}: {error}") from None
     weights = os.path.join(path, WEIGHTS_NAME)
     if not os.path.isfile(weights):
         raise FileNotFoundError(f"no {WEIGHTS_NAME} in {path}: not a folder written by MCLModel.save_pretrained")
@@ -599,8 +936,11 @@ def read_adapters(path: str | os.PathLike, verify: bool = True) -> tuple[dict, M
         tensors = safetensors.torch.load_file(weights)
     except Exception as error:  # safetensors raises its own error type without the path
         raise ValueError(f"{weights} cannot be read as safetensors ({error}): the file is damaged") from None
-    _check_adapter_tensors(weights, config, modules, tensors)
-    return saved, config, tensors
+    for key, value in tensors.items():
+        if not value.is_floating_point() or not torch.isfinite(value).all():
+            raise ValueError(f"{weights}: {key} holds NaN or infinite values (or is not floating point): these "
+                             "adapters were saved from a diverged run or damaged; use an earlier checkpoint")
+    return saved, tensors
 
 
 def _check_adapter_tensors(weights: str, config: MCLConfig, modules: list[str],
@@ -616,10 +956,6 @@ def _check_adapter_tensors(weights: str, config: MCLConfig, modules: list[str],
         if a.dim() != 3 or b.dim() != 3 or a.shape[0] != k or b.shape[0] != k or a.shape[2] != r or b.shape[1] != r:
             raise ValueError(f"{weights}: {name} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; K={k}, r={r} "
                              f"needs [{k}, d_in, {r}] and [{k}, {r}, d_out]")
-        for part, value in (("lora_A", a), ("lora_B", b)):
-            if not value.is_floating_point() or not torch.isfinite(value).all():
-                raise ValueError(f"{weights}: {name}.{part} holds NaN or infinite values (or is not floating point): "
-                                 "these adapters were saved from a diverged run or damaged; use an earlier checkpoint")
 
 
 def _check_adapters_fit(path, saved: dict, config: MCLConfig, tensors: dict[str, torch.Tensor], names: list[str],

@@ -1,22 +1,98 @@
 """MCLTrainer: transformers.Trainer for an MCLModel (DESIGN decisions 3 and 4).
 
-Distribution (DDP, DeepSpeed, FSDP through accelerate/torchrun) is the Trainer's; this subclass only
-computes the MCL loss, logs how often each hypothesis wins, and saves the adapters in our format.
+Distribution (DDP, DeepSpeed, FSDP through accelerate/torchrun) is the Trainer's; this subclass computes the MCL
+loss, logs how often each hypothesis wins, saves the adapters in our format, and makes checkpoints atomic: a
+``checkpoint-N`` folder appears only once it is whole, and resuming skips a damaged newest one.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import os
+import re
+import shutil
+import warnings
+import zipfile
 
+import safetensors
 import torch
+from accelerate.utils import DistributedDataParallelKwargs
 from torch import nn
 from transformers import Trainer
-from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 from loramcl.losses import temperature_at
-from loramcl.model import MCLModel
+from loramcl.model import CONFIG_NAME, WEIGHTS_NAME, MCLModel, read_adapters
 from loramcl.scoring import IGNORE_INDEX, examples_without_targets
+
+TRAINING_ARGS_NAME = "training_args.json"  # TrainingArguments.to_dict(), tokens masked; never read back
+CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+# A checkpoint is written into STAGING_PREFIX + "checkpoint-N"/checkpoint-N, then renamed next to the others. The
+# name matches neither Trainer's `checkpoint-*` glob (rotation) nor its resume pattern.
+STAGING_PREFIX = "incomplete-"
+
+
+def checkpoint_problem(folder: str | os.PathLike, read_weights: bool = True) -> str | None:
+    """Why the Trainer checkpoint ``folder`` cannot be resumed from (a file missing, unreadable, cut short or
+    damaged), or None when it is whole.
+
+    read_weights: read the adapters in full as loading will (checksum, shapes, finite values: ``read_adapters``).
+        False reads headers only (the JSON files, the safetensors header, the end of each torch zip file): enough to
+        tell a write cut short, and cheap enough to look at every checkpoint when rotating.
+    """
+    path = os.path.join(folder, TRAINER_STATE_NAME)
+    if not os.path.isfile(path):
+        return f"no {TRAINER_STATE_NAME}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except ValueError as error:  # JSON or UTF-8
+        return f"{TRAINER_STATE_NAME} is not valid JSON ({error})"
+    try:
+        if read_weights:
+            read_adapters(folder)
+        else:
+            with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as f:
+                json.load(f)
+            with safetensors.safe_open(os.path.join(folder, WEIGHTS_NAME), framework="pt"):
+                pass
+    except (OSError, ValueError, safetensors.SafetensorError) as error:  # ValueError: JSON, UTF-8, checksum
+        return str(error)
+    for name in sorted(os.listdir(folder)):  # optimizer, scheduler, scaler, RNG states (torch.save zip archives)
+        if name.endswith((".pt", ".pth")) and not zipfile.is_zipfile(os.path.join(folder, name)):
+            return f"{name} is cut short or damaged"
+    return None
+
+
+def _checkpoints_by_step(folder: str) -> list[tuple[int, str]]:
+    """[(N, folder/checkpoint-N)] of the checkpoint folders in ``folder``, highest N first."""
+    if not os.path.isdir(folder):
+        return []
+    found = [(int(match[1]), os.path.join(folder, name)) for name in os.listdir(folder)
+             if (match := CHECKPOINT_NAME.match(name)) and os.path.isdir(os.path.join(folder, name))]
+    return sorted(found, reverse=True)
+
+
+def _fsync(path: str) -> None:
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:  # a folder cannot be opened on some systems (Windows): nothing to flush there
+        return
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_tree(folder: str) -> None:
+    """Flush every file and folder under ``folder`` to disk, so that after a power cut the renamed folder is not
+    an empty shell (a killed process alone loses nothing it wrote)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            _fsync(os.path.join(root, name))
+        _fsync(root)
 
 
 class MCLTrainer(Trainer):
@@ -33,6 +109,15 @@ class MCLTrainer(Trainer):
     Evaluation reports ``eval_loss`` as the vanilla WTA loss (mean over examples of min_k NLL, eq. 2)
     whatever the training loss, plus ``eval_nll_h{k}`` and ``eval_win_rate_h{k}``. A ``compute_metrics`` function
     receives the per-example NLLs [N, K] as its predictions.
+
+    Checkpoints are atomic: ``checkpoint-N`` is written as ``incomplete-checkpoint-N/checkpoint-N`` and renamed into
+    place once every rank has written its part, so a ``checkpoint-N`` folder that exists is whole. ``train(
+    resume_from_checkpoint=True)`` resumes from the newest whole checkpoint in ``output_dir``, skipping a damaged one
+    with a warning (a folder left by another writer, or cut short on disk), and starts from the beginning with a
+    warning when there is none; a path to a damaged ``checkpoint-N`` falls back to the newest whole one before it.
+    ``save_total_limit`` rotation never deletes the checkpoint just written and drops damaged ones first. The
+    training arguments are saved as ``training_args.json`` (not Trainer's pickled ``training_args.bin``).
+    DDP runs without the unused-parameter search unless ``ddp_find_unused_parameters`` is set.
     """
 
     def __init__(self, model: MCLModel | None = None, *args, two_pass_wta: bool = True, **kwargs) -> None:
@@ -40,6 +125,8 @@ class MCLTrainer(Trainer):
             raise TypeError(f"MCLTrainer trains an MCLModel (from get_mcl_model), got {type(model).__name__}")
         _refuse_float16_adapters(model)
         self.two_pass_wta = two_pass_wta
+        self._staging_dir: str | None = None  # while a checkpoint is being written: where Trainer must write it
+        self._push_when_published = False
         super().__init__(model, *args, **kwargs)
         # compute_loss is ours: these Trainer options would otherwise be silently ignored.
         if self.args.label_smoothing_factor:
@@ -47,15 +134,22 @@ class MCLTrainer(Trainer):
                              "per-example NLL (paper eq. 2-5); set it to 0")
         if self.compute_loss_func is not None:
             raise ValueError("compute_loss_func is not used by MCLTrainer: the loss is MCLConfig.loss; choose it there")
-        if self.args.ddp_find_unused_parameters is None:
-            # Every adapter tensor takes part in every MCL forward (all routings index the stacked tensors), so DDP
-            # need not search the graph for unused ones; Trainer would assume it must for a non-PreTrainedModel.
-            self.args.ddp_find_unused_parameters = False
         k = model.num_hypotheses
         self._train_wins = torch.zeros(k, dtype=torch.long, device=self.args.device)  # [K] since the last log
         self._last_temperature: float | None = None  # tau used by the latest training step (annealed loss)
         self._nonfinite_loss = torch.zeros((), dtype=torch.bool, device=self.args.device)  # checked when logging
         self._eval_nll: list[torch.Tensor] = []
+
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        accelerator_args = super()._build_accelerator_args(**kwargs)
+        if self.args.ddp_find_unused_parameters is None:
+            # Every adapter tensor takes part in every MCL forward (all routings index the stacked tensors), so DDP
+            # need not search the graph for unused ones; Trainer assumes it must for a non-PreTrainedModel. Set on
+            # the DDP options Trainer builds from the arguments, which stay as the caller made them.
+            for handler in accelerator_args["kwargs_handlers"]:
+                if isinstance(handler, DistributedDataParallelKwargs):
+                    handler.find_unused_parameters = False
+        return accelerator_args
 
     # ---- loss -------------------------------------------------------------------------------------------
 
@@ -82,9 +176,14 @@ class MCLTrainer(Trainer):
             self._train_wins += wins.to(self._train_wins.device)
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
+              ignore_keys_for_eval: list[str] | None = None):
         self._check_targets(self.train_dataset, "train_dataset")
-        return super().train(*args, **kwargs)
+        if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
+            resume_from_checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)  # a whole one, or None
+        self.resumed_from = resume_from_checkpoint  # the checkpoint actually resumed (None: from the beginning)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                             ignore_keys_for_eval=ignore_keys_for_eval)
 
     def _check_targets(self, dataset, name: str) -> None:
         """Every example needs a target token (its mean NLL is 0/0 otherwise): checked on the whole dataset before
@@ -173,7 +272,127 @@ class MCLTrainer(Trainer):
         self._mcl_model().save_pretrained(output_dir, state_dict=state_dict)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        with open(os.path.join(output_dir, TRAINING_ARGS_NAME), "w", encoding="utf-8") as f:
+            f.write(self.args.to_json_string())
+
+    # ---- checkpoints: written whole or not at all, resumed from the newest whole one ------------------------
+
+    def _get_output_dir(self, trial) -> str:
+        return self._staging_dir if self._staging_dir is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model: nn.Module, trial) -> None:
+        run_dir = self._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = os.path.join(run_dir, STAGING_PREFIX + name)
+        if self.args.should_save:  # what writes killed earlier left behind
+            for leftover in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
+                if leftover.startswith(STAGING_PREFIX + PREFIX_CHECKPOINT_DIR):
+                    shutil.rmtree(os.path.join(run_dir, leftover), ignore_errors=True)
+        self.accelerator.wait_for_everyone()  # no rank writes its RNG state into a folder being removed
+        self._staging_dir = staging  # Trainer writes staging/checkpoint-N (and rotates inside staging: a no-op)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        self.accelerator.wait_for_everyone()  # every rank's files (RNG states, shards) are in the folder
+        staged, checkpoint = os.path.join(staging, name), os.path.join(run_dir, name)
+        if self.state.best_model_checkpoint == staged:  # Trainer recorded the staging path (on every rank)
+            self.state.best_model_checkpoint = checkpoint
+            if self.args.should_save:
+                self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+        if self.args.should_save:
+            self._publish(staged, checkpoint)
+            shutil.rmtree(staging, ignore_errors=True)
+            self._rotate_checkpoints_keeping(run_dir, checkpoint)
+        self.accelerator.wait_for_everyone()  # on_save callbacks of every rank see the published checkpoint
+        if self._push_when_published:
+            self._push_when_published = False
+            super()._push_from_checkpoint(checkpoint)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if self._staging_dir is not None:  # called by Trainer during the write: push the folder once renamed
+            self._push_when_published = True
+            return
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def _publish(self, staged: str, checkpoint: str) -> None:
+        """Rename the whole ``staged`` folder to ``checkpoint`` (one rename on the same file system)."""
+        _fsync_tree(staged)
+        if os.path.isdir(checkpoint):  # the same step of an earlier, abandoned run: replaced as a whole
+            os.replace(checkpoint, os.path.join(os.path.dirname(staged), "replaced"))
+        os.replace(staged, checkpoint)
+        _fsync(os.path.dirname(checkpoint))  # the rename itself
+
+    def _rotate_checkpoints_keeping(self, run_dir: str, newest: str) -> None:
+        """``save_total_limit`` as Trainer applies it (oldest first, by modification time), except that the
+        checkpoint just written and the best one are always kept, and damaged checkpoints are deleted first: an
+        older or skewed folder must never push out the one a resume needs."""
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        kept = {os.path.abspath(path) for path in (newest, self.state.best_model_checkpoint)
+                if path is not None and os.path.isdir(path)}
+        others = [path for path in sort_checkpoints(run_dir, use_mtime=True) if os.path.abspath(path) not in kept]
+        whole = [path for path in others if checkpoint_problem(path, read_weights=False) is None]
+        excess = len(whole) - max(limit - len(kept), 0)
+        for path in [path for path in others if path not in whole] + whole[:max(excess, 0)]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
+                             trial) -> tuple[int, int]:
+        epochs_trained, batches_to_skip = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
+        if resume_from_checkpoint is not None and self.state.global_step >= max_steps:
+            # The checkpoint ends the run. Trainer would still take one more optimizer step before it checks
+            # max_steps (and write a checkpoint-{max_steps + 1}): no epoch left to run instead.
+            return num_train_epochs, 0
+        return epochs_trained, batches_to_skip
+
+    def _checkpoint_to_resume(self, request: str | os.PathLike | bool) -> str | None:
+        """The whole checkpoint to resume from for ``train(resume_from_checkpoint=request)``, or None to start from
+        the beginning. Every rank looks; the ranks must agree (they resume the same step or none)."""
+        say = self.is_world_process_zero()
+        chosen = folder = before = None
+        if request is True:
+            folder = self.args.output_dir
+        else:
+            path = os.fspath(request)
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"resume_from_checkpoint={path!r} is not a folder; pass a checkpoint-N folder "
+                                        "written by the trainer, or True for the newest one in output_dir")
+            problem = checkpoint_problem(path)
+            if problem is None:
+                chosen = path
+            elif (match := CHECKPOINT_NAME.match(os.path.basename(os.path.normpath(path)))) is None:
+                raise ValueError(f"cannot resume from {path}: {problem}")
+            else:
+                if say:
+                    warnings.warn(f"checkpoint {path} is incomplete ({problem}); resuming from the newest whole "
+                                  "checkpoint before it", stacklevel=3)
+                folder, before = os.path.dirname(os.path.normpath(path)), int(match[1])
+        if folder is not None:
+            for step, candidate in _checkpoints_by_step(folder):
+                if before is not None and step >= before:
+                    continue
+                problem = checkpoint_problem(candidate)
+                if problem is None:
+                    chosen = candidate
+                    break
+                if say:
+                    warnings.warn(f"skipping the incomplete checkpoint {candidate} ({problem}); trying an earlier "
+                                  "one", stacklevel=3)
+            if chosen is None and say:
+                warnings.warn(f"no whole checkpoint to resume from in {folder}: training starts from the beginning",
+                              stacklevel=3)
+        step = -1
+        if chosen is not None:
+            with open(os.path.join(chosen, TRAINER_STATE_NAME), encoding="utf-8") as f:
+                step = int(json.load(f)["global_step"])
+        steps = self.accelerator.gather(torch.tensor([step], device=self.args.device))  # [world size]
+        if (steps != step).any():
+            raise RuntimeError(f"the ranks found different checkpoints to resume from (global steps {steps.tolist()}, "
+                               "-1 = none): every rank must see the same files")
+        return chosen
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         mcl = self.accelerator.unwrap_model(model if model is not None else self.model)

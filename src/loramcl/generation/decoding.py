@@ -1,11 +1,13 @@
 """K candidates per input: the K hypotheses of an MCL model in one batched ``generate``, and the single-model
 baselines (beam search, diverse beam search, sampling, test-time augmentation) behind the same call.
 
-MCL decoding (DESIGN decision 2): every per-example input tensor is repeated K' times, hypothesis-major
-([B, ...] -> [K'*B, ...], copy c at rows c*B ... (c+1)*B - 1), and the model runs with indexed routing
-``index = hypotheses.repeat_interleave(B)``. transformers expands rows by ``repeat_interleave`` for beams, so the
-adapted layers see ``K'*B*num_beams`` rows and give each index entry ``num_beams`` consecutive rows: the beams of
-a row stay inside their hypothesis (tested token for token against one hypothesis at a time).
+MCL decoding (DESIGN decisions 2 and 9): the K' copies of every input are made by the model's one K-copy rule
+(``repeat_examples``: hypothesis-major, copy c of a batch-first tensor at rows c*B ... (c+1)*B - 1, items
+flattened over the batch repeated copy-major), and the model runs with one routing entry per copy
+(``use_hypotheses(hypotheses, copies=True)``): every adapted layer splits its rows evenly among the copies. The
+copies are identical, so this holds for the language model's K'*B*num_beams rows (transformers expands rows by
+``repeat_interleave`` for beams: the beams of a row stay inside their hypothesis) and for a vision tower whose
+patches per example vary alike (tested token for token against one hypothesis at a time).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loramcl.model import _NOT_PER_EXAMPLE, MCLModel, _batch_size
+from loramcl.model import _NOT_PER_EXAMPLE, MCLModel, _batch_dim, _batch_size, repeat_examples
 
 MCL_STRATEGIES = ("greedy", "beam", "sample")
-BASELINE_STRATEGIES = ("beam", "diverse_beam", "sample", "tta")
+BASELINE_STRATEGIES = ("beam", "diverse_beam", "sample", "tta", "stochastic_router")
 # generate() arguments that the strategy sets; passing them in **generate_kwargs would contradict it.
 _SET_BY_STRATEGY = frozenset({"num_beams", "do_sample", "num_return_sequences", "return_dict_in_generate",
                               "output_logits"})
@@ -62,18 +64,20 @@ class EqualBudget:
     mcl_num_beams: int
     """MCL, per hypothesis (each returns its best beam): B / K."""
     tta_num_beams: int
-    """Test-time augmentation, per perturbed context (each returns its best beam): B / K."""
+    """Test-time augmentation, per perturbed context, and stochastic-router decoding of a LoRA-MoE model, per pass
+    (each returns its best beam): B / K."""
 
     def num_beams(self, strategy: str, mcl: bool) -> int:
-        """The beam size of ``strategy`` ('beam', 'diverse_beam', 'tta') for an MCL (``mcl=True``) or a single model."""
-        if strategy not in ("beam", "diverse_beam", "tta"):
+        """The beam size of ``strategy`` ('beam', 'diverse_beam', 'tta', 'stochastic_router') for an MCL
+        (``mcl=True``) or a single model."""
+        if strategy not in ("beam", "diverse_beam", "tta", "stochastic_router"):
             raise ValueError(f"a forward budget sets beam sizes; strategy {strategy!r} has none "
-                             "(use 'beam', 'diverse_beam' or 'tta', or give num_beams)")
+                             "(use 'beam', 'diverse_beam', 'tta' or 'stochastic_router', or give num_beams)")
         if mcl:
             if strategy != "beam":
                 raise ValueError(f"strategy {strategy!r} is a single-model baseline, not an MCL decoding")
             return self.mcl_num_beams
-        return self.tta_num_beams if strategy == "tta" else self.mle_num_beams
+        return self.tta_num_beams if strategy in ("tta", "stochastic_router") else self.mle_num_beams
 
 
 def equal_budget(budget: int, num_hypotheses: int) -> EqualBudget:
@@ -135,6 +139,11 @@ def generate_hypotheses(
         with ``num_beams`` beams (1: greedy) and returns its best. E.g. SpecAugment on audio features
         (``loramcl.generation.spec_augment``; masks drawn from torch's RNG, which ``seed`` makes reproducible):
         ``augment=lambda x, k: {**x, "input_features": spec_augment(x["input_features"])}``.
+      - 'stochastic_router' (a LoRA-MoE model, ``loramcl.baselines.moe``; Zuo et al. 2021, paper App. F): K passes,
+        in each of which every MoE layer uses, per token, one expert drawn from its router's distribution; each pass
+        is decoded with ``num_beams`` beams (1: greedy) and returns its best. All K passes run in one generate; pass
+        c draws from a ``torch.Generator`` seeded ``seed + c``, so it equals a one-candidate call with that seed.
+        ``log_prob`` is the likelihood under the pass's own sampled routing.
 
     Args:
         model: an ``MCLModel``, or a single model with a ``generate`` method.
@@ -143,16 +152,18 @@ def generate_hypotheses(
             processed batch (dict / BatchEncoding from a tokenizer or processor, e.g. with ``pixel_values`` or
             ``input_features``; decoder-only batches must be left-padded).
         strategy: see above.
-        num_beams: beam size (per hypothesis for MCL, per context for TTA, in all for 'beam'/'diverse_beam').
+        num_beams: beam size (per hypothesis for MCL, per context for TTA, per pass for 'stochastic_router', in
+            all for 'beam'/'diverse_beam').
         budget: instead of ``num_beams``: a forward budget B, turned into beam sizes by ``equal_budget``
-            (MCL: B/K per hypothesis; 'beam'/'diverse_beam': B; 'tta': B/K).
+            (MCL: B/K per hypothesis; 'beam'/'diverse_beam': B; 'tta', 'stochastic_router': B/K).
         num_sequences: K for the single-model baselines (an MCL model gives one candidate per hypothesis).
         hypotheses: MCL hypotheses to decode (default: all K, in order).
         max_new_tokens, repetition_penalty: as in transformers' ``generate``.
         temperature, top_k, top_p, typical_p: sampling only; the defaults (1.0, 0, 1.0, 1.0) are pure ancestral
             sampling and override the model's ``generation_config``.
         seed: seeds torch's RNG for sampling and augmentation inside a forked RNG state (the global state is
-            left as it was), so the same call with the same seed gives the same outputs. None: use the global RNG.
+            left as it was), so the same call with the same seed gives the same outputs. None: use the global RNG
+            (for 'stochastic_router': draw the seed from it).
         num_beam_groups, diversity_penalty: 'diverse_beam' only.
         augment: 'tta' only: ``augment(inputs, k) -> inputs``, called on the tokenized/processed batch.
         log_probs: compute ``Candidate.log_prob`` (keeps the raw logits of every step during generation).
@@ -164,6 +175,9 @@ def generate_hypotheses(
     if strategy not in MCL_STRATEGIES + BASELINE_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: MCL models decode with {MCL_STRATEGIES}, single models "
                          f"with {BASELINE_STRATEGIES}")
+    if strategy == "stochastic_router" and not hasattr(model, "stochastic_router"):
+        raise ValueError("strategy 'stochastic_router' samples the experts of a LoRA-MoE model (loramcl.baselines."
+                         f"get_moe_model); {type(model).__name__} has no router")
     clashing = sorted(_SET_BY_STRATEGY & set(generate_kwargs))
     if clashing:
         raise ValueError(f"{clashing} are set by generate_hypotheses: use its own arguments (strategy, num_beams, "
@@ -202,6 +216,8 @@ def generate_hypotheses(
                        routing=selected[0] if selected is not None and not mcl_path else None)
     if mcl_path:
         return decoder.mcl(batch, selected)
+    if strategy == "stochastic_router":
+        return decoder.stochastic_router(batch, num_sequences)
     if strategy == "tta":
         if augment is None:
             raise ValueError("strategy='tta' needs augment: a function (inputs, k) -> perturbed inputs")
@@ -329,21 +345,14 @@ def _prepare_inputs(model: nn.Module, tokenizer, inputs) -> dict:
 
 
 def _repeat_batch(batch: dict, copies: int) -> dict:
-    """K' copies of the batch, copy-major: [B, ...] -> [K'*B, ...], copy c at rows c*B ... (c+1)*B - 1.
-
-    Every tensor is concatenated with itself along dim 0, which is right for batch-first tensors and also for
-    tensors flattened over the batch (e.g. all images of the batch in one [n_images, ...] tensor): copy c then
-    holds the images of copy c's examples, in the same order as their placeholder tokens.
-    """
-    if copies == 1:
-        return batch
-    return {name: value.repeat(copies, *([1] * (value.dim() - 1)))
-            if torch.is_tensor(value) and value.dim() >= 1 and name not in _NOT_PER_EXAMPLE else value
-            for name, value in batch.items()}
+    """K' copies of the batch, copy-major: [B, ...] -> [K'*B, ...], copy c at rows c*B ... (c+1)*B - 1 (the
+    model's K-copy rule, ``repeat_examples``)."""
+    rows = _batch_size(batch)
+    return {name: repeat_examples(value, copies, rows, name) for name, value in batch.items()}
 
 
 def _concat_batches(batches: list[dict]) -> dict | None:
-    """The perturbed batches concatenated copy-major along dim 0, or None if their shapes differ."""
+    """The perturbed batches concatenated copy-major along their batch dimension, or None if their shapes differ."""
     first = batches[0]
     if any(set(b) != set(first) for b in batches):
         return None
@@ -353,7 +362,7 @@ def _concat_batches(batches: list[dict]) -> dict | None:
         if torch.is_tensor(value) and value.dim() >= 1 and name not in _NOT_PER_EXAMPLE:
             if any(not torch.is_tensor(v) or v.shape != value.shape for v in values):
                 return None
-            merged[name] = torch.cat(values, dim=0)
+            merged[name] = torch.cat(values, dim=_batch_dim(name, value))
         elif all(v is value for v in values) or all(_same(v, value) for v in values):
             merged[name] = value
         else:
@@ -444,29 +453,40 @@ class _Decoder:
         self.device = next(model.parameters()).device
 
     @contextlib.contextmanager
-    def _routed(self, routing: int | torch.Tensor | None = None) -> Iterator[None]:
-        """Eval mode, no grad, and the hypotheses of an MCL model routed (``routing``, else the baseline's one)."""
+    def _routed(self, routing: int | torch.Tensor | None = None, copies: bool = False) -> Iterator[None]:
+        """Eval mode, no grad, and the hypotheses of an MCL model routed (``routing``, else the baseline's one;
+        ``copies``: one entry per copy of the batch)."""
         routing = self.routing if routing is None else routing
-        route = self.model.use_hypotheses(routing) if routing is not None else contextlib.nullcontext()
+        route = self.model.use_hypotheses(routing, copies=copies) if routing is not None else contextlib.nullcontext()
         with torch.no_grad(), _eval_mode(self.model), route:
             yield
 
-    def _generate(self, batch: dict, routing: int | torch.Tensor | None = None, **extra) -> list[Candidate]:
+    def _generate(self, batch: dict, routing: int | torch.Tensor | None = None, copies: bool = False,
+                  **extra) -> list[Candidate]:
         """One ``generate`` on ``batch``, as one candidate per output row."""
-        with self._routed(routing):
+        with self._routed(routing, copies):
             output = self.model.generate(**batch, **self.kwargs, **extra)
-        return self._candidates(output, batch, per_input=extra.get("num_return_sequences", 1))
+            return self._candidates(output, batch, per_input=extra.get("num_return_sequences", 1))
 
     def mcl(self, batch: dict, selected: list[int]) -> list[list[Candidate]]:
         """One generate over K'*B rows, hypothesis-major; candidate c of input i is row c*B + i."""
         rows, copies = _batch_size(batch), len(selected)
-        # One hypothesis: plain single routing (no per-row index needed).
-        routing = selected[0] if copies == 1 else torch.tensor(selected).repeat_interleave(rows)  # [K'*B]
+        # One hypothesis: plain single routing; else one routing entry per copy of the batch.
+        routing = selected[0] if copies == 1 else torch.tensor(selected)  # [K']
         with _seeded(self.seed, self.device):
-            candidates = self._generate(_repeat_batch(batch, copies), routing)  # [K'*B], hypothesis-major
+            candidates = self._generate(_repeat_batch(batch, copies), routing, copies=True)  # [K'*B], hyp.-major
         for c, k in enumerate(selected):
             for i in range(rows):
                 candidates[c * rows + i].hypothesis = k
+        return [[candidates[c * rows + i] for c in range(copies)] for i in range(rows)]
+
+    def stochastic_router(self, batch: dict, copies: int) -> list[list[Candidate]]:
+        """K stochastic-router passes in one generate over K*B rows, pass-major; candidate c of input i is row
+        c*B + i, decoded with the router sampled from generator seed + c."""
+        rows = _batch_size(batch)
+        seed = self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        with self.model.stochastic_router(copies, seed):
+            candidates = self._generate(_repeat_batch(batch, copies))  # [K*B], pass-major
         return [[candidates[c * rows + i] for c in range(copies)] for i in range(rows)]
 
     def returned_sequences(self, batch: dict, num_sequences: int) -> list[list[Candidate]]:
@@ -485,7 +505,7 @@ class _Decoder:
             output = generate_diverse_beam(self.model, batch, num_beams=self.kwargs["num_beams"],
                                            num_beam_groups=groups, diversity_penalty=penalty,
                                            num_return_sequences=num_sequences, **kwargs)
-        candidates = self._candidates(output, batch, per_input=num_sequences)  # [B*K], input-major
+            candidates = self._candidates(output, batch, per_input=num_sequences)  # [B*K], input-major
         return self._per_input(candidates, _batch_size(batch), num_sequences)
 
     def tta(self, batch: dict, augment: Callable[[dict, int], dict], copies: int) -> list[list[Candidate]]:
@@ -510,10 +530,14 @@ class _Decoder:
 
     def _candidates(self, output, batch: dict, per_input: int) -> list[Candidate]:
         """One Candidate per row of ``output.sequences`` ([N, prompt + L], N = B * per_input, the rows of an input
-        consecutive); ``batch``: the inputs of generate."""
+        consecutive); ``batch``: the inputs of generate. Runs inside the routing that generated ``output``."""
         sequences = output.sequences
         steps = getattr(output, "logits", None)  # L' tensors [rows, V], rows = N x beams: raw logits
         beam_indices = getattr(output, "beam_indices", None)  # [N, L] flat row of each token's beam, -1 after the end
+        if steps and beam_indices is not None and int(beam_indices.max()) >= steps[0].shape[0]:
+            # The step logits do not cover every beam (Whisper's generate keeps only N rows of them): score the
+            # candidates by teacher forcing instead.
+            steps = None
         if beam_indices is not None:
             length = beam_indices.shape[1]
         elif steps is not None:
@@ -549,9 +573,12 @@ class _Decoder:
         """
         rows, length = alive.shape
         prompt = sequences.shape[1] - length
-        inputs = {name: value.repeat_interleave(per_input, dim=0)
-                  if torch.is_tensor(value) and value.dim() >= 1 and name not in _NOT_PER_EXAMPLE else value
-                  for name, value in batch.items()}  # [N, ...], like generate's expansion for beams
+        # The inputs' copies are made copy-major (images flattened over the batch cannot be interleaved), so the
+        # sequences [N] (input-major) are scored in copy-major order and the scores put back.
+        examples = rows // per_input
+        to_copy_major = torch.arange(rows, device=sequences.device).view(examples, per_input).T.reshape(-1)  # [N]
+        sequences, alive = sequences[to_copy_major], alive[to_copy_major]
+        inputs = _repeat_batch(batch, per_input)  # [N, ...], copy-major
         accepted = _forward_parameters(self.model)
         if _is_encoder_decoder(self.model):
             inputs["decoder_input_ids"] = sequences[:, :-1]  # position t predicts sequences[:, t + 1]
@@ -565,11 +592,12 @@ class _Decoder:
         if "logits_to_keep" in accepted:
             inputs["logits_to_keep"] = length + 1
         model = self.model.base_model if isinstance(self.model, MCLModel) else self.model
-        with self._routed():
+        with torch.no_grad():  # in the routing of the generate call (see _candidates)
             logits = model(**inputs, use_cache=False).logits  # [N, T', V]
         logits = logits[:, -length - 1:-1] if not _is_encoder_decoder(self.model) else logits[:, prompt - 1:]
         token_log_probs = logits.float().log_softmax(-1).gather(2, sequences[:, prompt:].unsqueeze(2)).squeeze(2)
-        return (token_log_probs * alive).sum(dim=1).tolist()  # [N]
+        scores = (token_log_probs * alive).sum(dim=1)  # [N], copy-major
+        return scores[torch.argsort(to_copy_major)].tolist()  # [N], input-major
 
     def _prompt_length(self, batch: dict) -> int:
         """Positions of ``sequences`` that are not generated (used only without step logits)."""

@@ -209,15 +209,18 @@ def _matching(allowed: np.ndarray) -> list[int] | None:
 
 
 def train_run(name: str, mixture: MarkovMixture, settings: RunSettings, seed: int, out: str,
-              show_progress: bool = True) -> RunResult:
-    """Train one model: ``name`` 'mle' (K=1, rank K*r) or 'mcl' (K hypotheses of rank r)."""
-    k = 1 if name == "mle" else settings.hypotheses
-    rank = settings.rank * settings.hypotheses if name == "mle" else settings.rank
-    loss = {"loss": settings.loss, "epsilon": settings.epsilon, "temperature0": settings.temperature0,
-            "temperature_decay": settings.temperature_decay, "temperature_min": settings.temperature_min}
-    config = MCLConfig(num_hypotheses=k, r=rank, alpha=rank, dropout=0.0, target_modules=TARGETS,
-                       **(loss if k > 1 else {}))
-    model = get_mcl_model(toy_model(settings, mixture.num_states, seed), config)
+              show_progress: bool = True, model: MCLModel | None = None) -> RunResult:
+    """Train one model: ``name`` 'mle' (K=1, rank K*r) or 'mcl' (K hypotheses of rank r), or ``model`` (another
+    MCLModel, e.g. a baseline of loramcl.baselines, built on ``toy_model(settings, ..., seed)``) under ``name``."""
+    if model is None:
+        k = 1 if name == "mle" else settings.hypotheses
+        rank = settings.rank * settings.hypotheses if name == "mle" else settings.rank
+        loss = {"loss": settings.loss, "epsilon": settings.epsilon, "temperature0": settings.temperature0,
+                "temperature_decay": settings.temperature_decay, "temperature_min": settings.temperature_min}
+        config = MCLConfig(num_hypotheses=k, r=rank, alpha=rank, dropout=0.0, target_modules=TARGETS,
+                           **(loss if k > 1 else {}))
+        model = get_mcl_model(toy_model(settings, mixture.num_states, seed), config)
+    k = model.num_hypotheses
     train_x, _ = mixture.sample(settings.steps * settings.batch_size, seed)
     eval_x, _ = mixture.sample(settings.eval_sequences, seed + EVAL_SEED_OFFSET)
     args = TrainingArguments(

@@ -1,0 +1,26 @@
+"""The paper's trained baselines, trained through ``MCLTrainer`` and decoded through ``generate_hypotheses`` as
+LoRA-MCL is, so that comparisons are fair by construction (App. F, App. H.1).
+
+- ``moe``: LoRA-MoE, a soft mixture of E LoRA experts per layer with a per-token router; MLE decoding and
+  stochastic-router decoding (``generate_hypotheses(strategy="stochastic_router")``).
+- ``multihead``: multi-head MCL, one module (the LM head, a multimodal projector) duplicated K times.
+- ``parity``: the LoRA-MLE rank and LoRA-MoE (E, r) with LoRA-MCL's trainable count.
+- ``markov_compare``: the four trained systems on the Markov mixture (``python -m loramcl.baselines.markov_compare``).
+
+LoRA-MLE is LoRA-MCL with K = 1 (``MCLConfig(num_hypotheses=1, r=K*r)``). Models of every method are saved with
+``save_pretrained`` and loaded with ``loramcl.load_mcl_model``.
+"""
+
+from loramcl._lazy import lazy_exports
+
+_EXPORTS = {
+    "MoEConfig": "loramcl.baselines.config", "MoEModel": "loramcl.baselines.moe",
+    "MoELoraLinear": "loramcl.baselines.moe", "get_moe_model": "loramcl.baselines.moe",
+    "MultiHeadConfig": "loramcl.baselines.config", "MultiHeadModel": "loramcl.baselines.multihead",
+    "HypothesisHeads": "loramcl.baselines.multihead", "get_multihead_model": "loramcl.baselines.multihead",
+    "ParameterParity": "loramcl.baselines.parity", "parameter_parity": "loramcl.baselines.parity",
+}
+
+__all__ = list(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
