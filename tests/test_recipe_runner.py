@@ -14,11 +14,14 @@ DECODE = DecodeConfig(max_new_tokens=20, repetition_penalty=1.1, diversity_penal
 
 
 def test_recipe_files_merge_section_by_section(tmp_path):
-    (tmp_path / "common.yaml").write_text("model: m\ntraining:\n  steps: 200\n  seed: 0\ndata:\n  train_file: a\n")
+    (tmp_path / "common.yaml").write_text("model: ../m\ntraining:\n  steps: 200\n  seed: 0\ndata:\n  train_file: a\n"
+                                          "  validation_file: v\n")
     (tmp_path / "run.yaml").write_text("out: o\ntraining:\n  steps: 50\nmcl:\n  r: 4\n")
     values = read_recipe(tmp_path, ["common.yaml", "run.yaml"], {"data": {"train_file": "b"}})
-    assert values == {"model": "m", "out": "o", "training": {"steps": 50, "seed": 0}, "data": {"train_file": "b"},
-                      "mcl": {"r": 4}}
+    # paths relative to the file that gives them, as `loramcl train --config` reads them; overrides as given
+    assert values == {"model": str(tmp_path.parent / "m"), "out": str(tmp_path / "o"),
+                      "training": {"steps": 50, "seed": 0},
+                      "data": {"train_file": "b", "validation_file": str(tmp_path / "v")}, "mcl": {"r": 4}}
     assert merged({"a": {"b": 1}}, {"a": 2}) == {"a": 2}
     assert recipe_folder(None, "bilingual", ["common.yaml"]).name == "bilingual"  # this repository's recipes
     with pytest.raises(FileNotFoundError, match="no audio recipes"):

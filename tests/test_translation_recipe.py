@@ -9,8 +9,8 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from loramcl.config import DataConfig, MCLConfig, TrainConfig
 from loramcl.data.gettext_pairs import normalise
-from loramcl.recipe.files import recipe_folder, run_names
-from loramcl.translation.reproduce import COMMON, EXPERIMENT, Experiment, run_values, systems_of, translation
+from loramcl.recipe.files import recipe_folder, run_arguments, run_names
+from loramcl.translation.reproduce import COMMON, EXPERIMENT, Experiment, systems_of, translation
 
 
 def test_paper_scale_recipe_files_load_and_build_a_model(tmp_path):
@@ -21,7 +21,7 @@ def test_paper_scale_recipe_files_load_and_build_a_model(tmp_path):
     assert (experiment.candidates, experiment.budgets, experiment.decoding["diversity_penalty"]) == (3, [3, 6, 9], 0.8)
     runs = run_names(folder, reserved=(EXPERIMENT, COMMON))
     assert runs == ["mcl", "mle-r16", "mle-r48"]
-    values = {run: run_values(folder, run, tmp_path, None, quick=False) for run in runs}
+    values = {run: run_arguments(folder, run, tmp_path, common=COMMON) for run in runs}
     for run in runs:
         header = (folder / f"{run}.yaml").read_text()
         assert header.startswith("# ") and "Launch" in header

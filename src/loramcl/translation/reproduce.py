@@ -42,7 +42,8 @@ class Experiment:
     """experiment.yaml: what `loramcl translation` does with the runs of a recipe folder."""
 
     out: str = "runs/translation"
-    """Output folder (the run files' paths point inside it)."""
+    """Output folder (the run files' paths point inside it). Paths in experiment.yaml (`out`, the `files:`) are
+    relative to that file, as in the run files."""
 
     data: str = "gettext"
     """'gettext': build the multi-reference set from the machine's gettext catalogs (`gettext:` settings); 'files':
@@ -110,20 +111,17 @@ class Experiment:
         _check(isinstance(values, dict) and not set(values) - known,
                f"{path}: unknown settings {sorted(set(values) - known) if isinstance(values, dict) else values!r}; "
                f"known: {sorted(known)}")
+        import os
+
+        def absolute(value):
+            return os.path.abspath(path.parent / os.path.expanduser(value)) if isinstance(value, str) else value
+
+        if "out" in values:
+            values["out"] = absolute(values["out"])
+        if isinstance(values.get("files"), dict):
+            values["files"] = {name: absolute(value) if name.endswith("_file") else value
+                               for name, value in values["files"].items()}
         return cls(**values)
-
-
-def run_values(folder: Path, run: str, root: Path, model: str | None, quick: bool) -> dict:
-    """`loramcl train` arguments of one run: common.yaml + <run>.yaml, its paths moved under ``root``."""
-    from loramcl.recipe.files import merged, read_recipe
-
-    overrides = {"out": str(root / run), "data": {"train_file": str(root / "data" / "train.jsonl")}}
-    if model is not None:
-        overrides["model"] = model
-    values = read_recipe(folder, [COMMON, f"{run}.yaml"], overrides)
-    if values.get("data", {}).get("validation_file"):
-        values["data"]["validation_file"] = str(root / "data" / "validation.jsonl")
-    return merged(values, QUICK_TRAIN) if quick else values
 
 
 def systems_of(experiment: Experiment, values: dict[str, dict], budgets: list[int]) -> list[System]:
@@ -204,9 +202,11 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 def translation(out: str | None = None, recipes: str | None = None, quick: bool = False,
                 budgets: list[int] | None = None, stop_after: str | None = None, threads: int | None = None,
                 device: str = "cpu") -> dict:
-    """Diverse machine translation (paper §4.4, App. H.6): train LoRA-MLE and LoRA-MCL runs, decode K candidates
-    per source at equal forward budgets, and report Loo-BLEU against Pairwise-BLEU (paper Fig. 4), #references
-    covered, oracle sentence BLEU / chrF, the oracle test NLL per K (paper Table 1) and how the hypotheses differ.
+    """Diverse machine translation (paper §4.4, App. H.6) from a recipe folder, data to report.
+
+    Trains LoRA-MLE and LoRA-MCL runs, decodes K candidates per source at equal forward budgets, and reports
+    Loo-BLEU against Pairwise-BLEU (paper Fig. 4), #references covered, oracle sentence BLEU / chrF, the oracle
+    test NLL per K (paper Table 1) and how the hypotheses differ.
 
     Writes to `out`: data/, one folder per run (adapters, logs), predictions/, nll/, figures/, report.json and
     report.md. Finished stages are reused when their settings are unchanged; an interrupted training resumes.
@@ -228,7 +228,7 @@ def translation(out: str | None = None, recipes: str | None = None, quick: bool 
     from loramcl.config import DataConfig, MCLConfig, TrainConfig
     from loramcl.finetune import PEFT_FOLDER, _sha256, nll, run_settings, train
     from loramcl.generation.cli import generate
-    from loramcl.recipe.files import recipe_folder, run_names
+    from loramcl.recipe.files import recipe_folder, run_arguments, run_names
     from loramcl.recipe.stages import Stages, run_record, run_stamp
     from loramcl.translation.report import build_report
 
@@ -249,7 +249,7 @@ def translation(out: str | None = None, recipes: str | None = None, quick: bool 
 
         model = str(stages.timed("convert model", convert_smollm2, root / SMOLLM2_FOLDER))
     runs = run_names(folder, reserved=(EXPERIMENT, COMMON))
-    values = {run: run_values(folder, run, root, model, quick) for run in runs}
+    values = {run: run_arguments(folder, run, root, model, QUICK_TRAIN if quick else None, COMMON) for run in runs}
     systems = systems_of(experiment, values, chosen)
     table = experiment.nll_table if experiment.nll_table is not None else runs
     for run in table:
