@@ -29,8 +29,9 @@ def commands() -> dict:
     from loramcl.models import convert_smollm2_command
     from loramcl.translation.reproduce import translation
 
-    return {"markov": markov, "bilingual": bilingual, "translation": translation, "train": train, "generate": generate,
-            "nll": nll, "evaluate": evaluate, "plot-tradeoff": plot_tradeoff, "convert-smollm2": convert_smollm2_command}
+    return {"markov": markov, "bilingual": bilingual, "translation": translation, "train": train,
+            "generate": generate, "nll": nll, "evaluate": evaluate, "plot-tradeoff": plot_tradeoff,
+            "convert-smollm2": convert_smollm2_command}
 
 
 def main(argv: list[str] | None = None) -> None:
