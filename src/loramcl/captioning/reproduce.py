@@ -139,17 +139,16 @@ class Experiment:
 
 
 def run_values(folder: Path, run: str, root: Path, quick: bool) -> dict:
-    """The settings of one training run: common.yaml + <run>.yaml, its output under ``root``."""
-    from loramcl.recipe.files import merged, read_recipe
+    """The settings of one training run: common.yaml + <run>.yaml (paths relative to the file that gives them), its
+    output under ``root`` (``recipe.files.run_arguments``; the text `data:` section it adds is not read here)."""
+    from loramcl.recipe.files import run_arguments
 
-    values = read_recipe(folder, [COMMON, f"{run}.yaml"], {"out": str(root / run)})
+    values = run_arguments(folder, run, root, quick={"training": QUICK_TRAIN} if quick else None, common=COMMON)
     _check(isinstance(values.get("model"), str), f"{folder}: the runs need `model:` (a local LLaVA-NeXT folder)")
-    if not Path(values["model"]).is_absolute():
-        values["model"] = str((folder / values["model"]).resolve())
     method = values.get("method", "mcl")
     _check(method in ("mcl", "moe", "multihead") and isinstance(values.get(method), dict),
            f"{folder / (run + '.yaml')}: needs a `{method}:` block (method: {method})")
-    return merged(values, {"training": QUICK_TRAIN}) if quick else values
+    return values
 
 
 def method_settings(values: dict):
