@@ -132,6 +132,10 @@ def test_run_files_and_the_systems_at_equal_budget(tmp_path):
     # each system's decoding gives the same forward budget: MLE beam 6 returning 3, MCL beam 2 per hypothesis
     assert systems[2].decoding(3, True, DECODE)["num_beams"] == 6
     assert systems[5].decoding(3, False, DECODE)["num_beams"] == 2
+    diverse = equal_budget_systems({"mcl": 3}, 3, [3, 6], mcl_strategies=("beam", "diverse_beam"))
+    assert [s.name for s in diverse] == ["mcl-greedy-b3", "mcl-diversebeam-b3", "mcl-beam-b6", "mcl-diversebeam-b6"]
+    assert diverse[3].decoding(3, False, DECODE) == {**systems[5].decoding(3, False, DECODE),
+                                                     "strategy": "diverse_beam", "diversity_penalty": 0.8}
     with pytest.raises(ValueError, match="run moe2 has K = 2 hypotheses: a system gives 3 candidates"):
         equal_budget_systems({"moe2": 2}, candidates=3, budgets=[3])
     with pytest.raises(ValueError, match="budget 4 is not a multiple of the 3 candidates"):
