@@ -190,7 +190,8 @@ def write_tiny_recipe(tmp_path: Path) -> Path:
     recipes.mkdir()
     files = {
         "experiment.yaml": {"textcaps": "../textcaps", "images": "../textcaps/images", "budgets": [3, 6],
-                            "metrics": "bleu4,cider_d,div2,mbleu4", "decoding": {"max_new_tokens": 5}},
+                            "metrics": "bleu4,cider_d,div2,mbleu4", "decoding": {"max_new_tokens": 5},
+                            "mcl_decodings": ["beam", "diverse_beam"]},
         "common.yaml": {"model": "../model", "training": {"learning_rate": 1e-3}},
         "mcl.yaml": {"mcl": {"num_hypotheses": 3, "r": 2, "alpha": 8, "target_modules": LM_TARGETS,
                              "loss": "relaxed", "epsilon": 0.1}},
@@ -204,15 +205,16 @@ def write_tiny_recipe(tmp_path: Path) -> Path:
 
 def test_quick_recipe_runs_end_to_end_and_reuses_its_stages(tmp_path):
     """`loramcl image-captioning --quick` on the tiny model: data -> train MCL, MLE, MoE -> decode every system at
-    the smallest budget (MCL greedy; MLE and MoE beam and diverse beam with both λ) -> evaluate -> report; a second
-    call reuses every stage."""
+    the smallest budget (MCL greedy and diverse MCL decoding; MLE and MoE beam and diverse beam, each with both λ) ->
+    evaluate -> report; a second call reuses every stage."""
     from loramcl.captioning.reproduce import image_captioning
     from loramcl.metrics.io import read_jsonl
 
     recipes = write_tiny_recipe(tmp_path)
     out = tmp_path / "out"
     report = image_captioning(out=str(out), recipes=str(recipes), quick=True)
-    names = {"mcl-greedy-b3", "mle-beam-b3", "mle-diversebeam0.8-b3", "mle-diversebeam1-b3", "moe-beam-b3",
+    names = {"mcl-greedy-b3", "mcl-diversebeam0.8-b3", "mcl-diversebeam1-b3", "mle-beam-b3", "mle-diversebeam0.8-b3",
+             "mle-diversebeam1-b3", "moe-beam-b3",
              "moe-diversebeam0.8-b3", "moe-diversebeam1-b3"}
     assert set(report["systems"]) == names
     test = read_jsonl(out / "data" / "test.jsonl", "references")

@@ -69,6 +69,10 @@ class Experiment:
     decoded: list[str] | None = None
     """Runs whose candidates are decoded and scored (default: every run)."""
 
+    mcl_decodings: list[str] = field(default_factory=lambda: ["beam"])
+    """How runs with K hypotheses decode: 'beam' (greedy at B = K, beam B/K per hypothesis above; the paper) and
+    'diverse_beam' (diverse MCL decoding, hypothesis k being group k of one diverse beam search; one system per λ)."""
+
     decoding: dict = field(default_factory=dict)
     """DecodeConfig settings (max_new_tokens, repetition_penalty, batch_size, seed)."""
 
@@ -176,7 +180,8 @@ def systems_of(experiment: Experiment, values: dict[str, dict], budgets: list[in
     _check(not unknown, f"decoded: no run file for {unknown} (runs: {sorted(values)})")
     systems = []
     for system in equal_budget_systems({run: candidates_per_run(values[run]) for run in decoded},
-                                       experiment.candidates, budgets, SINGLE_MODEL_DECODINGS):
+                                       experiment.candidates, budgets, SINGLE_MODEL_DECODINGS,
+                                       experiment.mcl_decodings):
         if system.strategy != "diverse_beam":
             systems.append(system)
             continue
@@ -337,7 +342,8 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
     data_settings = asdict(experiment) | {"quick": quick, "files_sha256": {
         split: _sha256(Path(experiment.textcaps) / f"TextCaps_0.1_{split}.json")
         for split in {experiment.train_split, experiment.test_split}}}
-    for name in ("out", "decoded", "decoding", "budgets", "candidates", "diversity_penalties", "metrics"):
+    for name in ("out", "decoded", "decoding", "budgets", "candidates", "diversity_penalties", "metrics",
+                 "mcl_decodings"):
         data_settings.pop(name)  # decoding settings: not the data's
     stages.run("prepare data", data / "prepare.json", data_settings, prepare_data, data, experiment, quick, device)
     if stop_after == "data":
