@@ -34,10 +34,11 @@ class Experiment:
     """Folder holding TextCaps_0.1_{train,val,test}.json (relative paths: to this file's folder)."""
 
     images: str
-    """Folder of the images: <images>/<image_path> or <images>/<file name> (TextVQA's train_images/)."""
+    """Folder of the images: <images>/<image_path> or <images>/<file name> (TextVQA's train_images/); relative
+    paths: to this file's folder."""
 
     out: str = "runs/image-captioning"
-    """Output folder (relative paths: to the working directory)."""
+    """Output folder (relative paths: to this file's folder, as every path of a recipe file)."""
 
     train_split: str = "train"
     test_split: str = "val"
@@ -125,21 +126,10 @@ class Experiment:
 
     @classmethod
     def read(cls, path: Path) -> Experiment:
-        import yaml
+        from loramcl.recipe.files import experiment_values
 
-        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        known = set(cls.__dataclass_fields__)
-        _check(isinstance(values, dict) and not set(values) - known,
-               f"{path}: unknown settings {sorted(set(values) - known) if isinstance(values, dict) else values!r}; "
-               f"known: {sorted(known)}")
-        for name in ("textcaps", "images"):  # relative to the recipe file, as `--config` paths are
-            if isinstance(values.get(name), str) and not Path(values[name]).is_absolute():
-                values[name] = str((path.parent / values[name]).resolve())
-        translator = (values.get("bilingual") or {}).get("translator") if isinstance(values.get("bilingual"),
-                                                                                        dict) else None
-        if isinstance(translator, str) and not Path(translator).is_absolute():
-            values["bilingual"] = {**values["bilingual"], "translator": str((path.parent / translator).resolve())}
-        return cls(**values)
+        return cls(**experiment_values(path, cls.__dataclass_fields__,
+                                       ("out", "textcaps", "images", "bilingual.translator")))
 
 
 def run_values(folder: Path, run: str, root: Path, quick: bool) -> dict:
@@ -321,7 +311,7 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
     from loramcl.config import TrainConfig
     from loramcl.finetune import _sha256
     from loramcl.recipe.files import recipe_folder, run_names
-    from loramcl.recipe.stages import Stages, run_record, run_stamp
+    from loramcl.recipe.stages import Stages, file_stamp, run_record, run_stamp
 
     _check(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
     folder = recipe_folder(recipes, DEFAULT_RECIPES, [EXPERIMENT, COMMON])
@@ -369,7 +359,7 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
         v = values[system.run]
         arguments = system.decoding(experiment.candidates, candidates_per_run(v) == 1, decode)
         settings = {**arguments, "batch_size": decode.batch_size, "trained": run_stamp(root / system.run),
-                    "instruction": experiment.instruction}
+                    "test": file_stamp(data / "test.jsonl"), "instruction": experiment.instruction}
         stages.run(f"generate {system.name}", path.with_suffix(".settings.json"), settings, caption, model,
                    str(root / system.run), data / "test.jsonl", path, dict(arguments), decode.batch_size,
                    experiment.instruction, v.get("dtype", "float32"), device)

@@ -109,24 +109,9 @@ class Experiment:
 
     @classmethod
     def read(cls, path: Path) -> Experiment:
-        import yaml
+        from loramcl.recipe.files import experiment_values
 
-        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        known = set(cls.__dataclass_fields__)
-        _check(isinstance(values, dict) and not set(values) - known,
-               f"{path}: unknown settings {sorted(set(values) - known) if isinstance(values, dict) else values!r}; "
-               f"known: {sorted(known)}")
-        import os
-
-        def absolute(value):
-            return os.path.abspath(path.parent / os.path.expanduser(value)) if isinstance(value, str) else value
-
-        if "out" in values:
-            values["out"] = absolute(values["out"])
-        if isinstance(values.get("files"), dict):
-            values["files"] = {name: absolute(value) if name.endswith("_file") else value
-                               for name, value in values["files"].items()}
-        return cls(**values)
+        return cls(**experiment_values(path, cls.__dataclass_fields__, ("out", "files.*_file")))
 
 
 def systems_of(experiment: Experiment, values: dict[str, dict], budgets: list[int]) -> list[System]:
