@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loramcl.config import _check, _positive_int
-from loramcl.recipe.grid import DecodeConfig, System
+from loramcl.recipe.grid import DecodeConfig, System, check_budgets, chosen_budgets
 
 EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
 DEFAULT_RECIPES = "image_captioning/textcaps"
@@ -101,13 +101,7 @@ class Experiment:
         _positive_int("max_caption_tokens", self.max_caption_tokens, minimum=2)
         if self.test_images is not None:
             _positive_int("test_images", self.test_images)
-        _positive_int("candidates", self.candidates, minimum=2)
-        _check(isinstance(self.budgets, list) and self.budgets, f"budgets must be a non-empty list, got "
-               f"{self.budgets!r}")
-        for budget in self.budgets:
-            _positive_int("budgets", budget)
-            _check(budget % self.candidates == 0, f"every budget must be a multiple of candidates = "
-                   f"{self.candidates} (B/K beams per hypothesis), got {budget}")
+        check_budgets(self.candidates, self.budgets)
         _check(isinstance(self.diversity_penalties, list) and all(
             isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in self.diversity_penalties),
             f"diversity_penalties must be a list of numbers >= 0, got {self.diversity_penalties!r}")
@@ -318,9 +312,7 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
     experiment = Experiment.read(folder / EXPERIMENT)
     root = Path(out if out is not None else experiment.out)
     stages = Stages(root)
-    chosen = budgets if budgets is not None else ([min(experiment.budgets)] if quick else experiment.budgets)
-    _check(bool(chosen) and set(chosen) <= set(experiment.budgets),
-           f"budgets must be a non-empty subset of {experiment.budgets}, got {chosen}")
+    chosen = chosen_budgets(experiment.budgets, budgets, quick)
     runs = run_names(folder, reserved=(EXPERIMENT, COMMON))
     values = {run: run_values(folder, run, root, quick) for run in runs}
     systems = systems_of(experiment, values, chosen)
