@@ -88,7 +88,8 @@ class CaptionEncoder:
             raise ValueError(f"the prompt's tokens are not a prefix of prompt + caption (the tokenizer merges across "
                              f"their boundary) for caption {caption!r}: change the end of the instruction")
         return {"input_ids": ids, "labels": [-100] * len(prompt) + ids[len(prompt):],
-                "input_features": full["input_features"][0], "feature_attention_mask": full["feature_attention_mask"][0]}
+                "input_features": full["input_features"][0],  # [n_mels, frames]
+                "feature_attention_mask": full["feature_attention_mask"][0]}  # [frames]
 
     def generation_batch(self, waveforms: Sequence) -> dict:
         """Left-padded prompts and their audio features for ``generate``: input_ids, attention_mask
