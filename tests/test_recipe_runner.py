@@ -107,3 +107,25 @@ def test_report_tables():
                                     Column("spider", "SPIDEr")])
     assert table[0] == "| system | budget | oracle chrF | mBLEU-4 | SPIDEr |"
     assert table[2] == "| mcl | 2 | 40.12 | 0.387 | – |"
+
+
+def test_run_files_and_the_systems_at_equal_budget(tmp_path):
+    from loramcl.recipe.files import run_names
+    from loramcl.recipe.grid import equal_budget_systems
+
+    for name in ("common.yaml", "experiment.yaml", "mle.yaml", "mcl.yaml", "notes.txt"):
+        (tmp_path / name).write_text("{}\n")
+    assert run_names(tmp_path, reserved=("common.yaml", "experiment.yaml")) == ["mcl", "mle"]
+    with pytest.raises(FileNotFoundError, match="holds no run file"):
+        run_names(tmp_path / "missing")
+    systems = equal_budget_systems({"mle": 1, "mcl": 3}, candidates=3, budgets=[3, 6])
+    assert [(s.name, s.strategy, s.budget) for s in systems] == [
+        ("mle-beam-b3", "beam", 3), ("mle-diversebeam-b3", "diverse_beam", 3), ("mle-beam-b6", "beam", 6),
+        ("mle-diversebeam-b6", "diverse_beam", 6), ("mcl-greedy-b3", "greedy", 3), ("mcl-beam-b6", "beam", 6)]
+    # each system's decoding gives the same forward budget: MLE beam 6 returning 3, MCL beam 2 per hypothesis
+    assert systems[2].decoding(3, True, DECODE)["num_beams"] == 6
+    assert systems[5].decoding(3, False, DECODE)["num_beams"] == 2
+    with pytest.raises(ValueError, match="run moe2 has K = 2 hypotheses: a system gives 3 candidates"):
+        equal_budget_systems({"moe2": 2}, candidates=3, budgets=[3])
+    with pytest.raises(ValueError, match="budget 4 is not a multiple of the 3 candidates"):
+        equal_budget_systems({"mle": 1}, candidates=3, budgets=[4])

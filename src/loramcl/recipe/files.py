@@ -40,3 +40,13 @@ def read_recipe(folder: Path, names: Sequence[str], overrides: dict | None = Non
             raise ValueError(f"{path} must hold a mapping of settings, got {type(content).__name__}")
         values = merged(values, content)
     return merged(values, overrides or {})
+
+
+def run_names(folder: Path, reserved: Sequence[str] = ("common.yaml",)) -> list[str]:
+    """The training runs of a recipe folder, one per YAML file but the ``reserved`` ones, sorted: adding a run (a
+    baseline, another K) is adding a file."""
+    runs = sorted(p.stem for p in Path(folder).glob("*.yaml") if p.name not in reserved)
+    if not runs:
+        raise FileNotFoundError(f"{folder} holds no run file (one YAML file per training run beside "
+                                f"{', '.join(reserved)})")
+    return runs

@@ -4,6 +4,7 @@ with beam B and returns its K best beams; an MCL model decodes each of its K hyp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from loramcl.config import _check, _positive_int, _real
@@ -93,3 +94,23 @@ class System:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def equal_budget_systems(hypotheses: dict[str, int], candidates: int, budgets: Sequence[int],
+                         single_model_strategies: Sequence[str] = ("beam", "diverse_beam")) -> list[System]:
+    """Every run decoded at every budget B, named '<run>-<strategy>-b<B>': a run with one hypothesis (a single model)
+    with each of ``single_model_strategies``; a run with K = ``candidates`` hypotheses greedily at B = K and with beam
+    B/K per hypothesis above. ``hypotheses``: {run: its number of hypotheses}."""
+    systems = []
+    for run, num_hypotheses in hypotheses.items():
+        _check(num_hypotheses in (1, candidates), f"run {run} has K = {num_hypotheses} hypotheses: a system gives "
+               f"{candidates} candidates, from a single model (K = 1) or from K = {candidates} hypotheses")
+        for budget in budgets:
+            _check(budget % candidates == 0, f"budget {budget} is not a multiple of the {candidates} candidates")
+            if num_hypotheses == 1:
+                systems += [System(f"{run}-{s.replace('_', '')}-b{budget}", run, s, budget)
+                            for s in single_model_strategies]
+            else:
+                strategy = "greedy" if budget == candidates else "beam"
+                systems.append(System(f"{run}-{strategy}-b{budget}", run, strategy, budget))
+    return systems
