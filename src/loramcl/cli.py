@@ -21,6 +21,7 @@ EXIT_USAGE, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
 
 def commands() -> dict:
     """{name: function} of every `loramcl` command (light imports: torch loads inside the functions)."""
+    from loramcl.audio_captioning.reproduce import audio_captioning
     from loramcl.bilingual.reproduce import bilingual
     from loramcl.finetune import nll, train
     from loramcl.generation.cli import generate
@@ -28,8 +29,9 @@ def commands() -> dict:
     from loramcl.metrics.cli import evaluate, plot_tradeoff
     from loramcl.models import convert_smollm2_command
 
-    return {"markov": markov, "bilingual": bilingual, "train": train, "generate": generate, "nll": nll,
-            "evaluate": evaluate, "plot-tradeoff": plot_tradeoff, "convert-smollm2": convert_smollm2_command}
+    return {"markov": markov, "bilingual": bilingual, "audio-captioning": audio_captioning, "train": train,
+            "generate": generate, "nll": nll, "evaluate": evaluate, "plot-tradeoff": plot_tradeoff,
+            "convert-smollm2": convert_smollm2_command}
 
 
 def main(argv: list[str] | None = None) -> None:

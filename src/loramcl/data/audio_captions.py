@@ -252,7 +252,12 @@ class CaptionExamples:
     example per clip whose caption is drawn uniformly among its captions at each visit, so one caption per clip
     per epoch (the paper's choice for Clotho). The draw of the v-th visit of clip i depends on (seed, i, v) only:
     a run is reproducible, but a resumed run draws its epochs afresh from the first one.
+
+    Examples are encoded when read (``encodes_on_read``): the trainer does not read them all up front to check
+    their targets; ``encode`` refuses an example without caption tokens instead.
     """
+
+    encodes_on_read = True
 
     def __init__(self, clips: Sequence[AudioClip], encode: Callable[[AudioClip, str], dict],
                  captions_per_clip: str = "all", seed: int = 0) -> None:

@@ -1,0 +1,96 @@
+"""`loramcl audio-captioning`: the CPU pipeline end to end (--quick) and the paper-scale recipe files."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from loramcl.audio_captioning.reproduce import (
+    COMMON,
+    EXPERIMENT,
+    Experiment,
+    audio_captioning,
+    method_of,
+    run_values,
+    systems_of,
+    training_config,
+)
+from loramcl.recipe.files import run_names
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "audio_captioning"
+
+
+def test_quick_end_to_end_then_every_stage_reused(tmp_path):
+    """Data (a generated set in the Clotho layout, read by the official reader) -> a tiny random Qwen2-Audio ->
+    train MCL (relaxed, annealed), MLE and MoE -> decode with every strategy -> evaluate -> report; run again, every
+    stage is reused."""
+    out = tmp_path / "ac"
+    report = audio_captioning(out=str(out), quick=True)
+    assert (out / "synthetic-clotho" / "clotho_captions_development.csv").is_file()
+    test_ids = [json.loads(line)["id"] for line in (out / "data" / "test.jsonl").read_text().splitlines()]
+    assert test_ids == ["evaluation_000.wav", "evaluation_001.wav", "evaluation_002.wav"]
+    strategies = {s["system"]["strategy"] for s in report["systems"].values()}
+    assert strategies == {"greedy", "beam", "diverse_beam", "tta", "sample"}
+    assert set(report["runs"]) == {"mcl-relaxed", "mcl-annealed", "mle", "moe"}
+    for name, result in report["systems"].items():
+        lines = [json.loads(line) for line in (out / "predictions" / f"{name}.jsonl").read_text().splitlines()]
+        assert [line["id"] for line in lines] == test_ids and all(len(line["candidates"]) == 2 for line in lines)
+        if name.startswith("mcl-"):
+            assert all(line["hypotheses"] == [0, 1] for line in lines)
+        assert {"cider_d", "bleu4", "mbleu4"} <= set(result["metrics"])
+    text = (out / "report.md").read_text()
+    assert "| mcl-relaxed | 2 | 4 | relaxed ε=0.05 |" in text and "| moe | 1 | 4 | MoE NLL, 2 experts |" in text
+    assert (out / "figures" / "tradeoff.png").is_file() and (out / "figures" / "training.png").is_file()
+
+    again = audio_captioning(out=str(out), quick=True)
+    assert set(again["timing_s"]) == {"report"}  # nothing trained, decoded or evaluated again
+
+
+@pytest.mark.parametrize("folder", ["clotho", "audiocaps"])
+def test_paper_scale_recipes_load_and_build_the_model(folder):
+    """Every run file of the paper-scale recipes parses into its method's configuration and a TrainConfig, and wraps
+    Qwen2-Audio-7B built from its config on the meta device (no weights): LoRA-MCL K = 5 x r = 8 trains exactly
+    LoRA-MLE r = 40's parameters."""
+    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
+
+    from loramcl.finetune import method_model
+
+    recipes = RECIPES / folder
+    experiment = Experiment.read(recipes / EXPERIMENT)
+    runs = run_names(recipes, reserved=(EXPERIMENT, COMMON))
+    assert runs == ["mcl-annealed", "mcl-relaxed-e0.0005", "mcl-relaxed-e0.05", "mle-r40", "mle-r8", "moe"]
+    clips = {"clotho": 3839, "audiocaps": 49_838}[folder]  # official training clips
+    config = Qwen2AudioConfig(text_config=dict(model_type="qwen2", vocab_size=156_032, intermediate_size=11_008))
+    with torch.device("meta"):
+        base = Qwen2AudioForConditionalGeneration(config)
+    trainable, hypotheses = {}, {}
+    for run in runs:
+        values = run_values(recipes, run, Path("/tmp/out"), None, quick=False)
+        assert values["model"] == "models/Qwen2-Audio-7B-Instruct" and values["dtype"] == "bfloat16"
+        training = training_config(values, experiment, clips)
+        assert training.steps == -(-experiment.epochs * clips // 2) and training.warmup_steps == round(
+            0.1 * training.steps)
+        assert (training.learning_rate, training.min_learning_rate, training.adam_beta2) == (1e-5, 1e-6, 0.98)
+        method, method_config = method_of(values)
+        model = method_model(base, method, method_config)
+        trainable[run] = model.parameter_counts()[0]
+        hypotheses[run] = method_config.to_dict().get("num_hypotheses", 1)
+        base = model.unload()
+    assert trainable["mcl-annealed"] == trainable["mle-r40"] == 5 * trainable["mle-r8"]
+    assert trainable["moe"] > trainable["mle-r40"]  # + the routers
+    names = {s.name for s in systems_of(experiment, hypotheses, experiment.budgets)}
+    assert {"mcl-annealed-greedy-b5", "mcl-annealed-beam-b10", "mle-r8-beam-b10", "mle-r8-dbs1-b5",
+            "mle-r8-tta3-b10", "moe-dbs0.8-b10", "mle-r8-topk50-b5", "mcl-annealed-typical0.95-b5"} <= names
+
+
+def test_experiment_errors_say_what_to_change(tmp_path):
+    with pytest.raises(ValueError, match="root must name the folder"):
+        Experiment(layout="clotho")
+    with pytest.raises(ValueError, match="'train' is no clotho split"):
+        Experiment(root="x", splits={"train": "train"})
+    with pytest.raises(ValueError, match="every budget must be a multiple of candidates = 5"):
+        Experiment(root="x", budgets=[5, 7])
+    (tmp_path / EXPERIMENT).write_text("root: x\nepoch: 3\n")
+    with pytest.raises(ValueError, match=r"unknown settings \['epoch'\]"):
+        Experiment.read(tmp_path / EXPERIMENT)
