@@ -94,3 +94,23 @@ def test_experiment_errors_say_what_to_change(tmp_path):
     (tmp_path / EXPERIMENT).write_text("root: x\nepoch: 3\n")
     with pytest.raises(ValueError, match=r"unknown settings \['epoch'\]"):
         Experiment.read(tmp_path / EXPERIMENT)
+
+
+def test_tta_masks_at_most_its_strength_inside_the_audio():
+    from loramcl.audio_captioning.reproduce import tta_augment
+
+    features = torch.randn(2, 20, 100) + 5.0  # [B, n_mels, frames]
+    mask = torch.zeros(2, 100, dtype=torch.long)
+    mask[0, :100], mask[1, :40] = 1, 1  # the second clip: 40 frames of audio, then padding
+    inputs = {"input_features": features, "feature_attention_mask": mask}
+    masked_frames, masked_channels = [], []
+    for k in range(30):
+        changed = tta_augment(0.4, 0.6)(inputs, k)["input_features"] != features  # [B, n_mels, frames]
+        frames, channels = changed.all(dim=1), changed.all(dim=2)  # [B, frames] / [B, n_mels] fully masked
+        assert not frames[1, 40:].any()  # time masks fall on audio, never on padding
+        masked_frames.append(frames.sum(-1))
+        masked_channels.append(channels.sum(-1))
+    frames, channels = torch.stack(masked_frames), torch.stack(masked_channels)  # [30, B]
+    assert (frames[:, 0] <= 40).all() and (frames[:, 1] <= 16).all() and (channels <= 12).all()
+    assert frames[:, 0].max() > 20 and channels.max() > 6  # the widths reach toward the strength
+    assert inputs["input_features"] is features and torch.equal(features, inputs["input_features"])

@@ -296,14 +296,15 @@ def train_captioner(model: str, out: str, method: str, config, training, setting
 
 
 def tta_augment(time_fraction: float, frequency_fraction: float):
-    """SpecAugment at strength φ = (time, frequency): one time mask up to that fraction of each clip's frames and
-    one frequency mask up to that fraction of the mel channels, drawn afresh for each candidate."""
+    """SpecAugment at strength φ = (time, frequency): one time mask of width U{0..time x frames of audio} (capped
+    at that fraction of each clip's own frames) and one frequency mask of width U{0..frequency x mel channels}, drawn
+    afresh for each candidate (``generate_hypotheses`` seeds them)."""
     from loramcl.generation.augment import spec_augment
 
     def augment(inputs: dict, k: int) -> dict:
         features = inputs["input_features"]  # [B, n_mels, frames]
         lengths = inputs["feature_attention_mask"].sum(-1)  # [B] frames of audio, not padding
-        masked = spec_augment(features, num_time_masks=1, max_time_width=features.shape[-1],
+        masked = spec_augment(features, num_time_masks=1, max_time_width=int(time_fraction * int(lengths.max())),
                               max_time_ratio=max(time_fraction, 1e-6), num_freq_masks=1,
                               max_freq_width=int(frequency_fraction * features.shape[1]), lengths=lengths)
         return {**inputs, "input_features": masked}
