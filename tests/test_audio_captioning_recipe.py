@@ -114,3 +114,44 @@ def test_tta_masks_at_most_its_strength_inside_the_audio():
     assert (frames[:, 0] <= 40).all() and (frames[:, 1] <= 16).all() and (channels <= 12).all()
     assert frames[:, 0].max() > 20 and channels.max() > 6  # the widths reach toward the strength
     assert inputs["input_features"] is features and torch.equal(features, inputs["input_features"])
+
+
+def test_quick_on_the_audiocaps_layout(tmp_path):
+    """The same pipeline on a fixture in the AudioCaps layout (one caption per training clip, five per test clip,
+    32 kHz WAV named by YouTube id, a missing clip skipped), with an MCL and an MLE run."""
+    import csv
+    import shutil
+
+    import numpy as np
+    from scipy.io import wavfile
+
+    root = tmp_path / "audiocaps"
+    rng = np.random.default_rng(0)
+    for split, clips, captions in [("train", 5, 1), ("val", 2, 5), ("test", 3, 5)]:
+        (root / split).mkdir(parents=True)
+        with (root / f"{split}.csv").open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["audiocap_id", "youtube_id", "start_time", "caption"])
+            for c in range(clips + 1):  # the last clip of each split has no audio file
+                writer.writerows([[100 * c + n, f"{split}-yt{c}", 30, f"a high tone {n}"] for n in range(captions)])
+                if c < clips:
+                    t = np.arange(16_000) / 32_000
+                    wave = 0.3 * np.sin(2 * np.pi * 440 * t) + 0.01 * rng.standard_normal(t.size)
+                    wavfile.write(root / split / f"{split}-yt{c}.wav", 32_000, wave.astype(np.float32))
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    shutil.copy(RECIPES / "tiny" / COMMON, recipes / COMMON)
+    for run in ("mcl-relaxed", "mle"):
+        shutil.copy(RECIPES / "tiny" / f"{run}.yaml", recipes / f"{run}.yaml")
+    (recipes / EXPERIMENT).write_text(
+        f"layout: audiocaps\nroot: {root}\nmissing_audio: skip\nmax_seconds: 10.0\npackaged_model: tiny-random\n"
+        "candidates: 2\nbudgets: [2]\ndiversity_penalties: [1.0]\nsampling: [{top_p: 0.95}]\ntta: [[0.2, 0.3]]\n")
+    out = tmp_path / "out"
+    report = audio_captioning(out=str(out), recipes=str(recipes), quick=True)
+    assert report["data"]["splits"]["test"] | {"hours": None} == {"split": "test", "clips": 3, "captions": 15,
+                                                                   "skipped": 1, "hours": None}
+    assert report["data"]["splits"]["train"]["captions"] == 4  # quick: the first 4 clips, one caption each
+    assert {s["system"]["strategy"] for s in report["systems"].values()} == {"greedy", "beam", "diverse_beam", "tta",
+                                                                             "sample"}
+    references = [json.loads(line)["references"] for line in (out / "data" / "test.jsonl").read_text().splitlines()]
+    assert references == [[f"a high tone {n}" for n in range(5)]] * 3
