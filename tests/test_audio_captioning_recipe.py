@@ -38,7 +38,11 @@ def test_quick_end_to_end_then_every_stage_reused(tmp_path):
         assert [line["id"] for line in lines] == test_ids and all(len(line["candidates"]) == 2 for line in lines)
         if name.startswith("mcl-"):
             assert all(line["hypotheses"] == [0, 1] for line in lines)
-        assert {"cider_d", "bleu4", "mbleu4"} <= set(result["metrics"])
+        assert {"cider_d", "bleu4", "mbleu4", "oracle_nll"} <= set(result["metrics"])
+    nll = [json.loads(line)["nll"] for line in (out / "nll" / "mcl-relaxed.jsonl").read_text().splitlines()]
+    assert [len(rows) for rows in nll] == [5, 5, 5] and all(len(row) == 2 for rows in nll for row in rows)
+    oracle = sum(min(row) for rows in nll for row in rows) / 15  # App. E.1: mean over references of min over k
+    assert abs(report["systems"]["mcl-relaxed-greedy-b2"]["metrics"]["oracle_nll"] - oracle) < 1e-9
     text = (out / "report.md").read_text()
     assert "| mcl-relaxed | 2 | 4 | relaxed ε=0.05 |" in text and "| moe | 1 | 4 | MoE NLL, 2 experts |" in text
     assert (out / "figures" / "tradeoff.png").is_file() and (out / "figures" / "training.png").is_file()

@@ -13,7 +13,8 @@ from loramcl.recipe.report import Column, metrics_table, percent, runs_table, tr
 
 COLUMNS = (Column("spider", "SPIDEr"), Column("cider_d", "CIDEr-D"), Column("meteor", "METEOR"),
            Column("sbert_sim", "sBERT"), Column("bleu4", "BLEU-4"), Column("rouge_l", "ROUGE-L"),
-           Column("mbleu4", "mBLEU-4 (lower: more diverse)"), Column("div2", "Div-2"))
+           Column("mbleu4", "mBLEU-4 (lower: more diverse)"), Column("div2", "Div-2"),
+           Column("oracle_nll", "oracle test NLL (of the run)"))
 
 
 def build_report(root: Path, experiment, systems: Sequence[System], runs: Sequence[str]) -> dict:

@@ -347,6 +347,34 @@ def decode_captions(model: str, adapters: str, test: Path, out: Path, arguments:
     return out
 
 
+def score_references(model: str, adapters: str, test: Path, out: Path, experiment: Experiment, batch_size: int,
+                     dtype: str, device: str) -> Path:
+    """The mean NLL per caption token (end token included) of every reference caption of every test clip under
+    every hypothesis of a run, tokenized as in training: {"id", "nll": [[K] per reference]} per clip, what `loramcl
+    evaluate --nll` reads for the oracle test NLL (paper App. E.1)."""
+    import torch
+    from transformers import AutoProcessor
+
+    from loramcl.data.audio_captions import load_audio
+    from loramcl.data.audio_prompts import CaptionEncoder, collate_audio
+    from loramcl.data.prompts import pad_token_id
+    from loramcl.generation.cli import load_model
+
+    processor = AutoProcessor.from_pretrained(model)
+    encoder = CaptionEncoder(processor, experiment.chat_template, experiment.instruction)
+    scorer = load_model(model, adapters, dtype, device)
+    pad = pad_token_id(processor.tokenizer)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f, torch.no_grad():
+        for clip in read_manifest(test):
+            waveform = load_audio(clip.audio, max_seconds=experiment.max_seconds)
+            rows = [encoder.encode(waveform, caption) for caption in clip.captions]
+            scores = [scorer(**{k: v.to(device) for k, v in collate_audio(rows[i:i + batch_size], pad).items()})
+                      .nll.float().cpu() for i in range(0, len(rows), batch_size)]  # each [b, K]
+            f.write(json.dumps({"id": clip.id, "nll": torch.cat(scores).tolist()}) + "\n")
+    return out
+
+
 def systems_of(experiment: Experiment, hypotheses: dict[str, int], budgets: list[int]) -> list[System]:
     """Every decoded run at every budget: MCL runs with beam B/K per hypothesis (greedy at B = K); single models
     (LoRA-MLE, LoRA-MoE) with beam search, diverse beam search per λ and test-time augmentation per strength (beam
@@ -485,14 +513,21 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
                    str(root / system.run), test, path, arguments, experiment, decode.batch_size,
                    values[system.run].get("dtype", "float32"), device)
 
+    for run in decoded:
+        path = root / "nll" / f"{run}.jsonl"
+        stages.run(f"nll {run}", path.with_suffix(".settings.json"), {"trained": run_stamp(root / run)},
+                   score_references, model, str(root / run), test, path, experiment, decode.batch_size,
+                   values[run].get("dtype", "float32"), device)
+
     from loramcl.metrics.cli import evaluate
 
     metrics = QUICK_METRICS if quick else experiment.metrics
     for system in systems:
-        predictions = root / "predictions" / f"{system.name}.jsonl"
+        predictions, nll = root / "predictions" / f"{system.name}.jsonl", root / "nll" / f"{system.run}.jsonl"
         stages.run(f"evaluate {system.name}", root / "eval" / f"{system.name}.settings.json",
-                   {"predictions": _sha256(predictions), "metrics": metrics}, evaluate, predictions=str(predictions),
-                   references=str(test), metrics=metrics, out=str(root / "eval"), name=system.name)
+                   {"predictions": _sha256(predictions), "nll": _sha256(nll), "metrics": metrics}, evaluate,
+                   predictions=str(predictions), references=str(test), metrics=metrics, out=str(root / "eval"),
+                   name=system.name, nll=str(nll))
     report = stages.timed("report", build_report, root, experiment, systems, names)
     report["timing_s"] = stages.timings
     (root / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
