@@ -71,7 +71,8 @@ def test_paper_scale_recipes_load_and_build_the_model(folder):
     trainable, hypotheses = {}, {}
     for run in runs:
         values = run_values(recipes, run, Path("/tmp/out"), None, quick=False)
-        assert values["model"] == "models/Qwen2-Audio-7B-Instruct" and values["dtype"] == "bfloat16"
+        assert values["model"] == str(RECIPES.parents[1] / "models" / "Qwen2-Audio-7B-Instruct")  # the repository's
+        assert values["dtype"] == "bfloat16" and experiment.root == str(RECIPES.parents[1] / "data" / folder)
         training = training_config(values, experiment, clips)
         assert training.steps == -(-experiment.epochs * clips // 2) and training.warmup_steps == round(
             0.1 * training.steps)

@@ -28,9 +28,10 @@ def commands() -> dict:
     from loramcl.markov.reproduce import markov
     from loramcl.metrics.cli import evaluate, plot_tradeoff
     from loramcl.models import convert_smollm2_command
+    from loramcl.translation.reproduce import translation
 
-    return {"markov": markov, "bilingual": bilingual, "audio-captioning": audio_captioning, "train": train,
-            "generate": generate, "nll": nll, "evaluate": evaluate, "plot-tradeoff": plot_tradeoff,
+    return {"markov": markov, "bilingual": bilingual, "translation": translation, "audio-captioning": audio_captioning,
+            "train": train, "generate": generate, "nll": nll, "evaluate": evaluate, "plot-tradeoff": plot_tradeoff,
             "convert-smollm2": convert_smollm2_command}
 
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loramcl.recipe.grid import System
-from loramcl.recipe.report import Column, metrics_table, percent, runs_table, training_curves
+from loramcl.recipe.report import Column, loss_name, metrics_table, percent, runs_table, training_curves
 
 COLUMNS = (Column("spider", "SPIDEr"), Column("cider_d", "CIDEr-D"), Column("meteor", "METEOR"),
            Column("sbert_sim", "sBERT"), Column("bleu4", "BLEU-4"), Column("rouge_l", "ROUGE-L"),
@@ -38,7 +38,9 @@ def build_report(root: Path, experiment, systems: Sequence[System], runs: Sequen
     curves = training_curves({run: root / run for run in trained}, figures / "training.png")
     quality = "spider" if all("spider" in r["metrics"] for r in results.values()) else "cider_d"
     tradeoff = tradeoff_plot(list(evaluations.values()), x="mbleu4", y=quality, out=figures / "tradeoff.png",
-                             labels=list(evaluations))
+                             labels=[f"B={s.budget}" for s in systems],
+                             methods=[method_label(records[s.run]) for s in systems],
+                             decodings=[decoding_label(s) for s in systems])
 
     lines = [f"# Audio captioning: {experiment.layout}{' (synthetic)' if experiment.synthetic else ''}", "",
              f"K = {experiment.candidates} candidates per clip for every system; budget B = sequences advanced per "
@@ -63,3 +65,25 @@ def build_report(root: Path, experiment, systems: Sequence[System], runs: Sequen
     (root / "report.md").write_text("\n".join(lines), encoding="utf-8")
     return {"data": stats, "runs": records, "systems": results, "figures": {"training": str(curves),
                                                                               "tradeoff": str(tradeoff)}}
+
+
+def method_label(record: dict) -> str:
+    """The paper's name of a trained run (Fig. 3 legend), from its run.json."""
+    settings = record["settings"]
+    method = settings.get("method", "mcl")
+    if method == "moe":
+        return "LoRA-MoE"
+    mcl = settings["mcl"]
+    return f"LoRA-MLE r={mcl['r']}" if mcl["num_hypotheses"] == 1 else f"LoRA-MCL ({loss_name(mcl)})"
+
+
+def decoding_label(system: System) -> str:
+    """The decoding of a system (Fig. 3 colours): MCL greedy is beam search with one beam per hypothesis."""
+    options = system.options
+    if system.strategy == "diverse_beam":
+        return f"diverse beam λ={options.get('diversity_penalty', 'default')}"
+    if system.strategy == "tta":
+        return "TTA φ=({:g}, {:g})".format(*options["tta_strength"])
+    if system.strategy == "sample":
+        return "sampling " + ", ".join(f"{key}={value:g}" for key, value in options.items())
+    return "beam search"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -46,7 +47,8 @@ class Experiment:
     """experiment.yaml: what `loramcl audio-captioning` does with the runs of a recipe folder."""
 
     out: str = "runs/audio-captioning"
-    """Output folder."""
+    """Output folder. Paths in experiment.yaml (`out`, `root`) are relative to that file, as those of the run files
+    (`model` in common.yaml) are to theirs."""
 
     layout: str = "clotho"
     """The official distribution read: 'clotho' (Clotho v2) or 'audiocaps' (loramcl.data.audio_captions)."""
@@ -162,6 +164,9 @@ class Experiment:
         _check(isinstance(values, dict) and not set(values) - known,
                f"{path}: unknown settings {sorted(set(values) - known) if isinstance(values, dict) else values!r}; "
                f"known: {sorted(known)}")
+        for name in ("out", "root"):  # relative to this file, as the run files' paths are to theirs
+            if isinstance(values.get(name), str):
+                values[name] = os.path.abspath(path.parent / os.path.expanduser(values[name]))
         return cls(**values)
 
 
