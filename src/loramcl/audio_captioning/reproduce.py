@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loramcl.config import _check, _positive_int, _real
-from loramcl.data.audio_captions import CAPTIONS_PER_CLIP, LAYOUTS, MISSING_AUDIO, SPLITS
+from loramcl.data.audio_captions import CAPTIONS_PER_CLIP, LAYOUTS, MISSING_AUDIO, SPLITS, csv_path
 from loramcl.data.audio_prompts import DEFAULT_INSTRUCTION
 from loramcl.recipe.grid import DecodeConfig, System, equal_budget_systems
 
@@ -39,6 +39,7 @@ QUICK_METRICS = "bleu4,cider_d,mbleu4"
 PITCHES = {"low": 220.0, "middle": 440.0, "high": 880.0}
 SYNTHETIC_PHRASES = ("a {p} tone is playing", "a steady {p} beep sounds", "someone plays a {p} note",
                      "a {p} hum fills the room", "a {p} pitched whistle")
+SYNTHETIC_CLIPS = {"development": 24, "validation": 6, "evaluation": 9}
 SYNTHETIC_WORDS = sorted({w for phrase in SYNTHETIC_PHRASES for p in PITCHES for w in phrase.format(p=p).split()})
 
 
@@ -467,16 +468,22 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
     values = {run: run_values(folder, run, root, model, quick) for run in names}
     model = values[names[0]]["model"]
     _check(all(v["model"] == model for v in values.values()), "every run of a recipe folder trains the same model")
+    if stop_after != "data":
+        from loramcl.inputs import check_model_folder
+
+        check_model_folder(model)  # before hours of data preparation
 
     data_root = Path(experiment.root) if experiment.root else root / "synthetic-clotho"
     if experiment.synthetic:
-        stages.run("write synthetic data", data_root / "written.json", {"clips": {"development": 24, "validation": 6,
-                                                                                  "evaluation": 9}},
-                   write_synthetic_clotho, data_root, {"development": 24, "validation": 6, "evaluation": 9})
+        stages.run("write synthetic data", data_root / "written.json", {"clips": SYNTHETIC_CLIPS},
+                   write_synthetic_clotho, data_root, SYNTHETIC_CLIPS)
     data = root / "data"
     data_settings = {"layout": experiment.layout, "root": str(data_root), "splits": {r: experiment.split(r)
                                                                                      for r in ROLES},
-                     "missing_audio": experiment.missing_audio, "quick": quick}
+                     "missing_audio": experiment.missing_audio, "quick": quick,
+                     "csv_sha256": {r: _sha256(csv_path(experiment.layout, data_root, experiment.split(r)))
+                                    for r in ROLES if csv_path(experiment.layout, data_root, experiment.split(r))
+                                    .is_file()}}
     stages.run("prepare data", data / "prepare.json", data_settings, prepare_data, data, experiment, data_root, quick)
     stats = json.loads((data / "stats.json").read_text())
     if stop_after == "data":
@@ -513,14 +520,16 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
     for system in systems:
         path = root / "predictions" / f"{system.name}.jsonl"
         arguments = system.decoding(experiment.candidates, hypotheses[system.run] == 1, decode)
-        settings = {**arguments, "batch_size": decode.batch_size, "trained": run_stamp(root / system.run)}
+        settings = {**arguments, "batch_size": decode.batch_size, "trained": run_stamp(root / system.run),
+                    "test": _sha256(test)}
         stages.run(f"generate {system.name}", path.with_suffix(".settings.json"), settings, decode_captions, model,
                    str(root / system.run), test, path, arguments, experiment, decode.batch_size,
                    values[system.run].get("dtype", "float32"), device)
 
     for run in decoded:
         path = root / "nll" / f"{run}.jsonl"
-        stages.run(f"nll {run}", path.with_suffix(".settings.json"), {"trained": run_stamp(root / run)},
+        stages.run(f"nll {run}", path.with_suffix(".settings.json"), {"trained": run_stamp(root / run),
+                                                                       "test": _sha256(test)},
                    score_references, model, str(root / run), test, path, experiment, decode.batch_size,
                    values[run].get("dtype", "float32"), device)
 
