@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loramcl.config import _check, _positive_int, _real
 from loramcl.data.audio_captions import CAPTIONS_PER_CLIP, LAYOUTS, MISSING_AUDIO, SPLITS, csv_path
 from loramcl.data.audio_prompts import DEFAULT_INSTRUCTION
-from loramcl.recipe.grid import DecodeConfig, System, equal_budget_systems
+from loramcl.recipe.grid import DecodeConfig, System, chosen_budgets, equal_budget_systems
 
 EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
 DEFAULT_RECIPES = "audio_captioning/tiny"
@@ -158,17 +157,9 @@ class Experiment:
 
     @classmethod
     def read(cls, path: Path) -> Experiment:
-        import yaml
+        from loramcl.recipe.files import experiment_values
 
-        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        known = set(cls.__dataclass_fields__)
-        _check(isinstance(values, dict) and not set(values) - known,
-               f"{path}: unknown settings {sorted(set(values) - known) if isinstance(values, dict) else values!r}; "
-               f"known: {sorted(known)}")
-        for name in ("out", "root"):  # relative to this file, as the run files' paths are to theirs
-            if isinstance(values.get(name), str):
-                values[name] = os.path.abspath(path.parent / os.path.expanduser(values[name]))
-        return cls(**values)
+        return cls(**experiment_values(path, list(cls.__dataclass_fields__), paths=("out", "root")))
 
 
 # ---- data ----------------------------------------------------------------------------------------------------
@@ -451,9 +442,7 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
     experiment = Experiment.read(folder / EXPERIMENT)
     root = Path(out if out is not None else experiment.out)
     stages = Stages(root)
-    chosen = budgets if budgets is not None else ([min(experiment.budgets)] if quick else experiment.budgets)
-    _check(bool(chosen) and set(chosen) <= set(experiment.budgets),
-           f"budgets must be a non-empty subset of {experiment.budgets}, got {chosen}")
+    chosen = chosen_budgets(budgets, experiment.budgets, quick)
 
     model = None
     if experiment.packaged_model == "tiny-random":
