@@ -95,3 +95,29 @@ def test_generation_batch_is_left_padded_and_decodes(tiny):
     outs = generate_hypotheses(mcl, processor, batch, max_new_tokens=3)
     assert [len(o) for o in outs] == [2, 2] and all(isinstance(c.text, str) for o in outs for c in o)
     mcl.unload()
+
+
+def test_raw_prompt_keeps_the_caption_boundary_under_byte_level_bpe():
+    """With Qwen2's byte-level BPE (its pre-tokenizer joins ':' to the letters after it), the paper's literal
+    "English:<caption>" would merge ':' with the caption's first letters, so the prompt alone would not tokenize as
+    it does before the caption; the space that starts the target keeps them apart."""
+    from transformers import Qwen2AudioProcessor, Qwen2Tokenizer, WhisperFeatureExtractor
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = sorted(set(bytes_to_unicode().values()))
+    merges = [(":", "r"), ("\u0120", "r"), ("a", "i")]  # "Ġ" is byte-level BPE's space
+    vocab = {s: i for i, s in enumerate(symbols)} | {a + b: len(symbols) + i for i, (a, b) in enumerate(merges)}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]})
+    processor = Qwen2AudioProcessor(WhisperFeatureExtractor(feature_size=16, chunk_length=1), tokenizer)
+    assert tokenizer.tokenize("English:rain")[-3:] == [":r", "ai", "n"]  # the literal form merges ':' and 'r'
+    encoder = CaptionEncoder(processor, chat_template=False)
+    row = encoder.encode(noise(0.5), "rain")
+    target = [t for t, label in zip(tokenizer.convert_ids_to_tokens(row["input_ids"]), row["labels"], strict=True)
+              if label != -100]
+    assert target == ["\u0120r", "ai", "n", "<|endoftext|>"]
+    prompt_ids = encoder.generation_batch([noise(0.5)])["input_ids"][0].tolist()
+    assert row["input_ids"][:len(prompt_ids)] == prompt_ids  # decoding reads exactly the training prompt
+    encoder.separator = ""  # the literal form: the encoder's check refuses it
+    with pytest.raises(ValueError, match="not a prefix of prompt \\+ caption"):
+        encoder.encode(noise(0.5), "rain")
