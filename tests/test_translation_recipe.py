@@ -68,7 +68,7 @@ def quick(tmp_path_factory, smollm2_folder):
 def test_quick_recipe_writes_every_output(quick):
     out, report = quick
     assert set(report["systems"]) == {"mle-r8-beam-b3", "mle-r8-diversebeam-b3", "mle-r24-beam-b3",
-                                      "mle-r24-diversebeam-b3", "mcl-k3-greedy-b3"}
+                                      "mle-r24-diversebeam-b3", "mcl-k3-greedy-b3", "mcl-k3-diversebeam-b3"}
     for name, result in report["systems"].items():
         metrics = result["metrics"]
         for metric in ("loo_bleu", "pairwise_bleu", "sacrebleu", "chrf", "oracle_nll"):

@@ -458,23 +458,27 @@ class MCLModel(nn.Module):
 
     def adapter_state_dict(self, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """{'<layer>.lora_A': [K, d_in, r], '<layer>.lora_B': [K, r, d_out]} on CPU, from ``state_dict`` (e.g.
-        one Trainer gathered from DeepSpeed/FSDP) when given, else from this model."""
+        one Trainer gathered from DeepSpeed/FSDP) when given, else from this model. Adapters sharded by FSDP2
+        (``fully_shard``: DTensors) are gathered whole, a collective that every rank must call."""
         tensors = {}
         for name, layer in self.mcl_layers():
             for part, param in layer.adapter_tensors().items():
                 key = f"{name}.{part}"
-                value = param if state_dict is None else state_dict[f"base_model.{key}"]
-                tensors[key] = value.detach().to("cpu").contiguous()
+                value = (param if state_dict is None else state_dict[f"base_model.{key}"]).detach()
+                tensors[key] = (_full_tensor(value)).to("cpu").contiguous()
         return tensors
 
     def save_pretrained(self, path: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> str:
         """Write the K hypotheses: ``mcl_adapters.safetensors`` and ``mcl_config.json`` (no pickle), each file
         written under a temporary name and renamed when whole. The config records the weights' SHA-256, which
         loading verifies."""
+        tensors = self.adapter_state_dict(state_dict)
+        if _sharded(self) and torch.distributed.get_rank() != 0:
+            return str(path)  # FSDP2: every rank gathers the shards (above), rank 0 writes
         os.makedirs(path, exist_ok=True)
         weights = os.path.join(path, WEIGHTS_NAME)
         _write_atomically(weights, lambda tmp: safetensors.torch.save_file(
-            self.adapter_state_dict(state_dict), tmp, metadata={"format": "pt", "loramcl_format": str(FORMAT_VERSION)}))
+            tensors, tmp, metadata={"format": "pt", "loramcl_format": str(FORMAT_VERSION)}))
         meta = {
             "loramcl_format": FORMAT_VERSION,
             **self._config_metadata(),
@@ -791,6 +795,17 @@ def _matched_layer_names(model: nn.Module, targets: list[str] | str, config: MCL
             raise ValueError(f"target '{name}' is a {type(module).__name__}; MCL adapters wrap nn.Linear and "
                              f"transformers Conv1D layers only. Linear layers of this model: {_candidate_names(model)}")
     return names
+
+
+def _full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """``value`` whole: a DTensor (a parameter sharded by FSDP2's ``fully_shard``) gathered from every rank."""
+    return value.full_tensor() if hasattr(value, "full_tensor") and hasattr(value, "placements") else value
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether some trainable tensor of ``model`` is an FSDP2 shard (a DTensor) in an initialised process group."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and any(
+        hasattr(p, "placements") for p in model.parameters() if p.requires_grad)
 
 
 def get_mcl_model(model: nn.Module, config: MCLConfig) -> MCLModel:

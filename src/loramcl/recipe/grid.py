@@ -101,22 +101,23 @@ class System:
 
 
 def equal_budget_systems(hypotheses: dict[str, int], candidates: int, budgets: Sequence[int],
-                         single_model_strategies: Sequence[str] = ("beam", "diverse_beam")) -> list[System]:
+                         single_model_strategies: Sequence[str] = ("beam", "diverse_beam"),
+                         mcl_strategies: Sequence[str] = ("beam",)) -> list[System]:
     """Every run decoded at every budget B, named '<run>-<strategy>-b<B>': a run with one hypothesis (a single model)
-    with each of ``single_model_strategies``; a run with K = ``candidates`` hypotheses greedily at B = K and with beam
-    B/K per hypothesis above. ``hypotheses``: {run: its number of hypotheses}."""
+    with each of ``single_model_strategies``; a run with K = ``candidates`` hypotheses with each of ``mcl_strategies``:
+    'beam' is greedy at B = K and beam B/K per hypothesis above, 'diverse_beam' diverse MCL decoding with B/K beams
+    per hypothesis. ``hypotheses``: {run: its number of hypotheses}."""
+    _check(set(mcl_strategies) <= {"beam", "diverse_beam"}, f"mcl_strategies must be among beam and diverse_beam "
+           f"(the decodings with a forward budget), got {list(mcl_strategies)}")
     systems = []
     for run, num_hypotheses in hypotheses.items():
         _check(num_hypotheses in (1, candidates), f"run {run} has K = {num_hypotheses} hypotheses: a system gives "
                f"{candidates} candidates, from a single model (K = 1) or from K = {candidates} hypotheses")
         for budget in budgets:
             _check(budget % candidates == 0, f"budget {budget} is not a multiple of the {candidates} candidates")
-            if num_hypotheses == 1:
-                systems += [System(f"{run}-{s.replace('_', '')}-b{budget}", run, s, budget)
-                            for s in single_model_strategies]
-            else:
-                strategy = "greedy" if budget == candidates else "beam"
-                systems.append(System(f"{run}-{strategy}-b{budget}", run, strategy, budget))
+            strategies = single_model_strategies if num_hypotheses == 1 else [
+                "greedy" if s == "beam" and budget == candidates else s for s in mcl_strategies]
+            systems += [System(f"{run}-{s.replace('_', '')}-b{budget}", run, s, budget) for s in strategies]
     return systems
 
 

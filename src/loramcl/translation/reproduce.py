@@ -66,6 +66,11 @@ class Experiment:
     decoded: list[str] | None = None
     """Runs whose candidates are decoded and scored (default: every run with K = 1 or K = candidates)."""
 
+    mcl_decodings: list[str] = field(default_factory=lambda: ["beam"])
+    """How runs with K hypotheses decode: 'beam' (greedy at B = K, beam B/K per hypothesis above; the paper) and
+    'diverse_beam' (diverse MCL decoding, hypothesis k being group k of one diverse beam search, λ =
+    decoding.diversity_penalty)."""
+
     nll_table: list[str] | None = None
     """Runs of the oracle-NLL table (paper Table 1), in order (default: every run)."""
 
@@ -127,7 +132,8 @@ def systems_of(experiment: Experiment, values: dict[str, dict], budgets: list[in
         run for run, n in hypotheses.items() if n in (1, k)]
     unknown = [run for run in decoded if run not in values]
     _check(not unknown, f"decoded: no run file for {unknown} (runs: {sorted(values)})")
-    return equal_budget_systems({run: hypotheses[run] for run in decoded}, k, budgets, SINGLE_MODEL_DECODINGS)
+    return equal_budget_systems({run: hypotheses[run] for run in decoded}, k, budgets, SINGLE_MODEL_DECODINGS,
+                                experiment.mcl_decodings)
 
 
 def prepare_data(out: Path, experiment: Experiment, tokenizer_folder: str, chat_template: bool, quick: bool) -> dict:

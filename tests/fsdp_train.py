@@ -1,0 +1,63 @@
+"""Run by test_distributed.py under `torchrun --nproc_per_node 2`: an MCLModel sharded with PyTorch's FSDP2
+(`fully_shard`, gloo, CPU) trains 3 steps on its half of each batch, then writes the adapters gathered from the
+shards with MCLModel.save_pretrained (OUT/fsdp) and, as a cross-check, the full state dict gathered by
+torch.distributed.checkpoint (OUT/dcp.safetensors)."""
+
+import os
+import sys
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny_models import build_model  # noqa: E402
+
+from loramcl import MCLConfig, get_mcl_model  # noqa: E402
+
+CONFIG = MCLConfig(num_hypotheses=3, r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                   loss="relaxed", epsilon=0.1)
+STEPS, BATCH, LR = 3, 8, 1e-2
+
+
+def batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 80, (BATCH, 8), generator=g) for _ in range(STEPS)]
+
+
+def train(mcl, rows: slice) -> None:
+    """AdamW on the adapters, the relaxed-WTA loss (a mean over the batch) of rows ``rows`` of each batch."""
+    optimizer = torch.optim.AdamW([p for p in mcl.parameters() if p.requires_grad], lr=LR)
+    mcl.train()
+    for ids in batches():
+        loss = mcl(input_ids=ids[rows], labels=ids[rows]).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def main(out: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    mcl = get_mcl_model(build_model("llama"), CONFIG)
+    for layer in mcl.base_model.model.layers:
+        fully_shard(layer)
+    fully_shard(mcl)
+    assert any(isinstance(p, DTensor) for p in mcl.parameters() if p.requires_grad), "nothing was sharded"
+    share = BATCH // world
+    train(mcl, slice(rank * share, (rank + 1) * share))  # FSDP2 averages the gradients: the whole batch's mean
+    mcl.save_pretrained(os.path.join(out, "fsdp"))  # every rank: gathering the shards is collective
+    state = get_model_state_dict(mcl, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        safetensors.torch.save_file({k: v for k, v in state.items() if "lora_" in k},
+                                    os.path.join(out, "dcp.safetensors"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
