@@ -33,6 +33,8 @@ def test_quick_end_to_end_then_every_stage_reused(tmp_path):
     strategies = {s["system"]["strategy"] for s in report["systems"].values()}
     assert strategies == {"greedy", "beam", "diverse_beam", "tta", "sample"}
     assert set(report["runs"]) == {"mcl-relaxed", "mcl-annealed", "mle", "moe"}
+    assert {"mcl-relaxed-greedy-b2", "mcl-relaxed-diversebeam-b2", "mle-dbs0.8-b2", "moe-tta1-b2"} <= set(
+        report["systems"])
     for name, result in report["systems"].items():
         lines = [json.loads(line) for line in (out / "predictions" / f"{name}.jsonl").read_text().splitlines()]
         assert [line["id"] for line in lines] == test_ids and all(len(line["candidates"]) == 2 for line in lines)

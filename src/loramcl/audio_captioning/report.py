@@ -80,8 +80,9 @@ def method_label(record: dict) -> str:
 def decoding_label(system: System) -> str:
     """The decoding of a system (Fig. 3 colours): MCL greedy is beam search with one beam per hypothesis."""
     options = system.options
-    if system.strategy == "diverse_beam":
-        return f"diverse beam λ={options.get('diversity_penalty', 'default')}"
+    if system.strategy == "diverse_beam":  # an MCL run's: diverse MCL decoding at the recipe's λ
+        return f"diverse beam λ={options['diversity_penalty']:g}" if "diversity_penalty" in options else \
+            "diverse MCL decoding"
     if system.strategy == "tta":
         return "TTA φ=({:g}, {:g})".format(*options["tta_strength"])
     if system.strategy == "sample":

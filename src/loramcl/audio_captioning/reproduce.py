@@ -101,6 +101,11 @@ class Experiment:
     decoded: list[str] | None = None
     """Runs decoded (default: every run)."""
 
+    mcl_decodings: list[str] = field(default_factory=lambda: ["beam"])
+    """How runs with K hypotheses decode: 'beam' (greedy at B = K, beam B/K per hypothesis above: the paper's) and
+    'diverse_beam' (diverse MCL decoding: hypothesis k is group k of one diverse beam search, λ =
+    decoding.diversity_penalty)."""
+
     diversity_penalties: list[float] = field(default_factory=lambda: [0.8, 1.0])
     """λ of diverse beam search, one system per value."""
 
@@ -131,6 +136,8 @@ class Experiment:
         if self.max_seconds is not None:
             _real("max_seconds", self.max_seconds, low=0.0, low_open=True)
         _check(self.captions_per_clip in CAPTIONS_PER_CLIP, f"captions_per_clip must be one of {CAPTIONS_PER_CLIP}")
+        _check(bool(self.mcl_decodings) and set(self.mcl_decodings) <= {"beam", "diverse_beam"},
+               f"mcl_decodings must be among beam and diverse_beam, got {self.mcl_decodings!r}")
         _check(isinstance(self.chat_template, bool), "chat_template must be true or false")
         _check(self.packaged_model in (None, "tiny-random"), "packaged_model must be tiny-random or null")
         if self.epochs is not None:
@@ -379,8 +386,8 @@ def systems_of(experiment: Experiment, hypotheses: dict[str, int], budgets: list
     k = experiment.candidates
     mcl = {run: n for run, n in hypotheses.items() if n > 1}
     single = [run for run, n in hypotheses.items() if n == 1]
-    systems = equal_budget_systems(mcl, k, budgets) + equal_budget_systems(dict.fromkeys(single, 1), k, budgets,
-                                                                            ("beam",))
+    systems = equal_budget_systems(mcl, k, budgets, mcl_strategies=experiment.mcl_decodings) + equal_budget_systems(
+        dict.fromkeys(single, 1), k, budgets, ("beam",))
     for run in single:
         for budget in budgets:
             systems += [System(f"{run}-dbs{penalty:g}-b{budget}", run, "diverse_beam", budget,
@@ -485,12 +492,12 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
         method, config = method_of(v)
         training = training_config(v, experiment, train_examples, quick)
         dtype, eval_examples = v.get("dtype", "float32"), v.get("eval_examples", 64)
+        captions = {"captions_per_clip": experiment.captions_per_clip, "max_seconds": experiment.max_seconds,
+                    "chat_template": experiment.chat_template, "instruction": experiment.instruction}
         settings = {"model": model, **({"mcl": config.to_dict()} if method == "mcl" else {"method": method,
                                                                                             method: config.to_dict()}),
                     "training": asdict(training), "dtype": dtype, "eval_examples": eval_examples,
-                    "data": {"captions_per_clip": experiment.captions_per_clip, "max_seconds": experiment.max_seconds,
-                             "chat_template": experiment.chat_template, "instruction": experiment.instruction},
-                    "data_sha256": data_sha256}
+                    "captions": captions, "data_sha256": data_sha256}
         settings = json.loads(json.dumps(settings))
         stages.train(f"train {run}", Path(v["out"]), settings, train_captioner, model, v["out"], method, config,
                      training, settings, data, experiment, eval_examples, dtype)
