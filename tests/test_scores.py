@@ -1,0 +1,180 @@
+"""Hypothesis scores p(k | c), the mixture likelihood, random tie-breaking and the collapse warning (issue 17): all
+options, off by default."""
+
+import copy
+
+import pytest
+import torch
+from conftest import randomize_adapters, wrapped_model
+from tiny_models import build_model, word_tokenizer
+from transformers import TrainingArguments
+
+from loramcl import MCLConfig, MCLTrainer, generate_hypotheses, get_mcl_model, load_mcl_model
+from loramcl.losses import winners
+from loramcl.scores import mixture_nll
+
+
+def _dataset(n=16, length=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(3, 80, (length,), generator=g)
+        labels = ids.clone()
+        labels[:3] = -100
+        rows.append({"input_ids": ids, "attention_mask": torch.ones(length, dtype=torch.long), "labels": labels})
+    return rows
+
+
+def _args(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, learning_rate=5e-2,
+                  report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
+                  data_seed=0)
+    return TrainingArguments(**(values | overrides))
+
+
+@pytest.mark.parametrize("name", ["llama", "t5", "llava_next"])
+def test_scores_are_a_distribution_and_the_mixture_nll_a_log_sum_exp(name):
+    mcl, _, inputs, labels = wrapped_model(name, scoring=True)
+    with torch.no_grad():
+        mcl.scoring_head.weight.normal_(0, 1.0)
+        mcl.scoring_head.bias.copy_(torch.tensor([0.3, -0.2, 0.1]))
+        out = mcl(**inputs, labels=labels)
+    p = out.log_scores.exp()  # [B, K]
+    torch.testing.assert_close(p.sum(dim=1), torch.ones(p.shape[0]))
+    assert not torch.allclose(p, torch.full_like(p, 1 / 3))  # the scores depend on the hidden states
+    tokens = (labels[:, 1:] != -100).sum(dim=1) if not mcl.config.is_encoder_decoder else (labels != -100).sum(1)
+    direct = -torch.log((p.double() * torch.exp(-out.nll.double() * tokens[:, None])).sum(dim=1)) / tokens
+    torch.testing.assert_close(out.mixture_nll.double(), direct, atol=1e-5, rtol=0)
+    # oracle <= mixture <= the score-weighted NLL (Jensen)
+    assert (out.nll.min(dim=1).values <= out.mixture_nll + 1e-6).all()
+    assert (out.mixture_nll <= (p * out.nll).sum(dim=1) + 1e-6).all()
+
+
+def test_mixture_nll_is_finite_for_extreme_likelihoods():
+    log_scores = torch.log(torch.tensor([[0.5, 0.5], [1.0 - 1e-7, 1e-7]]))
+    nll = torch.tensor([[1e4, 2e4], [50.0, 1.0]])
+    value = mixture_nll(log_scores, nll, torch.tensor([200, 300]))
+    assert torch.isfinite(value).all()
+    assert value[0].item() == pytest.approx(1e4 + torch.log(torch.tensor(2.0)).item() / 200, rel=1e-6)
+
+
+@pytest.mark.parametrize("loss, two_pass", [("wta", True), ("wta", False), ("relaxed", False)])
+def test_scores_leave_the_hypotheses_training_bit_identical(tmp_path, loss, two_pass):
+    trained = {}
+    for scoring in (False, True):
+        torch.manual_seed(0)
+        mcl = get_mcl_model(build_model("llama"), MCLConfig(
+            num_hypotheses=3, r=4, alpha=8, dropout=0.1, target_modules=["q_proj", "v_proj"], loss=loss,
+            epsilon=0.1 if loss == "relaxed" else 0.0, scoring=scoring))
+        randomize_adapters(mcl, std=0.05)
+        # clipping active (gradient norms ~0.3): the head's gradients must not shrink the hypotheses' step
+        MCLTrainer(mcl, args=_args(tmp_path, max_grad_norm=0.05), train_dataset=_dataset(),
+                   two_pass_wta=two_pass).train()
+        trained[scoring] = mcl
+    for (_, off), (_, on) in zip(trained[False].mcl_layers(), trained[True].mcl_layers(), strict=True):
+        assert torch.equal(off.lora_A, on.lora_A) and torch.equal(off.lora_B, on.lora_B)
+    assert trained[True].scoring_head.weight.abs().sum() > 0  # the head did learn
+
+
+def test_scored_candidates_carry_the_prefill_scores_and_sort(tmp_path):
+    mcl, _, _, _ = wrapped_model("llama", scoring=True)
+    with torch.no_grad():
+        mcl.scoring_head.weight.normal_(0, 2.0)
+    tok = word_tokenizer()
+    prompts = ["w5 w6 w7", "w8 w9 w10"]  # same length: no padding
+    outs = generate_hypotheses(mcl, tok, prompts, strategy="greedy", max_new_tokens=3)
+    for prompt, candidates in zip(prompts, outs, strict=True):
+        ids = tok([prompt], return_tensors="pt")["input_ids"]
+        labels = torch.cat([torch.full_like(ids, -100), torch.tensor([[7]])], dim=1)
+        with torch.no_grad():
+            expected = mcl(input_ids=torch.cat([ids, torch.tensor([[7]])], dim=1), labels=labels).log_scores.exp()[0]
+        assert [c.hypothesis for c in candidates] == [0, 1, 2]
+        assert [c.score for c in candidates] == pytest.approx(expected.tolist(), abs=1e-5)
+    beams = generate_hypotheses(mcl, tok, prompts, strategy="beam", num_beams=2, max_new_tokens=3)
+    assert [c.score for c in beams[0]] == pytest.approx([c.score for c in outs[0]], abs=1e-5)
+    ranked = generate_hypotheses(mcl, tok, prompts, strategy="greedy", max_new_tokens=3, sort_by_score=True)
+    for candidates in ranked:
+        assert [c.score for c in candidates] == sorted((c.score for c in candidates), reverse=True)
+    subset = generate_hypotheses(mcl, tok, prompts, strategy="greedy", max_new_tokens=3, hypotheses=[2, 0])
+    assert all(c.score is None for cands in subset for c in cands)  # p(k | c) needs all K hypotheses
+    with pytest.raises(ValueError, match="sort_by_score needs an MCL model with hypothesis scores"):
+        generate_hypotheses(wrapped_model("llama")[0], tok, prompts, max_new_tokens=2, sort_by_score=True)
+
+
+def test_the_scoring_head_is_saved_checked_and_not_exported(tmp_path):
+    import json
+
+    mcl, pristine, inputs, labels = wrapped_model("llama", scoring=True)
+    with torch.no_grad():
+        mcl.scoring_head.weight.normal_()
+    mcl.save_pretrained(tmp_path / "a")
+    loaded = load_mcl_model(copy.deepcopy(pristine), tmp_path / "a")
+    assert torch.equal(loaded.scoring_head.weight, mcl.scoring_head.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs, labels=labels).mixture_nll, mcl(**inputs, labels=labels).mixture_nll)
+    plain = get_mcl_model(copy.deepcopy(pristine), MCLConfig(num_hypotheses=3, r=4, alpha=8,
+                                                             target_modules=mcl.mcl_config.target_modules))
+    with pytest.raises(ValueError, match="has hypothesis scores"):
+        plain.load_adapters(tmp_path / "a")
+    mcl.export_hypothesis(1, tmp_path / "peft")
+    assert "scoring" not in json.dumps(list(__import__("safetensors.torch").torch.load_file(
+        tmp_path / "peft" / "adapter_model.safetensors")))
+
+
+def test_random_tie_breaking_spreads_the_ties_and_keeps_strict_winners():
+    tied = torch.zeros(3000, 3)
+    torch.manual_seed(1)
+    counts = torch.bincount(winners(tied, "random"), minlength=3)
+    assert (counts > 900).all()  # uniform among the tied hypotheses
+    assert (winners(tied, "lowest") == 0).all()  # the paper's rule
+    nll = torch.tensor([[2.0, 1.0, 1.0], [0.5, 3.0, 0.7], [float("nan"), 1.0, 2.0]])
+    picked = {tuple(winners(nll, "random").tolist()) for _ in range(20)}
+    assert {p[0] for p in picked} == {1, 2} and {p[1] for p in picked} == {0} and {p[2] for p in picked} == {0}
+
+
+def test_random_tie_breaking_shares_the_first_step_among_the_hypotheses(tmp_path):
+    def first_win_rates(tie_break):
+        torch.manual_seed(0)
+        mcl = get_mcl_model(build_model("llama"), MCLConfig(num_hypotheses=3, r=4, target_modules=["q_proj"],
+                                                            tie_break=tie_break))  # B = 0: every example a tie
+        trainer = MCLTrainer(mcl, args=_args(tmp_path, max_steps=1, per_device_train_batch_size=16),
+                             train_dataset=_dataset())
+        trainer.train()
+        log = next(e for e in trainer.state.log_history if "win_rate_h0" in e)
+        return [log[f"win_rate_h{k}"] for k in range(3)]
+
+    assert first_win_rates("lowest") == [1.0, 0.0, 0.0]
+    assert max(first_win_rates("random")) < 0.7
+
+
+def test_a_collapse_is_warned_once_and_a_healthy_run_is_not(tmp_path, recwarn):
+    def run(collapsing):
+        torch.manual_seed(0)
+        mcl = get_mcl_model(build_model("llama"), MCLConfig(num_hypotheses=2, r=4, alpha=8, loss="wta",
+                                                            target_modules=["q_proj", "v_proj", "down_proj"]))
+        data = _dataset(32)
+        if collapsing:  # the classic collapse: one mode (one example repeated), B = 0 so step 0 is a tie that
+            data = data[:1] * 32  # hypothesis 0 wins; each step makes it better on that example, so it keeps winning
+        else:
+            randomize_adapters(mcl, std=0.05)
+        trainer = MCLTrainer(mcl, args=_args(tmp_path, max_steps=8, learning_rate=1e-2), train_dataset=data,
+                             collapse_window=4)
+        trainer.train()
+        return [w for w in recwarn.list if "hypothesis collapse" in str(w.message)]
+
+    collapsed = run(collapsing=True)
+    assert len(collapsed) == 1  # once, though the collapse lasts
+    message = str(collapsed[0].message)
+    assert "h1 (0.0%)" in message and "loss='relaxed'" in message and "annealed" in message
+    recwarn.clear()
+    assert run(collapsing=False) == []
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"scoring": 1}, "scoring must be True or False"),
+    ({"scoring_weight": -1.0}, "scoring_weight must be a finite number"),
+    ({"tie_break": "first"}, "tie_break must be one of"),
+])
+def test_option_validation(values, message):
+    with pytest.raises(ValueError, match=message):
+        MCLConfig(**values)
