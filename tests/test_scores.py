@@ -102,7 +102,7 @@ def test_scored_candidates_carry_the_prefill_scores_and_sort(tmp_path):
 
 
 def test_the_scoring_head_is_saved_checked_and_not_exported(tmp_path):
-    import json
+    from safetensors.torch import load_file
 
     mcl, pristine, inputs, labels = wrapped_model("llama", scoring=True)
     with torch.no_grad():
@@ -111,14 +111,15 @@ def test_the_scoring_head_is_saved_checked_and_not_exported(tmp_path):
     loaded = load_mcl_model(copy.deepcopy(pristine), tmp_path / "a")
     assert torch.equal(loaded.scoring_head.weight, mcl.scoring_head.weight)
     with torch.no_grad():
-        torch.testing.assert_close(loaded(**inputs, labels=labels).mixture_nll, mcl(**inputs, labels=labels).mixture_nll)
+        expected = mcl(**inputs, labels=labels).mixture_nll
+        torch.testing.assert_close(loaded(**inputs, labels=labels).mixture_nll, expected)
     plain = get_mcl_model(copy.deepcopy(pristine), MCLConfig(num_hypotheses=3, r=4, alpha=8,
                                                              target_modules=mcl.mcl_config.target_modules))
     with pytest.raises(ValueError, match="has hypothesis scores"):
         plain.load_adapters(tmp_path / "a")
     mcl.export_hypothesis(1, tmp_path / "peft")
-    assert "scoring" not in json.dumps(list(__import__("safetensors.torch").torch.load_file(
-        tmp_path / "peft" / "adapter_model.safetensors")))
+    exported = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert exported and not any("scoring" in key for key in exported)  # a standard PEFT LoRA adapter
 
 
 def test_random_tie_breaking_spreads_the_ties_and_keeps_strict_winners():
