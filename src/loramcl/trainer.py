@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import inspect
 import json
+import math
 import os
 import re
 import shutil
@@ -108,6 +109,8 @@ class MCLTrainer(Trainer):
 
     collapse_window, collapse_share: a warning (once) when a hypothesis has won less than ``collapse_share`` of the
         examples over the last ``collapse_window`` optimizer steps, naming the remedies.
+    scoring_learning_rate: the learning rate of the hypothesis-scores head (``MCLConfig(scoring=True)``); default
+        the trainer's. With Adam the scoring loss's weight beta barely matters (the step is normalised), this does.
 
     Logged while training: ``loss``, ``win_rate_h{k}`` (share of examples won by hypothesis k since the last
     log: a hypothesis near 0 has collapsed) and ``temperature`` for the annealed loss (0 once hard WTA).
@@ -127,15 +130,19 @@ class MCLTrainer(Trainer):
     """
 
     def __init__(self, model: MCLModel | None = None, *args, two_pass_wta: bool = True, collapse_window: int = 100,
-                 collapse_share: float = 0.01, **kwargs) -> None:
+                 collapse_share: float = 0.01, scoring_learning_rate: float | None = None, **kwargs) -> None:
         if not isinstance(model, MCLModel):
             raise TypeError(f"MCLTrainer trains an MCLModel (from get_mcl_model), got {type(model).__name__}")
         if isinstance(collapse_window, bool) or not isinstance(collapse_window, int) or collapse_window < 1:
             raise ValueError(f"collapse_window must be a number of steps >= 1, got {collapse_window!r}")
         if not 0.0 <= collapse_share < 1.0:
             raise ValueError(f"collapse_share must be in [0, 1), got {collapse_share!r}")
+        if scoring_learning_rate is not None and not (math.isfinite(scoring_learning_rate)
+                                                      and scoring_learning_rate > 0):
+            raise ValueError(f"scoring_learning_rate must be a finite number > 0, got {scoring_learning_rate!r}")
         _refuse_float16_adapters(model)
         self.two_pass_wta = two_pass_wta
+        self.scoring_learning_rate = scoring_learning_rate
         self.collapse_window, self.collapse_share = collapse_window, collapse_share
         self._recent_wins: collections.deque = collections.deque()  # (first step, last step, wins [K]) per log
         self._wins_since_step = 0
@@ -273,6 +280,20 @@ class MCLTrainer(Trainer):
             if self._mcl_model().mcl_config.loss == "annealed":
                 logs["temperature"] = self._last_temperature or 0.0  # of the latest step; 0 once hard WTA
         super().log(logs, start_time)
+
+    def create_optimizer(self, model=None):
+        """Trainer's optimizer, with the scoring head (if any) in its own parameter group at
+        ``scoring_learning_rate`` (the same schedule applies): a probe on detached features may learn faster than the
+        hypotheses without disturbing them."""
+        optimizer = super().create_optimizer(model)
+        head = self._mcl_model().scoring_head
+        if head is not None and self.scoring_learning_rate is not None:
+            head_parameters = set(head.parameters())
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if p not in head_parameters]
+            optimizer.add_param_group({"params": list(head_parameters), "lr": self.scoring_learning_rate,
+                                       "weight_decay": 0.0})
+        return optimizer
 
     def _clip_grad_norm(self, model):
         """Gradient clipping, the hypotheses and the scoring head each by their own norm: the head's gradients must not
