@@ -14,12 +14,12 @@ from loramcl.markov.chains import MarkovMixture, preset_mixture, stationary_dist
 from loramcl.markov.experiment import learned_transitions, transition_error
 from loramcl.markov.theory import (
     average_transition,
-    chain_posterior,
-    optimal_nll,
     bigram_cross_entropy,
+    chain_posterior,
     conditional_entropy,
     entropy_rate,
     mixture_entropy,
+    optimal_nll,
     sequence_log_likelihoods,
     theory,
 )
