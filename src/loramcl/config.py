@@ -285,8 +285,13 @@ class TrainConfig:
     seed: int = 0
     """Model init, data order and dropout seed."""
 
+    scoring_learning_rate: float | None = None
+    """Learning rate of the hypothesis-scores head (MCLConfig(scoring=True)); None: learning_rate."""
+
     def __post_init__(self) -> None:
         _positive_int("steps", self.steps)
+        if self.scoring_learning_rate is not None:
+            _real("scoring_learning_rate", self.scoring_learning_rate, low=0.0, low_open=True)
         _positive_int("batch_size", self.batch_size)
         _real("learning_rate", self.learning_rate, low=0.0, low_open=True)
         _real("weight_decay", self.weight_decay, low=0.0)

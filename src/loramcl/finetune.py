@@ -213,7 +213,7 @@ def fit(build_model: Callable[[], torch.nn.Module], out: str | Path, mcl: Method
         save_total_limit=training.keep_checkpoints, report_to=[], use_cpu=not torch.cuda.is_available(),
         seed=training.seed, data_seed=training.seed, remove_unused_columns=False, disable_tqdm=False)
     trainer = MCLTrainer(mcl_model, args=args, train_dataset=train_set, eval_dataset=eval_set,
-                         data_collator=collator)
+                         data_collator=collator, scoring_learning_rate=training.scoring_learning_rate)
     trainer.remove_callback(PrinterCallback)
     if saving:
         checkpoints.mkdir(parents=True, exist_ok=True)
