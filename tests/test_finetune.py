@@ -2,13 +2,15 @@
 the target, adapters and logs written, the K = 1 PEFT export, and reference NLLs equal to a direct computation."""
 
 import json
+import re
 
 import pytest
 import torch
-from tiny_models import build_model, word_tokenizer
-from transformers import AutoModelForCausalLM
+from tiny_models import CASES, build_model, word_tokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from loramcl import DataConfig, MCLConfig, TrainConfig, load_mcl_model
+from loramcl.cli import main
 from loramcl.data.prompts import collate, encode_pairs, prompt_text
 from loramcl.finetune import nll, train
 from loramcl.generation import tokenize_prompts
@@ -58,13 +60,17 @@ def folders(tmp_path_factory):
     return root
 
 
-def test_train_writes_adapters_logs_and_learns(folders):
+def test_train_writes_adapters_logs_and_learns(folders, capsys):
     out = folders / "mcl"
     train(model=str(folders / "base"), out=str(out),
           mcl=MCLConfig(num_hypotheses=2, r=4, alpha=8, target_modules=TARGETS, loss="relaxed", epsilon=0.1),
           data=DataConfig(train_file=str(folders / "train.jsonl"), validation_file=str(folders / "train.jsonl")),
           training=TrainConfig(steps=12, batch_size=8, learning_rate=1e-2, eval_every=6, logging_steps=3),
           threads=1)
+    printed = capsys.readouterr().out
+    assert re.search(r"^step 3: loss \d\.\d+, grad_norm [\d.e-]+, learning_rate [\d.e-]+, win_rate_h0 [\d.]+, "
+                     r"win_rate_h1 [\d.]+, epoch [\d.]+$", printed, re.M)  # numbers, not quoted strings
+    assert "step 6: eval_loss " in printed and "'" not in printed
     log = json.loads((out / "train_log.json").read_text())
     evals = [e["eval_loss"] for e in log if "eval_loss" in e]
     assert len(evals) == 2 and evals[-1] < log[0]["loss"]  # it learned something on its own training data
@@ -154,3 +160,109 @@ def test_train_checkpoints_and_resumes_an_interrupted_run_exactly(folders, tmp_p
     assert json.loads((interrupted / "run.json").read_text())["resumed_from"] == "checkpoint-6"
     resumed, expected = _adapters(interrupted), _adapters(whole)
     assert all(torch.equal(resumed[name], expected[name]) for name in expected)  # bit-identical, dropout included
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_encoder_decoders_read_the_source_alone_and_learn_the_target(name, tmp_path, monkeypatch):
+    """`loramcl train` on an encoder-decoder: the encoder sees the prompt as `loramcl generate` tokenizes it, never
+    the target; the decoder is teacher-forced on the target (labels = target + end, decoder inputs derived by the
+    model); `loramcl nll` gives each hypothesis's mean NLL of the reference, as the merged model's own loss."""
+    import loramcl.generation.cli as generation_cli
+
+    torch.manual_seed(0)
+    build_model(name).save_pretrained(tmp_path / "base")
+    tok = word_tokenizer()
+    tok.save_pretrained(tmp_path / "base")
+    pairs = [(f"w{5 + i} w{20 + i % 3}", f"w{40 + i % 2} w{60 + i}") for i in range(6)]  # no token in both
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "target": t}) + "\n" for p, t in pairs))
+    seen = {"encoder": []}
+    load_model = generation_cli.load_model
+
+    def load_and_watch(*args, **kwargs):
+        model = load_model(*args, **kwargs)
+
+        def watch(part):
+            def hook(module, args, kwargs):
+                ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+                seen[part] += [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+            return hook
+
+        if hasattr(model, "get_encoder"):  # the base model train() wraps (nll loads adapters: not watched)
+            model.get_encoder().register_forward_pre_hook(watch("encoder"), with_kwargs=True)
+        return model
+
+    monkeypatch.setattr(generation_cli, "load_model", load_and_watch)
+    train(model=str(tmp_path / "base"), out=str(tmp_path / "run"),
+          mcl=MCLConfig(num_hypotheses=2, r=4, alpha=8, target_modules=CASES[name].targets),
+          data=DataConfig(train_file=str(tmp_path / "train.jsonl")),
+          training=TrainConfig(steps=2, batch_size=6, learning_rate=1e-2, save_every=0), threads=1)
+    sources = {tuple(tok(p)["input_ids"]) for p, _ in pairs}  # what generate feeds the encoder
+    assert seen["encoder"] and {tuple(row) for row in seen["encoder"]} == sources
+    target_tokens = {i for _, t in pairs for i in tok(t, add_special_tokens=False)["input_ids"]}
+    assert not target_tokens & {i for row in seen["encoder"] for i in row}  # the answer never leaks in
+
+    rows = encode_pairs(tok, [p for p, _ in pairs], [t for _, t in pairs], encoder_decoder=True)
+    assert [r["labels"] for r in rows] == [tok(t)["input_ids"] + [tok.eos_token_id] for _, t in pairs]
+    base = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "base")
+    batch = collate(rows[:2], pad_token_id=tok.pad_token_id)
+    assert batch["labels"].shape == (2, 3) and batch["input_ids"].shape == (2, 2)
+    decoder_inputs = base.prepare_decoder_input_ids_from_labels(labels=batch["labels"])
+    assert decoder_inputs[:, 1:].tolist() == batch["labels"][:, :-1].tolist()  # teacher forcing on the target
+
+    test = tmp_path / "test.jsonl"
+    test.write_text(json.dumps({"id": "a", "prompt": pairs[0][0], "references": [pairs[0][1], "w41"]}) + "\n")
+    nll(model=str(tmp_path / "base"), adapters=str(tmp_path / "run"), input=str(test), out=str(tmp_path / "n.jsonl"))
+    scores = json.loads((tmp_path / "n.jsonl").read_text())["nll"]  # [2 references][K]
+    mcl = load_mcl_model(AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "base"), tmp_path / "run").eval()
+    for k in range(2):
+        merged = mcl.merge_hypothesis(k).eval()
+        for r, reference in enumerate([pairs[0][1], "w41"]):
+            labels = torch.tensor([tok(reference)["input_ids"] + [tok.eos_token_id]])
+            with torch.no_grad():
+                expected = merged(input_ids=torch.tensor([tok(pairs[0][0])["input_ids"]]), labels=labels).loss
+            assert scores[r][k] == pytest.approx(expected.item(), abs=1e-5)
+
+
+def test_decoding_takes_the_prompt_format_of_the_training_run(folders, tmp_path, capsys):
+    """generate and nll format prompts as the run that trained the adapters did (its run.json), unless told
+    otherwise, which contradicting the record is a warning; the PEFT export of a K = 1 run reads OUT/run.json."""
+    import shutil
+
+    from loramcl.generation.cli import generate
+    from loramcl.inputs import PromptFormatWarning, prompt_format
+
+    base = tmp_path / "base"
+    shutil.copytree(folders / "base", base)
+    tok = word_tokenizer()
+    tok.chat_template = "{% for m in messages %}<s> w4 {{ m['content'] }}{% endfor %} w3"
+    tok.save_pretrained(base)
+    run = tmp_path / "run"
+    shutil.copytree(folders / "mcl", run)
+    (run / "run.json").write_text(json.dumps({"settings": {"data": {"chat_template": True}}}))
+    test = str(folders / "test.jsonl")
+
+    def scored(out, **kwargs):
+        nll(model=str(base), adapters=str(run), input=test, out=str(tmp_path / out), **kwargs)
+        return (tmp_path / out).read_text()
+
+    recorded = scored("a.jsonl")
+    assert recorded == scored("b.jsonl", chat_template=True)
+    with pytest.warns(PromptFormatWarning, match=r"trained with chat_template true \(.*run.json\)"):
+        assert scored("c.jsonl", chat_template=False) != recorded
+    capsys.readouterr()
+    main(["nll", "--model", str(base), "--adapters", str(run), "--input", test, "--out", str(tmp_path / "d.jsonl"),
+          "--chat_template", "false"])  # the command line: one warning line
+    assert [line for line in capsys.readouterr().err.splitlines() if "warning" in line] == [
+        f"loramcl nll: warning: chat_template is false but the adapters were trained with chat_template true "
+        f"({run / 'run.json'}): the prompts will not look like the training prompts (leave --chat_template out to "
+        "use the training run's format)"]
+
+    def decoded(out, **kwargs):
+        generate(model=str(base), adapters=str(run), input=test, out=str(tmp_path / out), max_new_tokens=3,
+                 progress=False, **kwargs)
+        return (tmp_path / out).read_text()
+
+    assert decoded("e.jsonl") == decoded("f.jsonl", chat_template=True)
+    (run / "peft").mkdir()
+    assert prompt_format(str(run / "peft"), None) is True and prompt_format(str(folders / "mcl"), None) is False
+    assert prompt_format(None, None) is False

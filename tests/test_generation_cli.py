@@ -44,7 +44,9 @@ def test_mcl_adapters_give_one_candidate_per_hypothesis(saved, capsys):
                         str(saved / "prompts.jsonl"), "--out", str(out), "--strategy", "beam", "--num_beams", "2",
                         "--max_new_tokens", "5", "--repetition_penalty", "1.1", "--batch_size", "2"],
         as_positional=False)
-    assert str(out) in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert str(out) in printed.out
+    assert "generate: 100%" in printed.err and "3/3" in printed.err  # the progress bar, on stderr
     records = read(out)
     assert [r["id"] for r in records] == ["p0", "p1", "p2"]
     assert all(r["hypotheses"] == [0, 1, 2] and len(r["candidates"]) == len(r["log_probs"]) == 3 for r in records)

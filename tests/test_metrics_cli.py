@@ -1,5 +1,7 @@
 """`loramcl evaluate` / `loramcl plot-tradeoff`: files in, JSON + markdown + plot out, clear errors on bad files."""
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -20,17 +22,21 @@ def run_cli(*args):
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
-    """Every metric but SPICE (no CoreNLP jars offline) on the 6-item fixture, K = 3, R = 3, with an NLL file."""
+    """Every metric on the 6-item fixture, K = 3, R = 3, with an NLL file: SPICE and SPIDEr are not computed (no
+    CoreNLP jars offline), which the captioning preset reports instead of failing."""
     out = tmp_path_factory.mktemp("eval")
     nll = out / "nll.jsonl"
     with nll.open("w") as f:
         for i, item in enumerate(["a1", "a2", "a3", "a4", "a5", "a6"]):
             french = i >= 3  # h0 explains the French references best, h1 the English ones
             f.write(json.dumps({"id": item, "nll": [[1.0, 2.0, 3.0] if french else [2.5, 1.5, 3.0]] * 3}) + "\n")
-    paths = run_cli("evaluate", "--predictions", PREDS, "--references", REFS, "--metrics", "captioning,translation",
-                    "--exclude", "spice,spider", "--group_key", "lang", "--nll", str(nll), "--out", str(out),
-                    "--name", "run_a")
-    return paths, json.loads(Path(paths["json"]).read_text())
+    stderr = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(stderr):
+        patch.delenv("LORAMCL_SPICE_DIR", raising=False)
+        paths = run_cli("evaluate", "--predictions", PREDS, "--references", REFS, "--metrics",
+                        "captioning,translation", "--group_key", "lang", "--nll", str(nll), "--out", str(out),
+                        "--name", "run_a")
+    return paths, json.loads(Path(paths["json"]).read_text()) | {"stderr": stderr.getvalue()}
 
 
 def test_evaluate_writes_every_metric(full_run):
@@ -43,6 +49,13 @@ def test_evaluate_writes_every_metric(full_run):
     assert report["metrics"]["oracle_nll"] == pytest.approx(1.25)  # (1.0 * 3 + 1.5 * 3) / 6 per item
     markdown = Path(paths["markdown"]).read_text()
     assert "| cider_d |" in markdown and "| fr | 3 |" in markdown and "| h0 | " in markdown
+    # the preset's SPICE and SPIDEr: not computed, with the reason, in the report and in one line on stderr
+    assert set(report["unavailable"]) == {"spice", "spider"}
+    assert report["unavailable"]["spice"].startswith("SPICE is not set up. SPICE needs Stanford CoreNLP 3.6.0")
+    assert "| spice, spider | not computed | | SPICE is not set up." in markdown
+    assert report["stderr"].splitlines()[-1] == (
+        "loramcl evaluate: not computed: spice, spider: SPICE is not set up (the report says how to set it up; "
+        "--exclude spice,spider leaves them out)")
     items = [json.loads(line) for line in Path(paths["items"]).read_text().splitlines()]
     assert [i["id"] for i in items] == ["a1", "a2", "a3", "a4", "a5", "a6"]
     assert len(items[0]["scores"]["cider_d"]) == 3

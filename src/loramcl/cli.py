@@ -1,26 +1,155 @@
 """`loramcl <command>`: each command is a function whose signature and docstring are its CLI (jsonargparse),
-so `loramcl <command> --help` documents it and `--config file.yaml` reads the same arguments from a file."""
+so `loramcl <command> --help` documents it and `--config file.yaml` reads the same arguments from a file (its
+paths relative to that file).
+
+A mistake ends the command with one line on stderr, `loramcl <command>: error: <what to change>`, and exit status
+2 (a wrong option or value) or 1 (anything else); `--debug` or LORAMCL_DEBUG=1 shows the traceback instead.
+docs/cli.md lists the usual mistakes and their messages.
+"""
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import sys
+import warnings
+
+DEBUG_ENV = "LORAMCL_DEBUG"
+EXIT_USAGE, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
 
 
-def main(argv: list[str] | None = None) -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    from jsonargparse import CLI
-
+def commands() -> dict:
+    """{name: function} of every `loramcl` command (light imports: torch loads inside the functions)."""
     from loramcl.bilingual.reproduce import bilingual
     from loramcl.finetune import nll, train
     from loramcl.generation.cli import generate
     from loramcl.markov.reproduce import markov
     from loramcl.metrics.cli import evaluate, plot_tradeoff
+    from loramcl.models import convert_smollm2_command
 
-    commands = {"markov": markov, "bilingual": bilingual, "train": train, "generate": generate, "nll": nll,
-                "evaluate": evaluate, "plot-tradeoff": plot_tradeoff}
-    CLI(commands, args=sys.argv[1:] if argv is None else argv, as_positional=False)
+    return {"markov": markov, "bilingual": bilingual, "train": train, "generate": generate, "nll": nll,
+            "evaluate": evaluate, "plot-tradeoff": plot_tradeoff, "convert-smollm2": convert_smollm2_command}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get(DEBUG_ENV, "").strip() not in ("", "0")
+    args = [a for a in args if a != "--debug"]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from jsonargparse import CLI
+
+    from loramcl.inputs import PromptFormatWarning
+
+    table = commands()
+    command = next((a for a in args if a in table), None)
+    prefix = f"loramcl {command}" if command else "loramcl"
+    show_warning = warnings.showwarning
+
+    def one_line_warning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, PromptFormatWarning):
+            print(f"{prefix}: warning: {message}", file=sys.stderr)
+        else:
+            show_warning(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = one_line_warning
+    try:
+        CLI(table, args=args, as_positional=False, exit_on_error=False)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prefix}: interrupted", file=sys.stderr)
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    except Exception as error:
+        if debug:
+            raise
+        usage = _is_usage_error(error)
+        print(f"{prefix}: error: {error_message(error, table, command)}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE if usage else EXIT_FAILURE) from None
+    finally:
+        warnings.showwarning = show_warning
+
+
+def _is_usage_error(error: Exception) -> bool:
+    from argparse import ArgumentError
+
+    return isinstance(error, ArgumentError)
+
+
+def error_message(error: Exception, table: dict, command: str | None) -> str:
+    """One line saying what went wrong: jsonargparse's parse errors in the options' own words, any other error's
+    message (with its type when it is not one of the usual input errors)."""
+    text = _union_member_error(" ".join(str(error).split()))
+    if _is_usage_error(error):
+        return _usage_message(text, table, command)
+    if isinstance(error, ValueError | TypeError | OSError | RuntimeError) and text:
+        return text
+    hint = f" (a bug? --debug or {DEBUG_ENV}=1 shows the traceback)"
+    return f"{type(error).__name__}: {text}{hint}" if text else f"{type(error).__name__}{hint}"
+
+
+def _union_member_error(text: str) -> str:
+    """jsonargparse's error for an option typed `Config | None` lists what failed for each member of the union:
+    keep the config's own error (the None member's is noise), with the option's key in front of a nested key."""
+    match = re.match(r'(?:Parser key "(.*?)": )?Does not validate against any of the Union subtypes .*? Errors: - (.*)',
+                     text)
+    if not match:
+        return text
+    errors = [e for e in re.split(r" - (?=Expected a |Problem with given class_path )", match[2])
+              if not e.startswith("Expected a <class 'NoneType'>")]
+    inner = re.sub(r"^Problem with given class_path '.*?': ", "", errors[0]) if errors else match[2]
+    if match[1] and (nested := re.match(r'Parser key "(.*?)": (.*)', inner)):
+        return f'Parser key "{match[1]}.{nested[1]}": {nested[2]}'
+    return f'Parser key "{match[1]}": {inner}' if match[1] and not inner.startswith("Parser key") else inner
+
+
+def _usage_message(text: str, table: dict, command: str | None) -> str:
+    def option(key: str) -> str:
+        return "--" + (key.removeprefix(f"{command}.") if command else key)
+
+    if match := re.match(r"argument subcommand: invalid choice: '(.*?)'", text):
+        close = difflib.get_close_matches(match[1], table, n=1)
+        suggestion = f" (did you mean {close[0]}?)" if close else ""
+        return f"unknown command {match[1]!r}{suggestion}; the commands are {', '.join(table)}"
+    if match := re.match(r"the following arguments are required: (.*)", text):
+        return "missing required options " + ", ".join(option(key.strip()) for key in match[1].split(","))
+    if match := re.match(r"unrecognized arguments: (.*)", text):
+        unknown = [a for a in match[1].split() if a.startswith("--")] or match[1].split()[:1]
+        known = _option_names(table[command]) if command else []
+        close = difflib.get_close_matches(unknown[0].lstrip("-").split("=")[0], known, n=1) if unknown else []
+        suggestion = f" (did you mean --{close[0]}?)" if close else ""
+        see = f"; see loramcl {command} --help" if command else ""
+        return f"unknown option {' '.join(unknown)}{suggestion}{see}"
+    if match := re.match(r'Parser key "(.*?)": (.*)', text):
+        key, problem = option(match[1]), match[2]
+        if literal := re.match(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", problem):
+            choices = ", ".join(c.strip().strip("'\"") for c in literal[1].split(","))
+            return f"{key} must be one of {choices}; got {literal[2]!r}"
+        if typed := re.match(r"Expected a <class '(\w+)'>\. Got value: (.*)", problem):
+            kind = {"int": "an integer", "float": "a number", "bool": "true or false"}.get(typed[1], f"a {typed[1]}")
+            return f"{key} must be {kind}; got {typed[2]!r}"
+        return f"{key}: {problem}"
+    return text
+
+
+def _option_names(function) -> list[str]:
+    """The options of a command: its parameters, and `section.field` for a dataclass-typed parameter."""
+    import dataclasses
+    import inspect
+    import typing
+
+    try:
+        hints = typing.get_type_hints(function)
+    except Exception:  # an annotation that does not resolve: the suggestion is a convenience only
+        hints = {}
+    names = []
+    for name in inspect.signature(function).parameters:
+        hint = hints.get(name)
+        if dataclasses.is_dataclass(hint):
+            names += [f"{name}.{field.name}" for field in dataclasses.fields(hint)]
+        names.append(name)
+    return names
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from loramcl.inputs import LocalPath
+
 LossName = Literal["wta", "relaxed", "annealed"]
 LOSS_NAMES: tuple[str, ...] = ("wta", "relaxed", "annealed")
 ADAPTER_DTYPES: tuple[str, ...] = ("float32", "base")
@@ -215,10 +217,10 @@ def _is_index(value) -> bool:
 class DataConfig:
     """Where a run's prompt -> target pairs come from and how they are tokenized (`loramcl train --data.*`)."""
 
-    train_file: str
+    train_file: LocalPath
     """JSONL, one {"prompt": ..., "target": ...} object per line (field names: prompt_key, target_key)."""
 
-    validation_file: str | None = None
+    validation_file: LocalPath | None = None
     """JSONL like train_file, scored every `training.eval_every` steps (WTA loss, NLL and win rate per hypothesis)."""
 
     prompt_key: str = "prompt"
@@ -231,7 +233,8 @@ class DataConfig:
     """Wrap the prompt as a user message with the tokenizer's chat template (decoding must then do the same)."""
 
     max_length: int = 128
-    """Pairs longer than this (tokens) lose the end of their target."""
+    """Pairs longer than this (tokens) lose the end of their target (an encoder-decoder: prompt and target each at
+    most this long; a longer prompt is refused)."""
 
     eval_examples: int | None = 128
     """Validation examples used (the first ones; None: all)."""

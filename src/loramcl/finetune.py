@@ -2,7 +2,8 @@
 prompt -> target JSONL, and score references.
 
 Each function's signature and docstring are its CLI (jsonargparse); `--config recipe.yaml` reads the same
-arguments from a file (recipes/ holds the paper's). torch and transformers load inside the functions.
+arguments from a file (recipes/ holds the paper's; its paths are relative to it). torch and transformers load inside
+the functions, after the files, their fields and the model folder are checked.
 """
 
 from __future__ import annotations
@@ -13,15 +14,27 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from loramcl.baselines.config import MoEConfig, MultiHeadConfig
 from loramcl.config import DataConfig, MCLConfig, TrainConfig
+from loramcl.inputs import (
+    DTYPES,
+    MCL_CONFIG,
+    PEFT_FOLDER,
+    Dtype,
+    LocalPath,
+    ModelPath,
+    check_adapters_folder,
+    check_choice,
+    check_file,
+    check_model_folder,
+    is_encoder_decoder,
+    prompt_format,
+)
 
-if TYPE_CHECKING:
-    import torch
-
-PEFT_FOLDER = "peft"  # where a K = 1 run also exports its adapter as a standard PEFT LoRA
+# No `if TYPE_CHECKING: import torch` here: jsonargparse runs such blocks to resolve the commands' annotations, which
+# would import torch before every `loramcl train` / `nll` could check its files (tests/test_cli.py).
 CHECKPOINTS = "checkpoints"  # Trainer's resumable checkpoints of a run, inside its `out` folder
 SETTINGS_NAME = "settings.json"  # in CHECKPOINTS: what the checkpoints were trained with, checked on resume
 METHODS = ("mcl", "moe", "multihead")  # LoRA-MCL (K = 1: LoRA-MLE), LoRA-MoE, multi-head MCL
@@ -90,8 +103,8 @@ def stale_checkpoint_fields(out: str | Path, settings: dict) -> list[str]:
 
 
 def train(
-    model: str,
-    out: str,
+    model: ModelPath,
+    out: LocalPath,
     data: DataConfig,
     mcl: MCLConfig | None = None,
     training: TrainConfig = TrainConfig(),  # noqa: B008 (frozen, so sharing it is safe)
@@ -100,11 +113,12 @@ def train(
     multihead: MultiHeadConfig | None = None,
     resume: bool = False,
     threads: int | None = None,
-    dtype: str = "float32",
+    dtype: Dtype = "float32",
 ) -> str:
-    """Fine-tune LoRA hypotheses (MCLConfig; K = 1 is plain LoRA, the LoRA-MLE baseline) with MCLTrainer, or one of
-    the paper's other trained baselines through the same trainer: LoRA-MoE (--method moe) or multi-head MCL
-    (--method multihead).
+    """Fine-tune LoRA hypotheses with MCLTrainer (K = 1: LoRA-MLE), or a LoRA-MoE or multi-head MCL baseline.
+
+    --mcl (MCLConfig) sets the hypotheses; the paper's other trained baselines go through the same trainer: LoRA-MoE
+    (--method moe) or multi-head MCL (--method multihead).
 
     Writes to `out`: the adapters and tokenizer (MCLModel.save_pretrained: load with `--adapters OUT` in `loramcl
     generate`), `peft/` for K = 1 (a standard PEFT LoRA adapter, for single-model decoders such as diverse beam
@@ -112,8 +126,11 @@ def train(
     `training.save_every` steps), `train_log.json` (every logged loss, win rate and validation NLL) and `run.json`
     (the settings, threads, trainable parameters, seconds), written last: a run with a run.json is finished.
 
+    A causal LM reads prompt + target and learns the target tokens; an encoder-decoder (T5, BART, Marian, NLLB...)
+    reads the prompt in its encoder and learns the target as its labels (docs/cli.md).
+
     Args:
-        model: local folder of a causal LM (transformers format).
+        model: local folder of a causal or sequence-to-sequence LM (transformers format).
         out: output folder.
         mcl: the hypotheses and loss (--mcl.num_hypotheses, --mcl.r, --mcl.loss, --mcl.epsilon, ...); method mcl.
         data: the training pairs and their tokenization (--data.train_file, --data.validation_file, ...).
@@ -130,9 +147,17 @@ def train(
         threads: torch CPU threads (default: torch's choice).
         dtype: the frozen model's dtype: float32, bfloat16 or float16 (adapters stay float32 by default).
     """
+    from loramcl.data.prompts import PairDataset, collate, encode_pairs, pad_token_id
+
+    # Mistakes in the files, their fields and the model folder are reported before torch loads (seconds).
+    check_choice("dtype", dtype, DTYPES)
+    check_model_folder(model)
+    train_pairs = training_pairs(data.train_file, data, "training file")
+    eval_pairs = training_pairs(data.validation_file, data, "validation file") if data.validation_file else None
+    encoder_decoder = is_encoder_decoder(model)
+
     from transformers import AutoTokenizer
 
-    from loramcl.data.prompts import PairDataset, collate, encode_pairs, pad_token_id, read_pairs
     from loramcl.generation.cli import load_model
 
     config = method_config(method, mcl, moe, multihead)
@@ -145,17 +170,13 @@ def train(
     tokenizer = AutoTokenizer.from_pretrained(model)
     pad_id = pad_token_id(tokenizer)
 
-    def dataset(path: str, limit: int | None = None) -> PairDataset:
-        _, prompts, targets = read_pairs(path, data.prompt_key, data.target_key)
-        prompts, targets = prompts[:limit], targets[:limit]
-        bad = [i for i, t in enumerate(targets) if not isinstance(t, str) or not t]
-        if bad:
-            raise ValueError(f'{path}: "{data.target_key}" must be a non-empty string (line {bad[0] + 1}); a '
-                             "training target is one text, not a list")
-        return PairDataset(encode_pairs(tokenizer, prompts, targets, data.chat_template, data.max_length))
+    def dataset(pairs: tuple[list[str], list[str]], limit: int | None = None) -> PairDataset:
+        prompts, targets = pairs[0][:limit], pairs[1][:limit]
+        return PairDataset(encode_pairs(tokenizer, prompts, targets, data.chat_template, data.max_length,
+                                        encoder_decoder=encoder_decoder))
 
-    train_set = dataset(data.train_file)
-    eval_set = dataset(data.validation_file, data.eval_examples) if data.validation_file else None
+    train_set = dataset(train_pairs)
+    eval_set = dataset(eval_pairs, data.eval_examples) if eval_pairs else None
     fit(lambda: load_model(model, dtype=dtype), out, config, training, settings, train_set, eval_set,
         collator=lambda rows: collate(rows, pad_id), processor=tokenizer, last_checkpoint=last, method=method)
     return str(out)
@@ -179,7 +200,7 @@ def resumable_checkpoint(out: str | Path, settings: dict, resume: bool) -> str |
     return last
 
 
-def fit(build_model: Callable[[], torch.nn.Module], out: str | Path, mcl: MethodConfig, training: TrainConfig,
+def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: TrainConfig,
         settings: dict, train_set, eval_set, collator: Callable, processor=None,
         last_checkpoint: str | None = None, method: str = "mcl") -> dict:
     """Train K hypotheses on tokenized datasets with MCLTrainer and write a finished run to `out`; any task's
@@ -192,7 +213,7 @@ def fit(build_model: Callable[[], torch.nn.Module], out: str | Path, mcl: Method
         MultiHeadConfig), see ``train``. Returns the run record (run.json).
     """
     import torch
-    from transformers import PrinterCallback, TrainingArguments, set_seed
+    from transformers import PrinterCallback, ProgressCallback, TrainingArguments, set_seed
 
     from loramcl.trainer import MCLTrainer
 
@@ -215,6 +236,8 @@ def fit(build_model: Callable[[], torch.nn.Module], out: str | Path, mcl: Method
     trainer = MCLTrainer(mcl_model, args=args, train_dataset=train_set, eval_dataset=eval_set,
                          data_collator=collator, scoring_learning_rate=training.scoring_learning_rate)
     trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(_log_lines_callback(ProgressCallback))
     if saving:
         checkpoints.mkdir(parents=True, exist_ok=True)
         (checkpoints / SETTINGS_NAME).write_text(json.dumps(settings, indent=1) + "\n")
@@ -241,6 +264,39 @@ def fit(build_model: Callable[[], torch.nn.Module], out: str | Path, mcl: Method
     return run
 
 
+def training_pairs(path: str, data: DataConfig, what: str) -> tuple[list[str], list[str]]:
+    """(prompts, targets) of a training or validation file, checked: the file, its fields, one text per target."""
+    from loramcl.data.prompts import read_pairs
+
+    check_file(path, what)
+    _, prompts, targets = read_pairs(path, data.prompt_key, data.target_key, what="data.prompt_key / "
+                                                                                   "data.target_key")
+    bad = [i for i, t in enumerate(targets) if not isinstance(t, str) or not t]
+    if bad:
+        raise ValueError(f'{path}: "{data.target_key}" must be a non-empty string (record {bad[0] + 1}); a '
+                         "training target is one text, not a list")
+    return prompts, targets
+
+
+def log_line(step: int, logs: dict) -> str:
+    """One logged step as text: `step 20: loss 1.234, win_rate_h0 0.5, ...` (numbers as numbers, 4 digits)."""
+    values = [f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}"
+              for key, value in logs.items() if key != "total_flos"]
+    return f"step {step}: " + ", ".join(values)
+
+
+def _log_lines_callback(progress_callback: type) -> type:
+    """transformers' ProgressCallback (the tqdm bars) printing each log as a ``log_line``: its own printing quotes
+    every number (transformers 5 formats floats as strings, then prints the dict)."""
+
+    class LogLines(progress_callback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and self.training_bar is not None and logs:
+                self.training_bar.write(log_line(state.global_step, logs))
+
+    return LogLines
+
+
 def _sha256(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -250,50 +306,66 @@ def _sha256(path: str) -> str:
 
 
 def nll(
-    model: str,
-    adapters: str,
-    input: str,
-    out: str = "nll.jsonl",
+    model: ModelPath,
+    adapters: LocalPath,
+    input: LocalPath,
+    out: LocalPath = "nll.jsonl",
     prompt_key: str = "prompt",
     references_key: str = "references",
-    chat_template: bool = False,
+    chat_template: bool | None = None,
     batch_size: int = 16,
-    dtype: str = "float32",
+    dtype: Dtype = "float32",
     device: str = "cpu",
 ) -> str:
-    """NLL of every reference under every hypothesis (nats per target token, end-of-sequence included), as
-    `loramcl evaluate --nll` reads it: the oracle NLL and perplexity of paper App. E.1.
+    """Score every reference under every hypothesis: its mean NLL per target token, for `loramcl evaluate --nll`.
+
+    Nats per target token, end-of-sequence included: the oracle NLL and perplexity of paper App. E.1. The prompt
+    and reference are tokenized as `loramcl train` tokenized prompt and target (an encoder-decoder reads the prompt
+    in its encoder and scores the reference as its labels).
 
     Args:
-        model: local folder of the base causal LM.
+        model: local folder of the base model (a causal or a sequence-to-sequence LM).
         adapters: MCL adapters folder (K hypotheses; a K = 1 run is LoRA-MLE).
         input: JSONL {"id", "prompt", "references": [R texts]} (or a single text) per line.
         out: output JSONL {"id", "nll": [[K floats] per reference]}.
         prompt_key: field holding the prompt.
         references_key: field holding the reference text(s).
-        chat_template: the prompt format used in training.
+        chat_template: wrap each prompt with the tokenizer's chat template (default: as the training run of
+            `adapters` did, from its run.json; without one, no).
         batch_size: (prompt, reference) pairs per forward (x K hypotheses).
         dtype: float32, bfloat16 or float16.
         device: e.g. cpu, cuda.
     """
+    from loramcl.data.prompts import collate, encode_pairs, pad_token_id, read_pairs
+
+    check_choice("dtype", dtype, DTYPES)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    check_model_folder(model)
+    check_adapters_folder(adapters)
+    if not (Path(adapters) / MCL_CONFIG).is_file():
+        raise ValueError(f"{adapters} is not an MCL adapters folder: `loramcl nll` scores the K hypotheses of an "
+                         "MCL (or K = 1 MLE) run of `loramcl train`")
+    check_file(input, "input file")
+    ids, prompts, references = read_pairs(input, prompt_key, references_key, what="--prompt_key / --references_key")
+    references = [[r] if isinstance(r, str) else r for r in references]
+    bad = [item for item, refs in zip(ids, references, strict=True)
+           if not isinstance(refs, list) or not refs or not all(isinstance(r, str) and r for r in refs)]
+    if bad:
+        raise ValueError(f'{input}: "{references_key}" must be a non-empty text or list of texts (id {bad[0]!r})')
+    chat_template = prompt_format(adapters, chat_template)
+
     import torch
     from transformers import AutoTokenizer
 
-    from loramcl.data.prompts import collate, encode_pairs, pad_token_id, read_pairs
     from loramcl.generation.cli import load_model
-    from loramcl.model import MCLModel
 
     decoder = load_model(model, adapters, dtype, device)
-    if not isinstance(decoder, MCLModel):
-        raise ValueError(f"{adapters} is not an MCL adapters folder: `loramcl nll` scores the K hypotheses of an "
-                         "MCL (or K = 1 MLE) run of `loramcl train`")
     tokenizer = AutoTokenizer.from_pretrained(model)
     pad_id = pad_token_id(tokenizer)
-    ids, prompts, references = read_pairs(input, prompt_key, references_key)
-    references = [[r] if isinstance(r, str) else list(r) for r in references]
     owner = [i for i, refs in enumerate(references) for _ in refs]
     rows = encode_pairs(tokenizer, [prompts[i] for i in owner], [r for refs in references for r in refs],
-                        chat_template)
+                        chat_template, encoder_decoder=getattr(decoder.config, "is_encoder_decoder", False))
     scores = []
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):

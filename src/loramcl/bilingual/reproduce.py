@@ -14,6 +14,7 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from loramcl.inputs import LocalPath
 from loramcl.recipe.grid import DecodeConfig, System
 
 RUNS = ("mle", "mcl-relaxed", "mcl-annealed")
@@ -50,7 +51,7 @@ def recipe(folder: Path, run: str, out: Path, quick: bool) -> dict:
 
 
 def bilingual(out: str = "runs/bilingual", quick: bool = False, budgets: list[int] | None = None,
-              recipes: str | None = None, locale_dir: str = "/usr/share/locale", threads: int | None = None,
+              recipes: LocalPath | None = None, locale_dir: LocalPath = "/usr/share/locale", threads: int | None = None,
               device: str = "cpu") -> dict:
     """Train LoRA-MLE and LoRA-MCL (K = 2) to translate English UI messages to French or German, and report.
 
@@ -58,7 +59,8 @@ def bilingual(out: str = "runs/bilingual", quick: bool = False, budgets: list[in
     figures/, report.json and report.md. Finished stages are reused when their settings are unchanged.
 
     Args:
-        out: output folder.
+        out: output folder. As given (relative to the current folder, also in a --config file): the runs record
+            their paths, and a finished stage is reused only when they are the same.
         quick: a few examples and training steps: checks the whole pipeline in a few minutes (numbers meaningless).
         budgets: forward budgets to decode at (default [2, 4]): 2 is MLE beam 2 / DBS vs MCL greedy, 4 is MLE beam 4
             / DBS vs MCL beam 2 per hypothesis; on 2 CPU cores each budget-4 system takes about 10 minutes.

@@ -1,15 +1,18 @@
-"""Prompt -> target pairs for a causal LM: tokenized as generation sees the prompt, labels only on the target.
+"""Prompt -> target pairs, tokenized as generation sees the prompt, labels only on the target.
 
-The prompt is tokenized exactly as `loramcl generate` tokenizes it (the same text, the tokenizer's own special
-tokens, or the chat template), the target follows without special tokens and ends with the end-of-sequence
-token, so a fine-tuned model learns where to stop. Labels are -100 on the prompt and on padding.
+A causal LM reads prompt + target as one sequence: the prompt is tokenized exactly as `loramcl generate` tokenizes
+it (the same text, the tokenizer's own special tokens, or the chat template), the target follows without special
+tokens and ends with the end-of-sequence token, so a fine-tuned model learns where to stop; labels are -100 on the
+prompt and on padding. An encoder-decoder (T5, BART, Marian, NLLB) reads the prompt alone in its encoder, as
+`loramcl generate` gives it, and the target, with the tokenizer's target special tokens, is the labels (the model
+derives its decoder inputs from them).
+
+torch loads inside `collate` only, so that a command reads and checks its files before importing it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import torch
 
 from loramcl.metrics.io import read_jsonl
 
@@ -23,23 +26,40 @@ def prompt_text(tokenizer, prompt: str, chat_template: bool) -> str:
 
 
 def encode_pairs(tokenizer, prompts: Sequence[str], targets: Sequence[str], chat_template: bool = False,
-                 max_length: int | None = None) -> list[dict[str, list[int]]]:
-    """One {input_ids, labels} per pair: prompt tokens (label -100), then target tokens + end-of-sequence.
+                 max_length: int | None = None, encoder_decoder: bool = False) -> list[dict[str, list[int]]]:
+    """One {input_ids, labels} per pair.
 
-    A pair longer than max_length is cut from the end of the target (the prompt is kept whole); a pair whose
-    prompt alone reaches max_length raises.
+    Causal LM: input_ids = prompt tokens + target tokens + end-of-sequence, labels -100 on the prompt. A pair longer
+    than max_length is cut from the end of the target (the prompt is kept whole); a pair whose prompt alone reaches
+    max_length raises.
+
+    Encoder-decoder (``encoder_decoder=True``): input_ids = the prompt tokens only (the encoder input), labels = the
+    target as the tokenizer encodes a target (``text_target``: its own special tokens, e.g. NLLB's language code),
+    with end-of-sequence appended if the tokenizer adds none; each side at most max_length tokens (a longer
+    prompt raises, a longer target loses its end).
     """
     if len(prompts) != len(targets):
         raise ValueError(f"{len(prompts)} prompts for {len(targets)} targets")
-    if tokenizer.eos_token_id is None:
+    eos = tokenizer.eos_token_id
+    if eos is None:
         raise ValueError("the tokenizer has no end-of-sequence token: the target could never end")
     special = not chat_template  # the chat template writes its own special tokens
     prompt_ids = tokenizer([prompt_text(tokenizer, p, chat_template) for p in prompts],
                            add_special_tokens=special)["input_ids"]
-    target_ids = tokenizer(list(targets), add_special_tokens=False)["input_ids"]
+    if encoder_decoder:
+        target_ids = tokenizer(text_target=list(targets))["input_ids"]
+    else:
+        target_ids = tokenizer(list(targets), add_special_tokens=False)["input_ids"]
     rows = []
     for i, (p, t) in enumerate(zip(prompt_ids, target_ids, strict=True)):
-        t = t + [tokenizer.eos_token_id]
+        if encoder_decoder:
+            if not t or eos not in t[-2:]:  # the end token, possibly followed by a language code (mBART)
+                t = t + [eos]
+            if max_length is not None and len(p) > max_length:
+                raise ValueError(f"pair {i}: the prompt has {len(p)} tokens, max_length is {max_length}")
+            rows.append({"input_ids": p, "labels": t[:max_length]})
+            continue
+        t = t + [eos]
         if max_length is not None and len(p) + len(t) > max_length:
             if len(p) >= max_length:
                 raise ValueError(f"pair {i}: the prompt alone has {len(p)} tokens, max_length is {max_length}")
@@ -48,18 +68,27 @@ def encode_pairs(tokenizer, prompts: Sequence[str], targets: Sequence[str], chat
     return rows
 
 
-def read_pairs(path: str, prompt_key: str = "prompt", target_key: str = "target") -> tuple[list, list[str], list]:
-    """(ids, prompts, targets) of a JSONL file; a target may be a string or a list of strings (references)."""
-    records = read_jsonl(path, prompt_key, number_missing_ids=True)
-    for item_id, record in records.items():
+def read_pairs(path: str, prompt_key: str = "prompt", target_key: str = "target", what: str = "",
+               ) -> tuple[list, list[str], list]:
+    """(ids, prompts, targets) of a JSONL file; a target may be a string or a list of strings (references).
+
+    what: the options naming the two fields, for the errors (e.g. "--data.prompt_key / --data.target_key").
+    """
+    hint = f" (choose the fields with {what})" if what else ""
+    records = read_jsonl(path, prompt_key, number_missing_ids=True, hint=hint)
+    for number, (item_id, record) in enumerate(records.items(), start=1):
         if target_key not in record:
-            raise ValueError(f'{path}: line with id {item_id!r} has no "{target_key}" field (the target text)')
+            has = ", ".join(f'"{key}"' for key in list(record)[:10] if key != "id")
+            raise ValueError(f'{path}: record {number} (id {item_id!r}) has no "{target_key}" field; its fields are '
+                             f"{has}{hint}")
         if not isinstance(record[prompt_key], str):
             raise ValueError(f'{path}: "{prompt_key}" must be a string (id {item_id!r})')
     return list(records), [r[prompt_key] for r in records.values()], [r[target_key] for r in records.values()]
 
 
-class PairDataset(torch.utils.data.Dataset):
+class PairDataset:
+    """A map-style dataset of encoded pairs (what torch's DataLoader and Trainer index)."""
+
     def __init__(self, rows: list[dict[str, list[int]]]) -> None:
         self.rows = rows
 
@@ -75,15 +104,19 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def collate(rows: list[dict[str, list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a batch: input_ids with pad_token_id, labels with -100, attention_mask 0 on padding."""
+def collate(rows: list[dict[str, list[int]]], pad_token_id: int) -> dict:
+    """Right-pad a batch: input_ids with pad_token_id (attention_mask 0 there), labels with -100, each to its own
+    longest row (an encoder-decoder's labels are not as long as its input_ids)."""
+    import torch
+
     width = max(len(r["input_ids"]) for r in rows)
+    label_width = max(len(r["labels"]) for r in rows)
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    labels = torch.full((len(rows), label_width), -100, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
         ids[i, :n] = torch.tensor(r["input_ids"])
-        labels[i, :n] = torch.tensor(r["labels"])
+        labels[i, :len(r["labels"])] = torch.tensor(r["labels"])
         mask[i, :n] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}

@@ -8,20 +8,35 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 from pathlib import Path
+from typing import Literal, get_args
 
+from loramcl.inputs import (
+    DTYPES,
+    Dtype,
+    LocalPath,
+    ModelPath,
+    check_adapters_folder,
+    check_choice,
+    check_file,
+    check_model_folder,
+    prompt_format,
+)
 from loramcl.metrics.io import read_jsonl
 
-_DTYPES = ("float32", "bfloat16", "float16")
+# generate_hypotheses' strategies (decoding.MCL_STRATEGIES + BASELINE_STRATEGIES, not imported: torch)
+Strategy = Literal["greedy", "beam", "sample", "diverse_beam", "tta", "stochastic_router"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
 
 def generate(
-    model: str,
-    input: str,
-    out: str = "preds.jsonl",
-    adapters: str | None = None,
-    tokenizer: str | None = None,
-    strategy: str = "greedy",
+    model: ModelPath,
+    input: LocalPath,
+    out: LocalPath = "preds.jsonl",
+    adapters: LocalPath | None = None,
+    tokenizer: LocalPath | None = None,
+    strategy: Strategy = "greedy",
     num_beams: int | None = None,
     budget: int | None = None,
     num_sequences: int | None = None,
@@ -38,9 +53,10 @@ def generate(
     augment: str | None = None,
     batch_size: int = 8,
     prompt_key: str = "prompt",
-    chat_template: bool = False,
-    dtype: str = "float32",
+    chat_template: bool | None = None,
+    dtype: Dtype = "float32",
     device: str = "cpu",
+    progress: bool = True,
 ) -> str:
     """Decode K candidates per prompt of a JSONL file; write them as `loramcl evaluate` reads predictions.
 
@@ -78,19 +94,33 @@ def generate(
         augment: tta: "package.module:function", a function (inputs, k) -> perturbed inputs.
         batch_size: prompts per generate call (an MCL model decodes K x batch_size rows at once).
         prompt_key: field of the input lines holding the prompt.
-        chat_template: wrap each prompt as a user message with the tokenizer's chat template.
+        chat_template: wrap each prompt as a user message with the tokenizer's chat template (default: as the
+            training run of `adapters` did, from its run.json beside them or, for OUT/peft, in OUT; without one, no).
         dtype: float32, bfloat16 or float16.
         device: e.g. cpu, cuda, cuda:1.
+        progress: a progress bar (prompts decoded) on stderr.
     """
+    from loramcl.data.prompts import prompt_text
+
+    # Mistakes in the options, the files and the folders are reported before torch loads (seconds).
+    check_choice("strategy", strategy, STRATEGIES)
+    check_choice("dtype", dtype, DTYPES)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    check_model_folder(model)
+    if adapters is not None:
+        check_adapters_folder(adapters)
+    if tokenizer is not None and not os.path.isdir(tokenizer):
+        raise FileNotFoundError(f"tokenizer folder {tokenizer} does not exist")
+    ids, prompts = _read_prompts(input, prompt_key)
+    chat_template = prompt_format(adapters, chat_template)
+
+    from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from loramcl.data.prompts import prompt_text
     from loramcl.generation.decoding import generate_hypotheses, tokenize_prompts
     from loramcl.model import MCLModel
 
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    ids, prompts = _read_prompts(input, prompt_key)
     decoder = load_model(model, adapters, dtype, device)
     tok = AutoTokenizer.from_pretrained(tokenizer or model)
     augment_fn = _import_function(augment) if augment else None
@@ -98,7 +128,9 @@ def generate(
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     is_mcl = isinstance(decoder, MCLModel)
-    with out_path.open("w", encoding="utf-8") as f:
+    bar = tqdm(total=len(prompts), unit="prompt", desc="generate", file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
+    with bar, out_path.open("w", encoding="utf-8") as f:
         for b, start in enumerate(range(0, len(prompts), batch_size)):
             chunk = prompts[start:start + batch_size]
             # as training tokenized them (loramcl.data.prompts): the chat template writes its own special tokens
@@ -116,6 +148,7 @@ def generate(
                 if is_mcl and candidates[0].hypothesis is not None:
                     record["hypotheses"] = [c.hypothesis for c in candidates]
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            bar.update(len(chunk))
     per_prompt = len(outs[0])
     print(f"{len(prompts)} prompts x {per_prompt} candidates ({strategy}): {out_path}")
     return str(out_path)
@@ -129,8 +162,7 @@ def load_model(model: str, adapters: str | None = None, dtype: str = "float32", 
 
     from loramcl.model import CONFIG_NAME, load_mcl_model
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    check_choice("dtype", dtype, DTYPES)
     config = AutoConfig.from_pretrained(model)
     model_class = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
     loaded = model_class.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
@@ -149,7 +181,8 @@ def load_model(model: str, adapters: str | None = None, dtype: str = "float32", 
 
 
 def _read_prompts(path: str, prompt_key: str) -> tuple[list, list[str]]:
-    records = read_jsonl(path, prompt_key, number_missing_ids=True)
+    check_file(path, "input file")
+    records = read_jsonl(path, prompt_key, number_missing_ids=True, hint=" (choose the field with --prompt_key)")
     for record in records.values():
         if not isinstance(record[prompt_key], str):
             raise ValueError(f'{path}: "{prompt_key}" must be a string, got {record[prompt_key]!r} '

@@ -7,6 +7,7 @@ import os
 import time
 from dataclasses import replace
 
+from loramcl.inputs import LocalPath
 from loramcl.markov.chains import MarkovMixture, preset_mixture
 
 # name -> (chains, settings that differ from RunSettings' defaults (the paper's), why)
@@ -44,7 +45,8 @@ PRESETS = {
 QUICK = {"steps": 100, "eval_every": 25, "eval_sequences": 500}
 
 
-def markov(out: str = "runs/markov", preset: str = "fig2", chains: str | None = None, hypotheses: int | None = None,
+def markov(out: LocalPath = "runs/markov", preset: str = "fig2", chains: LocalPath | None = None,
+           hypotheses: int | None = None,
            seeds: int = 3, steps: int | None = None, loss: str | None = None, epsilon: float | None = None,
            temperature0: float | None = None, temperature_decay: float | None = None,
            learning_rate: float | None = None, initializer_range: float | None = None,

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import glob
 import json
+import sys
 from pathlib import Path
+
+from loramcl.inputs import LocalPath
 
 
 def _split(value: list[str] | str | None) -> list[str]:
@@ -18,17 +21,17 @@ def _split(value: list[str] | str | None) -> list[str]:
 
 
 def evaluate(
-    predictions: str,
-    references: str,
+    predictions: LocalPath,
+    references: LocalPath,
     metrics: list[str] | str = "captioning",
-    out: str = "eval",
+    out: LocalPath = "eval",
     name: str | None = None,
     exclude: list[str] | str | None = None,
     group_key: str | None = None,
     winner_metric: str | None = None,
-    nll: str | None = None,
-    spice_dir: str | None = None,
-    sbert_model: str | None = None,
+    nll: LocalPath | None = None,
+    spice_dir: LocalPath | None = None,
+    sbert_model: LocalPath | None = None,
     bleu_tokenize: str = "13a",
     tokenize: bool = True,
 ) -> dict[str, str]:
@@ -38,6 +41,8 @@ def evaluate(
         predictions: JSONL, one line per item: {"id": ..., "candidates": [K strings]} (candidate k = hypothesis k).
         references: JSONL, one line per item: {"id": ..., "references": [R strings]}; the ids must match.
         metrics: presets ("captioning", "translation") and/or metric names, comma-separated (e.g. "bleu4,div2").
+            A preset's metric whose tool is missing (SPICE and SPIDEr without the SPICE jars) is reported as not
+            computed, with the reason; a metric named here whose tool is missing is an error.
         out: output folder.
         name: run name, used for the file names and plot labels (default: the predictions file's stem).
         exclude: metrics to leave out, comma-separated (e.g. "spice,spider" without the SPICE jars).
@@ -51,7 +56,7 @@ def evaluate(
     """
     from loramcl.metrics.io import load_nll, load_run, to_jsonable, write_json
     from loramcl.metrics.oracle import winners
-    from loramcl.metrics.suite import METRICS, evaluate_candidates, markdown_report
+    from loramcl.metrics.suite import METRICS, evaluate_candidates, markdown_report, unavailable_groups
 
     ids, candidates, refs, groups = load_run(predictions, references, group_key)
     report = evaluate_candidates(
@@ -79,6 +84,9 @@ def evaluate(
             f.write(json.dumps(to_jsonable(row)) + "\n")
 
     print(markdown)
+    for reason, names in unavailable_groups(report["unavailable"]).items():
+        print(f"loramcl evaluate: not computed: {', '.join(names)}: {reason.split('. ')[0]} (the report says how to "
+              f"set it up; --exclude {','.join(names)} leaves them out)", file=sys.stderr)
     print(f"metrics (JSON):  {json_path}\ntable (markdown): {md_path}\nper-item scores: {items_path}")
     return {"json": str(json_path), "markdown": str(md_path), "items": str(items_path)}
 
@@ -87,7 +95,7 @@ def plot_tradeoff(
     runs: list[str] | str,
     x: str = "mbleu4",
     y: str = "spider",
-    out: str = "tradeoff.png",
+    out: LocalPath = "tradeoff.png",
     labels: list[str] | str | None = None,
     title: str | None = None,
 ) -> str:

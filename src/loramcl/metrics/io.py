@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 
 
-def read_jsonl(path: str | Path, field: str, number_missing_ids: bool = False) -> dict[object, dict]:
+def read_jsonl(path: str | Path, field: str, number_missing_ids: bool = False, hint: str = "") -> dict[object, dict]:
     """{id: record} from a JSONL file whose records all have "id" and `field`; clear errors on bad lines.
 
     number_missing_ids: a record without "id" gets its position among the records (0, 1, ...) instead.
+    hint: appended to the error of a record without `field`, e.g. the option that names the field.
     """
     path = Path(path)
     if not path.is_file():
@@ -32,11 +33,14 @@ def read_jsonl(path: str | Path, field: str, number_missing_ids: bool = False) -
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{number} is not valid JSON ({error.msg})") from None
-            if number_missing_ids and isinstance(record, dict) and "id" not in record:
-                record["id"] = len(ids)
-            if not isinstance(record, dict) or "id" not in record or field not in record:
+            if not isinstance(record, dict) or field not in record or ("id" not in record and not number_missing_ids):
                 fields = f'"{field}"' if number_missing_ids else f'"id" and "{field}"'
+                if isinstance(record, dict):  # name the fields it has: the usual mistake is another field name
+                    has = ", ".join(f'"{key}"' for key in list(record)[:10]) or "none"
+                    raise ValueError(f"{path}:{number} must be an object with {fields}; its fields are {has}{hint}")
                 raise ValueError(f"{path}:{number} must be an object with {fields}, got {line.strip()[:120]}")
+            if number_missing_ids and "id" not in record:
+                record["id"] = len(ids)
             if not isinstance(record["id"], (str, int)) or isinstance(record["id"], bool):
                 raise ValueError(f"{path}:{number}: id must be a string or an integer, got {record['id']!r}")
             ids.append(record["id"])

@@ -54,19 +54,25 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "translation": ("loo_bleu", "pairwise_bleu"),  # paper App. H.6
 }
 
+# Metrics that need a tool some machines lack: the SPICE jars (not installable offline), the sentence encoder
+# package. Reached through a preset they are left out with the reason when the tool is missing; asked for by name,
+# the missing tool is an error.
+OPTIONAL_TOOLS: dict[str, tuple[str, ...]] = {"spice": ("spice", "spider"), "sentence encoder": ("sbert_sim",)}
+
 RAW_TEXT = {"sacrebleu", "chrf"}  # sacrebleu tokenizes (or not) on its own
 NEEDS_PTB = {name for name, m in METRICS.items() if m.kind in ("oracle", "diversity")} - RAW_TEXT
 
 
+def _split(value: str | Sequence[str]) -> list[str]:
+    return [v.strip() for v in (value.split(",") if isinstance(value, str) else value) if v.strip()]
+
+
 def resolve_metrics(metrics: str | Sequence[str], exclude: str | Sequence[str] = ()) -> list[str]:
     """Preset and metric names (a list or a comma-separated string) -> the ordered list of metric names."""
-    def split(value):
-        return [v.strip() for v in (value.split(",") if isinstance(value, str) else value) if v.strip()]
-
     names: list[str] = []
-    for name in split(metrics):
+    for name in _split(metrics):
         names += PRESETS.get(name, (name,))
-    excluded = split(exclude)
+    excluded = _split(exclude)
     known = set(METRICS) - set(FROM_FILES)
     unknown = [n for n in [*names, *excluded] if n not in known]
     if unknown:
@@ -103,7 +109,9 @@ def evaluate_candidates(
         candidates: N lists of K raw candidate strings (candidate k = hypothesis k).
         references: N lists of R_i raw reference strings.
         metrics: metric or preset names ("captioning", "translation"), list or comma-separated.
-        exclude: names to leave out (e.g. "spice,spider" without the SPICE jars).
+        exclude: names to leave out. A metric a preset brings whose tool is missing (SPICE and SPIDEr without the
+            SPICE jars, sbert_sim without a sentence encoder) is left out and listed in "unavailable" with the
+            reason; one asked for by name is an error.
         groups: one label per item (e.g. its language) for the per-group win-rate table.
         winner_metric: the candidate-level metric that decides which hypothesis wins an item; default cider_d if
             computed, else the first oracle metric, else sacrebleu sentence BLEU.
@@ -120,8 +128,9 @@ def evaluate_candidates(
             text is tokenized already.
 
     Returns:
-        {"metrics": {name: value}, "candidate_scores": {name: array [N, K]}, "specialisation": {...},
-        "num_items", "num_candidates", "references_per_item", "timing_s": {step: seconds}, "settings": {...}}.
+        {"metrics": {name: value}, "unavailable": {name: reason}, "candidate_scores": {name: array [N, K]},
+        "specialisation": {...}, "num_items", "num_candidates", "references_per_item", "timing_s": {step: seconds},
+        "settings": {...}}.
     """
     start = time.perf_counter()
     names = resolve_metrics(metrics, exclude)
@@ -129,11 +138,32 @@ def evaluate_candidates(
     check_pairs([c[0] for c in candidates], references)
     if nll is not None:
         check_nll_columns(np.shape(nll[0])[-1] if len(nll) else 0, num_candidates, "nll")
-    # Fail before the long computations if a tool is missing.
-    if "spice" in names or "spider" in names:
-        quality.spice_command(spice_dir)
-    if "sbert_sim" in names and sbert_model is None:
-        sbert_model = quality.default_sentence_encoder()
+    # Fail before the long computations if a tool is missing (or leave out what a preset brought).
+    named = set(_split(metrics))
+    unavailable: dict[str, str] = {}
+
+    def check_tool(tool: str, check) -> None:
+        wanted = [n for n in OPTIONAL_TOOLS[tool] if n in names]
+        if not wanted:
+            return
+        try:
+            check()
+        except RuntimeError as error:
+            if named & set(wanted):
+                raise
+            unavailable.update(dict.fromkeys(wanted, " ".join(str(error).split())))
+
+    check_tool("spice", lambda: quality.spice_command(spice_dir))
+    if sbert_model is None:
+        def find_encoder():
+            nonlocal sbert_model
+            sbert_model = quality.default_sentence_encoder()
+
+        check_tool("sentence encoder", find_encoder)
+    if unavailable:
+        names = [n for n in names if n not in unavailable]
+        if not names:
+            raise ValueError(f"no metric left to compute: {unavailable}")
     if "meteor" in names or (tokenize and NEEDS_PTB & set(names)):
         require_java("METEOR" if "meteor" in names else "The PTB tokenizer")
     for name in names:
@@ -244,6 +274,7 @@ def evaluate_candidates(
     ref_counts = [len(r) for r in references]
     return {
         "metrics": values,
+        "unavailable": unavailable,
         "likelihood": likelihood,
         "specialisation": specialisation,
         "candidate_scores": matrices,
@@ -254,6 +285,14 @@ def evaluate_candidates(
         "settings": {"metrics": names, "tokenize": "ptb" if tokenize else "none", "bleu_tokenize": bleu_tokenize,
                      "sbert_model": sbert_model if "sbert_sim" in names else None},
     }
+
+
+def unavailable_groups(unavailable: dict[str, str]) -> dict[str, list[str]]:
+    """{reason: [metric names]} of the metrics left out for a missing tool."""
+    groups: dict[str, list[str]] = {}
+    for name, reason in unavailable.items():
+        groups.setdefault(reason, []).append(name)
+    return groups
 
 
 def markdown_report(report: dict) -> str:
@@ -267,6 +306,8 @@ def markdown_report(report: dict) -> str:
     for name, value in report["metrics"].items():
         metric = METRICS[name]
         lines.append(f"| {name} | {value:.4g} | {'↑' if metric.higher_is_better else '↓'} | {metric.what} |")
+    for reason, names in unavailable_groups(report.get("unavailable") or {}).items():
+        lines.append(f"| {', '.join(names)} | not computed | | {reason} |")
     lines += ["", win_rate_table(report["specialisation"], report["specialisation"]["metric"])]
     if report.get("likelihood"):
         lik = report["likelihood"]

