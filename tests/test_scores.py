@@ -179,3 +179,54 @@ def test_a_collapse_is_warned_once_and_a_healthy_run_is_not(tmp_path, recwarn):
 def test_option_validation(values, message):
     with pytest.raises(ValueError, match=message):
         MCLConfig(**values)
+
+
+def test_ranking_quality_by_hand():
+    from loramcl.metrics.ranking import ranking_quality
+
+    scores = [[0.9, 0.1], [0.6, 0.4], [0.2, 0.8], [0.5, 0.5]]
+    quality = ranking_quality(scores, [0, 1, 1, 0])  # top-1 right on items 0, 2, 3 (a tie goes to the first)
+    assert quality["score_top1"] == 0.75 and quality["score_chance"] == 0.5
+    # bins of 0.1: p=0.9 (won), 0.1 (lost), 0.6 (lost), 0.4 (won), 0.2 (lost), 0.8 (won), 0.5 and 0.5 (1 of 2 won)
+    gaps = [(1, 0.1), (1, 0.1), (1, 0.6), (1, 0.6), (1, 0.2), (1, 0.2), (2, 0.0)]
+    assert quality["score_ece"] == pytest.approx(sum(n * g for n, g in gaps) / 8)
+    with pytest.raises(ValueError, match="summing to 1"):
+        ranking_quality([[0.9, 0.3]], [0])
+
+
+def test_the_commands_write_and_read_scores_and_the_mixture_nll(tmp_path):
+    import json
+
+    from loramcl import DataConfig, TrainConfig
+    from loramcl.finetune import nll, train
+    from loramcl.generation.cli import generate
+    from loramcl.metrics.cli import evaluate
+
+    torch.manual_seed(0)
+    build_model("llama").save_pretrained(tmp_path / "base")
+    word_tokenizer().save_pretrained(tmp_path / "base")
+    rows = [{"prompt": f"w{5 + i % 7} w{20 + i % 5}", "target": f"w{40 + i % 3} w{60 + i % 4}"} for i in range(24)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    test = [{"id": i, "prompt": f"w{5 + i} w20", "references": [f"w4{i} w60", "w41"]} for i in range(4)]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))
+    adapters = train(model=str(tmp_path / "base"), out=str(tmp_path / "mcl"),
+                     mcl=MCLConfig(num_hypotheses=2, r=4, alpha=8, target_modules=["q_proj", "v_proj"],
+                                   loss="relaxed", epsilon=0.1, scoring=True),
+                     data=DataConfig(train_file=str(tmp_path / "train.jsonl")),
+                     training=TrainConfig(steps=4, batch_size=8, learning_rate=1e-2, scoring_learning_rate=5e-2),
+                     threads=1)
+    predictions = generate(model=str(tmp_path / "base"), input=str(tmp_path / "test.jsonl"), adapters=adapters,
+                           out=str(tmp_path / "preds.jsonl"), max_new_tokens=3, progress=False)
+    for line in open(predictions):
+        assert sum(json.loads(line)["scores"]) == pytest.approx(1.0)
+    scored = nll(model=str(tmp_path / "base"), adapters=adapters, input=str(tmp_path / "test.jsonl"),
+                 out=str(tmp_path / "nll.jsonl"))
+    lines = [json.loads(line) for line in open(scored)]
+    assert all(len(r["mixture_nll"]) == len(r["nll"]) == 2 for r in lines)
+    for record in lines:  # oracle <= mixture for every reference
+        assert all(min(row) <= m + 1e-6 for row, m in zip(record["nll"], record["mixture_nll"], strict=True))
+    paths = evaluate(predictions, str(tmp_path / "test.jsonl"), metrics="sacrebleu", nll=scored,
+                     out=str(tmp_path / "eval"), tokenize=False)
+    metrics = json.loads(open(paths["json"]).read())["metrics"]
+    assert {"oracle_nll", "mixture_nll", "score_top1", "score_ece"} <= set(metrics)
+    assert metrics["oracle_nll"] <= metrics["mixture_nll"]

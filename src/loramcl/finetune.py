@@ -327,7 +327,8 @@ def nll(
         model: local folder of the base model (a causal or a sequence-to-sequence LM).
         adapters: MCL adapters folder (K hypotheses; a K = 1 run is LoRA-MLE).
         input: JSONL {"id", "prompt", "references": [R texts]} (or a single text) per line.
-        out: output JSONL {"id", "nll": [[K floats] per reference]}.
+        out: output JSONL {"id", "nll": [[K floats] per reference]} (+ "mixture_nll": [a float per reference],
+            -log sum_k p(k|c) p_k(x|c) per token, for adapters with hypothesis scores).
         prompt_key: field holding the prompt.
         references_key: field holding the reference text(s).
         chat_template: wrap each prompt with the tokenizer's chat template (default: as the training run of
@@ -366,19 +367,25 @@ def nll(
     owner = [i for i, refs in enumerate(references) for _ in refs]
     rows = encode_pairs(tokenizer, [prompts[i] for i in owner], [r for refs in references for r in refs],
                         chat_template, encoder_decoder=getattr(decoder.config, "is_encoder_decoder", False))
-    scores = []
+    nlls, mixtures = [], []
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
             batch = {k: v.to(device) for k, v in collate(rows[start:start + batch_size], pad_id).items()}
-            scores.append(decoder(**batch).nll.float().cpu())  # [b, K]
-    table = torch.cat(scores).tolist()
-    per_item: list[list] = [[] for _ in ids]
-    for i, row in zip(owner, table, strict=True):
-        per_item[i].append(row)
+            output = decoder(**batch)
+            nlls.append(output.nll.float().cpu())  # [b, K]
+            if output.mixture_nll is not None:  # a model with hypothesis scores
+                mixtures.append(output.mixture_nll.float().cpu())  # [b]
+    table = torch.cat(nlls).tolist()
+    mixture = torch.cat(mixtures).tolist() if mixtures else None
+    per_item: list[dict] = [{"nll": []} | ({"mixture_nll": []} if mixture else {}) for _ in ids]
+    for n, i in enumerate(owner):
+        per_item[i]["nll"].append(table[n])
+        if mixture:
+            per_item[i]["mixture_nll"].append(mixture[n])
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("w", encoding="utf-8") as f:
         for item_id, values in zip(ids, per_item, strict=True):
-            f.write(json.dumps({"id": item_id, "nll": values}) + "\n")
+            f.write(json.dumps({"id": item_id, **values}) + "\n")
     print(f"NLL of {len(rows)} references under {decoder.num_hypotheses} hypotheses: {out_path}")
     return str(out_path)
