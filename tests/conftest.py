@@ -64,3 +64,11 @@ def peft_reference(model, mcl):
                 module.lora_A[f"h{k}"].weight.copy_(layer.lora_A[k].T)
                 module.lora_B[f"h{k}"].weight.copy_(layer.lora_B[k].T)
     return peft
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted once per test session (about 20 s) for the recipes' end-to-end tests."""
+    from loramcl.models import convert_smollm2
+
+    return convert_smollm2(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")

@@ -174,3 +174,60 @@ def test_neutral_sampling_values_are_accepted(models):
     case = CASES[0]
     out = run(models["llama"], case, do_sample=False, temperature=1.0, top_k=0, top_p=1.0)
     assert out.sequences.tolist() == case["sequences"]
+
+
+# ---- groups as copies of the batch (diverse MCL decoding's layout) -------------------------------------------------
+
+
+@pytest.mark.parametrize("index", [1, 4, 7])  # 3 groups with a repetition penalty; length_penalty 2 and "never"; BART
+def test_groups_as_copies_give_the_groups_of_the_classic_layout(models, index):
+    """G copies of the batch, copy g being group g (copy-major rows), run the same search as the classic layout (the
+    G groups of each example's beams): with every hypothesis returned, each group of each example returns the same
+    hypotheses with the same scores; only where they sit differs (copy-major, per group)."""
+    from loramcl.generation.diverse_beam import generate_diverse_copies
+    from loramcl.model import repeat_examples
+
+    case = CASES[index]
+    kwargs = dict(case["generate_kwargs"])
+    beams, groups = kwargs.pop("num_beams"), kwargs.pop("num_beam_groups")
+    kwargs.pop("num_return_sequences")
+    group_size = beams // groups
+    inputs = inputs_of(case["model"])
+    batch = inputs["input_ids"].shape[0]
+    classic = generate_diverse_beam(models[case["model"]], inputs, num_beams=beams, num_beam_groups=groups,
+                                    num_return_sequences=beams, **kwargs)
+    copied = {name: repeat_examples(value, groups, batch, name) for name, value in inputs.items()}
+    ours = generate_diverse_copies(models[case["model"]], copied, copies=groups, num_beams=group_size,
+                                   num_return_sequences=group_size, **kwargs)
+    assert ours.sequences.shape == classic.sequences.shape
+    # copy-major rows: [G, B, S] -> per example, the G*S hypotheses of all groups
+    per_example = ours.sequences.view(groups, batch, group_size, -1).transpose(0, 1).reshape(batch, beams, -1)
+    scores = ours.sequences_scores.view(groups, batch, group_size).transpose(0, 1).reshape(batch, beams)
+    expected = classic.sequences.view(batch, beams, -1)
+    expected_scores = classic.sequences_scores.view(batch, beams)
+    for b in range(batch):
+        mine = sorted(zip(per_example[b].tolist(), scores[b].tolist(), strict=True))
+        theirs = sorted(zip(expected[b].tolist(), expected_scores[b].tolist(), strict=True))
+        assert [tokens for tokens, _ in mine] == [tokens for tokens, _ in theirs]
+        assert [s for _, s in mine] == pytest.approx([s for _, s in theirs], abs=1e-5)
+    # each group's hypotheses best first, and the penalty made the groups differ
+    by_group = scores.view(batch, groups, group_size)
+    assert bool((by_group[..., :-1] >= by_group[..., 1:]).all())
+    assert len({tuple(row) for row in per_example[0].tolist()}) > group_size
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(copies=0), "copies must be a positive integer"),
+    (dict(num_beam_groups=2), "leave num_beam_groups"),
+    (dict(num_return_sequences=3), "num_return_sequences"),
+    (dict(diversity_penalty=-1.0), "diversity_penalty"),
+    (dict(top_k=5), "sampling"),
+    (dict(copies=2, inputs_rows=3), "not 2 copies"),
+])
+def test_bad_copies_settings(models, overrides, message):
+    from loramcl.generation.diverse_beam import generate_diverse_copies
+
+    settings = dict(copies=3, num_beams=2, diversity_penalty=1.0, max_new_tokens=4, pad_token_id=4) | overrides
+    inputs = {name: value[:settings.pop("inputs_rows", 3)] for name, value in inputs_of("llama").items()}
+    with pytest.raises(ValueError, match=message):
+        generate_diverse_copies(models["llama"], inputs, **settings)

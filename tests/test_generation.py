@@ -366,6 +366,82 @@ def test_diverse_beam_baseline():
         assert all(c.token_ids and c.log_prob < 0 for c in row)
 
 
+# ---- diverse MCL decoding: hypothesis k is group k of one diverse beam search ----------------------------------------
+
+
+def diverse_mcl_case(name: str):
+    """An MCL model whose hypotheses differ a little (they often agree on a token, so the penalty acts) and its
+    generation settings: a repetition penalty, and an end-of-sequence token that some candidates choose early."""
+    mcl, inputs = mcl_case(name)
+    randomize_adapters(mcl, std=0.05)
+    settings = dict(num_beams=2, max_new_tokens=NEW_TOKENS, repetition_penalty=1.3, pad_token_id=0)
+    settings |= dict(eos_token_id=49) if name == "llama" else dict(min_new_tokens=2)  # the random BART ends at once
+    return mcl, inputs, settings
+
+
+@pytest.mark.parametrize("name", ["llama", "bart"])
+def test_diverse_mcl_without_penalty_is_beam_search_per_hypothesis(name):
+    """λ = 0: hypothesis k's candidate is its best beam of a plain beam search with num_beams beams, token for
+    token, with the same log-probability (here read from the step logits, there rescored by teacher forcing)."""
+    mcl, inputs, settings = diverse_mcl_case(name)
+    beam = generate_hypotheses(mcl, None, inputs, strategy="beam", **settings)
+    diverse = generate_hypotheses(mcl, None, inputs, strategy="diverse_beam", diversity_penalty=0.0, **settings)
+    for plain_row, diverse_row in zip(beam, diverse, strict=True):
+        assert [c.hypothesis for c in diverse_row] == list(range(K))
+        assert [c.token_ids for c in diverse_row] == [c.token_ids for c in plain_row]
+        assert [c.log_prob for c in diverse_row] == pytest.approx([c.log_prob for c in plain_row], abs=1e-4)
+    assert any(len({tuple(c.token_ids) for c in row}) > 1 for row in beam)  # the hypotheses differ
+    if name == "llama":
+        assert any(len(c.token_ids) < NEW_TOKENS for row in beam for c in row)  # some ended with eos
+
+
+@pytest.mark.parametrize("name", ["llama", "bart"])
+def test_diverse_mcl_hypothesis_depends_only_on_those_decoded_before_it(name):
+    """Group k is penalised by groups 0..k-1 only, so the first hypothesis decoded is its own plain beam search and
+    each prefix of the hypotheses decodes as it would alone, whatever λ; the later ones are pushed away."""
+    mcl, inputs, settings = diverse_mcl_case(name)
+    order = [2, 0, 1]
+    diverse = generate_hypotheses(mcl, None, inputs, strategy="diverse_beam", diversity_penalty=2.0,
+                                  hypotheses=order, **settings)
+    prefix = generate_hypotheses(mcl, None, inputs, strategy="diverse_beam", diversity_penalty=2.0,
+                                 hypotheses=order[:2], **settings)
+    beam = generate_hypotheses(mcl, None, inputs, strategy="beam", hypotheses=order, **settings)
+    for i, row in enumerate(diverse):
+        assert [c.hypothesis for c in row] == order
+        assert row[0].token_ids == beam[i][0].token_ids
+        assert row[0].log_prob == pytest.approx(beam[i][0].log_prob, abs=1e-4)
+        assert [c.token_ids for c in row[:2]] == [c.token_ids for c in prefix[i]]
+    assert any(diverse[i][c].token_ids != beam[i][c].token_ids for i in range(len(beam)) for c in (1, 2))
+
+
+def test_diverse_mcl_penalises_earlier_hypotheses_tokens_as_the_formula_says():
+    """Hand-checkable: K = 3 identical hypotheses (fresh adapters, B = 0), greedy (one beam each), one new token.
+    With the model's next-token log-probs ordered a > b > c (gaps g1 = a - b < g2 = a - c), hypothesis k takes
+    argmax_y log p(y) - λ * #{hypotheses before k that took y}:
+      λ < g1/2: a, a, a (even a - 2λ beats b);   g1/2 < λ < g1: a, a, b (a - 2λ < b);
+      g1 < λ < g2: a, b, a (a - λ < b, then a - λ > b - λ and > c);   λ > g2: a, b, c (all different)."""
+    mcl, _, _, _ = wrapped_model("llama", num_hypotheses=K)
+    with torch.no_grad():
+        for _, layer in mcl.mcl_layers():
+            layer.lora_B.zero_()
+    prompt = torch.tensor([[5, 9, 23, 41]])
+    inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
+    with torch.no_grad():
+        log_p = mcl(**inputs, hypotheses=0).logits[0, -1].log_softmax(-1)  # [V], every hypothesis alike
+    top = log_p.topk(5)
+    a, b, c = top.indices[:3].tolist()
+    g1, g2 = (top.values[0] - top.values[1]).item(), (top.values[0] - top.values[2]).item()
+    assert 0 < g1 < g2
+    eos = top.indices[4].item()  # not among the tokens chosen here
+    cases = [(0.4 * g1, [a, a, a]), (0.75 * g1, [a, a, b]), ((g1 + g2) / 2, [a, b, a]), (g2 + 1.0, [a, b, c]),
+             (0.0, [a, a, a])]
+    for penalty, expected in cases:
+        outs = generate_hypotheses(mcl, None, inputs, strategy="diverse_beam", num_beams=1, max_new_tokens=1,
+                                   diversity_penalty=penalty, eos_token_id=eos, pad_token_id=0)
+        assert [cand.token_ids for cand in outs[0]] == [[t] for t in expected], penalty
+        assert [cand.log_prob for cand in outs[0]] == pytest.approx([log_p[t].item() for t in expected], abs=1e-5)
+
+
 # ---- equal budget and errors -------------------------------------------------------------------------------------
 
 
@@ -395,7 +471,15 @@ def mcl_and_plain():
     (dict(hypotheses=[0, 3]), ValueError, r"hypotheses \[3\] do not exist: this model has K=3"),
     (dict(hypotheses=[]), ValueError, "hypotheses is empty"),
     (dict(num_sequences=5), ValueError, "num_sequences=5 does not match the 3 hypotheses"),
-    (dict(strategy="diverse_beam", num_beams=4), ValueError, "single-model baseline.*hypotheses=\\[k\\]"),
+    (dict(strategy="tta", num_beams=4), ValueError, "single-model baseline.*hypotheses=\\[k\\]"),
+    (dict(strategy="diverse_beam", num_beams=2), ValueError, "needs diversity_penalty >= 0"),
+    (dict(strategy="diverse_beam", num_beams=2, diversity_penalty=-0.5), ValueError, "needs diversity_penalty >= 0"),
+    (dict(strategy="diverse_beam", diversity_penalty=1.0), ValueError, "needs num_beams"),
+    (dict(strategy="diverse_beam", budget=4, diversity_penalty=1.0), ValueError, "cannot be split among K=3"),
+    (dict(strategy="diverse_beam", num_beams=2, diversity_penalty=1.0, num_beam_groups=2), ValueError,
+     "groups are the 3 hypotheses"),
+    (dict(strategy="diverse_beam", num_beams=2, diversity_penalty=1.0, hypotheses=[1]), ValueError,
+     "needs 2 or more hypotheses.*hypotheses=\\[k\\] and num_sequences"),
     (dict(strategy="beam"), ValueError, "needs num_beams"),
     (dict(strategy="beam", budget=7), ValueError, "cannot be split among K=3"),
     (dict(strategy="beam", budget=6, num_beams=2), ValueError, "not both"),
@@ -410,6 +494,17 @@ def test_mcl_errors(mcl_and_plain, call, error, match):
         generate_hypotheses(mcl, None, **call)
 
 
+def test_diverse_beam_on_a_one_hypothesis_mcl_model_is_the_single_model_baseline():
+    """K = 1 is LoRA-MLE: no hypotheses to diversify, so diverse MCL decoding is refused, while diverse beam search
+    of the single model (num_sequences) runs."""
+    mcl, _, _, _ = wrapped_model("llama", num_hypotheses=1)
+    settings = dict(strategy="diverse_beam", num_beams=2, diversity_penalty=1.0, max_new_tokens=3, pad_token_id=0)
+    with pytest.raises(ValueError, match="needs 2 or more hypotheses.*has K=1"):
+        generate_hypotheses(mcl, None, left_padded_prompts(), **settings)
+    outs = generate_hypotheses(mcl, None, left_padded_prompts(), num_sequences=2, **settings)
+    assert [len(row) for row in outs] == [2, 2, 2]
+
+
 @pytest.mark.parametrize("call,match", [
     (dict(strategy="greedy", num_sequences=3), "greedy decoding gives one sequence"),
     (dict(strategy="beam", num_beams=4), "needs num_sequences=K"),
@@ -417,6 +512,7 @@ def test_mcl_errors(mcl_and_plain, call, error, match):
     (dict(strategy="tta", num_sequences=3), "needs augment"),
     (dict(strategy="diverse_beam", num_beams=5, num_sequences=3, diversity_penalty=1.0), "multiple of"),
     (dict(strategy="diverse_beam", num_beams=6, num_sequences=3), "needs diversity_penalty"),
+    (dict(strategy="diverse_beam", num_beams=6, diversity_penalty=1.0), "needs num_sequences=K"),
     (dict(strategy="sample", num_sequences=3, hypotheses=[0]), "selects adapter sets of an MCLModel"),
     (dict(strategy="beam", num_sequences=2, budget=5), "cannot be split among K=2"),
 ])

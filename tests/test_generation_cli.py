@@ -59,6 +59,19 @@ def test_mcl_adapters_give_one_candidate_per_hypothesis(saved, capsys):
     assert logged == pytest.approx([c.log_prob for row in outs for c in row], abs=1e-4)
 
 
+def test_diverse_mcl_decoding_from_the_command_line(saved):
+    """--strategy diverse_beam with MCL adapters is diverse MCL decoding (--num_beams per hypothesis)."""
+    out = saved / "dbs_preds.jsonl"
+    generate(model=str(saved / "base"), adapters=str(saved / "mcl"), input=str(saved / "prompts.jsonl"),
+             out=str(out), strategy="diverse_beam", budget=6, diversity_penalty=1.0, max_new_tokens=5)
+    mcl = load_mcl_model(AutoModelForCausalLM.from_pretrained(saved / "base"), saved / "mcl")
+    outs = generate_hypotheses(mcl, word_tokenizer(), PROMPTS, strategy="diverse_beam", num_beams=2,
+                               diversity_penalty=1.0, max_new_tokens=5)
+    records = read(out)
+    assert all(r["hypotheses"] == [0, 1, 2] for r in records)
+    assert [r["candidates"] for r in records] == [[c.text for c in row] for row in outs]
+
+
 def test_peft_adapter_is_a_single_model_baseline(saved):
     out = saved / "peft_preds.jsonl"
     generate(model=str(saved / "base"), adapters=str(saved / "peft"), input=str(saved / "prompts.jsonl"),

@@ -42,7 +42,7 @@ def full_run(tmp_path_factory):
 def test_evaluate_writes_every_metric(full_run):
     paths, report = full_run
     expected = ["bleu1", "bleu2", "bleu3", "bleu4", "meteor", "rouge_l", "cider_d", "sbert_sim", "div1", "div2",
-                "mbleu4", "loo_bleu", "pairwise_bleu", "oracle_nll", "oracle_ppl"]
+                "mbleu4", "loo_bleu", "pairwise_bleu", "refs_covered", "oracle_nll", "oracle_ppl"]
     assert list(report["metrics"]) == expected
     assert all(0 <= report["metrics"][m] <= 1 for m in ["bleu4", "meteor", "rouge_l", "div2", "mbleu4"])
     assert report["num_items"] == 6 and report["num_candidates"] == 3
@@ -125,7 +125,7 @@ def test_bad_options_fail_before_any_computation():
     with pytest.raises(ValueError, match="3 group labels for 2 items"):
         evaluate_candidates(cands, refs, metrics="bleu4", groups=["a", "b", "c"])
     with pytest.raises(ValueError, match="no metric left"):
-        evaluate_candidates(cands, refs, metrics="translation", exclude="loo_bleu,pairwise_bleu")
+        evaluate_candidates(cands, refs, metrics="translation", exclude="loo_bleu,pairwise_bleu,refs_covered")
 
 
 @pytest.mark.parametrize("rows, message", [

@@ -1,15 +1,20 @@
-"""Loo-BLEU and Pairwise-BLEU (Shen et al. 2019; fairseq translation_moe/score.py semantics, sacrebleu 13a)."""
+"""Loo-BLEU, Pairwise-BLEU and #references covered (Shen et al. 2019; fairseq translation_moe/score.py semantics,
+sacrebleu 13a or none)."""
+
+import itertools
 
 import numpy as np
 import pytest
 import sacrebleu
 
 from loramcl.metrics import (
+    bleu_plus_one,
     candidate_scores,
     chrf_sentence,
     evaluate_candidates,
     loo_bleu,
     pairwise_bleu,
+    references_covered,
     sacrebleu_sentence,
 )
 
@@ -76,3 +81,130 @@ def test_chrf_sentence_matches_sacrebleu_and_both_are_oracle_metrics_of_the_suit
     assert report["metrics"]["sacrebleu"] == pytest.approx(bleu.max(axis=1).mean())
     assert report["specialisation"]["win_rate"] == pytest.approx(
         (np.bincount(scores.argmax(axis=1), minlength=3) / 2).tolist())
+
+
+# Parity with fairseq's examples/translation_moe/score.py (the paper's "official codebase"), re-implemented here from
+# its semantics: the same sacrebleu corpus BLEU, on the same streams as score.py builds them.
+GERMAN_CANDIDATES = [
+    ["Die Katze schläft auf dem Sofa.", "Eine Katze schläft auf dem Sofa.", "Die Katze döst, auf dem Sofa."],
+    ["Es regnet in der Stadt.", "In der Stadt regnet es!", "Es regnet (stark) in der Stadt."],
+    ["Datei konnte nicht geöffnet werden.", "Die Datei lässt sich nicht öffnen.", "Öffnen der Datei fehlgeschlagen."],
+    ["Ungültiges Argument.", "Ungültiges Argument.", "Argument ist ungültig."],
+]
+GERMAN_REFERENCES = [
+    ["Die Katze schläft auf dem Sofa.", "Eine Katze schläft auf der Couch.", "Die Katze pennt auf dem Sofa."],
+    ["Es regnet in der Stadt.", "In der Stadt regnet es.", "Über der Stadt regnet es."],
+    ["Die Datei konnte nicht geöffnet werden.", "Datei kann nicht geöffnet werden.", "Öffnen fehlgeschlagen."],
+    ["Ungültiges Argument", "Ungültiges Argument.", "Das Argument ist ungültig."],
+]
+
+
+def fairseq_pairwise(candidates, tokenize):
+    """score.py `pairwise`: for every ordered pair of an item's candidates, the first is the reference of the
+    second; one corpus BLEU over all pairs."""
+    from itertools import permutations
+
+    pairs = [pair for cands in candidates for pair in permutations(cands, 2)]
+    return sacrebleu.corpus_bleu([hyp for _, hyp in pairs], [[ref for ref, _ in pairs]], tokenize=tokenize).score
+
+
+def fairseq_loo(candidates, references, tokenize):
+    """score.py `multi_ref`: the references transposed into streams (zip: the shortest item's count), hypotheses
+    flattened item by item, each stream's entry repeated once per candidate; the mean of the corpus BLEUs with one
+    stream held out."""
+    num_candidates = len(candidates[0])
+    streams = [[ref for ref in stream for _ in range(num_candidates)] for stream in zip(*references, strict=False)]
+    hypotheses = [hyp for cands in candidates for hyp in cands]
+    held_out = [sacrebleu.corpus_bleu(hypotheses, streams[:m] + streams[m + 1:], tokenize=tokenize).score
+                for m in range(len(streams))]
+    return float(np.mean(held_out))
+
+
+def fairseq_sentence_bleu(hypothesis, reference, tokenize):
+    """score.py `sentence_bleu`, from n-gram counts: +1 on the matches and totals of orders 2-4, exp smoothing of a
+    zero order (never order 2-4 after the +1), brevity penalty, 0-100."""
+    from collections import Counter
+
+    from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+
+    split = (Tokenizer13a() if tokenize == "13a" else str)
+    hyp, ref = split(hypothesis).split(), split(reference).split()
+    log_precision, smooth = 0.0, 1.0
+    for n in range(1, 5):
+        hyp_grams = Counter(tuple(hyp[i:i + n]) for i in range(len(hyp) - n + 1))
+        ref_grams = Counter(tuple(ref[i:i + n]) for i in range(len(ref) - n + 1))
+        matches, total = sum((hyp_grams & ref_grams).values()), max(len(hyp) - n + 1, 0)
+        if n > 1:
+            matches, total = matches + 1, total + 1
+        if matches == 0:
+            smooth *= 2
+            precision = 1 / (smooth * total)
+        else:
+            precision = matches / total
+        log_precision += np.log(precision) / 4
+    penalty = 1.0 if len(hyp) >= len(ref) else np.exp(1 - len(ref) / len(hyp))
+    return 100 * penalty * np.exp(log_precision)
+
+
+@pytest.mark.parametrize("tokenize", ["13a", "none"])
+def test_parity_with_fairseq_score_py(tokenize):
+    candidates, references = GERMAN_CANDIDATES, GERMAN_REFERENCES
+    assert loo_bleu(candidates, references, tokenize=tokenize)["loo_bleu"] == pytest.approx(
+        fairseq_loo(candidates, references, tokenize), abs=1e-9)
+    assert pairwise_bleu(candidates, tokenize=tokenize)["pairwise_bleu"] == pytest.approx(
+        fairseq_pairwise(candidates, tokenize), abs=1e-9)
+    # score.py ranks references with its own sentence BLEU (13a in its sacrebleu call); ties: the first reference
+    expected = [len({int(np.argmax([fairseq_sentence_bleu(c, r, tokenize) for r in refs])) for c in cands})
+                for cands, refs in zip(candidates, references, strict=True)]
+    for cands, refs in zip(candidates, references, strict=True):
+        for candidate, reference in itertools.product(cands, refs):
+            assert bleu_plus_one(candidate, reference, tokenize) == pytest.approx(
+                fairseq_sentence_bleu(candidate, reference, tokenize), abs=1e-9), (candidate, reference)
+    covered = references_covered(candidates, references, tokenize=tokenize)
+    assert covered["refs_covered_per_item"] == expected and covered["refs_covered"] == pytest.approx(np.mean(expected))
+
+
+def test_the_fixture_tells_the_two_tokenizations_apart():
+    # punctuation glued to words: 13a splits it off, 'none' keeps it, so every score differs
+    assert fairseq_pairwise(GERMAN_CANDIDATES, "13a") != pytest.approx(fairseq_pairwise(GERMAN_CANDIDATES, "none"))
+    assert fairseq_loo(GERMAN_CANDIDATES, GERMAN_REFERENCES, "13a") != pytest.approx(
+        fairseq_loo(GERMAN_CANDIDATES, GERMAN_REFERENCES, "none"))
+
+
+def test_references_covered_known_values():
+    refs = [["Datei öffnen", "Öffne die Datei", "Datei wird geöffnet"]]
+    # a candidate equal to a reference covers it; three copies of one reference cover one
+    assert references_covered([["Öffne die Datei", "Datei wird geöffnet", "Datei öffnen"]], refs)["refs_covered"] == 3
+    assert references_covered([["Öffne die Datei"] * 3], refs)["refs_covered_per_item"] == [1]
+    assert references_covered([["Datei öffnen", "Datei öffnen"]], [["Datei öffnen"]])["refs_covered"] == 1  # <= R
+    # no word in common with any reference: the brevity penalty favours the shortest reference
+    assert references_covered([["xyz", "uvw"]], refs)["refs_covered"] == 1
+    report = evaluate_candidates([["Datei öffnen", "Öffne die Datei"]], [refs[0]], metrics="translation")
+    assert report["metrics"]["refs_covered"] == 2 and report["metrics"]["pairwise_bleu"] < 100
+
+
+def test_fig4_plot_has_a_marker_per_method_and_a_colour_per_decoding(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from loramcl.metrics.plot import tradeoff_plot
+
+    drawn, scatter = [], matplotlib.axes.Axes.scatter
+
+    def recording(self, x, y, *args, **kwargs):
+        drawn.append((kwargs.get("marker"), str(kwargs.get("color")), kwargs.get("label"), len(np.atleast_1d(x))))
+        return scatter(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter", recording)
+    reports = [{"metrics": {"pairwise_bleu": 60 - 10 * i, "loo_bleu": 30 + i}} for i in range(4)]
+    methods = ["LoRA-MLE r=16", "LoRA-MLE r=16", "LoRA-MLE r=48", "LoRA-MCL K=3"]
+    decodings = ["beam search", "diverse beam search", "beam search", "beam search"]
+    path = tradeoff_plot(reports, x="pairwise_bleu", y="loo_bleu", out=tmp_path / "fig4.png", labels=["B=3"] * 4,
+                         methods=methods, decodings=decodings)
+    assert path.stat().st_size > 1000
+    points, legend = [d for d in drawn if d[3] == 1], [d for d in drawn if d[3] == 0]
+    assert points[0][0] == points[1][0] != points[2][0] != points[3][0]  # marker: the method
+    assert points[0][1] == points[2][1] == points[3][1] != points[1][1]  # colour: the decoding
+    assert [d[2] for d in legend] == ["LoRA-MLE r=16", "LoRA-MLE r=48", "LoRA-MCL K=3", "beam search",
+                                      "diverse beam search"]
+    with pytest.raises(ValueError, match="give both methods and decodings"):
+        tradeoff_plot(reports, x="pairwise_bleu", y="loo_bleu", out=tmp_path / "x.png", methods=methods)

@@ -14,11 +14,14 @@ DECODE = DecodeConfig(max_new_tokens=20, repetition_penalty=1.1, diversity_penal
 
 
 def test_recipe_files_merge_section_by_section(tmp_path):
-    (tmp_path / "common.yaml").write_text("model: m\ntraining:\n  steps: 200\n  seed: 0\ndata:\n  train_file: a\n")
+    (tmp_path / "common.yaml").write_text("model: ../m\ntraining:\n  steps: 200\n  seed: 0\ndata:\n  train_file: a\n"
+                                          "  validation_file: v\n")
     (tmp_path / "run.yaml").write_text("out: o\ntraining:\n  steps: 50\nmcl:\n  r: 4\n")
     values = read_recipe(tmp_path, ["common.yaml", "run.yaml"], {"data": {"train_file": "b"}})
-    assert values == {"model": "m", "out": "o", "training": {"steps": 50, "seed": 0}, "data": {"train_file": "b"},
-                      "mcl": {"r": 4}}
+    # paths relative to the file that gives them, as `loramcl train --config` reads them; overrides as given
+    assert values == {"model": str(tmp_path.parent / "m"), "out": str(tmp_path / "o"),
+                      "training": {"steps": 50, "seed": 0},
+                      "data": {"train_file": "b", "validation_file": str(tmp_path / "v")}, "mcl": {"r": 4}}
     assert merged({"a": {"b": 1}}, {"a": 2}) == {"a": 2}
     assert recipe_folder(None, "bilingual", ["common.yaml"]).name == "bilingual"  # this repository's recipes
     with pytest.raises(FileNotFoundError, match="no audio recipes"):
@@ -76,6 +79,9 @@ def test_a_training_stage_is_skipped_when_finished_and_restarts_from_stale_check
     (System("mle-topp", "mle", "sample", 2, {"top_p": 0.95}), True, {"num_sequences": 2, "top_p": 0.95}),
     (System("mcl-beam-b4", "mcl", "beam", 4), False, {"num_beams": 2}),  # 2 beams x 2 hypotheses = 4
     (System("mcl-greedy-b2", "mcl", "greedy", 2), False, {}),  # 1 x 2 = 2
+    (System("mcl-dbs-b4", "mcl", "diverse_beam", 4), False, {"num_beams": 2, "diversity_penalty": 0.8}),
+    (System("mcl-dbs-b2", "mcl", "diverse_beam", 2, {"diversity_penalty": 0.5}), False,
+     {"num_beams": 1, "diversity_penalty": 0.5}),
 ])
 def test_systems_decode_at_equal_forward_budget(system, single, expected):
     arguments = system.decoding(2, single, DECODE)
@@ -85,7 +91,8 @@ def test_systems_decode_at_equal_forward_budget(system, single, expected):
 
 @pytest.mark.parametrize("system, single, message", [
     (System("mle-greedy", "mle", "greedy", 2), True, "a single model .* decodes with"),
-    (System("mcl-dbs", "mcl", "diverse_beam", 2), False, "an MCL model decodes with"),
+    (System("mcl-tta", "mcl", "tta", 2), False, "an MCL model decodes with"),
+    (System("mcl-dbs-b3", "mcl", "diverse_beam", 3), False, "cannot be split among K=2"),
     (System("mcl-greedy-b4", "mcl", "greedy", 4), False, "its forward budget is K = 2, not 4"),
     (System("mcl-beam-b3", "mcl", "beam", 3), False, "cannot be split among K=2"),
 ])
@@ -107,3 +114,29 @@ def test_report_tables():
                                     Column("spider", "SPIDEr")])
     assert table[0] == "| system | budget | oracle chrF | mBLEU-4 | SPIDEr |"
     assert table[2] == "| mcl | 2 | 40.12 | 0.387 | – |"
+
+
+def test_run_files_and_the_systems_at_equal_budget(tmp_path):
+    from loramcl.recipe.files import run_names
+    from loramcl.recipe.grid import equal_budget_systems
+
+    for name in ("common.yaml", "experiment.yaml", "mle.yaml", "mcl.yaml", "notes.txt"):
+        (tmp_path / name).write_text("{}\n")
+    assert run_names(tmp_path, reserved=("common.yaml", "experiment.yaml")) == ["mcl", "mle"]
+    with pytest.raises(FileNotFoundError, match="holds no run file"):
+        run_names(tmp_path / "missing")
+    systems = equal_budget_systems({"mle": 1, "mcl": 3}, candidates=3, budgets=[3, 6])
+    assert [(s.name, s.strategy, s.budget) for s in systems] == [
+        ("mle-beam-b3", "beam", 3), ("mle-diversebeam-b3", "diverse_beam", 3), ("mle-beam-b6", "beam", 6),
+        ("mle-diversebeam-b6", "diverse_beam", 6), ("mcl-greedy-b3", "greedy", 3), ("mcl-beam-b6", "beam", 6)]
+    # each system's decoding gives the same forward budget: MLE beam 6 returning 3, MCL beam 2 per hypothesis
+    assert systems[2].decoding(3, True, DECODE)["num_beams"] == 6
+    assert systems[5].decoding(3, False, DECODE)["num_beams"] == 2
+    diverse = equal_budget_systems({"mcl": 3}, 3, [3, 6], mcl_strategies=("beam", "diverse_beam"))
+    assert [s.name for s in diverse] == ["mcl-greedy-b3", "mcl-diversebeam-b3", "mcl-beam-b6", "mcl-diversebeam-b6"]
+    assert diverse[3].decoding(3, False, DECODE) == {**systems[5].decoding(3, False, DECODE),
+                                                     "strategy": "diverse_beam", "diversity_penalty": 0.8}
+    with pytest.raises(ValueError, match="run moe2 has K = 2 hypotheses: a system gives 3 candidates"):
+        equal_budget_systems({"moe2": 2}, candidates=3, budgets=[3])
+    with pytest.raises(ValueError, match="budget 4 is not a multiple of the 3 candidates"):
+        equal_budget_systems({"mle": 1}, candidates=3, budgets=[4])

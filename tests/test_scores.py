@@ -92,6 +92,9 @@ def test_scored_candidates_carry_the_prefill_scores_and_sort(tmp_path):
         assert [c.score for c in candidates] == pytest.approx(expected.tolist(), abs=1e-5)
     beams = generate_hypotheses(mcl, tok, prompts, strategy="beam", num_beams=2, max_new_tokens=3)
     assert [c.score for c in beams[0]] == pytest.approx([c.score for c in outs[0]], abs=1e-5)
+    diverse = generate_hypotheses(mcl, tok, prompts, strategy="diverse_beam", num_beams=2, diversity_penalty=1.0,
+                                  max_new_tokens=3)  # diverse MCL decoding reads the same prefill
+    assert [c.score for c in diverse[1]] == pytest.approx([c.score for c in outs[1]], abs=1e-5)
     ranked = generate_hypotheses(mcl, tok, prompts, strategy="greedy", max_new_tokens=3, sort_by_score=True)
     for candidates in ranked:
         assert [c.score for c in candidates] == sorted((c.score for c in candidates), reverse=True)

@@ -27,9 +27,11 @@ def commands() -> dict:
     from loramcl.markov.reproduce import markov
     from loramcl.metrics.cli import evaluate, plot_tradeoff
     from loramcl.models import convert_smollm2_command
+    from loramcl.translation.reproduce import translation
 
-    return {"markov": markov, "bilingual": bilingual, "train": train, "generate": generate, "nll": nll,
-            "evaluate": evaluate, "plot-tradeoff": plot_tradeoff, "convert-smollm2": convert_smollm2_command}
+    return {"markov": markov, "bilingual": bilingual, "translation": translation, "train": train,
+            "generate": generate, "nll": nll, "evaluate": evaluate, "plot-tradeoff": plot_tradeoff,
+            "convert-smollm2": convert_smollm2_command}
 
 
 def main(argv: list[str] | None = None) -> None:

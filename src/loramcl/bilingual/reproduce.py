@@ -41,13 +41,9 @@ PROBED = ("mcl-relaxed-greedy-b2", "mcl-annealed-greedy-b2", "mle-dbs-b2", "mle-
 
 def recipe(folder: Path, run: str, out: Path, quick: bool) -> dict:
     """The `loramcl train` arguments of one run: common.yaml + <run>.yaml, paths moved under `out`."""
-    from loramcl.recipe.files import merged, read_recipe
+    from loramcl.recipe.files import run_arguments
 
-    values = read_recipe(folder, ["common.yaml", f"{run}.yaml"], {
-        "model": str(out / MODEL_FOLDER), "out": str(out / run),
-        "data": {"train_file": str(out / "data" / "train.jsonl"),
-                 "validation_file": str(out / "data" / "validation.jsonl")}})
-    return merged(values, QUICK_TRAIN) if quick else values
+    return run_arguments(folder, run, out, str(out / MODEL_FOLDER), QUICK_TRAIN if quick else None)
 
 
 def bilingual(out: str = "runs/bilingual", quick: bool = False, budgets: list[int] | None = None,

@@ -75,11 +75,13 @@ def generate(
             a LoRA-MoE or multi-head MCL baseline), or a PEFT adapter folder (a LoRA-MLE baseline); none: the base
             model itself.
         tokenizer: tokenizer folder (default: the model folder).
-        strategy: MCL (and multi-head MCL): greedy, beam, sample. Single model (LoRA-MLE, LoRA-MoE's MLE decoding):
-            beam, diverse_beam, sample, tta; LoRA-MoE also stochastic_router (K passes, each sampling one expert per
-            layer and token from the router).
-        num_beams: beams (MCL: per hypothesis; tta: per perturbed context; stochastic_router: per pass;
-            beam/diverse_beam: in all).
+        strategy: MCL (and multi-head MCL): greedy, beam, sample, diverse_beam (diverse MCL decoding: hypothesis k
+            is group k of one diverse beam search, penalised by --diversity_penalty for the tokens the hypotheses
+            before it chose at the same step). Single model (LoRA-MLE, LoRA-MoE's MLE decoding): beam, diverse_beam,
+            sample, tta; LoRA-MoE also stochastic_router (K passes, each sampling one expert per layer and token from
+            the router).
+        num_beams: beams (MCL: per hypothesis; tta: per perturbed context; stochastic_router: per pass; a single
+            model's beam/diverse_beam: in all).
         budget: instead of num_beams, a forward budget B: beam B for a single model, B/K per MCL hypothesis, tta
             context or stochastic-router pass (paper §4.1).
         num_sequences: K candidates per prompt for a single-model baseline.
@@ -91,7 +93,7 @@ def generate(
         top_p: sampling: nucleus mass (1.0: no limit).
         typical_p: sampling: typical-decoding mass (1.0: no limit).
         seed: sampling and augmentation seed; batch b uses seed + b.
-        num_beam_groups: diverse_beam: groups (default K).
+        num_beam_groups: diverse_beam of a single model: groups (default K); for MCL the groups are the hypotheses.
         diversity_penalty: diverse_beam: λ of the Hamming diversity term (the paper: 0.8 or 1.0).
         augment: tta: "package.module:function", a function (inputs, k) -> perturbed inputs.
         batch_size: prompts per generate call (an MCL model decodes K x batch_size rows at once).

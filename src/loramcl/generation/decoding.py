@@ -22,7 +22,7 @@ from torch import nn
 
 from loramcl.model import _NOT_PER_EXAMPLE, MCLModel, _batch_dim, _batch_size, repeat_examples
 
-MCL_STRATEGIES = ("greedy", "beam", "sample")
+MCL_STRATEGIES = ("greedy", "beam", "sample", "diverse_beam")
 BASELINE_STRATEGIES = ("beam", "diverse_beam", "sample", "tta", "stochastic_router")
 # generate() arguments that the strategy sets; passing them in **generate_kwargs would contradict it.
 _SET_BY_STRATEGY = frozenset({"num_beams", "do_sample", "num_return_sequences", "return_dict_in_generate",
@@ -65,7 +65,7 @@ class EqualBudget:
     mle_num_beams: int
     """Beam search and diverse beam search of a single model returning K sequences: B."""
     mcl_num_beams: int
-    """MCL, per hypothesis (each returns its best beam): B / K."""
+    """MCL, per hypothesis (each returns its best beam), with beam search or diverse MCL decoding: B / K."""
     tta_num_beams: int
     """Test-time augmentation, per perturbed context, and stochastic-router decoding of a LoRA-MoE model, per pass
     (each returns its best beam): B / K."""
@@ -77,7 +77,7 @@ class EqualBudget:
             raise ValueError(f"a forward budget sets beam sizes; strategy {strategy!r} has none "
                              "(use 'beam', 'diverse_beam', 'tta' or 'stochastic_router', or give num_beams)")
         if mcl:
-            if strategy != "beam":
+            if strategy not in ("beam", "diverse_beam"):
                 raise ValueError(f"strategy {strategy!r} is a single-model baseline, not an MCL decoding")
             return self.mcl_num_beams
         return self.tta_num_beams if strategy in ("tta", "stochastic_router") else self.mle_num_beams
@@ -131,7 +131,11 @@ def generate_hypotheses(
 
     MCL model (``MCLModel``): one candidate per hypothesis, all hypotheses in ONE ``generate`` call.
       - strategy 'greedy'; 'beam' (``num_beams`` beams per hypothesis, each returns its best);
-        'sample' (temperature, top_k, top_p, typical_p; reproducible with ``seed``).
+        'sample' (temperature, top_k, top_p, typical_p; reproducible with ``seed``);
+        'diverse_beam': diverse MCL decoding, a diverse beam search whose group k is hypothesis k with
+        ``num_beams`` beams, penalised by ``diversity_penalty`` (λ) per beam of hypotheses decoded before it that
+        chose the same token at the same step for the same input; each hypothesis returns its best. λ = 0 is
+        'beam'. Needs 2 or more hypotheses; ``num_beam_groups``, if given, must be their number.
       - ``hypotheses=[k, ...]`` decodes only those hypotheses, in that order (``outs[i]`` has one entry each).
       - with hypothesis scores (``MCLConfig(scoring=True)``) and all K hypotheses decoded, each candidate carries
         ``score`` = p(k | c), read from the prefill of the same generate; ``sort_by_score=True`` returns each
@@ -160,7 +164,7 @@ def generate_hypotheses(
             ``input_features``; decoder-only batches must be left-padded).
         strategy: see above.
         num_beams: beam size (per hypothesis for MCL, per context for TTA, per pass for 'stochastic_router', in
-            all for 'beam'/'diverse_beam').
+            all for a single model's 'beam'/'diverse_beam').
         budget: instead of ``num_beams``: a forward budget B, turned into beam sizes by ``equal_budget``
             (MCL: B/K per hypothesis; 'beam'/'diverse_beam': B; 'tta', 'stochastic_router': B/K).
         num_sequences: K for the single-model baselines (an MCL model gives one candidate per hypothesis).
@@ -171,7 +175,7 @@ def generate_hypotheses(
         seed: seeds torch's RNG for sampling and augmentation inside a forked RNG state (the global state is
             left as it was), so the same call with the same seed gives the same outputs. None: use the global RNG
             (for 'stochastic_router': draw the seed from it).
-        num_beam_groups, diversity_penalty: 'diverse_beam' only.
+        num_beam_groups, diversity_penalty: 'diverse_beam' only (for an MCL model the groups are its hypotheses).
         augment: 'tta' only: ``augment(inputs, k) -> inputs``, called on the tokenized/processed batch.
         log_probs: compute ``Candidate.log_prob`` (keeps the raw logits of every step during generation).
         sort_by_score: MCL model with hypothesis scores: candidates of each input by decreasing p(k | c).
@@ -201,6 +205,8 @@ def generate_hypotheses(
         raise ValueError(f"strategy {strategy!r} is a single-model baseline; an MCL model decodes with "
                          f"{MCL_STRATEGIES}. To run it on one hypothesis of this model, pass hypotheses=[k].")
     copies = len(selected) if mcl_path else num_sequences
+    if mcl_path and strategy == "diverse_beam":
+        _check_diverse_mcl(model, selected, num_beam_groups, diversity_penalty)
     if not mcl_path:
         if strategy == "greedy":
             raise ValueError("greedy decoding gives one sequence per input; a single model's K candidates come from "
@@ -228,7 +234,7 @@ def generate_hypotheses(
             raise ValueError("sort_by_score needs an MCL model with hypothesis scores (MCLConfig(scoring=True)) "
                              "decoding all of its hypotheses with an MCL strategy")
     if mcl_path:
-        outs = decoder.mcl(batch, selected)
+        outs = decoder.mcl(batch, selected, diversity_penalty if strategy == "diverse_beam" else None)
         return [sorted(c, key=lambda x: -x.score) for c in outs] if sort_by_score else outs
     if strategy == "stochastic_router":
         return decoder.stochastic_router(batch, num_sequences)
@@ -269,6 +275,21 @@ def _selected_hypotheses(model: nn.Module, hypotheses: Sequence[int] | None) -> 
     if bad:
         raise ValueError(f"hypotheses {bad} do not exist: this model has K={k} (0..{k - 1})")
     return selected
+
+
+def _check_diverse_mcl(model: MCLModel, selected: list[int], num_beam_groups, diversity_penalty) -> None:
+    if len(selected) < 2:
+        raise ValueError(
+            f"diverse MCL decoding (strategy 'diverse_beam' on an MCL model) makes hypotheses avoid each other's "
+            f"tokens, so it needs 2 or more hypotheses; this call decodes {selected} (the model has "
+            f"K={model.num_hypotheses}). To run diverse beam search on one hypothesis k as a single model, pass "
+            "hypotheses=[k] and num_sequences.")
+    if num_beam_groups is not None and num_beam_groups != len(selected):
+        raise ValueError(f"in diverse MCL decoding the groups are the {len(selected)} hypotheses decoded: leave "
+                         f"num_beam_groups ({num_beam_groups}) out")
+    if diversity_penalty is None or isinstance(diversity_penalty, bool) or not diversity_penalty >= 0:
+        raise ValueError("strategy='diverse_beam' needs diversity_penalty >= 0 (λ of the Hamming diversity term; "
+                         f"0 gives beam search per hypothesis), got {diversity_penalty!r}")
 
 
 def _beam_size(strategy: str, num_beams: int | None, budget: int | None, copies: int, mcl: bool) -> int:
@@ -482,16 +503,27 @@ class _Decoder:
             output = self.model.generate(**batch, **self.kwargs, **extra)
             return self._candidates(output, batch, per_input=extra.get("num_return_sequences", 1))
 
-    def mcl(self, batch: dict, selected: list[int]) -> list[list[Candidate]]:
-        """One generate over K'*B rows, hypothesis-major; candidate c of input i is row c*B + i."""
+    def mcl(self, batch: dict, selected: list[int], diversity_penalty: float | None = None) -> list[list[Candidate]]:
+        """One generate over K'*B rows, hypothesis-major; candidate c of input i is row c*B + i. With
+        ``diversity_penalty``: diverse MCL decoding, the copies being the groups of one diverse beam search."""
         rows, copies = _batch_size(batch), len(selected)
         # One hypothesis: plain single routing; else one routing entry per copy of the batch.
         routing = selected[0] if copies == 1 else torch.tensor(selected)  # [K']
         head = getattr(self.model, "scoring_head", None)
         scoring = head is not None and sorted(selected) == list(range(self.model.num_hypotheses))
         capture = self.model.capture_context() if scoring else contextlib.nullcontext([])
+        repeated = _repeat_batch(batch, copies)
         with _seeded(self.seed, self.device), capture as context:
-            candidates = self._generate(_repeat_batch(batch, copies), routing, copies=True)  # [K'*B], hyp.-major
+            if diversity_penalty is None:
+                candidates = self._generate(repeated, routing, copies=True)  # [K'*B], hypothesis-major
+            else:
+                from loramcl.generation.diverse_beam import generate_diverse_copies
+
+                with self._routed(routing, copies=True):
+                    output = generate_diverse_copies(self.model, repeated, copies=copies,
+                                                     num_beams=self.kwargs["num_beams"],
+                                                     diversity_penalty=diversity_penalty, **self._diverse_kwargs())
+                    candidates = self._candidates(output, repeated, per_input=1)  # [K'*B], hypothesis-major
         probabilities = None
         if scoring and context:  # the prefill's last position: [K'*B*beams, d], beams of a row consecutive
             states = context[0].view(copies, rows, -1, context[0].shape[-1])[:, :, 0]  # [K', B, d], copy order
@@ -523,15 +555,18 @@ class _Decoder:
     def diverse_beam(self, batch: dict, num_sequences: int, groups: int, penalty: float) -> list[list[Candidate]]:
         from loramcl.generation.diverse_beam import generate_diverse_beam
 
-        # It keeps no step logits: its candidates' log-probs come from one teacher-forced forward (_rescore).
-        kwargs = {k: v for k, v in self.kwargs.items()
-                  if k not in ("num_beams", "do_sample", "output_logits", "return_dict_in_generate")}
         with self._routed():
             output = generate_diverse_beam(self.model, batch, num_beams=self.kwargs["num_beams"],
                                            num_beam_groups=groups, diversity_penalty=penalty,
-                                           num_return_sequences=num_sequences, **kwargs)
+                                           num_return_sequences=num_sequences, **self._diverse_kwargs())
             candidates = self._candidates(output, batch, per_input=num_sequences)  # [B*K], input-major
         return self._per_input(candidates, _batch_size(batch), num_sequences)
+
+    def _diverse_kwargs(self) -> dict:
+        """The generate arguments of a diverse beam search: it sets its own beams and output, and keeps no step
+        logits (its candidates' log-probs come from one teacher-forced forward, ``_rescore``)."""
+        return {k: v for k, v in self.kwargs.items()
+                if k not in ("num_beams", "do_sample", "output_logits", "return_dict_in_generate")}
 
     def tta(self, batch: dict, augment: Callable[[dict, int], dict], copies: int) -> list[list[Candidate]]:
         """K perturbed contexts, each decoded with num_beams beams and returning its best: one generate over K*B

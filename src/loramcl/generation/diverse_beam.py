@@ -35,6 +35,13 @@ for token (``tests/test_diverse_beam.py`` checks this against a committed fixtur
 
 One difference is inherited from transformers 5: its ``repetition_penalty`` ignores left-padding positions of the
 prompt, whereas 4.56.2 also penalised the pad token id found there.
+
+Groups as copies of the batch (``copies=G``, ``generate_diverse_copies``): the batch given to ``generate`` is G copies
+of B examples, copy-major (copy g at rows g*B ... (g+1)*B - 1, as ``loramcl.model.repeat_examples`` makes them), each
+expanded by ``generate`` to ``num_beams`` beams; group g of example b is copy g's beams of example b. The step above
+is unchanged (group g is penalised by the tokens of groups 0..g-1 of the same example), but each group returns its own
+best hypotheses, copy-major, where the classic mode ranks all groups together. With an MCL model routed per copy
+(``MCLModel.use_hypotheses(index, copies=True)``), group g decodes through hypothesis g: diverse MCL decoding.
 """
 
 from __future__ import annotations
@@ -80,14 +87,50 @@ def generate_diverse_beam(model: nn.Module, inputs: dict, *, num_beams: int, num
     models): ``sequences`` [B * num_return_sequences, L], the rows of example i consecutive and best first (prompt
     included for causal models), and ``sequences_scores`` [B * num_return_sequences], the length-penalised scores.
     """
-    sampling = sorted(name for name, neutral in _SAMPLING_FLAGS.items()
-                      if generate_kwargs.get(name) not in (None, *neutral))
-    if sampling:
-        raise ValueError(f"diverse beam search is deterministic: remove the sampling arguments {sampling}")
+    _refuse_sampling(generate_kwargs)
     _check_settings(num_beams, num_beam_groups, diversity_penalty, num_return_sequences)
     return model.generate(**inputs, num_beams=num_beams, num_beam_groups=num_beam_groups,
                           diversity_penalty=float(diversity_penalty), num_return_sequences=num_return_sequences,
                           custom_generate=diverse_beam_search, return_dict_in_generate=True, **generate_kwargs)
+
+
+def generate_diverse_copies(model: nn.Module, inputs: dict, *, copies: int, num_beams: int, diversity_penalty: float,
+                            num_return_sequences: int = 1, **generate_kwargs):
+    """Diverse beam search whose G = ``copies`` groups are the copies of a batch: group g is copy g, decoded with
+    ``num_beams`` beams, penalised by the tokens that copies 0..g-1 of the same example chose at the same step
+    (Hamming diversity, lambda = ``diversity_penalty``), and returning its own best ``num_return_sequences``.
+
+    inputs: G copies of B examples, copy-major (copy g at rows g*B ... (g+1)*B - 1; ``loramcl.model.repeat_examples``
+        makes them). What makes the copies differ is the caller's: e.g. an MCL model inside
+        ``use_hypotheses(index, copies=True)`` runs copy g through hypothesis ``index[g]``.
+    generate_kwargs: as for ``generate_diverse_beam``.
+
+    Returns a ``GenerateBeam*Output``: ``sequences`` [G*B*R, L], copy-major (row (g*B + b)*R + r is the r-th best of
+    example b in group g), as ``generate`` lays out the outputs of the copies' batch; ``sequences_scores`` [G*B*R].
+    With lambda = 0, copy g's rows are those of transformers' beam search of copy g alone.
+    """
+    _refuse_sampling(generate_kwargs)
+    _check_settings(num_beams, 1, diversity_penalty, num_return_sequences)
+    return model.generate(**inputs, num_beams=num_beams, copies=copies, diversity_penalty=float(diversity_penalty),
+                          num_return_sequences=num_return_sequences, custom_generate=diverse_beam_search,
+                          return_dict_in_generate=True, **generate_kwargs)
+
+
+def _refuse_sampling(generate_kwargs: dict) -> None:
+    sampling = sorted(name for name, neutral in _SAMPLING_FLAGS.items()
+                      if generate_kwargs.get(name) not in (None, *neutral))
+    if sampling:
+        raise ValueError(f"diverse beam search is deterministic: remove the sampling arguments {sampling}")
+
+
+def _check_copies(copies, num_beam_groups, rows: int, num_beams: int) -> None:
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+        raise ValueError(f"copies must be a positive integer (the groups: copies of the batch), got {copies!r}")
+    if num_beam_groups not in (None, 1):
+        raise ValueError(f"with copies={copies} the groups are the copies of the batch: leave num_beam_groups "
+                         f"({num_beam_groups}) out")
+    if rows % (copies * num_beams):
+        raise ValueError(f"{rows} rows are not {copies} copies of a batch expanded to {num_beams} beams")
 
 
 def _check_settings(num_beams, num_beam_groups, diversity_penalty, num_return_sequences, do_sample=False) -> None:
@@ -162,26 +205,38 @@ def _reorder_cache(model: nn.Module, model_kwargs: dict, rows: torch.Tensor) -> 
 
 
 def diverse_beam_search(model, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList,
-                        stopping_criteria, generation_config, **model_kwargs):
+                        stopping_criteria, generation_config, copies: int | None = None, **model_kwargs):
     """Diverse beam search as a transformers ``custom_generate`` callable.
 
     Use ``model.generate(..., num_beams=N, num_beam_groups=G, diversity_penalty=lam,
     custom_generate=diverse_beam_search)``, or ``generate_diverse_beam``. ``generate`` calls it with ``input_ids``
     [B*N, T] (each example repeated N times, consecutively) and the prepared processors, criteria and model kwargs.
-    Returns the sequences, or with ``return_dict_in_generate=True`` a ``GenerateBeam*Output`` holding ``sequences``
-    and ``sequences_scores`` (per-step scores, logits, attentions and beam indices are not kept).
+    ``copies=G`` (a ``generate`` argument that ``generate`` hands to this callable): the batch is G copies of the
+    examples, copy-major, and group g is copy g with its ``num_beams`` beams (see the module docstring;
+    ``generate_diverse_copies``). Returns the sequences, or with ``return_dict_in_generate=True`` a
+    ``GenerateBeam*Output`` holding ``sequences`` and ``sequences_scores`` (per-step scores, logits, attentions and
+    beam indices are not kept).
     """
     config = generation_config
-    num_beams, num_groups = config.num_beams, config.num_beam_groups or 1
     penalty = config.diversity_penalty or 0.0
-    _check_settings(num_beams, num_groups, penalty, config.num_return_sequences, config.do_sample)
+    rows, prompt_len = input_ids.shape
+    device = input_ids.device
+    if copies is None:
+        num_beams, num_groups = config.num_beams, config.num_beam_groups or 1
+        _check_settings(num_beams, num_groups, penalty, config.num_return_sequences, config.do_sample)
+        group_size = num_beams // num_groups
+        batch = rows // num_beams
+        group_rows = torch.arange(rows, device=device).view(batch, num_groups, group_size)  # [B, G, S]
+    else:
+        group_size, num_groups = config.num_beams, copies
+        _check_copies(copies, config.num_beam_groups, rows, group_size)
+        _check_settings(group_size, 1, penalty, config.num_return_sequences, config.do_sample)
+        batch = rows // (copies * group_size)
+        # [B, G, S]: row (g*B + b)*S + j is beam j of copy g of example b (generate expanded each row to S beams)
+        group_rows = torch.arange(rows, device=device).view(num_groups, batch, group_size).transpose(0, 1).contiguous()
     asked = [name for name in _NOT_RETURNED if getattr(config, name, False)]
     if asked:
         raise NotImplementedError(f"diverse_beam_search does not return {asked}")
-    group_size = num_beams // num_groups
-    rows, prompt_len = input_ids.shape
-    batch = rows // num_beams
-    device = input_ids.device
     eos = config._eos_token_tensor  # [n_eos] or None
     eos = None if eos is None else eos.to(device).reshape(-1)
     pad = config._pad_token_tensor
@@ -201,8 +256,8 @@ def diverse_beam_search(model, input_ids: torch.LongTensor, logits_processor: Lo
     # Only the first beam of each group is live at the start; the others would duplicate it.
     beam_scores = torch.full((batch, num_groups, group_size), -1e9, dtype=torch.float, device=device)
     beam_scores[:, :, 0] = 0
-    group_rows = torch.arange(rows, device=device).view(batch, num_groups, group_size)  # [B, G, S] row of each beam
-    sequences = input_ids  # [B*N, T], row b*N + g*S + j is beam j of group g of example b
+    sequences = input_ids  # [B*N, T]; group_rows[b, g, j] is the row of beam j of group g of example b
+    row_order = group_rows.reshape(-1)  # [B*N]: the rows in (example, group, beam) order
 
     outputs = model._prefill(input_ids, config, model_kwargs, is_first_iteration=not config.is_assistant)
     first_step = True
@@ -234,10 +289,10 @@ def diverse_beam_search(model, input_ids: torch.LongTensor, logits_processor: Lo
                 counts.scatter_add_(1, step_tokens[:, :g].reshape(batch, -1), torch.ones_like(step_tokens[:, :g])
                                     .reshape(batch, -1))  # [B, V]
                 penalised = log_probs.clone()
-                penalised.view(batch, num_groups, group_size, vocab)[:, g] -= (penalty * counts)[:, None, :]
+                penalised[group_rows[:, g]] -= (penalty * counts)[:, None, :]  # rows [B, S] of group g
                 # every processor sees all B*N rows, laid out as when it was built; only group g's rows are kept
                 processed = after(sequences, penalised)
-            group_scores = processed.view(batch, num_groups, group_size, vocab)[:, g]  # [B, S, V]
+            group_scores = processed[group_rows[:, g]]  # [B, S, V]
             step = _group_step(group_scores + beam_scores[:, g, :, None], sequences, group_rows[:, g], eos,
                                n_candidates, finished, group_done, g, generated_len)
             live = ~group_done[:, g].to(device)  # [B] groups finished before this step keep their rows and emit pad
@@ -247,8 +302,10 @@ def diverse_beam_search(model, input_ids: torch.LongTensor, logits_processor: Lo
             for b in live.nonzero().flatten().tolist():
                 group_done[b, g] = finished[b][g].is_done(step.best[b], generated_len)
 
-        reorder = reorder.view(rows)  # [B*N]
-        sequences = torch.cat([sequences[reorder], step_tokens.view(rows, 1)], dim=1)  # [B*N, T+1]
+        # from (example, group, beam) order to row order; the identity map unless the groups are copies
+        reorder = torch.empty_like(row_order).index_copy_(0, row_order, reorder.view(rows))  # [B*N]
+        step_tokens = torch.empty_like(row_order).index_copy_(0, row_order, step_tokens.view(rows))  # [B*N]
+        sequences = torch.cat([sequences[reorder], step_tokens.unsqueeze(1)], dim=1)  # [B*N, T+1]
         _reorder_cache(model, model_kwargs, reorder)
         if bool(group_done.all()) or bool(stopping_criteria(sequences, None).all()):
             break
@@ -258,6 +315,8 @@ def diverse_beam_search(model, input_ids: torch.LongTensor, logits_processor: Lo
         for j in range(group_size):
             row = int(group_rows[b, g, j])
             finished[b][g].add(sequences[row], beam_scores[b, g, j].item(), sequences.shape[1] - prompt_len)
+    if copies is not None:  # each group its own best, copy-major: what generate returns for the copies' batch
+        finished = [[finished[b][g]] for g in range(num_groups) for b in range(batch)]
     return _best_hypotheses(model, finished, config, eos, pad, max_length)
 
 
@@ -279,7 +338,8 @@ def _group_step(candidate_scores: torch.Tensor, sequences: torch.Tensor, rows: t
 
 def _best_hypotheses(model, finished: list, config, eos: torch.Tensor | None, pad: torch.Tensor | None,
                      max_length: int):
-    """Rank each example's hypotheses over all its groups and pad them into one [B*R, L] tensor."""
+    """Rank the hypotheses of each entry of ``finished`` (the groups of an example, or one group when the groups are
+    copies) together and pad the best ``num_return_sequences`` of each entry into one [len(finished)*R, L] tensor."""
     num_return = config.num_return_sequences
     chosen, scores = [], []
     for groups in finished:

@@ -4,7 +4,8 @@
                    spice, spider, sbert_sim  (list[str] candidates, list[list[str]] references -> {name: [N]})
     oracle         candidate_scores (-> {name: [N, K]}) and oracle (best of K per item, mean over items)
     diversity      div_n, mbleu  (among the K candidates)
-    translation    loo_bleu, pairwise_bleu (Shen et al. 2019, sacrebleu), sacrebleu_sentence, chrf_sentence
+    translation    loo_bleu, pairwise_bleu, references_covered, bleu_plus_one (Shen et al. 2019, sacrebleu),
+                   sacrebleu_sentence, chrf_sentence
     nll            oracle_nll (references' NLL under K hypotheses)
     specialisation win_rates, win_rate_table
     suite          evaluate_candidates: all of them in one call (the Python side of `loramcl evaluate`)
@@ -20,12 +21,20 @@ from loramcl.metrics.quality import bleu, cider_d, meteor, rouge_l, sbert_sim, s
 from loramcl.metrics.specialisation import win_rate_table, win_rates
 from loramcl.metrics.suite import METRICS, PRESETS, evaluate_candidates, markdown_report, resolve_metrics
 from loramcl.metrics.text import ptb_tokenize
-from loramcl.metrics.translation import chrf_sentence, loo_bleu, pairwise_bleu, sacrebleu_sentence
+from loramcl.metrics.translation import (
+    bleu_plus_one,
+    chrf_sentence,
+    loo_bleu,
+    pairwise_bleu,
+    references_covered,
+    sacrebleu_sentence,
+)
 
 __all__ = [
     "bleu", "meteor", "rouge_l", "cider_d", "spice", "spider", "sbert_sim",
     "candidate_scores", "oracle", "winners", "uses_corpus_statistics",
-    "div_n", "mbleu", "loo_bleu", "pairwise_bleu", "sacrebleu_sentence", "chrf_sentence", "oracle_nll",
+    "div_n", "mbleu", "loo_bleu", "pairwise_bleu", "references_covered", "bleu_plus_one", "sacrebleu_sentence",
+    "chrf_sentence", "oracle_nll",
     "win_rates", "win_rate_table", "evaluate_candidates", "markdown_report", "resolve_metrics", "METRICS", "PRESETS",
     "ptb_tokenize",
 ]

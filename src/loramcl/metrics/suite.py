@@ -39,6 +39,8 @@ METRICS: dict[str, Metric] = {
        for n in range(1, 5)},
     "loo_bleu": Metric("translation", True, "Leave-One-Out BLEU (sacrebleu, 0-100)"),
     "pairwise_bleu": Metric("translation", False, "Pairwise-BLEU among the K (sacrebleu, 0-100)"),
+    "refs_covered": Metric("translation", True, "#references covered: distinct references closest to a candidate, "
+                           "per item (score.py's sentence BLEU+1)"),
     "oracle_nll": Metric("likelihood", False, "oracle NLL of the references (nats/token)"),
     "oracle_ppl": Metric("likelihood", False, "oracle perplexity = exp(oracle NLL)"),
     "mixture_nll": Metric("likelihood", False, "mixture NLL -log sum_k p(k|c) p_k(x|c) of the references (nats/token)"),
@@ -51,7 +53,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
     # paper App. E tables: Div-2, mBLEU-4, BLEU-1/4, METEOR, ROUGE-L, sBERT, CIDEr-D, SPICE, SPIDEr
     "captioning": ("bleu1", "bleu2", "bleu3", "bleu4", "meteor", "rouge_l", "cider_d", "spice", "spider",
                    "sbert_sim", "div1", "div2", "mbleu4"),
-    "translation": ("loo_bleu", "pairwise_bleu"),  # paper App. H.6
+    "translation": ("loo_bleu", "pairwise_bleu", "refs_covered"),  # paper App. H.6, Shen et al. 2019
 }
 
 # Metrics that need a tool some machines lack: the SPICE jars (not installable offline), the sentence encoder
@@ -244,6 +246,9 @@ def evaluate_candidates(
         values |= timed("loo_bleu", translation.loo_bleu, candidates, references, tokenize=bleu_tokenize)
     if "pairwise_bleu" in names:
         values |= timed("pairwise_bleu", translation.pairwise_bleu, candidates, tokenize=bleu_tokenize)
+    if "refs_covered" in names:
+        covered = timed("refs_covered", translation.references_covered, candidates, references, tokenize=bleu_tokenize)
+        values["refs_covered"] = covered["refs_covered"]
     values = {n: values[n] for n in names}  # the requested order
 
     if likelihood is not None:

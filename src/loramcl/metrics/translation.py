@@ -2,14 +2,16 @@
 
 The semantics are those of fairseq's `examples/translation_moe/score.py` (the paper's "official codebase"): one
 corpus-level BLEU over pooled (hypothesis, reference) pairs, in sacrebleu's 0-100 scale, default settings (exp
-smoothing). The tokenization is sacrebleu's 13a, as the paper states (fairseq's script passes pre-tokenized text
-with tokenize='none'; give `tokenize="none"` to reproduce that on tokenized text). Inputs are raw (detokenized)
+smoothing); #references covered ranks references with score.py's smoothed sentence BLEU (`bleu_plus_one`). The
+tokenization is sacrebleu's 13a, as the paper states (fairseq's script passes pre-tokenized text with
+tokenize='none'; give `tokenize="none"` to reproduce that on tokenized text). Inputs are raw (detokenized)
 strings: `candidates: list[list[str]]` (N x K), `references: list[list[str]]` (N x R).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import numpy as np
 
@@ -53,6 +55,42 @@ def pairwise_bleu(candidates: Sequence[Sequence[str]], tokenize: str = "13a") ->
     pairs = [(cands[j], cands[k])
              for cands in candidates for j in range(num_candidates) for k in range(num_candidates) if j != k]
     return {"pairwise_bleu": _corpus_bleu([h for _, h in pairs], [[r for r, _ in pairs]], tokenize)}
+
+
+@lru_cache(maxsize=4)
+def _bleu_scorer(tokenize: str):
+    from sacrebleu.metrics import BLEU
+
+    return BLEU(tokenize=tokenize)
+
+
+def bleu_plus_one(hypothesis: str, reference: str, tokenize: str = "13a") -> float:
+    """Sentence BLEU as fairseq's score.py ranks references: the n-gram statistics of the single pair, one added to
+    the matches and totals of the 2- to 4-grams, then exp smoothing (0-100)."""
+    scorer = _bleu_scorer(tokenize)
+    stats = scorer.corpus_score([hypothesis], [[reference]])
+    correct, total = list(stats.counts), list(stats.totals)
+    for n in range(1, 4):
+        correct[n] += 1
+        total[n] += 1
+    return float(scorer.compute_bleu(correct, total, stats.sys_len, stats.ref_len, smooth_method="exp").score)
+
+
+def references_covered(
+    candidates: Sequence[Sequence[str]], references: Sequence[Sequence[str]], tokenize: str = "13a"
+) -> dict[str, float | list[int]]:
+    """#references covered (Shen et al. 2019, fairseq score.py): each candidate picks the reference it is closest
+    to (sentence BLEU with +1 smoothing of the 2- to 4-gram counts); the number of distinct references picked per
+    item, averaged over items. K candidates cover at most min(K, R_i) references. Ties go to the lowest reference
+    index (fairseq draws one of the tied references at random, so its count varies from run to run and can only
+    be higher)."""
+    check_candidate_sets(candidates)
+    check_pairs([c[0] for c in candidates], references)
+    per_item = []
+    for cands, refs in zip(candidates, references, strict=True):
+        picked = {int(np.argmax([bleu_plus_one(c, r, tokenize) for r in refs])) for c in cands}
+        per_item.append(len(picked))
+    return {"refs_covered": float(np.mean(per_item)), "refs_covered_per_item": per_item}
 
 
 def sacrebleu_sentence(

@@ -1,15 +1,17 @@
 """The systems a recipe compares, each a trained run decoded by one strategy at one forward budget, and the
 decoding arguments that give them the same forward budget (paper §4.1, App. H): a single model (LoRA-MLE) decodes
-with beam B and returns its K best beams; an MCL model decodes each of its K hypotheses with beam B/K."""
+with beam B and returns its K best beams; an MCL model decodes each of its K hypotheses with beam B/K (with beam
+search, or with diverse MCL decoding: 'diverse_beam' on an MCL run, hypothesis k being group k)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from loramcl.config import _check, _positive_int, _real
 
 SINGLE_MODEL_STRATEGIES = ("beam", "diverse_beam", "sample", "tta")
-MCL_STRATEGIES = ("greedy", "beam", "sample")
+MCL_STRATEGIES = ("greedy", "beam", "sample", "diverse_beam")
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,8 @@ class DecodeConfig:
     """Inputs per generate call (an MCL model decodes K x batch_size rows at once)."""
 
     diversity_penalty: float = 0.8
-    """λ of diverse beam search's Hamming penalty (the paper: 0.8, and 1.0 for audio); a system may override it."""
+    """λ of diverse beam search's Hamming penalty (the paper: 0.8, and 1.0 for audio), for a single model's
+    diverse beam search and diverse MCL decoding alike; a system may override it."""
 
     seed: int = 0
     """Seed of sampling and test-time augmentation (batch b uses seed + b)."""
@@ -83,8 +86,10 @@ class System:
         else:
             _check(strategy in MCL_STRATEGIES, f"system {self.name}: an MCL model decodes with {MCL_STRATEGIES}, not "
                    f"{strategy!r}")
-            if strategy == "beam":
+            if strategy in ("beam", "diverse_beam"):
                 arguments["num_beams"] = budget.mcl_num_beams
+            if strategy == "diverse_beam":  # diverse MCL decoding: the groups are the K hypotheses
+                arguments["diversity_penalty"] = decode.diversity_penalty
         if strategy in ("greedy", "sample"):
             per_candidate = budget.mcl_num_beams if not single_model else budget.budget // k
             _check(per_candidate == 1, f"system {self.name}: {strategy} advances one sequence per candidate, so its "
@@ -93,3 +98,24 @@ class System:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def equal_budget_systems(hypotheses: dict[str, int], candidates: int, budgets: Sequence[int],
+                         single_model_strategies: Sequence[str] = ("beam", "diverse_beam"),
+                         mcl_strategies: Sequence[str] = ("beam",)) -> list[System]:
+    """Every run decoded at every budget B, named '<run>-<strategy>-b<B>': a run with one hypothesis (a single model)
+    with each of ``single_model_strategies``; a run with K = ``candidates`` hypotheses with each of ``mcl_strategies``:
+    'beam' is greedy at B = K and beam B/K per hypothesis above, 'diverse_beam' diverse MCL decoding with B/K beams
+    per hypothesis. ``hypotheses``: {run: its number of hypotheses}."""
+    _check(set(mcl_strategies) <= {"beam", "diverse_beam"}, f"mcl_strategies must be among beam and diverse_beam "
+           f"(the decodings with a forward budget), got {list(mcl_strategies)}")
+    systems = []
+    for run, num_hypotheses in hypotheses.items():
+        _check(num_hypotheses in (1, candidates), f"run {run} has K = {num_hypotheses} hypotheses: a system gives "
+               f"{candidates} candidates, from a single model (K = 1) or from K = {candidates} hypotheses")
+        for budget in budgets:
+            _check(budget % candidates == 0, f"budget {budget} is not a multiple of the {candidates} candidates")
+            strategies = single_model_strategies if num_hypotheses == 1 else [
+                "greedy" if s == "beam" and budget == candidates else s for s in mcl_strategies]
+            systems += [System(f"{run}-{s.replace('_', '')}-b{budget}", run, s, budget) for s in strategies]
+    return systems
