@@ -233,3 +233,37 @@ def test_the_commands_write_and_read_scores_and_the_mixture_nll(tmp_path):
     metrics = json.loads(open(paths["json"]).read())["metrics"]
     assert {"oracle_nll", "mixture_nll", "score_top1", "score_ece"} <= set(metrics)
     assert metrics["oracle_nll"] <= metrics["mixture_nll"]
+
+
+def test_scores_fitted_to_a_finished_run_leave_its_hypotheses_as_they_were(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from loramcl import DataConfig, TrainConfig
+    from loramcl.finetune import train
+    from loramcl.model import WEIGHTS_NAME
+
+    torch.manual_seed(0)
+    build_model("llama").save_pretrained(tmp_path / "base")
+    word_tokenizer().save_pretrained(tmp_path / "base")
+    rows = [{"prompt": f"w{5 + i % 7} w{20 + i % 5}", "target": f"w{40 + i % 3} w{60 + i % 4}"} for i in range(24)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = DataConfig(train_file=str(tmp_path / "train.jsonl"))
+    run = train(model=str(tmp_path / "base"), out=str(tmp_path / "mcl"), data=data, threads=1,
+                mcl=MCLConfig(num_hypotheses=2, r=4, alpha=8, target_modules=["q_proj", "v_proj"], loss="relaxed",
+                              epsilon=0.1),
+                training=TrainConfig(steps=4, batch_size=8, learning_rate=1e-2))
+    scored = train(model=str(tmp_path / "base"), out=str(tmp_path / "scored"), data=data, threads=1, scores_for=run,
+                   training=TrainConfig(steps=4, batch_size=8, learning_rate=1e-2, scoring_learning_rate=5e-2))
+    before, after = load_file(f"{run}/{WEIGHTS_NAME}"), load_file(f"{scored}/{WEIGHTS_NAME}")
+    assert set(after) - set(before) == {"scoring.weight", "scoring.bias"}
+    assert all(torch.equal(before[name], after[name]) for name in before)  # the hypotheses, bit for bit
+    assert after["scoring.weight"].abs().sum() > 0  # the head learned (from zero)
+    record = json.loads((tmp_path / "scored" / "run.json").read_text())
+    assert record["settings"]["mcl"]["scoring"] and record["settings"]["scores_for"] == run
+    with pytest.raises(ValueError, match="leave out --mcl"):
+        train(model=str(tmp_path / "base"), out=str(tmp_path / "x"), data=data, scores_for=run,
+              mcl=MCLConfig(num_hypotheses=2))
+    with pytest.raises(FileNotFoundError, match="is not a finished LoRA-MCL run"):
+        train(model=str(tmp_path / "base"), out=str(tmp_path / "x"), data=data, scores_for=str(tmp_path))

@@ -22,7 +22,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import safetensors.torch
@@ -569,7 +569,8 @@ class MCLModel(nn.Module):
             self._copy_scoring_head(tensors)
 
     def _copy_scoring_head(self, tensors: dict[str, torch.Tensor]) -> None:
-        if self.scoring_head is not None:
+        """The saved head's values, if ``tensors`` has one (else the head keeps its zero initialisation)."""
+        if self.scoring_head is not None and f"{SCORING_PREFIX}.weight" in tensors:
             with torch.no_grad():
                 for part, param in self.scoring_head.named_parameters():
                     param.copy_(tensors[f"{SCORING_PREFIX}.{part}"])
@@ -906,12 +907,17 @@ def replace_modules(model: nn.Module, names: list[str], make_module, make_model)
 
 
 def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool = False,
-                   verify: bool = True) -> MCLModel:
+                   verify: bool = True, fit_scores: bool = False) -> MCLModel:
     """Rebuild the MCL model saved in ``path`` on top of ``model`` (the same base model it was trained on).
 
     As with PEFT, the adapters are frozen unless ``is_trainable=True`` (to continue training). The files are read
     and checked against ``model`` (layer names and shapes, the weights' checksum unless ``verify=False``, finite
     values) before ``model`` is touched, so a failed load leaves it as it was.
+
+    ``fit_scores=True``: to learn the hypothesis scores p(k | c) of a run trained without them (or to refit them):
+    the scoring head is trainable (a new zero one, p uniform, when the run has none) and the hypotheses stay frozen.
+    The head's loss never reaches the hypotheses (docs/scores.md), so this fits the scores that joint training would
+    fit for the final hypotheses.
     """
     saved, tensors = read_adapter_files(path, verify)
     if saved.get("base_model_class") not in (None, type(model).__name__):
@@ -924,6 +930,9 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
         module, _, loader = _BASELINE_LOADERS[method].partition(":")
         return getattr(importlib.import_module(module), loader)(model, path, saved, tensors, is_trainable)
     config = _mcl_part(path, saved, tensors)
+    if fit_scores and not config.scoring:
+        config = replace(config, scoring=True)
+        tensors = {name: value for name, value in tensors.items() if not name.startswith(f"{SCORING_PREFIX}.")}
     targets = _resolve_target_modules(model, config)
     names = _matched_layer_names(model, targets, config)
     _check_adapters_fit(path, saved, config, tensors, names,
@@ -939,7 +948,7 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
             layer.lora_B.requires_grad_(is_trainable)
     mcl._copy_scoring_head(tensors)
     if mcl.scoring_head is not None:
-        mcl.scoring_head.requires_grad_(is_trainable)
+        mcl.scoring_head.requires_grad_(is_trainable or fit_scores)
     return mcl
 
 

@@ -291,6 +291,8 @@ class MCLTrainer(Trainer):
             head_parameters = set(head.parameters())
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if p not in head_parameters]
+            # with the hypotheses frozen (fitting the scores of a finished run) only the head's group is left
+            optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
             optimizer.add_param_group({"params": list(head_parameters), "lr": self.scoring_learning_rate,
                                        "weight_decay": 0.0})
         return optimizer
