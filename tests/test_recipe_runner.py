@@ -140,3 +140,22 @@ def test_run_files_and_the_systems_at_equal_budget(tmp_path):
         equal_budget_systems({"moe2": 2}, candidates=3, budgets=[3])
     with pytest.raises(ValueError, match="budget 4 is not a multiple of the 3 candidates"):
         equal_budget_systems({"mle": 1}, candidates=3, budgets=[4])
+
+
+def test_a_run_recorded_before_an_option_existed_is_still_the_same_run(tmp_path):
+    from loramcl.config import DataConfig, MCLConfig, TrainConfig
+    from loramcl.finetune import finished_run, run_settings, stale_checkpoint_fields
+
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a", "target": "b"}\n')
+    settings = run_settings("m", MCLConfig(num_hypotheses=2, r=4), DataConfig(train_file=str(tmp_path / "train.jsonl")),
+                            TrainConfig(steps=5), "float32")
+    older = json.loads(json.dumps(settings))
+    del older["mcl"]["use_rslora"], older["training"]["keep_checkpoints"]  # options added since, at their defaults
+    (tmp_path / "run" / "checkpoints" / "checkpoint-5").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "settings.json").write_text(json.dumps(older))
+    (tmp_path / "run" / "run.json").write_text(json.dumps({"settings": older}))
+    assert finished_run(tmp_path / "run", settings) and stale_checkpoint_fields(tmp_path / "run", settings) == []
+    changed = json.loads(json.dumps(settings))
+    changed["mcl"]["r"], changed["training"]["steps"] = 8, 6
+    assert not finished_run(tmp_path / "run", changed)
+    assert stale_checkpoint_fields(tmp_path / "run", changed) == ["mcl", "training"]

@@ -86,9 +86,33 @@ def method_model(base, method: str, config: MethodConfig):
 
 
 def finished_run(out: str | Path, settings: dict) -> bool:
-    """Whether `out` holds a finished `loramcl train` run with exactly these settings (from ``run_settings``)."""
+    """Whether `out` holds a finished `loramcl train` run with these settings (from ``run_settings``)."""
     path = Path(out) / "run.json"
-    return path.is_file() and json.loads(path.read_text()).get("settings") == settings
+    return path.is_file() and not _differing(json.loads(path.read_text()).get("settings") or {}, settings)
+
+
+_CONFIGS = {"mcl": MCLConfig, "moe": MoEConfig, "multihead": MultiHeadConfig}
+
+
+def _as_configs(settings: dict) -> dict:
+    """``settings`` with each configuration section rebuilt through its dataclass, so that a field added to
+    loramcl since a run was recorded compares at its default (an option added later is off by default: the run
+    is the same) rather than as a difference."""
+    result = dict(settings)
+    for key, value in settings.items():
+        try:
+            if key in _CONFIGS and isinstance(value, dict):
+                result[key] = _CONFIGS[key].from_dict(value).to_dict()
+            elif key in ("data", "training") and isinstance(value, dict):
+                result[key] = asdict((DataConfig if key == "data" else TrainConfig)(**value))
+        except (TypeError, ValueError):  # a field removed or renamed since: compared as recorded
+            pass
+    return json.loads(json.dumps(result))
+
+
+def _differing(saved: dict, settings: dict) -> list[str]:
+    saved, settings = _as_configs(saved), _as_configs(settings)
+    return sorted(key for key in saved.keys() | settings.keys() if saved.get(key) != settings.get(key))
 
 
 def stale_checkpoint_fields(out: str | Path, settings: dict) -> list[str]:
@@ -99,8 +123,7 @@ def stale_checkpoint_fields(out: str | Path, settings: dict) -> list[str]:
     path = folder / SETTINGS_NAME
     if not path.is_file():
         return [f"unknown: no {SETTINGS_NAME} beside them"]
-    saved = json.loads(path.read_text())
-    return sorted(key for key in saved.keys() | settings.keys() if saved.get(key) != settings.get(key))
+    return _differing(json.loads(path.read_text()), settings)
 
 
 def train(
