@@ -209,8 +209,8 @@ def evaluate_candidates(
     try:
         bleu_orders = [int(n[4:]) for n in names if n.startswith("bleu")]
         if bleu_orders:
-            scores = timed("bleu", candidate_scores, quality.bleu, cands_tok, refs_tok, n=max(bleu_orders))
-            matrices |= {f"bleu{n}": scores[f"bleu{n}"] for n in bleu_orders}
+            bleu = timed("bleu", candidate_scores, quality.bleu, cands_tok, refs_tok, n=max(bleu_orders))
+            matrices |= {f"bleu{n}": bleu[f"bleu{n}"] for n in bleu_orders}
         if "rouge_l" in names:
             matrices |= timed("rouge_l", candidate_scores, quality.rouge_l, cands_tok, refs_tok)
         if "cider_d" in names or "spider" in names:
@@ -240,8 +240,8 @@ def evaluate_candidates(
         values |= timed("div", diversity.div_n, cands_tok, div_orders)
     mbleu_orders = [int(n[5:]) for n in names if n.startswith("mbleu")]
     if mbleu_orders:
-        scores = timed("mbleu", diversity.mbleu, cands_tok, max(mbleu_orders))
-        values |= {f"mbleu{n}": scores[f"mbleu{n}"] for n in mbleu_orders}
+        mbleu = timed("mbleu", diversity.mbleu, cands_tok, max(mbleu_orders))
+        values |= {f"mbleu{n}": mbleu[f"mbleu{n}"] for n in mbleu_orders}
     if "loo_bleu" in names:
         values |= timed("loo_bleu", translation.loo_bleu, candidates, references, tokenize=bleu_tokenize)
     if "pairwise_bleu" in names:
