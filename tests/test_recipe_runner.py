@@ -8,7 +8,7 @@ import pytest
 from loramcl.recipe.files import merged, read_recipe, recipe_folder
 from loramcl.recipe.grid import DecodeConfig, System
 from loramcl.recipe.report import Column, metrics_table, runs_table
-from loramcl.recipe.stages import Stages, run_stamp
+from loramcl.recipe.stages import Stages, file_stamp, run_stamp
 
 DECODE = DecodeConfig(max_new_tokens=20, repetition_penalty=1.1, diversity_penalty=0.8)
 
@@ -159,3 +159,12 @@ def test_a_run_recorded_before_an_option_existed_is_still_the_same_run(tmp_path)
     changed["mcl"]["r"], changed["training"]["steps"] = 8, 6
     assert not finished_run(tmp_path / "run", changed)
     assert stale_checkpoint_fields(tmp_path / "run", changed) == ["mcl", "training"]
+
+
+def test_a_test_set_rewritten_under_the_same_name_has_another_stamp(tmp_path):
+    test = tmp_path / "test.jsonl"
+    test.write_text('{"prompt": "a"}\n')
+    stamp = file_stamp(test)
+    assert file_stamp(test) == stamp
+    test.write_text('{"prompt": "b"}\n')  # e.g. the data stage rerun with other settings
+    assert file_stamp(test) != stamp

@@ -75,7 +75,7 @@ def bilingual(out: str = "runs/bilingual", quick: bool = False, budgets: list[in
     from loramcl.generation.cli import generate
     from loramcl.models import convert_smollm2
     from loramcl.recipe.files import recipe_folder
-    from loramcl.recipe.stages import Stages, run_record, run_stamp
+    from loramcl.recipe.stages import Stages, file_stamp, run_record, run_stamp
 
     known = sorted({s.budget for s in SYSTEMS})
     if budgets is not None and (not budgets or set(budgets) - set(known)):
@@ -107,14 +107,16 @@ def bilingual(out: str = "runs/bilingual", quick: bool = False, budgets: list[in
         path = root / "predictions" / f"{system.name}.jsonl"
         single = run_record(root / system.run)["settings"]["mcl"]["num_hypotheses"] == 1
         arguments = system.decoding(NUM_CANDIDATES, single, decoding)
-        settings = {**arguments, "batch_size": decoding.batch_size, "trained": run_stamp(root / system.run)}
+        settings = {**arguments, "batch_size": decoding.batch_size, "trained": run_stamp(root / system.run),
+                    "test": file_stamp(test)}
         adapters = root / system.run / (PEFT_FOLDER if single else "")
         stages.run(f"generate {system.name}", path.with_suffix(".settings.json"), settings, generate, model=model,
                    input=test, out=str(path), adapters=str(adapters), device=device, batch_size=decoding.batch_size,
                    **arguments)
     for run in RUNS:
         path = root / "nll" / f"{run}.jsonl"
-        stages.run(f"nll {run}", path.with_suffix(".settings.json"), {"trained": run_stamp(root / run)}, nll,
+        stamps = {"trained": run_stamp(root / run), "test": file_stamp(test)}
+        stages.run(f"nll {run}", path.with_suffix(".settings.json"), stamps, nll,
                    model=model, adapters=str(root / run), input=test, out=str(path), device=device)
 
     probed = tuple(name for name in PROBED if name in {s.name for s in systems})

@@ -59,10 +59,16 @@ class Stages:
         return result
 
 
+def file_stamp(path: str | Path) -> str:
+    """Identifies a stage's input file by the hash of its bytes: a decoding or scoring stage keyed by it is redone
+    when the test set changes under the same name."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
 def run_stamp(run: Path) -> str:
     """Identifies a finished training run by the hash of its run.json (which holds its wall time to 0.1 s), so that
     outputs made from an older run of the same name are not reused."""
-    return hashlib.sha256((Path(run) / "run.json").read_bytes()).hexdigest()[:16]
+    return file_stamp(Path(run) / "run.json")
 
 
 def run_record(run: Path) -> dict:

@@ -230,7 +230,7 @@ def translation(out: str | None = None, recipes: str | None = None, quick: bool 
     from loramcl.finetune import PEFT_FOLDER, _sha256, nll, run_settings, train
     from loramcl.generation.cli import generate
     from loramcl.recipe.files import recipe_folder, run_arguments, run_names
-    from loramcl.recipe.stages import Stages, run_record, run_stamp
+    from loramcl.recipe.stages import Stages, file_stamp, run_record, run_stamp
     from loramcl.translation.report import build_report
 
     _check(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
@@ -294,14 +294,16 @@ def translation(out: str | None = None, recipes: str | None = None, quick: bool 
         v = values[system.run]
         single = v["mcl"]["num_hypotheses"] == 1
         arguments = system.decoding(experiment.candidates, single, decode)
-        settings = {**arguments, "batch_size": decode.batch_size, "trained": run_stamp(root / system.run)}
+        settings = {**arguments, "batch_size": decode.batch_size, "trained": run_stamp(root / system.run),
+                    "test": file_stamp(test)}
         adapters = root / system.run / (PEFT_FOLDER if single else "")
         stages.run(f"generate {system.name}", path.with_suffix(".settings.json"), settings, generate, model=model,
                    input=test, out=str(path), adapters=str(adapters), device=device, batch_size=decode.batch_size,
                    chat_template=chat_template, dtype=v.get("dtype", "float32"), **arguments)
     for run in table:
         path = root / "nll" / f"{run}.jsonl"
-        stages.run(f"nll {run}", path.with_suffix(".settings.json"), {"trained": run_stamp(root / run)}, nll,
+        stamps = {"trained": run_stamp(root / run), "test": file_stamp(test)}
+        stages.run(f"nll {run}", path.with_suffix(".settings.json"), stamps, nll,
                    model=model, adapters=str(root / run), input=test, out=str(path), references_key="targets",
                    chat_template=chat_template, batch_size=decode.batch_size,
                    dtype=values[run].get("dtype", "float32"), device=device)
