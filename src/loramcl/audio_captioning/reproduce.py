@@ -439,7 +439,7 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
     from loramcl.audio_captioning.report import build_report
     from loramcl.finetune import _sha256
     from loramcl.recipe.files import recipe_folder, run_names
-    from loramcl.recipe.stages import Stages, run_stamp
+    from loramcl.recipe.stages import Stages, file_stamp, run_stamp
 
     _check(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
     _check(runs is None or stop_after == "train", "runs selects the runs to train: use it with stop_after: train")
@@ -517,7 +517,7 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
         path = root / "predictions" / f"{system.name}.jsonl"
         arguments = system.decoding(experiment.candidates, hypotheses[system.run] == 1, decode)
         settings = {**arguments, "batch_size": decode.batch_size, "trained": run_stamp(root / system.run),
-                    "test": _sha256(test)}
+                    "test": file_stamp(test)}
         stages.run(f"generate {system.name}", path.with_suffix(".settings.json"), settings, decode_captions, model,
                    str(root / system.run), test, path, arguments, experiment, decode.batch_size,
                    values[system.run].get("dtype", "float32"), device)
@@ -525,7 +525,7 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
     for run in decoded:
         path = root / "nll" / f"{run}.jsonl"
         stages.run(f"nll {run}", path.with_suffix(".settings.json"), {"trained": run_stamp(root / run),
-                                                                       "test": _sha256(test)},
+                                                                       "test": file_stamp(test)},
                    score_references, model, str(root / run), test, path, experiment, decode.batch_size,
                    values[run].get("dtype", "float32"), device)
 
@@ -535,7 +535,7 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
     for system in systems:
         predictions, nll = root / "predictions" / f"{system.name}.jsonl", root / "nll" / f"{system.run}.jsonl"
         stages.run(f"evaluate {system.name}", root / "eval" / f"{system.name}.settings.json",
-                   {"predictions": _sha256(predictions), "nll": _sha256(nll), "metrics": metrics}, evaluate,
+                   {"predictions": file_stamp(predictions), "nll": file_stamp(nll), "metrics": metrics}, evaluate,
                    predictions=str(predictions), references=str(test), metrics=metrics, out=str(root / "eval"),
                    name=system.name, nll=str(nll))
     report = stages.timed("report", build_report, root, experiment, systems, names)
