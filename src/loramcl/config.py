@@ -267,6 +267,15 @@ class TrainConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
 
+    adam_beta2: float = 0.999
+    """AdamW β2 (the paper's audio runs: 0.98)."""
+
+    min_learning_rate: float = 0.0
+    """Floor of the cosine schedule (scheduler 'cosine' only; the paper's audio runs: 1e-6); 0: decay to zero."""
+
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0: none)."""
+
     warmup_steps: int = 10
     """Linear warm-up steps."""
 
@@ -298,6 +307,11 @@ class TrainConfig:
         _positive_int("batch_size", self.batch_size)
         _real("learning_rate", self.learning_rate, low=0.0, low_open=True)
         _real("weight_decay", self.weight_decay, low=0.0)
+        _real("adam_beta2", self.adam_beta2, low=0.0, high=1.0, high_open=True)
+        _real("min_learning_rate", self.min_learning_rate, low=0.0, high=self.learning_rate, high_open=True)
+        _check(self.min_learning_rate == 0 or self.scheduler == "cosine", f"min_learning_rate floors the cosine "
+               f"schedule: set scheduler: cosine, or min_learning_rate: 0 (scheduler is {self.scheduler!r})")
+        _real("max_grad_norm", self.max_grad_norm, low=0.0)
         _positive_int("warmup_steps", self.warmup_steps, minimum=0)
         _check(isinstance(self.scheduler, str) and self.scheduler, f"scheduler must be a name, got {self.scheduler!r}")
         _positive_int("eval_every", self.eval_every, minimum=0)

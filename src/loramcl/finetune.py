@@ -287,8 +287,10 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     args = TrainingArguments(
         output_dir=str(checkpoints), max_steps=training.steps, per_device_train_batch_size=training.batch_size,
         per_device_eval_batch_size=training.batch_size, learning_rate=training.learning_rate,
-        weight_decay=training.weight_decay, warmup_steps=training.warmup_steps,
-        lr_scheduler_type=training.scheduler, logging_steps=training.logging_steps,
+        weight_decay=training.weight_decay, adam_beta2=training.adam_beta2, max_grad_norm=training.max_grad_norm,
+        warmup_steps=training.warmup_steps, logging_steps=training.logging_steps,
+        lr_scheduler_type="cosine_with_min_lr" if training.min_learning_rate else training.scheduler,
+        lr_scheduler_kwargs={"min_lr": training.min_learning_rate} if training.min_learning_rate else {},
         eval_strategy="steps" if evaluating else "no", eval_steps=training.eval_every if evaluating else None,
         save_strategy="steps" if saving else "no", save_steps=training.save_every if saving else None,
         save_total_limit=training.keep_checkpoints, report_to=[], use_cpu=not torch.cuda.is_available(),

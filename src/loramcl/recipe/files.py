@@ -86,3 +86,18 @@ def run_names(folder: Path, reserved: Sequence[str] = ("common.yaml",)) -> list[
         raise FileNotFoundError(f"{folder} holds no run file (one YAML file per training run beside "
                                 f"{', '.join(reserved)})")
     return runs
+
+
+def experiment_values(path: Path, known: Sequence[str], paths: Sequence[str] = ("out",)) -> dict:
+    """The settings of a recipe's experiment.yaml, checked against the ``known`` names, with the settings named in
+    ``paths`` made absolute relative to the file (as the run files' paths are to theirs)."""
+    import yaml
+
+    values = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    unknown = sorted(set(values) - set(known)) if isinstance(values, dict) else values
+    if not isinstance(values, dict) or unknown:
+        raise ValueError(f"{path}: unknown settings {unknown!r}; known: {sorted(known)}")
+    for name in paths:
+        if isinstance(values.get(name), str):
+            values[name] = os.path.abspath(Path(path).parent / os.path.expanduser(values[name]))
+    return values

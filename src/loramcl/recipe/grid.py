@@ -119,3 +119,12 @@ def equal_budget_systems(hypotheses: dict[str, int], candidates: int, budgets: S
                 "greedy" if s == "beam" and budget == candidates else s for s in mcl_strategies]
             systems += [System(f"{run}-{s.replace('_', '')}-b{budget}", run, s, budget) for s in strategies]
     return systems
+
+
+def chosen_budgets(budgets: Sequence[int] | None, available: Sequence[int], quick: bool) -> list[int]:
+    """The forward budgets a recipe command decodes at: ``budgets`` if given (a non-empty subset of the recipe's
+    ``available`` ones), else the smallest in a quick run, else all."""
+    chosen = list(budgets) if budgets is not None else ([min(available)] if quick else list(available))
+    _check(bool(chosen) and set(chosen) <= set(available),
+           f"budgets must be a non-empty subset of {list(available)}, got {chosen}")
+    return chosen

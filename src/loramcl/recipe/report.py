@@ -28,8 +28,11 @@ def percent(x: float) -> str:
     return f"{100 * x:.1f}"
 
 
-def loss_name(mcl: dict) -> str:
-    """How a run was trained, from its MCLConfig: MLE for K = 1, else the loss and its parameter."""
+def loss_name(mcl: dict, method: str = "mcl") -> str:
+    """How a run was trained, from its method's configuration: MLE for K = 1, else the loss and its parameter; a
+    LoRA-MoE run (``method`` 'moe') is a single model trained with plain NLL."""
+    if method == "moe":
+        return f"MoE NLL, {mcl['num_experts']} experts"
     if mcl["num_hypotheses"] == 1:
         return "MLE"
     if mcl["loss"] == "relaxed":
@@ -43,8 +46,10 @@ def runs_table(records: dict[str, dict]) -> list[str]:
     """One row per trained run (its run.json): K, rank, loss, steps x batch, trainable parameters, seconds."""
     lines = ["| run | K | rank | loss | steps x batch | trainable | seconds |", "|---|---:|---:|---|---|---:|---:|"]
     for run, record in records.items():
-        mcl, training = record["settings"]["mcl"], record["settings"]["training"]
-        lines.append(f"| {run} | {mcl['num_hypotheses']} | {mcl['r']} | {loss_name(mcl)} | {training['steps']} x "
+        method = record["settings"].get("method", "mcl")  # a baseline's configuration is under its method's name
+        mcl, training = record["settings"][method], record["settings"]["training"]
+        lines.append(f"| {run} | {mcl.get('num_hypotheses', 1)} | {mcl.get('r', '–')} | {loss_name(mcl, method)} | "
+                     f"{training['steps']} x "
                      f"{training['batch_size']} | {record['trainable_parameters']:,} | {record['seconds']:.0f} |")
     return lines
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loramcl.config import _check, _positive_int
-from loramcl.recipe.grid import DecodeConfig, System, equal_budget_systems
+from loramcl.recipe.grid import DecodeConfig, System, chosen_budgets, equal_budget_systems
 
 EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
 SMOLLM2_FOLDER = "SmolLM2-135M-Instruct"
@@ -109,20 +109,15 @@ class Experiment:
 
     @classmethod
     def read(cls, path: Path) -> Experiment:
-        import yaml
-
-        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        known = set(cls.__dataclass_fields__)
-        _check(isinstance(values, dict) and not set(values) - known,
-               f"{path}: unknown settings {sorted(set(values) - known) if isinstance(values, dict) else values!r}; "
-               f"known: {sorted(known)}")
         import os
+
+        from loramcl.recipe.files import experiment_values
+
+        values = experiment_values(path, list(cls.__dataclass_fields__), paths=("out",))
 
         def absolute(value):
             return os.path.abspath(path.parent / os.path.expanduser(value)) if isinstance(value, str) else value
 
-        if "out" in values:
-            values["out"] = absolute(values["out"])
         if isinstance(values.get("files"), dict):
             values["files"] = {name: absolute(value) if name.endswith("_file") else value
                                for name, value in values["files"].items()}
@@ -245,9 +240,7 @@ def translation(out: str | None = None, recipes: str | None = None, quick: bool 
     experiment = Experiment.read(folder / EXPERIMENT)
     root = Path(out if out is not None else experiment.out)
     stages = Stages(root)
-    chosen = budgets if budgets is not None else ([min(experiment.budgets)] if quick else experiment.budgets)
-    _check(bool(chosen) and set(chosen) <= set(experiment.budgets),
-           f"budgets must be a non-empty subset of {experiment.budgets}, got {chosen}")
+    chosen = chosen_budgets(budgets, experiment.budgets, quick)
 
     model = None
     if experiment.packaged_model == "smollm2":
