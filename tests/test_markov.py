@@ -15,9 +15,11 @@ from loramcl.markov.experiment import learned_transitions, transition_error
 from loramcl.markov.theory import (
     average_transition,
     bigram_cross_entropy,
+    chain_posterior,
     conditional_entropy,
     entropy_rate,
     mixture_entropy,
+    optimal_nll,
     sequence_log_likelihoods,
     theory,
 )
@@ -272,6 +274,34 @@ def test_quick_markov_command_writes_its_outputs_and_separates_mcl_from_mle(tmp_
     assert report["runs"][0]["total_parameters"] == 230_912
     assert (tmp_path / "figure.png").stat().st_size > 10_000
     assert "LoRA-MCL" in (tmp_path / "report.md").read_text()
+
+
+def test_chain_posterior_and_the_optimal_loss_of_a_sample():
+    mixture = preset_mixture("fig2-weighted")
+    posterior = chain_posterior(mixture)  # [V, K] = w_k pi_k(v) / sum_j w_j pi_j(v)
+    pi1, pi2 = np.array([0.9, 0.2]) / 1.1, np.array([0.25, 0.8]) / 1.05  # stationary (q, p) / (p + q)
+    expected = np.stack([0.7 * pi1, 0.3 * pi2], axis=1)
+    np.testing.assert_allclose(posterior, expected / expected.sum(axis=1, keepdims=True), rtol=1e-12)
+    x, _ = mixture.sample(200_000, 5)
+    assert optimal_nll(mixture, x) == pytest.approx(theory(mixture).mle_optimum, abs=1e-3)  # its expectation: H(x)
+
+
+@pytest.mark.slow  # 3 x 500 steps: about 22 minutes on a shared 2-core CPU (docs/scores.md has the measurement)
+def test_random_ties_keep_vanilla_wta_on_three_chains(tmp_path):
+    from loramcl.markov.reproduce import markov
+
+    report = markov(out=str(tmp_path), preset="three", loss="wta", tie_break="random", skip_mle=True, threads=1)
+    assert report["checks"]["mcl_recovers_chains"] and report["checks"]["mcl_in_band"]  # on every seed (worst)
+
+
+def test_quick_scores_recover_the_chain_posterior_and_a_density_as_good_as_mle(tmp_path):
+    from loramcl.markov.reproduce import markov
+
+    report = markov(out=str(tmp_path), preset="scores", quick=True, skip_mle=True, threads=1)
+    assert report["checks"]["scores_recover_posterior"] and report["mcl_score_error"] < 0.05
+    assert report["checks"]["mixture_as_good_as_mle"]  # within 0.005 of the true mixture's loss on these sequences
+    assert report["checks"]["mcl_in_band"]  # the oracle loss still in the MCL band
+    assert "p(z\\|x_1)" in (tmp_path / "report.md").read_text()
 
 
 def test_markov_command_rejects_a_bad_chains_file(tmp_path):

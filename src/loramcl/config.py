@@ -13,6 +13,7 @@ from loramcl.inputs import LocalPath
 LossName = Literal["wta", "relaxed", "annealed"]
 LOSS_NAMES: tuple[str, ...] = ("wta", "relaxed", "annealed")
 ADAPTER_DTYPES: tuple[str, ...] = ("float32", "base")
+TIE_BREAKS: tuple[str, ...] = ("lowest", "random")
 
 
 @dataclass
@@ -62,6 +63,20 @@ class MCLConfig:
     """dtype of the adapter tensors and their matmuls: 'float32' (as PEFT does by default, so bf16/fp16 bases
     still train stable adapters) or 'base' (the frozen layer's dtype)."""
 
+    tie_break: Literal["lowest", "random"] = "lowest"
+    """Which hypothesis wins an example on which several have exactly the same NLL: 'lowest' k (the paper's eq. 2)
+    or one of them at random ('random', seeded by the trainer). Ties are certain at initialisation (LoRA's B = 0
+    makes every hypothesis the base model), where 'lowest' gives hypothesis 0 every example of the first step."""
+
+    scoring: bool = False
+    """Hypothesis scores p(k | c) (an extension, off by default): a linear score per hypothesis from its own hidden
+    state at the last context position, softmax over K, trained to maximise the mixture likelihood
+    sum_k p(k | c) p_k(x | c) on detached hidden states and NLLs, so the hypotheses train exactly as without it."""
+
+    scoring_weight: float = 1.0
+    """beta: weight of the scoring loss (the mixture NLL per token with the hypotheses' NLLs detached) in the total
+    loss; it reaches only the scoring head."""
+
     use_rslora: bool = False
     """Rank-stabilised LoRA (as PEFT's ``use_rslora``): scale the adapter output by alpha / sqrt(r) instead of
     alpha / r, so that larger ranks keep learning at the same rate."""
@@ -86,6 +101,9 @@ class MCLConfig:
         _real("alpha", self.alpha, low=0.0, low_open=True, hint=" (the adapter output is scaled by alpha/r)")
         _real("dropout", self.dropout, low=0.0, high=1.0, high_open=True)
         _check(self.loss in LOSS_NAMES, f"loss must be one of {LOSS_NAMES}, got {self.loss!r}")
+        _check(isinstance(self.scoring, bool), f"scoring must be True or False, got {self.scoring!r}")
+        _real("scoring_weight", self.scoring_weight, low=0.0)
+        _check(self.tie_break in TIE_BREAKS, f"tie_break must be one of {TIE_BREAKS}, got {self.tie_break!r}")
         _check(self.adapter_dtype in ADAPTER_DTYPES,
                f"adapter_dtype must be one of {ADAPTER_DTYPES}, got {self.adapter_dtype!r}")
         _real("epsilon", self.epsilon, low=0.0)
@@ -249,6 +267,15 @@ class TrainConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
 
+    adam_beta2: float = 0.999
+    """AdamW β2 (the paper's audio runs: 0.98)."""
+
+    min_learning_rate: float = 0.0
+    """Floor of the cosine schedule (scheduler 'cosine' only; the paper's audio runs: 1e-6); 0: decay to zero."""
+
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0: none)."""
+
     warmup_steps: int = 10
     """Linear warm-up steps."""
 
@@ -270,11 +297,21 @@ class TrainConfig:
     seed: int = 0
     """Model init, data order and dropout seed."""
 
+    scoring_learning_rate: float | None = None
+    """Learning rate of the hypothesis-scores head (MCLConfig(scoring=True)); None: learning_rate."""
+
     def __post_init__(self) -> None:
         _positive_int("steps", self.steps)
+        if self.scoring_learning_rate is not None:
+            _real("scoring_learning_rate", self.scoring_learning_rate, low=0.0, low_open=True)
         _positive_int("batch_size", self.batch_size)
         _real("learning_rate", self.learning_rate, low=0.0, low_open=True)
         _real("weight_decay", self.weight_decay, low=0.0)
+        _real("adam_beta2", self.adam_beta2, low=0.0, high=1.0, high_open=True)
+        _real("min_learning_rate", self.min_learning_rate, low=0.0, high=self.learning_rate, high_open=True)
+        _check(self.min_learning_rate == 0 or self.scheduler == "cosine", f"min_learning_rate floors the cosine "
+               f"schedule: set scheduler: cosine, or min_learning_rate: 0 (scheduler is {self.scheduler!r})")
+        _real("max_grad_norm", self.max_grad_norm, low=0.0)
         _positive_int("warmup_steps", self.warmup_steps, minimum=0)
         _check(isinstance(self.scheduler, str) and self.scheduler, f"scheduler must be a name, got {self.scheduler!r}")
         _positive_int("eval_every", self.eval_every, minimum=0)

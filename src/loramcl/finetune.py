@@ -12,7 +12,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +22,7 @@ from loramcl.inputs import (
     DTYPES,
     MCL_CONFIG,
     PEFT_FOLDER,
+    RUN_RECORD,
     Dtype,
     LocalPath,
     ModelPath,
@@ -137,6 +138,7 @@ def train(
     resume: bool = False,
     threads: int | None = None,
     dtype: Dtype = "float32",
+    scores_for: LocalPath | None = None,
 ) -> str:
     """Fine-tune LoRA hypotheses with MCLTrainer (K = 1: LoRA-MLE), or a LoRA-MoE or multi-head MCL baseline.
 
@@ -169,6 +171,9 @@ def train(
             checkpoints is refused, so that no run is overwritten by mistake.
         threads: torch CPU threads (default: torch's choice).
         dtype: the frozen model's dtype: float32, bfloat16 or float16 (adapters stay float32 by default).
+        scores_for: a finished LoRA-MCL run (its `out`) whose hypothesis scores p(k | c) are to be learned: its
+            hypotheses are loaded and stay frozen, and only a scoring head is trained (docs/scores.md); the run's
+            own MCL settings are used (leave --mcl out; --training.scoring_learning_rate sets the head's rate).
     """
     from loramcl.data.prompts import PairDataset, collate, encode_pairs, pad_token_id
 
@@ -183,8 +188,14 @@ def train(
 
     from loramcl.generation.cli import load_model
 
-    config = method_config(method, mcl, moe, multihead)
-    settings = run_settings(model, config, data, training, dtype, method)
+    if scores_for is not None:
+        config = _scored_run_config(scores_for, method, mcl)
+        settings = run_settings(model, config, data, training, dtype, method) | {
+            "scores_for": str(scores_for), "scores_for_run": hashlib.sha256(
+                (Path(scores_for) / RUN_RECORD).read_bytes()).hexdigest()[:16]}
+    else:
+        config = method_config(method, mcl, moe, multihead)
+        settings = run_settings(model, config, data, training, dtype, method)
     last = resumable_checkpoint(out, settings, resume)
     if threads is not None:
         import torch
@@ -201,8 +212,28 @@ def train(
     train_set = dataset(train_pairs)
     eval_set = dataset(eval_pairs, data.eval_examples) if eval_pairs else None
     fit(lambda: load_model(model, dtype=dtype), out, config, training, settings, train_set, eval_set,
-        collator=lambda rows: collate(rows, pad_id), processor=tokenizer, last_checkpoint=last, method=method)
+        collator=lambda rows: collate(rows, pad_id), processor=tokenizer, last_checkpoint=last, method=method,
+        scores_for=scores_for)
     return str(out)
+
+
+def _scored_run_config(run: str, method: str, mcl: MCLConfig | None) -> MCLConfig:
+    """The MCLConfig of the finished LoRA-MCL run ``run``, with hypothesis scores on (``train(scores_for=run)``)."""
+    if method != "mcl" or mcl is not None:
+        raise ValueError("scores_for learns the scores of a finished LoRA-MCL run with that run's own settings: "
+                         "leave out --mcl.* and --method")
+    record = Path(run) / MCL_CONFIG
+    if not (Path(run) / RUN_RECORD).is_file() or not record.is_file():
+        raise FileNotFoundError(f"scores_for: {run} is not a finished LoRA-MCL run (no {RUN_RECORD} and "
+                                f"{MCL_CONFIG}): give the `out` folder of a finished `loramcl train`")
+    saved = json.loads(record.read_text(encoding="utf-8"))
+    if saved.get("method", "mcl") != "mcl" or "mcl_config" not in saved:
+        raise ValueError(f"scores_for: {run} holds a {saved.get('method')!r} model; scores are learned for LoRA-MCL "
+                         "hypotheses")
+    config = MCLConfig.from_dict(saved["mcl_config"])
+    if config.num_hypotheses < 2:
+        raise ValueError(f"scores_for: {run} has one hypothesis; scores rank K >= 2 hypotheses")
+    return replace(config, scoring=True)
 
 
 def resumable_checkpoint(out: str | Path, settings: dict, resume: bool) -> str | None:
@@ -225,7 +256,7 @@ def resumable_checkpoint(out: str | Path, settings: dict, resume: bool) -> str |
 
 def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: TrainConfig,
         settings: dict, train_set, eval_set, collator: Callable, processor=None,
-        last_checkpoint: str | None = None, method: str = "mcl") -> dict:
+        last_checkpoint: str | None = None, method: str = "mcl", scores_for: str | None = None) -> dict:
     """Train K hypotheses on tokenized datasets with MCLTrainer and write a finished run to `out`; any task's
     training stage (text pairs, audio, images) ends here, so every run has the same files and record.
 
@@ -233,7 +264,8 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     settings: everything that decides the run (JSON; ``run_settings`` for text pairs), recorded in run.json and
         beside the checkpoints. last_checkpoint: from ``resumable_checkpoint``. processor: a tokenizer or processor
         saved with the adapters. method: 'mcl' (``mcl`` an MCLConfig), 'moe' (a MoEConfig) or 'multihead' (a
-        MultiHeadConfig), see ``train``. Returns the run record (run.json).
+        MultiHeadConfig), see ``train``. scores_for: a finished LoRA-MCL run whose frozen hypotheses get a scoring
+        head trained (``load_mcl_model(..., fit_scores=True)``). Returns the run record (run.json).
     """
     import torch
     from transformers import PrinterCallback, ProgressCallback, TrainingArguments, set_seed
@@ -243,21 +275,28 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     out_dir = Path(out)
     checkpoints = out_dir / CHECKPOINTS
     set_seed(training.seed)
-    mcl_model = method_model(build_model(), method, mcl)
+    if scores_for is not None:
+        from loramcl.model import load_mcl_model
+
+        mcl_model = load_mcl_model(build_model(), scores_for, fit_scores=True)
+    else:
+        mcl_model = method_model(build_model(), method, mcl)
     mcl_model.train()
     evaluating = eval_set is not None and training.eval_every > 0
     saving = training.save_every > 0
     args = TrainingArguments(
         output_dir=str(checkpoints), max_steps=training.steps, per_device_train_batch_size=training.batch_size,
         per_device_eval_batch_size=training.batch_size, learning_rate=training.learning_rate,
-        weight_decay=training.weight_decay, warmup_steps=training.warmup_steps,
-        lr_scheduler_type=training.scheduler, logging_steps=training.logging_steps,
+        weight_decay=training.weight_decay, adam_beta2=training.adam_beta2, max_grad_norm=training.max_grad_norm,
+        warmup_steps=training.warmup_steps, logging_steps=training.logging_steps,
+        lr_scheduler_type="cosine_with_min_lr" if training.min_learning_rate else training.scheduler,
+        lr_scheduler_kwargs={"min_lr": training.min_learning_rate} if training.min_learning_rate else {},
         eval_strategy="steps" if evaluating else "no", eval_steps=training.eval_every if evaluating else None,
         save_strategy="steps" if saving else "no", save_steps=training.save_every if saving else None,
         save_total_limit=training.keep_checkpoints, report_to=[], use_cpu=not torch.cuda.is_available(),
         seed=training.seed, data_seed=training.seed, remove_unused_columns=False, disable_tqdm=False)
     trainer = MCLTrainer(mcl_model, args=args, train_dataset=train_set, eval_dataset=eval_set,
-                         data_collator=collator)
+                         data_collator=collator, scoring_learning_rate=training.scoring_learning_rate)
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(_log_lines_callback(ProgressCallback))
@@ -364,7 +403,8 @@ def nll(
         model: local folder of the base model (a causal or a sequence-to-sequence LM).
         adapters: MCL adapters folder (K hypotheses; a K = 1 run is LoRA-MLE).
         input: JSONL {"id", "prompt", "references": [R texts]} (or a single text) per line.
-        out: output JSONL {"id", "nll": [[K floats] per reference]}.
+        out: output JSONL {"id", "nll": [[K floats] per reference]} (+ "mixture_nll": [a float per reference],
+            -log sum_k p(k|c) p_k(x|c) per token, for adapters with hypothesis scores).
         prompt_key: field holding the prompt.
         references_key: field holding the reference text(s).
         chat_template: wrap each prompt with the tokenizer's chat template (default: as the training run of
@@ -403,19 +443,25 @@ def nll(
     owner = [i for i, refs in enumerate(references) for _ in refs]
     rows = encode_pairs(tokenizer, [prompts[i] for i in owner], [r for refs in references for r in refs],
                         chat_template, encoder_decoder=getattr(decoder.config, "is_encoder_decoder", False))
-    scores = []
+    nlls, mixtures = [], []
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
             batch = {k: v.to(device) for k, v in collate(rows[start:start + batch_size], pad_id).items()}
-            scores.append(decoder(**batch).nll.float().cpu())  # [b, K]
-    table = torch.cat(scores).tolist()
-    per_item: list[list] = [[] for _ in ids]
-    for i, row in zip(owner, table, strict=True):
-        per_item[i].append(row)
+            output = decoder(**batch)
+            nlls.append(output.nll.float().cpu())  # [b, K]
+            if output.mixture_nll is not None:  # a model with hypothesis scores
+                mixtures.append(output.mixture_nll.float().cpu())  # [b]
+    table = torch.cat(nlls).tolist()
+    mixture = torch.cat(mixtures).tolist() if mixtures else None
+    per_item: list[dict] = [{"nll": []} | ({"mixture_nll": []} if mixture else {}) for _ in ids]
+    for n, i in enumerate(owner):
+        per_item[i]["nll"].append(table[n])
+        if mixture:
+            per_item[i]["mixture_nll"].append(mixture[n])
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("w", encoding="utf-8") as f:
         for item_id, values in zip(ids, per_item, strict=True):
-            f.write(json.dumps({"id": item_id, "nll": values}) + "\n")
+            f.write(json.dumps({"id": item_id, **values}) + "\n")
     print(f"NLL of {len(rows)} references under {decoder.num_hypotheses} hypotheses: {out_path}")
     return str(out_path)

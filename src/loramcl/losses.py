@@ -14,16 +14,28 @@ import torch
 from loramcl.config import MCLConfig
 
 
-def wta_weights(nll: torch.Tensor) -> torch.Tensor:
-    """Eq. 2: one-hot on the winner argmin_k nll[b, k]; ties go to the lowest k. [B, K] -> [B, K]."""
-    winners = nll.argmin(dim=1)  # torch.argmin returns the first minimum
-    return torch.nn.functional.one_hot(winners, nll.shape[1]).to(torch.float32)
+def winners(nll: torch.Tensor, tie_break: str = "lowest") -> torch.Tensor:
+    """argmin_k nll[b, k] per example: [B, K] -> [B]. Exact ties (identical hypotheses, e.g. every hypothesis at
+    initialisation, where LoRA's B = 0) go to the lowest k (``tie_break="lowest"``, the paper's eq. 2), or to one of
+    the tied hypotheses drawn uniformly from torch's RNG (``"random"``: seeded by the trainer and restored on resume),
+    so that no hypothesis gets every example of the first steps. A row holding NaN gives the NaN's position either way
+    (its weight then carries the NaN into the loss)."""
+    if tie_break == "lowest":
+        return nll.argmin(dim=1)  # torch.argmin returns the first minimum
+    tied = nll == nll.min(dim=1, keepdim=True).values  # [B, K]
+    keys = torch.rand(nll.shape, device=nll.device).masked_fill(~tied, -1.0)  # uniform among the tied entries
+    return torch.where(tied.any(dim=1), keys.argmax(dim=1), nll.argmin(dim=1))
 
 
-def relaxed_weights(nll: torch.Tensor, epsilon: float) -> torch.Tensor:
+def wta_weights(nll: torch.Tensor, tie_break: str = "lowest") -> torch.Tensor:
+    """Eq. 2: one-hot on the winner argmin_k nll[b, k] (``winners``). [B, K] -> [B, K]."""
+    return torch.nn.functional.one_hot(winners(nll, tie_break), nll.shape[1]).to(torch.float32)
+
+
+def relaxed_weights(nll: torch.Tensor, epsilon: float, tie_break: str = "lowest") -> torch.Tensor:
     """Relaxed WTA (Rupprecht et al. 2017): 1 - epsilon on the winner, epsilon / (K-1) on each other."""
     num_hypotheses = nll.shape[1]
-    winner = wta_weights(nll)
+    winner = wta_weights(nll, tie_break)
     if num_hypotheses == 1:
         return winner
     return winner * (1.0 - epsilon) + (1.0 - winner) * (epsilon / (num_hypotheses - 1))
@@ -66,12 +78,12 @@ WeightFn = Callable[[torch.Tensor, MCLConfig, int], torch.Tensor]
 
 def _annealed(nll: torch.Tensor, config: MCLConfig, step: int) -> torch.Tensor:
     temperature = temperature_at(step, config)
-    return wta_weights(nll) if temperature is None else annealed_weights(nll, temperature)
+    return wta_weights(nll, config.tie_break) if temperature is None else annealed_weights(nll, temperature)
 
 
 ASSIGNMENTS: dict[str, WeightFn] = {
-    "wta": lambda nll, config, step: wta_weights(nll),
-    "relaxed": lambda nll, config, step: relaxed_weights(nll, config.epsilon),
+    "wta": lambda nll, config, step: wta_weights(nll, config.tie_break),
+    "relaxed": lambda nll, config, step: relaxed_weights(nll, config.epsilon, config.tie_break),
     "annealed": _annealed,
 }
 

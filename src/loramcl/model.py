@@ -22,7 +22,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import safetensors.torch
@@ -36,12 +36,14 @@ from transformers.utils import ModelOutput
 from loramcl.config import MCLConfig
 from loramcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting, MCLLoraLinear, linear_features
 from loramcl.losses import mcl_loss
+from loramcl.scores import HypothesisScores, context_positions, mixture_nll
 from loramcl.scoring import IGNORE_INDEX, aligned_targets, check_targets, mean_token_nll
 
 CONFIG_NAME = "mcl_config.json"
 WEIGHTS_NAME = "mcl_adapters.safetensors"
 FORMAT_VERSION = 1
 PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
+SCORING_PREFIX = "scoring"  # the scoring head's tensors in mcl_adapters.safetensors: scoring.weight, scoring.bias
 
 # Models of the baselines: method in mcl_config.json -> "module:function(base_model, path, saved, tensors,
 # is_trainable)" rebuilding the model from checked files; imported on use (loramcl.baselines sits above this module).
@@ -115,12 +117,19 @@ class MCLOutput(ModelOutput):
         forward ran one hypothesis per example (``hypotheses=``).
     weights: [B, K] the detached assignment q of the loss (one-hot for vanilla WTA).
     logits: [B, K, T, V] when no labels are given.
+    log_scores: [B, K] log p(k | c) with ``MCLConfig(scoring=True)`` (all K hypotheses run, labels given).
+    mixture_nll: [B] -log sum_k p(k | c) p_k(x | c) per target token, with scores.
+    scoring_loss: the scoring head's loss (mean mixture NLL with the hypotheses' NLLs detached); ``loss`` includes
+        scoring_weight times it.
     """
 
     loss: torch.Tensor | None = None
     nll: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    log_scores: torch.Tensor | None = None
+    mixture_nll: torch.Tensor | None = None
+    scoring_loss: torch.Tensor | None = None
 
 
 @dataclass
@@ -129,6 +138,8 @@ class _PendingForward:
 
     expand_batch: int | None = None  # B: repeat per-example inputs K times at the expansion module
     logit_positions: torch.Tensor | None = None  # [rows, T] bool: hidden states the LM head must see
+    context_positions: torch.Tensor | None = None  # [rows]: the last context position, whose state the scores read
+    context_states: torch.Tensor | None = None  # [rows, d]: those states (detached), filled by the output-layer hook
 
 
 class MCLModel(nn.Module):
@@ -162,6 +173,8 @@ class MCLModel(nn.Module):
         self.share_frozen_modules = True
         self._shared_calls: dict[int, int] = {}  # id(shared module) -> copies its running call was given
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._generation_context: list[torch.Tensor] | None = None  # armed by capture_context()
+        self.scoring_head = self._build_scoring_head(output_layer) if config.scoring else None
         self._install_hooks()
 
     # ---- properties -------------------------------------------------------------------------------------
@@ -344,16 +357,22 @@ class MCLModel(nn.Module):
 
     def _keep_label_positions(self, module: nn.Module, args: tuple):
         """Give the LM head only the hidden states that predict a label: [rows, T, d] -> [N, d]."""
+        hidden = args[0]
+        if self._generation_context is not None and not self._generation_context:
+            # the prefill of a generate: the last position is the last context position of every row
+            self._generation_context.append(hidden[:, -1].detach())  # [rows, d]
         positions = self._pending.logit_positions
         if positions is None:
             return None
         self._pending.logit_positions = None
-        hidden = args[0]
         if tuple(hidden.shape[:2]) != tuple(positions.shape):
             raise RuntimeError(
                 f"the output layer received hidden states of shape {tuple(hidden.shape)} but the labels give "
                 f"{tuple(positions.shape)} (rows, positions); labels must be aligned with the sequence the model "
                 "processes (e.g. image/audio tokens already expanded in input_ids, as current processors do).")
+        if self._pending.context_positions is not None:
+            rows = torch.arange(hidden.shape[0], device=hidden.device)
+            self._pending.context_states = hidden[rows, self._pending.context_positions].detach()  # [rows, d]
         return (hidden[positions], *args[1:])
 
     # ---- forward ----------------------------------------------------------------------------------------
@@ -406,8 +425,11 @@ class MCLModel(nn.Module):
         """nll of every example under the routing already set: [B, K] (stacked, with the loss) or [B]."""
         base, k, batch = self.base_model, self.num_hypotheses, targets.shape[0]
         row_positions = positions.repeat(k, 1) if stacked else positions  # [rows, T]
-        outputs = self._call_base({**inputs, "use_cache": False}, expand_batch=batch if stacked else None,
-                                  logit_positions=row_positions if self._output_layer_name else None)
+        scoring = stacked and self.scoring_head is not None
+        outputs, states = self._call_base(
+            {**inputs, "use_cache": False}, expand_batch=batch if stacked else None,
+            logit_positions=row_positions if self._output_layer_name else None,
+            context_positions=context_positions(row_positions) if scoring else None)
         logits = getattr(outputs, "logits", None)
         if logits is None:
             raise ValueError(f"{type(base).__name__} returns no logits: LoRA-MCL needs a model with a language-"
@@ -422,27 +444,37 @@ class MCLModel(nn.Module):
             return MCLOutput(loss=nll.mean(), nll=nll)
         nll = nll.view(k, batch).T  # [B, K]
         loss, weights = mcl_loss(nll, self.mcl_config, self.training_step)
-        return MCLOutput(loss=loss, nll=nll, weights=weights)
+        if not scoring:
+            return MCLOutput(loss=loss, nll=nll, weights=weights)
+        # The head learns even inside the trainer's no-grad scoring pass of two-pass WTA (its inputs are detached).
+        with torch.enable_grad() if self.training else contextlib.nullcontext():
+            log_scores = self.scoring_head(states.view(k, batch, -1))  # [B, K]
+            scoring_loss = mixture_nll(log_scores, nll.detach(), positions.sum(dim=1)).mean()
+        mixture = mixture_nll(log_scores.detach(), nll.detach(), positions.sum(dim=1))  # [B]
+        return MCLOutput(loss=loss + self.mcl_config.scoring_weight * scoring_loss, nll=nll, weights=weights,
+                         log_scores=log_scores.detach(), mixture_nll=mixture, scoring_loss=scoring_loss)
 
     def _forward_logits(self, hypotheses: int | torch.Tensor | None, inputs: dict) -> MCLOutput:
         batch = _batch_size(inputs)
         stacked = hypotheses is None and not self._adapters_disabled
         if not self._adapters_disabled:
             self._set_routing(hypotheses, rows=batch)
-        logits = self._call_base(inputs, expand_batch=batch if stacked else None).logits  # [K*B|B, T, V]
+        logits = self._call_base(inputs, expand_batch=batch if stacked else None)[0].logits  # [K*B|B, T, V]
         if stacked:
             logits = logits.view(self.num_hypotheses, batch, *logits.shape[1:]).transpose(0, 1)  # [B, K, T, V]
         return MCLOutput(logits=logits)
 
-    def _call_base(self, inputs: dict, expand_batch: int | None, logit_positions: torch.Tensor | None = None):
-        """Run the base model with the hooks armed for this call, and check that they fired."""
-        self._pending = _PendingForward(expand_batch, logit_positions)
+    def _call_base(self, inputs: dict, expand_batch: int | None, logit_positions: torch.Tensor | None = None,
+                   context_positions: torch.Tensor | None = None) -> tuple:
+        """Run the base model with the hooks armed for this call, and check that they fired: (outputs, the hidden
+        states at ``context_positions`` [rows, d] or None)."""
+        self._pending = _PendingForward(expand_batch, logit_positions, context_positions)
         try:
             outputs = self.base_model(**inputs)
             self._check_hooks_ran()
+            return outputs, self._pending.context_states
         finally:
             self._pending = _PendingForward()
-        return outputs
 
     def _check_hooks_ran(self) -> None:
         if self._pending.expand_batch is not None:
@@ -451,6 +483,24 @@ class MCLModel(nn.Module):
                 "run during this forward. Please report this model class to loramcl.")
         if self._pending.logit_positions is not None:
             raise RuntimeError(f"the output layer '{self._output_layer_name}' did not run during this forward")
+
+    def _build_scoring_head(self, output_layer: nn.Module | None) -> HypothesisScores:
+        if output_layer is None or getattr(output_layer, "weight", None) is None or output_layer.weight.dim() != 2:
+            raise ValueError(f"scoring=True reads the hidden state the output layer receives; "
+                             f"{type(self.base_model).__name__} has no output layer with a weight matrix")
+        hidden_size = output_layer.weight.shape[1]  # nn.Linear's weight is [V, d]
+        return HypothesisScores(self.num_hypotheses, hidden_size, device=self._adapter_device())
+
+    @contextlib.contextmanager
+    def capture_context(self) -> Iterator[list[torch.Tensor]]:
+        """Record the hidden state at the last position of every row of the next output-layer call (a generate's
+        prefill: the last context position), without another forward; the list holds [rows, d] after the block."""
+        captured: list[torch.Tensor] = []
+        self._generation_context = captured
+        try:
+            yield captured
+        finally:
+            self._generation_context = None
 
     def _check_usable(self) -> None:
         if self._detached:
@@ -501,7 +551,11 @@ class MCLModel(nn.Module):
             for part, param in layer.adapter_tensors().items():
                 key = f"{name}.{part}"
                 value = (param if state_dict is None else state_dict[f"base_model.{key}"]).detach()
-                tensors[key] = (_full_tensor(value)).to("cpu").contiguous()
+                tensors[key] = _full_tensor(value).to("cpu").contiguous()
+        if self.scoring_head is not None:  # 'scoring.weight' [K, d], 'scoring.bias' [K]
+            for part, param in self.scoring_head.named_parameters():
+                value = (param if state_dict is None else state_dict[f"scoring_head.{part}"]).detach()
+                tensors[f"{SCORING_PREFIX}.{part}"] = _full_tensor(value).to("cpu").contiguous()
         return tensors
 
     def save_pretrained(self, path: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> str:
@@ -544,10 +598,22 @@ class MCLModel(nn.Module):
         layers = dict(self.mcl_layers())
         _check_adapters_fit(path, saved, config, tensors, self.layer_names,
                             {name: (layer.in_features, layer.out_features) for name, layer in layers.items()})
+        if config.scoring != ours.scoring:
+            raise ValueError(f"{path} {'has' if config.scoring else 'has no'} hypothesis scores (scoring="
+                             f"{config.scoring}); this model was built with scoring={ours.scoring}")
+        _check_scoring_fits(path, tensors, self.scoring_head)
         with torch.no_grad():
             for name, layer in layers.items():
                 layer.lora_A.copy_(tensors[f"{name}.lora_A"])
                 layer.lora_B.copy_(tensors[f"{name}.lora_B"])
+            self._copy_scoring_head(tensors)
+
+    def _copy_scoring_head(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The saved head's values, if ``tensors`` has one (else the head keeps its zero initialisation)."""
+        if self.scoring_head is not None and f"{SCORING_PREFIX}.weight" in tensors:
+            with torch.no_grad():
+                for part, param in self.scoring_head.named_parameters():
+                    param.copy_(tensors[f"{SCORING_PREFIX}.{part}"])
 
     def export_hypothesis(self, k: int, path: str | os.PathLike) -> str:
         """Write hypothesis k as a standard PEFT LoRA adapter folder (``PeftModel.from_pretrained`` loads it)."""
@@ -939,12 +1005,17 @@ def replace_modules(model: nn.Module, names: list[str], make_module, make_model)
 
 
 def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool = False,
-                   verify: bool = True) -> MCLModel:
+                   verify: bool = True, fit_scores: bool = False) -> MCLModel:
     """Rebuild the MCL model saved in ``path`` on top of ``model`` (the same base model it was trained on).
 
     As with PEFT, the adapters are frozen unless ``is_trainable=True`` (to continue training). The files are read
     and checked against ``model`` (layer names and shapes, the weights' checksum unless ``verify=False``, finite
     values) before ``model`` is touched, so a failed load leaves it as it was.
+
+    ``fit_scores=True``: to learn the hypothesis scores p(k | c) of a run trained without them (or to refit them):
+    the scoring head is trainable (a new zero one, p uniform, when the run has none) and the hypotheses stay frozen.
+    The head's loss never reaches the hypotheses (docs/scores.md), so this fits the scores that joint training would
+    fit for the final hypotheses.
     """
     saved, tensors = read_adapter_files(path, verify)
     if saved.get("base_model_class") not in (None, type(model).__name__):
@@ -957,10 +1028,15 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
         module, _, loader = _BASELINE_LOADERS[method].partition(":")
         return getattr(importlib.import_module(module), loader)(model, path, saved, tensors, is_trainable)
     config = _mcl_part(path, saved, tensors)
+    if fit_scores and not config.scoring:
+        config = replace(config, scoring=True)
+        tensors = {name: value for name, value in tensors.items() if not name.startswith(f"{SCORING_PREFIX}.")}
     targets = _resolve_target_modules(model, config)
     names = _matched_layer_names(model, targets, config)
     _check_adapters_fit(path, saved, config, tensors, names,
                         {name: linear_features(model.get_submodule(name)) for name in names})
+    if config.scoring:
+        _check_scoring_fits(path, tensors, None, hidden_size=_output_layer(model).weight.shape[1])
     mcl = get_mcl_model(model, config)
     with torch.no_grad():
         for name, layer in mcl.mcl_layers():
@@ -968,6 +1044,9 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
             layer.lora_B.copy_(tensors[f"{name}.lora_B"])
             layer.lora_A.requires_grad_(is_trainable)
             layer.lora_B.requires_grad_(is_trainable)
+    mcl._copy_scoring_head(tensors)
+    if mcl.scoring_head is not None:
+        mcl.scoring_head.requires_grad_(is_trainable or fit_scores)
     return mcl
 
 
@@ -1041,9 +1120,23 @@ def read_adapter_files(path: str | os.PathLike, verify: bool = True) -> tuple[di
     return saved, tensors
 
 
+def _check_scoring_fits(path, tensors: dict[str, torch.Tensor], head: HypothesisScores | None,
+                        hidden_size: int | None = None) -> None:
+    """The saved scoring head must have the width of this model's output layer input."""
+    if f"{SCORING_PREFIX}.weight" not in tensors:
+        return
+    width = head.weight.shape[1] if head is not None else hidden_size
+    saved = tensors[f"{SCORING_PREFIX}.weight"].shape[1]
+    if saved != width:
+        raise ValueError(f"the scoring head in {path} reads hidden states of width {saved}, this model's are {width}: "
+                         "were the adapters saved from another base model?")
+
+
 def _check_adapter_tensors(weights: str, config: MCLConfig, modules: list[str],
                            tensors: dict[str, torch.Tensor]) -> None:
     expected = {f"{name}.{part}" for name in modules for part in ("lora_A", "lora_B")}
+    if config.scoring:
+        expected |= {f"{SCORING_PREFIX}.weight", f"{SCORING_PREFIX}.bias"}
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
         raise ValueError(f"{weights} does not hold the adapters its {CONFIG_NAME} lists: missing {missing[:5]}, "
@@ -1054,6 +1147,11 @@ def _check_adapter_tensors(weights: str, config: MCLConfig, modules: list[str],
         if a.dim() != 3 or b.dim() != 3 or a.shape[0] != k or b.shape[0] != k or a.shape[2] != r or b.shape[1] != r:
             raise ValueError(f"{weights}: {name} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; K={k}, r={r} "
                              f"needs [{k}, d_in, {r}] and [{k}, {r}, d_out]")
+    if config.scoring:
+        weight, bias = tensors[f"{SCORING_PREFIX}.weight"], tensors[f"{SCORING_PREFIX}.bias"]
+        if weight.dim() != 2 or weight.shape[0] != k or tuple(bias.shape) != (k,):
+            raise ValueError(f"{weights}: the scoring head has weight {tuple(weight.shape)} and bias "
+                             f"{tuple(bias.shape)}; K={k} needs [{k}, d] and [{k}]")
 
 
 def _check_adapters_fit(path, saved: dict, config: MCLConfig, tensors: dict[str, torch.Tensor], names: list[str],

@@ -35,8 +35,12 @@ def check_targets(targets: torch.Tensor) -> None:
 def examples_without_targets(dataset, causal: bool) -> list[int] | None:
     """Indices of the examples of ``dataset`` whose labels hold no target token (after the causal shift), found
     before training rather than when their batch comes. None when the dataset cannot be checked up front: not
-    indexable (an IterableDataset) or without a "labels" field (a collator builds them)."""
+    indexable (an IterableDataset), without a "labels" field (a collator builds them), or encoding its examples
+    when read (``encodes_on_read = True``: reading them all would decode every audio clip; such a dataset checks
+    each example's target as it encodes it)."""
     if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+        return None
+    if getattr(dataset, "encodes_on_read", False):
         return None
     columns = getattr(dataset, "column_names", None)
     if columns is not None:  # a datasets.Dataset: one column read, not one row at a time

@@ -7,8 +7,10 @@ loss, logs how often each hypothesis wins, saves the adapters in our format, and
 
 from __future__ import annotations
 
+import collections
 import inspect
 import json
+import math
 import os
 import re
 import shutil
@@ -17,13 +19,14 @@ import zipfile
 
 import safetensors
 import torch
-from accelerate.utils import DistributedDataParallelKwargs
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 from torch import nn
 from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 from loramcl.losses import temperature_at
+from loramcl.losses import winners as loss_winners
 from loramcl.model import CONFIG_NAME, WEIGHTS_NAME, MCLModel, read_adapters
 from loramcl.scoring import IGNORE_INDEX, examples_without_targets
 
@@ -104,11 +107,17 @@ class MCLTrainer(Trainer):
         activation memory. Set False to backpropagate through all K (the one-pass reference). With dropout,
         the two passes draw different dropout masks, so the winner is picked on another draw of the noise.
 
+    collapse_window, collapse_share: a warning (once) when a hypothesis has won less than ``collapse_share`` of the
+        examples over the last ``collapse_window`` optimizer steps, naming the remedies.
+    scoring_learning_rate: the learning rate of the hypothesis-scores head (``MCLConfig(scoring=True)``); default
+        the trainer's. With Adam the scoring loss's weight beta barely matters (the step is normalised), this does.
+
     Logged while training: ``loss``, ``win_rate_h{k}`` (share of examples won by hypothesis k since the last
     log: a hypothesis near 0 has collapsed) and ``temperature`` for the annealed loss (0 once hard WTA).
     Evaluation reports ``eval_loss`` as the vanilla WTA loss (mean over examples of min_k NLL, eq. 2)
-    whatever the training loss, plus ``eval_nll_h{k}`` and ``eval_win_rate_h{k}``. A ``compute_metrics`` function
-    receives the per-example NLLs [N, K] as its predictions.
+    whatever the training loss, plus ``eval_nll_h{k}``, ``eval_win_rate_h{k}`` and, with hypothesis scores
+    (``MCLConfig(scoring=True)``), ``eval_mixture_nll``. A ``compute_metrics`` function receives the per-example
+    NLLs [N, K] as its predictions.
 
     Checkpoints are atomic: ``checkpoint-N`` is written as ``incomplete-checkpoint-N/checkpoint-N`` and renamed into
     place once every rank has written its part, so a ``checkpoint-N`` folder that exists is whole. ``train(
@@ -120,11 +129,24 @@ class MCLTrainer(Trainer):
     DDP runs without the unused-parameter search unless ``ddp_find_unused_parameters`` is set.
     """
 
-    def __init__(self, model: MCLModel | None = None, *args, two_pass_wta: bool = True, **kwargs) -> None:
+    def __init__(self, model: MCLModel | None = None, *args, two_pass_wta: bool = True, collapse_window: int = 100,
+                 collapse_share: float = 0.01, scoring_learning_rate: float | None = None, **kwargs) -> None:
         if not isinstance(model, MCLModel):
             raise TypeError(f"MCLTrainer trains an MCLModel (from get_mcl_model), got {type(model).__name__}")
+        if isinstance(collapse_window, bool) or not isinstance(collapse_window, int) or collapse_window < 1:
+            raise ValueError(f"collapse_window must be a number of steps >= 1, got {collapse_window!r}")
+        if not 0.0 <= collapse_share < 1.0:
+            raise ValueError(f"collapse_share must be in [0, 1), got {collapse_share!r}")
+        if scoring_learning_rate is not None and not (math.isfinite(scoring_learning_rate)
+                                                      and scoring_learning_rate > 0):
+            raise ValueError(f"scoring_learning_rate must be a finite number > 0, got {scoring_learning_rate!r}")
         _refuse_float16_adapters(model)
         self.two_pass_wta = two_pass_wta
+        self.scoring_learning_rate = scoring_learning_rate
+        self.collapse_window, self.collapse_share = collapse_window, collapse_share
+        self._recent_wins: collections.deque = collections.deque()  # (first step, last step, wins [K]) per log
+        self._wins_since_step = 0
+        self._collapse_warned = False
         self._staging_dir: str | None = None  # while a checkpoint is being written: where Trainer must write it
         self._push_when_published = False
         super().__init__(model, *args, **kwargs)
@@ -139,6 +161,7 @@ class MCLTrainer(Trainer):
         self._last_temperature: float | None = None  # tau used by the latest training step (annealed loss)
         self._nonfinite_loss = torch.zeros((), dtype=torch.bool, device=self.args.device)  # checked when logging
         self._eval_nll: list[torch.Tensor] = []
+        self._eval_mixture: list[torch.Tensor] = []  # [B] per batch, with hypothesis scores
 
     def _build_accelerator_args(self, **kwargs) -> dict:
         accelerator_args = super()._build_accelerator_args(**kwargs)
@@ -162,13 +185,16 @@ class MCLTrainer(Trainer):
         mcl.training_step = self.state.global_step
         if model.training and self.two_pass_wta and mcl.mcl_config.loss == "wta" and mcl.num_hypotheses > 1:
             with torch.no_grad():
-                nll = model(**inputs).nll  # [B, K]
-            winners = nll.argmin(dim=1)  # [B], ties -> lowest k, as in the one-pass loss
+                scored = model(**inputs)  # nll [B, K]; the scoring head, if any, learns from this pass
+            winners = loss_winners(scored.nll, mcl.mcl_config.tie_break)  # [B], as the one-pass loss picks them
             outputs = model(**inputs, hypotheses=winners)  # forward + backward of the winner rows only
-            outputs.nll = nll
+            outputs.nll = scored.nll
+            if scored.scoring_loss is not None:
+                outputs.loss = outputs.loss + mcl.mcl_config.scoring_weight * scored.scoring_loss
+                outputs.log_scores, outputs.mixture_nll = scored.log_scores, scored.mixture_nll
         else:
             outputs = model(**inputs)
-            winners = outputs.nll.detach().argmin(dim=1)  # [B]
+            winners = outputs.weights.argmax(dim=1)  # [B]: the loss's winners (ties broken as the loss broke them)
         if model.training:
             self._nonfinite_loss |= ~torch.isfinite(outputs.loss.detach())  # no host sync here
             self._last_temperature = temperature_at(mcl.training_step, mcl.mcl_config)
@@ -206,8 +232,11 @@ class MCLTrainer(Trainer):
                         ignore_keys: list[str] | None = None):
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
-            nll = model(**inputs).nll.detach()  # [B, K]
+            outputs = model(**inputs)
+        nll = outputs.nll.detach()  # [B, K]
         self._eval_nll.append(self.accelerator.gather_for_metrics(nll).float().cpu())
+        if outputs.mixture_nll is not None:
+            self._eval_mixture.append(self.accelerator.gather_for_metrics(outputs.mixture_nll).float().cpu())
         loss = nll.min(dim=1).values.mean()  # vanilla WTA, eq. 2
         return loss, (None if prediction_loss_only else nll), None
 
@@ -221,7 +250,7 @@ class MCLTrainer(Trainer):
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix: str = "eval"):
-        self._eval_nll = []
+        self._eval_nll, self._eval_mixture = [], []
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                          metric_key_prefix)
         if self._eval_nll:
@@ -230,7 +259,9 @@ class MCLTrainer(Trainer):
             for k in range(nll.shape[1]):
                 output.metrics[f"{metric_key_prefix}_nll_h{k}"] = nll[:, k].mean().item()
                 output.metrics[f"{metric_key_prefix}_win_rate_h{k}"] = wins[k].item()
-        self._eval_nll = []
+        if self._eval_mixture:
+            output.metrics[f"{metric_key_prefix}_mixture_nll"] = torch.cat(self._eval_mixture).mean().item()
+        self._eval_nll, self._eval_mixture = [], []
         return output
 
     # ---- logging ----------------------------------------------------------------------------------------
@@ -245,9 +276,71 @@ class MCLTrainer(Trainer):
                 for k, count in enumerate(wins.tolist()):
                     logs[f"win_rate_h{k}"] = count / total
             self._train_wins.zero_()
+            self._watch_for_collapse(wins.cpu())
             if self._mcl_model().mcl_config.loss == "annealed":
                 logs["temperature"] = self._last_temperature or 0.0  # of the latest step; 0 once hard WTA
         super().log(logs, start_time)
+
+    def create_optimizer(self, model=None):
+        """Trainer's optimizer, with the scoring head (if any) in its own parameter group at
+        ``scoring_learning_rate`` (the same schedule applies): a probe on detached features may learn faster than the
+        hypotheses without disturbing them."""
+        optimizer = super().create_optimizer(model)
+        head = self._mcl_model().scoring_head
+        if head is not None and self.scoring_learning_rate is not None:
+            head_parameters = set(head.parameters())
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if p not in head_parameters]
+            # with the hypotheses frozen (fitting the scores of a finished run) only the head's group is left
+            optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
+            optimizer.add_param_group({"params": list(head_parameters), "lr": self.scoring_learning_rate,
+                                       "weight_decay": 0.0})
+        return optimizer
+
+    def _clip_grad_norm(self, model):
+        """Gradient clipping, the hypotheses and the scoring head each by their own norm: the head's gradients must not
+        shrink the hypotheses' step (with them separate, the hypotheses train bit-identically with and without
+        scores). The returned (logged) norm is the hypotheses'. Under DeepSpeed or FSDP, whose clipping spans the
+        whole model, Trainer's own clipping applies."""
+        head = self._mcl_model().scoring_head
+        if head is None or self.accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP) \
+                or self._has_mixed_mesh_grads(model):
+            return super()._clip_grad_norm(model)
+        head_parameters = set(head.parameters())
+        hypotheses = [p for p in model.parameters() if p not in head_parameters]
+        self.accelerator.clip_grad_norm_(list(head_parameters), self.args.max_grad_norm)
+        return self.accelerator.clip_grad_norm_(hypotheses, self.args.max_grad_norm)
+
+    def _watch_for_collapse(self, wins: torch.Tensor) -> None:
+        """Warn once when a hypothesis has won less than ``collapse_share`` of the examples over the last
+        ``collapse_window`` optimizer steps: under vanilla WTA it then gets no gradient and never recovers."""
+        step = self.state.global_step
+        self._recent_wins.append((self._wins_since_step, step, wins))
+        self._wins_since_step = step
+        while self._recent_wins and self._recent_wins[0][1] <= step - self.collapse_window:
+            self._recent_wins.popleft()  # entirely before the window
+        if self._collapse_warned or len(wins) < 2 or not self._recent_wins:
+            return
+        first = self._recent_wins[0][0]
+        if step - first < self.collapse_window:
+            return  # the window is not covered yet
+        recent = torch.stack([w for _, _, w in self._recent_wins]).sum(dim=0).double()  # [K]
+        if recent.sum() == 0:
+            return
+        shares = recent / recent.sum()
+        idle = [k for k, share in enumerate(shares.tolist()) if share < self.collapse_share]
+        if not idle:
+            return
+        self._collapse_warned = True
+        if self.is_world_process_zero():
+            loss = self._mcl_model().mcl_config.loss
+            named = ", ".join(f"h{k} ({100 * shares[k]:.1f}%)" for k in idle)
+            warnings.warn(
+                f"hypothesis collapse: {named} won less than {100 * self.collapse_share:g}% of the examples over "
+                f"steps {first}-{step} (loss={loss!r}); a hypothesis that never wins gets no gradient under vanilla "
+                "WTA and stays where it is. Remedies: relaxed WTA (MCLConfig(loss='relaxed', epsilon=0.05)), "
+                "annealed MCL (loss='annealed'), random tie-breaking at initialisation (tie_break='random'), or "
+                "fewer hypotheses than the data has modes.", stacklevel=2)
 
     # ---- inputs, files ----------------------------------------------------------------------------------
 

@@ -122,8 +122,12 @@ class Experiment:
     def read(cls, path: Path) -> Experiment:
         from loramcl.recipe.files import experiment_values
 
-        return cls(**experiment_values(path, cls.__dataclass_fields__,
-                                       ("out", "textcaps", "images", "bilingual.translator")))
+        values = experiment_values(path, list(cls.__dataclass_fields__), paths=("out", "textcaps", "images"))
+        bilingual = values.get("bilingual")
+        if isinstance(bilingual, dict) and isinstance(bilingual.get("translator"), str):  # relative to this file too
+            translator = Path(path).parent / Path(bilingual["translator"]).expanduser()
+            values["bilingual"] = {**bilingual, "translator": str(translator.resolve())}
+        return cls(**values)
 
 
 def run_values(folder: Path, run: str, root: Path, quick: bool) -> dict:
@@ -312,7 +316,7 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
     experiment = Experiment.read(folder / EXPERIMENT)
     root = Path(out if out is not None else experiment.out)
     stages = Stages(root)
-    chosen = chosen_budgets(experiment.budgets, budgets, quick)
+    chosen = chosen_budgets(budgets, experiment.budgets, quick)
     runs = run_names(folder, reserved=(EXPERIMENT, COMMON))
     values = {run: run_values(folder, run, root, quick) for run in runs}
     systems = systems_of(experiment, values, chosen)

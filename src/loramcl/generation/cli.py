@@ -57,6 +57,7 @@ def generate(
     dtype: Dtype = "float32",
     device: str = "cpu",
     progress: bool = True,
+    sort_by_score: bool = False,
 ) -> str:
     """Decode K candidates per prompt of a JSONL file; write them as `loramcl evaluate` reads predictions.
 
@@ -67,8 +68,9 @@ def generate(
         model: local folder of the base model (transformers format; a causal or a sequence-to-sequence LM).
         input: JSONL, one object per prompt: {"id": ..., "prompt": "..."} ("id" optional: the line's index).
         out: output JSONL, one line per prompt: {"id", "candidates": [K texts], "log_probs": [K floats]} (+
-            "hypotheses" for an MCL model). log_probs: sum of the generated tokens' log-probabilities under the
-            model's raw distribution (before repetition penalty, temperature or filtering).
+            "hypotheses" for an MCL model, + "scores": [K p(k|c)] for one with hypothesis scores). log_probs: sum of
+            the generated tokens' log-probabilities under the model's raw distribution (before repetition penalty,
+            temperature or filtering).
         adapters: a folder written by MCLModel.save_pretrained / MCLTrainer / `loramcl train` (MCL hypotheses, or
             a LoRA-MoE or multi-head MCL baseline), or a PEFT adapter folder (a LoRA-MLE baseline); none: the base
             model itself.
@@ -100,6 +102,7 @@ def generate(
             training run of `adapters` did, from its run.json beside them or, for OUT/peft, in OUT; without one, no).
         dtype: float32, bfloat16 or float16.
         device: e.g. cpu, cuda, cuda:1.
+        sort_by_score: an MCL model with hypothesis scores: each prompt's candidates most probable first.
         progress: a progress bar (prompts decoded) on stderr.
     """
     from loramcl.data.prompts import prompt_text
@@ -143,12 +146,14 @@ def generate(
                 num_sequences=num_sequences, hypotheses=hypotheses, max_new_tokens=max_new_tokens,
                 repetition_penalty=repetition_penalty, temperature=temperature, top_k=top_k, top_p=top_p,
                 typical_p=typical_p, seed=seed + b, num_beam_groups=num_beam_groups,
-                diversity_penalty=diversity_penalty, augment=augment_fn)
+                diversity_penalty=diversity_penalty, augment=augment_fn, sort_by_score=sort_by_score)
             for item_id, candidates in zip(ids[start:start + batch_size], outs, strict=True):
                 record = {"id": item_id, "candidates": [c.text for c in candidates],
                           "log_probs": [c.log_prob for c in candidates]}
                 if is_mcl and candidates[0].hypothesis is not None:
                     record["hypotheses"] = [c.hypothesis for c in candidates]
+                if candidates[0].score is not None:
+                    record["scores"] = [c.score for c in candidates]
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
             bar.update(len(chunk))
     per_prompt = len(outs[0])
@@ -157,21 +162,20 @@ def generate(
 
 
 def load_model(model: str, adapters: str | None = None, dtype: str = "float32", device: str = "cpu"):
-    """A local transformers model (causal, sequence-to-sequence, or image-text-to-text such as LLaVA-NeXT) in eval
-    mode, with MCL adapters (an MCLModel), a PEFT adapter (a PeftModel) or none."""
+    """A local transformers model (causal, sequence-to-sequence, or an audio/vision-language model such as
+    Qwen2-Audio) in eval mode, with MCL adapters (an MCLModel), a PEFT adapter (a PeftModel) or none."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMultimodalLM, AutoModelForSeq2SeqLM
 
     from loramcl.model import CONFIG_NAME, load_mcl_model
 
     check_choice("dtype", dtype, DTYPES)
     config = AutoConfig.from_pretrained(model)
-    if getattr(config, "vision_config", None) is not None:
-        model_class = AutoModelForImageTextToText
-    elif getattr(config, "is_encoder_decoder", False):
+    if getattr(config, "is_encoder_decoder", False):
         model_class = AutoModelForSeq2SeqLM
-    else:
-        model_class = AutoModelForCausalLM
+    else:  # a multimodal LM (Qwen2-Audio, LLaVA) has no causal-LM class of its own
+        model_class = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else \
+            AutoModelForMultimodalLM
     loaded = model_class.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
     if adapters is None:
         return loaded

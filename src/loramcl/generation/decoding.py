@@ -43,12 +43,15 @@ class Candidate:
         penalty. For an MCL candidate it is the likelihood under hypothesis ``hypothesis``, so candidates of all
         strategies are comparable. None when ``log_probs=False``.
     hypothesis: the MCL hypothesis (adapter set) that produced it; None for a single-model baseline.
+    score: p(k | c) of that hypothesis for this input, for an MCL model with hypothesis scores
+        (``MCLConfig(scoring=True)``) when all K hypotheses are decoded; read from the prefill of the same generate.
     """
 
     text: str | None
     token_ids: list[int]
     log_prob: float | None
     hypothesis: int | None = None
+    score: float | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ def generate_hypotheses(
     diversity_penalty: float | None = None,
     augment: Callable[[dict, int], dict] | None = None,
     log_probs: bool = True,
+    sort_by_score: bool = False,
     **generate_kwargs,
 ) -> list[list[Candidate]]:
     """Decode K candidates per input: ``outs[i][k]`` is candidate k of input i (a ``Candidate``).
@@ -133,6 +137,9 @@ def generate_hypotheses(
         chose the same token at the same step for the same input; each hypothesis returns its best. λ = 0 is
         'beam'. Needs 2 or more hypotheses; ``num_beam_groups``, if given, must be their number.
       - ``hypotheses=[k, ...]`` decodes only those hypotheses, in that order (``outs[i]`` has one entry each).
+      - with hypothesis scores (``MCLConfig(scoring=True)``) and all K hypotheses decoded, each candidate carries
+        ``score`` = p(k | c), read from the prefill of the same generate; ``sort_by_score=True`` returns each
+        input's candidates most probable first (``Candidate.hypothesis`` still says which is which).
     Single model (a ``PreTrainedModel``, a PEFT ``PeftModel``, an MCL model with K=1, or one hypothesis of an MCL
     model chosen with ``hypotheses=[k]``): the baselines, with ``num_sequences=K`` required.
       - 'beam': beam search with ``num_beams >= K``, returns its K best beams (best first);
@@ -171,6 +178,7 @@ def generate_hypotheses(
         num_beam_groups, diversity_penalty: 'diverse_beam' only (for an MCL model the groups are its hypotheses).
         augment: 'tta' only: ``augment(inputs, k) -> inputs``, called on the tokenized/processed batch.
         log_probs: compute ``Candidate.log_prob`` (keeps the raw logits of every step during generation).
+        sort_by_score: MCL model with hypothesis scores: candidates of each input by decreasing p(k | c).
         generate_kwargs: other arguments of transformers' ``generate`` (e.g. ``min_new_tokens``,
             ``length_penalty``, ``no_repeat_ngram_size``, ``eos_token_id``).
 
@@ -220,8 +228,14 @@ def generate_hypotheses(
                               temperature, top_k, top_p, typical_p, log_probs, generate_kwargs)
     decoder = _Decoder(model, tokenizer, kwargs, seed, log_probs,
                        routing=selected[0] if selected is not None and not mcl_path else None)
+    if sort_by_score:
+        if not (mcl_path and getattr(model, "scoring_head", None) is not None
+                and sorted(selected) == list(range(model.num_hypotheses))):
+            raise ValueError("sort_by_score needs an MCL model with hypothesis scores (MCLConfig(scoring=True)) "
+                             "decoding all of its hypotheses with an MCL strategy")
     if mcl_path:
-        return decoder.mcl(batch, selected, diversity_penalty if strategy == "diverse_beam" else None)
+        outs = decoder.mcl(batch, selected, diversity_penalty if strategy == "diverse_beam" else None)
+        return [sorted(c, key=lambda x: -x.score) for c in outs] if sort_by_score else outs
     if strategy == "stochastic_router":
         return decoder.stochastic_router(batch, num_sequences)
     if strategy == "tta":
@@ -495,8 +509,11 @@ class _Decoder:
         rows, copies = _batch_size(batch), len(selected)
         # One hypothesis: plain single routing; else one routing entry per copy of the batch.
         routing = selected[0] if copies == 1 else torch.tensor(selected)  # [K']
+        head = getattr(self.model, "scoring_head", None)
+        scoring = head is not None and sorted(selected) == list(range(self.model.num_hypotheses))
+        capture = self.model.capture_context() if scoring else contextlib.nullcontext([])
         repeated = _repeat_batch(batch, copies)
-        with _seeded(self.seed, self.device):
+        with _seeded(self.seed, self.device), capture as context:
             if diversity_penalty is None:
                 candidates = self._generate(repeated, routing, copies=True)  # [K'*B], hypothesis-major
             else:
@@ -507,9 +524,17 @@ class _Decoder:
                                                      num_beams=self.kwargs["num_beams"],
                                                      diversity_penalty=diversity_penalty, **self._diverse_kwargs())
                     candidates = self._candidates(output, repeated, per_input=1)  # [K'*B], hypothesis-major
+        probabilities = None
+        if scoring and context:  # the prefill's last position: [K'*B*beams, d], beams of a row consecutive
+            states = context[0].view(copies, rows, -1, context[0].shape[-1])[:, :, 0]  # [K', B, d], copy order
+            order = torch.tensor(selected, device=states.device).argsort()  # copies in hypothesis order
+            with torch.no_grad():
+                probabilities = head(states[order]).exp()[:, torch.tensor(selected)].tolist()  # [B][K'] p(k | c)
         for c, k in enumerate(selected):
             for i in range(rows):
                 candidates[c * rows + i].hypothesis = k
+                if probabilities is not None:
+                    candidates[c * rows + i].score = probabilities[i][c]
         return [[candidates[c * rows + i] for c in range(copies)] for i in range(rows)]
 
     def stochastic_router(self, batch: dict, copies: int) -> list[list[Candidate]]:

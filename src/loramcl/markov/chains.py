@@ -141,7 +141,12 @@ PRESET_CHAINS = {
 }
 
 
+# presets with unequal mixture weights (uniform otherwise)
+PRESET_WEIGHTS = {"fig2-weighted": [0.7, 0.3]}
+PRESET_CHAINS["fig2-weighted"] = PRESET_CHAINS["fig2"]  # fig2's chains, drawn 70% / 30%
+
+
 def preset_mixture(name: str) -> MarkovMixture:
     if name not in PRESET_CHAINS:
         raise ValueError(f"unknown chains preset {name!r}; choose one of {sorted(PRESET_CHAINS)}")
-    return MarkovMixture(np.array(PRESET_CHAINS[name]), name=name)
+    return MarkovMixture(np.array(PRESET_CHAINS[name]), PRESET_WEIGHTS.get(name), name=name)

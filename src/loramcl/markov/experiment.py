@@ -16,6 +16,7 @@ from transformers import GPTNeoConfig, GPTNeoForCausalLM, PrinterCallback, Train
 
 from loramcl.config import MCLConfig, _positive_int, _real
 from loramcl.markov.chains import MarkovMixture
+from loramcl.markov.theory import optimal_nll
 from loramcl.model import MCLModel, get_mcl_model
 from loramcl.trainer import MCLTrainer
 
@@ -35,6 +36,9 @@ class RunSettings:
     temperature0: float = 1.0  # annealed MCL: tau(t) = temperature0 * temperature_decay ** t
     temperature_decay: float = 0.99
     temperature_min: float = 1e-3  # vanilla WTA below this temperature
+    tie_break: str = "lowest"  # MCL: who wins an exact tie (every sequence at initialisation): lowest k or random
+    scoring: bool = False  # MCL: hypothesis scores p(k | c) (issue 17), checked against the chain's posterior
+    scoring_learning_rate: float | None = None  # their head's learning rate (None: learning_rate)
     steps: int = 500
     batch_size: int = 128
     learning_rate: float = 1e-4
@@ -216,7 +220,8 @@ def train_run(name: str, mixture: MarkovMixture, settings: RunSettings, seed: in
         k = 1 if name == "mle" else settings.hypotheses
         rank = settings.rank * settings.hypotheses if name == "mle" else settings.rank
         loss = {"loss": settings.loss, "epsilon": settings.epsilon, "temperature0": settings.temperature0,
-                "temperature_decay": settings.temperature_decay, "temperature_min": settings.temperature_min}
+                "temperature_decay": settings.temperature_decay, "temperature_min": settings.temperature_min,
+                "tie_break": settings.tie_break, "scoring": settings.scoring}
         config = MCLConfig(num_hypotheses=k, r=rank, alpha=rank, dropout=0.0, target_modules=TARGETS,
                            **(loss if k > 1 else {}))
         model = get_mcl_model(toy_model(settings, mixture.num_states, seed), config)
@@ -232,7 +237,7 @@ def train_run(name: str, mixture: MarkovMixture, settings: RunSettings, seed: in
         use_cpu=not torch.cuda.is_available(), seed=seed, data_seed=seed, disable_tqdm=True,
         dataloader_drop_last=True)
     trainer = MCLTrainer(model, args=args, train_dataset=SequenceDataset(train_x),
-                         eval_dataset=SequenceDataset(eval_x))
+                         eval_dataset=SequenceDataset(eval_x), scoring_learning_rate=settings.scoring_learning_rate)
     trainer.remove_callback(PrinterCallback)
     if show_progress:
         trainer.add_callback(_Progress(f"{name.upper()} K={k} seed {seed}", settings.steps))
@@ -250,9 +255,23 @@ def train_run(name: str, mixture: MarkovMixture, settings: RunSettings, seed: in
                                                        mixture.num_states)
     model.save_pretrained(out)
     trainable, total = model.parameter_counts()
+    extra = {"validation_optimum": optimal_nll(mixture, eval_x)}  # the true mixture's loss on these sequences
+    if getattr(model, "scoring_head", None) is not None:
+        extra |= {"scores_given_first_state": scores_given_first_state(model, mixture.num_states, device).tolist(),
+                  "mixture_nll": final["eval_mixture_nll"]}
     return RunResult(
         name=name, seed=seed, eval_steps=[s for s, _ in history], eval_losses=[v for _, v in history],
         final_loss=final["eval_loss"], win_rates=[final[f"eval_win_rate_h{h}"] for h in range(k)],
         transitions=_json_matrices(transitions), transitions_all=_json_matrices(transitions_all),
         trainable_parameters=trainable, total_parameters=total,
-        seconds=round(seconds, 1))
+        seconds=round(seconds, 1), extra=extra)
+
+
+def scores_given_first_state(model: MCLModel, num_states: int, device: torch.device) -> np.ndarray:
+    """p(k | x_1 = v) of a model with hypothesis scores: [V, K]. The context before the first prediction is the first
+    state alone, so one two-token sequence per state gives it (the second token only makes a label)."""
+    states = torch.arange(num_states, device=device)
+    sequences = torch.stack([states, states], dim=1)  # [V, 2]
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=sequences, labels=sequences).log_scores.exp().double().cpu().numpy()

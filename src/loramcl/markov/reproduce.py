@@ -28,6 +28,12 @@ PRESETS = {
     "fig6": ("fig6", OURS, OUR_NOTE.format(init=DEFAULT_INIT, lr=DEFAULT_LR, fig="fig6")),
     "paper-fig2": ("fig2", {}, PAPER_NOTE),
     "paper-fig6": ("fig6", {}, PAPER_NOTE),
+    "scores": ("fig2-weighted", {**OURS, "scoring": True, "scoring_learning_rate": 1e-2},
+               "Hypothesis scores p(k|c) (issue 17) on fig2's chains drawn with weights 0.7 / 0.3: the context "
+               "before the first prediction is x_1, so the scores must learn the chain's posterior p(z | x_1) = "
+               "w_z pi_z(x_1) / sum_j w_j pi_j(x_1), and the mixture sum_k p(k|x_1) p_k(x_2..x_T | x_1) must be as "
+               "good a density as LoRA-MLE, while the oracle loss stays in the MCL band. The scores' head learns at "
+               "1e-2 (10x the adapters). docs/markov.md has the numbers."),
     "three": ("three", {**OURS, "hypotheses": 3, "rank": 21, "loss": "annealed", "temperature0": 1.0,
                         "temperature_decay": 0.985},
               "Three chains over three states, K = 3 hypotheses of rank 21 (LoRA-MLE: rank 63), trained with annealed "
@@ -43,7 +49,8 @@ def markov(out: LocalPath = "runs/markov", preset: str = "fig2", chains: LocalPa
            hypotheses: int | None = None,
            seeds: int = 3, steps: int | None = None, loss: str | None = None, epsilon: float | None = None,
            temperature0: float | None = None, temperature_decay: float | None = None,
-           learning_rate: float | None = None, initializer_range: float | None = None, skip_mle: bool = False,
+           learning_rate: float | None = None, initializer_range: float | None = None,
+           tie_break: str | None = None, scoring: bool | None = None, skip_mle: bool = False,
            quick: bool = False, threads: int | None = None) -> dict:
     """Train LoRA-MLE and LoRA-MCL on a mixture of Markov chains and compare them with the theory.
 
@@ -52,7 +59,8 @@ def markov(out: LocalPath = "runs/markov", preset: str = "fig2", chains: LocalPa
     Args:
         out: Output folder.
         preset: fig2 or fig6 (the paper's chains, with our default settings), paper-fig2 or paper-fig6 (the
-            paper's exact settings), three (3 chains over 3 states, K = 3).
+            paper's exact settings), three (3 chains over 3 states, K = 3), scores (fig2's chains weighted 0.7 / 0.3,
+            with hypothesis scores).
         chains: A JSON file {"chains": [[[...]]], "weights": [...], "seq_len": 32} replacing the preset's chains
             (weights and seq_len optional; the preset still gives the training settings).
         hypotheses: K of the MCL model (default: the preset's, or one per chain with --chains).
@@ -64,6 +72,8 @@ def markov(out: LocalPath = "runs/markov", preset: str = "fig2", chains: LocalPa
         temperature_decay: Annealed MCL: tau(t) = temperature0 * temperature_decay ** t (vanilla WTA below 1e-3).
         learning_rate: AdamW learning rate (the preset's: 1e-3 ours, 1e-4 the paper's).
         initializer_range: Std of the frozen random base model's weights.
+        tie_break: MCL: who wins an exact tie (every sequence at initialisation): lowest (the paper's) or random.
+        scoring: MCL: learn hypothesis scores p(k|c) and report them against the chain's posterior (preset scores).
         skip_mle: Train LoRA-MCL only.
         quick: A short run for tests: 1 seed, 100 steps, validation on 500 sequences every 25 steps.
         threads: torch CPU threads (None keeps torch's default, one per core; use 1 when other jobs share the
@@ -90,7 +100,7 @@ def markov(out: LocalPath = "runs/markov", preset: str = "fig2", chains: LocalPa
         settings, seeds = replace(settings, **QUICK), 1
     given = {"hypotheses": hypotheses, "steps": steps, "loss": loss, "epsilon": epsilon, "temperature0": temperature0,
              "temperature_decay": temperature_decay, "learning_rate": learning_rate,
-             "initializer_range": initializer_range}
+             "initializer_range": initializer_range, "tie_break": tie_break, "scoring": scoring}
     settings = replace(settings, **{k: v for k, v in given.items() if v is not None})
     if settings.hypotheses < 2:
         raise ValueError(f"hypotheses must be at least 2 for LoRA-MCL, got {settings.hypotheses}")

@@ -44,6 +44,27 @@ def sequence_log_likelihoods(mixture: MarkovMixture, x: np.ndarray) -> np.ndarra
     return steps.sum(axis=2).T
 
 
+def _log_joint_first(mixture: MarkovMixture) -> np.ndarray:
+    """log p(z = k, x_1 = v) = log w_k + log pi_k(v): [K, V]."""
+    with np.errstate(divide="ignore"):
+        return np.log(mixture.weights)[:, None] + np.log(mixture.stationary)
+
+
+def chain_posterior(mixture: MarkovMixture) -> np.ndarray:
+    """p(z = k | x_1 = v) = w_k pi_k(v) / sum_j w_j pi_j(v), [V, K]: which chain drew a sequence, given its first
+    state (the context the model reads before predicting x_2). What hypothesis scores p(k | c) must learn."""
+    log_joint = _log_joint_first(mixture)  # [K, V]
+    return np.exp(log_joint - np.logaddexp.reduce(log_joint, axis=0)).T
+
+
+def optimal_nll(mixture: MarkovMixture, x: np.ndarray) -> float:
+    """The true mixture's mean -log p(x_2..x_T | x_1) per predicted token on the sequences x [N, T]: what a perfect
+    density model scores on exactly these sequences (H(x) is its expectation)."""
+    log_joint = _log_joint_first(mixture)[:, x[:, 0]].T + sequence_log_likelihoods(mixture, x)  # [N, K]
+    log_first = np.logaddexp.reduce(_log_joint_first(mixture), axis=0)[x[:, 0]]  # [N]: log p(x_1)
+    return float(-(np.logaddexp.reduce(log_joint, axis=1) - log_first).mean() / (x.shape[1] - 1))
+
+
 def _entropy(log_p: np.ndarray, axis: int) -> np.ndarray:
     return -(np.exp(log_p) * np.where(np.isfinite(log_p), log_p, 0.0)).sum(axis=axis)
 
@@ -58,8 +79,7 @@ def mixture_entropy(mixture: MarkovMixture, num_samples: int = 50_000, seed: int
     in [0, log K]), and it can never leave H(x) above H(x | z) + log K / (T-1).
     """
     x, _ = mixture.sample(num_samples, seed)
-    with np.errstate(divide="ignore"):
-        log_prior_x1 = np.log(mixture.weights)[:, None] + np.log(mixture.stationary)  # [K, V]: log p(z, x_1)
+    log_prior_x1 = _log_joint_first(mixture)  # [K, V]: log p(z, x_1)
     log_post_x1 = log_prior_x1 - np.logaddexp.reduce(log_prior_x1, axis=0)  # [K, V]: log p(z | x_1)
     p_x1 = np.exp(log_prior_x1).sum(axis=0)  # [V]
     h_z_given_x1 = float((p_x1 * _entropy(log_post_x1, axis=0)).sum())

@@ -48,13 +48,15 @@ def evaluate(
         exclude: metrics to leave out, comma-separated (e.g. "spice,spider" without the SPICE jars).
         group_key: a field of the references (or predictions) lines, e.g. "lang": win rates per group.
         winner_metric: candidate-level metric deciding which hypothesis wins an item (default cider_d if computed).
-        nll: optional JSONL {"id": ..., "nll": [[K floats] per reference]} -> oracle NLL and perplexity.
+        nll: optional JSONL {"id": ..., "nll": [[K floats] per reference]} -> oracle NLL and perplexity (+ the
+            mixture NLL when its lines have "mixture_nll", as `loramcl nll` writes for adapters with hypothesis
+            scores). Predictions with "scores" (p(k|c), from such adapters) also get score_top1 and score_ece.
         spice_dir: folder with the Stanford CoreNLP 3.6.0 jars for SPICE (default: $LORAMCL_SPICE_DIR).
         sbert_model: local sentence-transformers folder (default: the packaged all-MiniLM-L6-v2).
         bleu_tokenize: sacrebleu tokenizer for Loo-BLEU and Pairwise-BLEU (the paper: 13a).
         tokenize: PTB-tokenize before the COCO and diversity metrics (the paper's protocol).
     """
-    from loramcl.metrics.io import load_nll, load_run, to_jsonable, write_json
+    from loramcl.metrics.io import load_mixture_nll, load_nll, load_run, load_scores, to_jsonable, write_json
     from loramcl.metrics.oracle import winners
     from loramcl.metrics.suite import METRICS, evaluate_candidates, markdown_report, unavailable_groups
 
@@ -63,6 +65,8 @@ def evaluate(
         candidates, refs, metrics=_split(metrics), exclude=_split(exclude), groups=groups,
         winner_metric=winner_metric, nll=load_nll(nll, ids, refs, candidates) if nll else None, spice_dir=spice_dir,
         sbert_model=sbert_model, bleu_tokenize=bleu_tokenize, tokenize=tokenize,
+        mixture_nll=load_mixture_nll(nll, ids, refs) if nll else None,
+        scores=load_scores(predictions, ids, candidates),
     )
     name = name or Path(predictions).name.removesuffix(".jsonl").removesuffix(".json")
     report = {"name": name, "predictions": str(predictions), "references": str(references), **report}

@@ -156,6 +156,48 @@ def load_nll(path: str | Path, ids: list, references: list[list[str]] | None = N
     return arrays
 
 
+def load_scores(path: str | Path, ids: list, candidates: list[list[str]]) -> np.ndarray | None:
+    """The [N, K] p(k | c) of the candidates from a predictions file's "scores" (written for models with hypothesis
+    scores), or None when no line has them. Checked: every line or none, one probability per candidate, each item's
+    summing to 1. Errors name the file and the item."""
+    records = read_jsonl(path, "candidates")
+    present = [i for i in ids if "scores" in records[i]]
+    if not present:
+        return None
+    if len(present) != len(ids):
+        missing = [i for i in ids if "scores" not in records[i]]
+        raise ValueError(f'{path}: "scores" on some lines but not on ids {_names(missing)}: write the predictions '
+                         "of one model in one file")
+    rows = []
+    for n, item in enumerate(ids):
+        row = records[item]["scores"]
+        ok = (isinstance(row, list) and len(row) == len(candidates[n])
+              and all(isinstance(v, int | float) and not isinstance(v, bool) for v in row))
+        if not ok or not np.isfinite(row).all() or min(row) < 0 or abs(sum(row) - 1.0) > 1e-3:
+            raise ValueError(f'{path}: id {item!r}: "scores" must be {len(candidates[n])} probabilities p(k|c) '
+                             f"summing to 1, one per candidate, got {str(row)[:80]}")
+        rows.append(row)
+    return np.asarray(rows, dtype=float)
+
+
+def load_mixture_nll(path: str | Path, ids: list, references: list[list[str]]) -> list[np.ndarray] | None:
+    """Per-item [R_i] mixture NLLs from an NLL file's "mixture_nll" (models with hypothesis scores), or None when
+    no line has them; one finite, non-negative value per reference."""
+    records = read_jsonl(path, "nll")
+    if not any("mixture_nll" in records[i] for i in ids):
+        return None
+    values = []
+    for n, item in enumerate(ids):
+        row = records[item].get("mixture_nll")
+        ok = (isinstance(row, list) and len(row) == len(references[n])
+              and all(isinstance(v, int | float) and not isinstance(v, bool) for v in row))
+        if not ok or not np.isfinite(row).all() or min(row) < 0:
+            raise ValueError(f'{path}: id {item!r}: "mixture_nll" must be {len(references[n])} finite numbers >= 0, '
+                             f"one per reference, got {str(row)[:80]}")
+        values.append(np.asarray(row, dtype=float))
+    return values
+
+
 def to_jsonable(value):
     if isinstance(value, dict):
         return {str(k): to_jsonable(v) for k, v in value.items()}

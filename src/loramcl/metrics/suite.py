@@ -11,7 +11,8 @@ import numpy as np
 
 from loramcl.metrics import diversity, quality, translation
 from loramcl.metrics.nll import check_nll_columns, oracle_nll
-from loramcl.metrics.oracle import candidate_scores, oracle
+from loramcl.metrics.oracle import candidate_scores, oracle, winners
+from loramcl.metrics.ranking import ranking_quality
 from loramcl.metrics.specialisation import win_rates
 from loramcl.metrics.text import check_candidate_sets, check_pairs, ptb_tokenize, require_java
 
@@ -42,7 +43,11 @@ METRICS: dict[str, Metric] = {
                            "per item (score.py's sentence BLEU+1)"),
     "oracle_nll": Metric("likelihood", False, "oracle NLL of the references (nats/token)"),
     "oracle_ppl": Metric("likelihood", False, "oracle perplexity = exp(oracle NLL)"),
+    "mixture_nll": Metric("likelihood", False, "mixture NLL -log sum_k p(k|c) p_k(x|c) of the references (nats/token)"),
+    "score_top1": Metric("ranking", True, "share of items whose most probable candidate (p(k|c)) is the winner"),
+    "score_ece": Metric("ranking", False, "calibration error of p(k|c) against winning (10 bins)"),
 }
+FROM_FILES = ("oracle_nll", "oracle_ppl", "mixture_nll", "score_top1", "score_ece")  # not requested by name
 
 PRESETS: dict[str, tuple[str, ...]] = {
     # paper App. E tables: Div-2, mBLEU-4, BLEU-1/4, METEOR, ROUGE-L, sBERT, CIDEr-D, SPICE, SPIDEr
@@ -70,12 +75,13 @@ def resolve_metrics(metrics: str | Sequence[str], exclude: str | Sequence[str] =
     for name in _split(metrics):
         names += PRESETS.get(name, (name,))
     excluded = _split(exclude)
-    known = set(METRICS) - {"oracle_nll", "oracle_ppl"}
+    known = set(METRICS) - set(FROM_FILES)
     unknown = [n for n in [*names, *excluded] if n not in known]
     if unknown:
         raise ValueError(
             f"unknown metric(s) {unknown}; presets: {sorted(PRESETS)}; metrics: {sorted(known)} "
-            "(the oracle NLL comes from an NLL file, not from this list)"
+            "(the NLL metrics come from an NLL file and the ranking metrics from the candidates' scores, not from "
+            "this list)"
         )
     names = [n for n in dict.fromkeys(names) if n not in excluded]
     if not names:
@@ -91,6 +97,8 @@ def evaluate_candidates(
     groups: Sequence[str] | None = None,
     winner_metric: str | None = None,
     nll=None,
+    mixture_nll=None,
+    scores=None,
     spice_dir: str | None = None,
     sbert_model: str | None = None,
     sbert_batch_size: int = 64,
@@ -110,6 +118,10 @@ def evaluate_candidates(
         winner_metric: the candidate-level metric that decides which hypothesis wins an item; default cider_d if
             computed, else the first oracle metric, else sacrebleu sentence BLEU.
         nll: optional per-reference NLL [num_refs, K] or per-item [R_i, K] arrays -> oracle_nll / oracle_ppl.
+        mixture_nll: optional per-reference mixture NLL of a model with hypothesis scores ([num_refs], or per-item
+            [R_i] arrays) -> mixture_nll (its mean over the references).
+        scores: optional [N, K] p(k | c) of the candidates (a model with hypothesis scores) -> score_top1 and
+            score_ece, against the winners of ``winner_metric``.
         spice_dir: folder with the Stanford CoreNLP 3.6.0 jars for SPICE (default $LORAMCL_SPICE_DIR).
         sbert_model: local sentence-transformers folder (default: the packaged all-MiniLM-L6-v2).
         sbert_batch_size: encoder batch size.
@@ -197,8 +209,8 @@ def evaluate_candidates(
     try:
         bleu_orders = [int(n[4:]) for n in names if n.startswith("bleu")]
         if bleu_orders:
-            scores = timed("bleu", candidate_scores, quality.bleu, cands_tok, refs_tok, n=max(bleu_orders))
-            matrices |= {f"bleu{n}": scores[f"bleu{n}"] for n in bleu_orders}
+            bleu = timed("bleu", candidate_scores, quality.bleu, cands_tok, refs_tok, n=max(bleu_orders))
+            matrices |= {f"bleu{n}": bleu[f"bleu{n}"] for n in bleu_orders}
         if "rouge_l" in names:
             matrices |= timed("rouge_l", candidate_scores, quality.rouge_l, cands_tok, refs_tok)
         if "cider_d" in names or "spider" in names:
@@ -228,8 +240,8 @@ def evaluate_candidates(
         values |= timed("div", diversity.div_n, cands_tok, div_orders)
     mbleu_orders = [int(n[5:]) for n in names if n.startswith("mbleu")]
     if mbleu_orders:
-        scores = timed("mbleu", diversity.mbleu, cands_tok, max(mbleu_orders))
-        values |= {f"mbleu{n}": scores[f"mbleu{n}"] for n in mbleu_orders}
+        mbleu = timed("mbleu", diversity.mbleu, cands_tok, max(mbleu_orders))
+        values |= {f"mbleu{n}": mbleu[f"mbleu{n}"] for n in mbleu_orders}
     if "loo_bleu" in names:
         values |= timed("loo_bleu", translation.loo_bleu, candidates, references, tokenize=bleu_tokenize)
     if "pairwise_bleu" in names:
@@ -250,6 +262,18 @@ def evaluate_candidates(
     specialisation = {"metric": winner_metric, **win_rates(matrices[winner_metric], groups, higher_is_better)}
     if likelihood is not None:
         specialisation["nll_win_rate"] = likelihood["win_rate"]
+    if mixture_nll is not None:
+        flat = np.concatenate([np.atleast_1d(np.asarray(m, dtype=float)) for m in mixture_nll])
+        if not np.isfinite(flat).all() or (flat < 0).any():
+            raise ValueError("mixture_nll must be finite and >= 0 (nats per token)")
+        values["mixture_nll"] = float(flat.mean())
+    if scores is not None:
+        if np.shape(scores) != (len(candidates), num_candidates):
+            raise ValueError(f"scores must give p(k | c) for each of the {num_candidates} candidates of the "
+                             f"{len(candidates)} items, got shape {np.shape(scores)}")
+        values |= ranking_quality(scores, winners(matrices[winner_metric], higher_is_better))
+        values.pop("score_chance")
+        specialisation["score_chance"] = 1.0 / num_candidates
 
     timing["total"] = round(time.perf_counter() - start, 3)
     ref_counts = [len(r) for r in references]

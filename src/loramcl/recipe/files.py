@@ -89,30 +89,15 @@ def run_names(folder: Path, reserved: Sequence[str] = ("common.yaml",)) -> list[
 
 
 def experiment_values(path: Path, known: Sequence[str], paths: Sequence[str] = ("out",)) -> dict:
-    """The settings of a recipe folder's experiment.yaml, checked against the ``known`` field names, with the
-    ``paths`` (a name, or 'section.name' inside a mapping; 'section.*_file' for every such key of the section) made
-    absolute relative to the file, as `--config` paths are read."""
+    """The settings of a recipe's experiment.yaml, checked against the ``known`` names, with the settings named in
+    ``paths`` made absolute relative to the file (as the run files' paths are to theirs)."""
     import yaml
 
     values = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
     unknown = sorted(set(values) - set(known)) if isinstance(values, dict) else values
     if not isinstance(values, dict) or unknown:
         raise ValueError(f"{path}: unknown settings {unknown!r}; known: {sorted(known)}")
-
-    def absolute(value):
-        return os.path.abspath(Path(path).parent / os.path.expanduser(value)) if isinstance(value, str) else value
-
     for name in paths:
-        section, _, key = name.rpartition(".")
-        inner = values.get(section) if section else values
-        if not isinstance(inner, dict):
-            continue
-        inner = dict(inner)
-        for field in [k for k in inner if k == key or key.startswith("*") and k.endswith(key[1:])]:
-            inner[field] = absolute(inner[field])
-        if section:
-            values[section] = inner
-        else:
-            values = inner
+        if isinstance(values.get(name), str):
+            values[name] = os.path.abspath(Path(path).parent / os.path.expanduser(values[name]))
     return values
-

@@ -111,15 +111,6 @@ def check_budgets(candidates: int, budgets: list[int]) -> None:
                f"per hypothesis), got {budget}")
 
 
-def chosen_budgets(recipe_budgets: list[int], asked: list[int] | None, quick: bool) -> list[int]:
-    """The budgets a recipe command decodes at: those ``asked`` (a non-empty subset of the recipe's), else the recipe's
-    smallest with ``quick``, else all of them."""
-    chosen = asked if asked is not None else ([min(recipe_budgets)] if quick else recipe_budgets)
-    _check(bool(chosen) and set(chosen) <= set(recipe_budgets),
-           f"budgets must be a non-empty subset of {recipe_budgets}, got {chosen}")
-    return chosen
-
-
 def equal_budget_systems(hypotheses: dict[str, int], candidates: int, budgets: Sequence[int],
                          single_model_strategies: Sequence[str] = ("beam", "diverse_beam"),
                          mcl_strategies: Sequence[str] = ("beam",)) -> list[System]:
@@ -139,3 +130,12 @@ def equal_budget_systems(hypotheses: dict[str, int], candidates: int, budgets: S
                 "greedy" if s == "beam" and budget == candidates else s for s in mcl_strategies]
             systems += [System(f"{run}-{s.replace('_', '')}-b{budget}", run, s, budget) for s in strategies]
     return systems
+
+
+def chosen_budgets(budgets: Sequence[int] | None, available: Sequence[int], quick: bool) -> list[int]:
+    """The forward budgets a recipe command decodes at: ``budgets`` if given (a non-empty subset of the recipe's
+    ``available`` ones), else the smallest in a quick run, else all."""
+    chosen = list(budgets) if budgets is not None else ([min(available)] if quick else list(available))
+    _check(bool(chosen) and set(chosen) <= set(available),
+           f"budgets must be a non-empty subset of {list(available)}, got {chosen}")
+    return chosen

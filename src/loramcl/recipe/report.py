@@ -28,8 +28,11 @@ def percent(x: float) -> str:
     return f"{100 * x:.1f}"
 
 
-def loss_name(mcl: dict) -> str:
-    """How a run was trained, from its MCLConfig: MLE for K = 1, else the loss and its parameter."""
+def loss_name(mcl: dict, method: str = "mcl") -> str:
+    """How a run was trained, from its method's configuration: MLE for K = 1, else the loss and its parameter; a
+    LoRA-MoE run (``method`` 'moe') is a single model trained with plain NLL."""
+    if method == "moe":
+        return f"MoE NLL, {mcl['num_experts']} experts"
     if mcl["num_hypotheses"] == 1:
         return "MLE"
     if mcl["loss"] == "relaxed":
@@ -40,18 +43,13 @@ def loss_name(mcl: dict) -> str:
 
 
 def runs_table(records: dict[str, dict]) -> list[str]:
-    """One row per trained run (its run.json): K, rank, loss, steps x batch, trainable parameters, seconds. A
-    baseline's row names its method: LoRA-MoE (K: its experts, one model), multi-head MCL (rank: –)."""
+    """One row per trained run (its run.json): K, rank, loss, steps x batch, trainable parameters, seconds."""
     lines = ["| run | K | rank | loss | steps x batch | trainable | seconds |", "|---|---:|---:|---|---|---:|---:|"]
     for run, record in records.items():
-        settings = record["settings"]
-        method = settings.get("method", "mcl")
-        config, training = settings[method], settings["training"]
-        if method == "moe":
-            k, loss = f"{config['num_experts']} experts", "MoE (NLL)"
-        else:
-            k, loss = config["num_hypotheses"], loss_name(config) + (" (multi-head)" if method == "multihead" else "")
-        lines.append(f"| {run} | {k} | {config.get('r', '–')} | {loss} | {training['steps']} x "
+        method = record["settings"].get("method", "mcl")  # a baseline's configuration is under its method's name
+        mcl, training = record["settings"][method], record["settings"]["training"]
+        lines.append(f"| {run} | {mcl.get('num_hypotheses', 1)} | {mcl.get('r', '–')} | {loss_name(mcl, method)} | "
+                     f"{training['steps']} x "
                      f"{training['batch_size']} | {record['trainable_parameters']:,} | {record['seconds']:.0f} |")
     return lines
 

@@ -21,8 +21,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loramcl.config import _check
-from loramcl.recipe.grid import DecodeConfig, System, check_budgets, chosen_budgets, equal_budget_systems
+from loramcl.config import _check, _positive_int
+from loramcl.recipe.grid import DecodeConfig, System, chosen_budgets, equal_budget_systems
 
 EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
 SMOLLM2_FOLDER = "SmolLM2-135M-Instruct"
@@ -95,7 +95,13 @@ class Experiment:
         language_name(self.source_lang), language_name(self.target_lang)
         _check(self.packaged_model in (None, "smollm2"), f"packaged_model must be smollm2 or null, got "
                f"{self.packaged_model!r}")
-        check_budgets(self.candidates, self.budgets)
+        _positive_int("candidates", self.candidates, minimum=2)
+        _check(isinstance(self.budgets, list) and self.budgets, f"budgets must be a non-empty list, got "
+               f"{self.budgets!r}")
+        for budget in self.budgets:
+            _positive_int("budgets", budget)
+            _check(budget % self.candidates == 0, f"every budget must be a multiple of candidates = "
+                   f"{self.candidates} (B/K beams per hypothesis), got {budget}")
         if self.data == "files":
             _check(isinstance(self.files, dict) and self.files.get("train_file") and self.files.get("test_file"),
                    "data: files needs files: {train_file: ..., test_file: ...}")
@@ -103,9 +109,19 @@ class Experiment:
 
     @classmethod
     def read(cls, path: Path) -> Experiment:
+        import os
+
         from loramcl.recipe.files import experiment_values
 
-        return cls(**experiment_values(path, cls.__dataclass_fields__, ("out", "files.*_file")))
+        values = experiment_values(path, list(cls.__dataclass_fields__), paths=("out",))
+
+        def absolute(value):
+            return os.path.abspath(path.parent / os.path.expanduser(value)) if isinstance(value, str) else value
+
+        if isinstance(values.get("files"), dict):
+            values["files"] = {name: absolute(value) if name.endswith("_file") else value
+                               for name, value in values["files"].items()}
+        return cls(**values)
 
 
 def systems_of(experiment: Experiment, values: dict[str, dict], budgets: list[int]) -> list[System]:
@@ -224,7 +240,7 @@ def translation(out: str | None = None, recipes: str | None = None, quick: bool 
     experiment = Experiment.read(folder / EXPERIMENT)
     root = Path(out if out is not None else experiment.out)
     stages = Stages(root)
-    chosen = chosen_budgets(experiment.budgets, budgets, quick)
+    chosen = chosen_budgets(budgets, experiment.budgets, quick)
 
     model = None
     if experiment.packaged_model == "smollm2":

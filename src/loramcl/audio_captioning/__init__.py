@@ -1,0 +1,1 @@
+"""`loramcl audio-captioning`: audio captioning with Qwen2-Audio (paper §4.2, App. H.1)."""

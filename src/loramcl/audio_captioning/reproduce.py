@@ -1,0 +1,549 @@
+"""`loramcl audio-captioning`: audio captioning with Qwen2-Audio (paper §4.2, App. H.1), data -> train -> decode ->
+evaluate -> report, every stage reused when its outputs exist with the same settings.
+
+A recipe folder holds `experiment.yaml` (the data, the prompt, the K candidates, the forward budgets, the decodings
+of the single models), `common.yaml` (the model and the training settings every run shares) and one file per
+training run (its `out` and its `mcl:` or `moe:` block). Three folders ship with the repository:
+
+- recipes/audio_captioning/tiny (default): a tiny random Qwen2-Audio on a generated set in the Clotho layout, on
+  the CPU: the whole pipeline in seconds (its numbers mean nothing);
+- recipes/audio_captioning/clotho and recipes/audio_captioning/audiocaps: the paper's scale (Qwen2-Audio-7B-
+  Instruct, App. H.1 hyper-parameters, every trained system of Fig. 3); their common.yaml says how to launch the
+  training on one or several GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from loramcl.config import _check, _positive_int, _real
+from loramcl.data.audio_captions import CAPTIONS_PER_CLIP, LAYOUTS, MISSING_AUDIO, SPLITS, csv_path
+from loramcl.data.audio_prompts import DEFAULT_INSTRUCTION
+from loramcl.recipe.grid import DecodeConfig, System, chosen_budgets, equal_budget_systems
+
+EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
+DEFAULT_RECIPES = "audio_captioning/tiny"
+TINY_MODEL_FOLDER = "tiny-qwen2-audio"
+ROLES = ("train", "validation", "test")
+# Quick: the same pipeline on a few clips and one or two steps, at the smallest budget (numbers meaningless).
+QUICK_CLIPS = {"train": 4, "validation": 2, "test": 3}
+QUICK_TRAIN = {"steps": 2, "batch_size": 2, "eval_every": 0, "logging_steps": 1, "warmup_steps": 0, "save_every": 0}
+QUICK_DECODING = {"max_new_tokens": 4, "batch_size": 3}
+# No METEOR or sBERT (fewer tools started), no Div-n (undefined when every candidate has one word or none).
+QUICK_METRICS = "bleu4,cider_d,mbleu4"
+# Words of the synthetic captions (and of the tiny model's vocabulary).
+PITCHES = {"low": 220.0, "middle": 440.0, "high": 880.0}
+SYNTHETIC_PHRASES = ("a {p} tone is playing", "a steady {p} beep sounds", "someone plays a {p} note",
+                     "a {p} hum fills the room", "a {p} pitched whistle")
+SYNTHETIC_CLIPS = {"development": 24, "validation": 6, "evaluation": 9}
+SYNTHETIC_WORDS = sorted({w for phrase in SYNTHETIC_PHRASES for p in PITCHES for w in phrase.format(p=p).split()})
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """experiment.yaml: what `loramcl audio-captioning` does with the runs of a recipe folder."""
+
+    out: str = "runs/audio-captioning"
+    """Output folder. Paths in experiment.yaml (`out`, `root`) are relative to that file, as those of the run files
+    (`model` in common.yaml) are to theirs."""
+
+    layout: str = "clotho"
+    """The official distribution read: 'clotho' (Clotho v2) or 'audiocaps' (loramcl.data.audio_captions)."""
+
+    root: str | None = None
+    """The folder holding the distribution's CSV files and audio folders (None: synthetic must be true)."""
+
+    synthetic: bool = False
+    """Write a small generated set (tones of three pitches, five captions each) in the Clotho layout under
+    <out>/synthetic-clotho and read it as the official one: the CPU demonstration."""
+
+    splits: dict = field(default_factory=dict)
+    """{train, validation, test}: split names (default Clotho: development, validation, evaluation; AudioCaps:
+    train, val, test)."""
+
+    missing_audio: str = "error"
+    """A clip without its audio file: 'error', or 'skip' (counted in data/stats.json)."""
+
+    max_seconds: float | None = 30.0
+    """Audio cropped to its first seconds (the paper: 30 for Clotho, 10 for AudioCaps)."""
+
+    captions_per_clip: str = "one"
+    """Training: 'one' caption drawn per clip per epoch (the paper's), or 'all' (one example per (clip, caption))."""
+
+    chat_template: bool = False
+    """The processor's chat template around the audio and instruction; false: the paper's raw prompt."""
+
+    instruction: str = DEFAULT_INSTRUCTION
+
+    packaged_model: str | None = None
+    """'tiny-random': build a tiny random Qwen2-Audio into <out>/tiny-qwen2-audio and train on it (the CPU
+    demonstration); None: the runs' `model` is a local folder (Qwen2-Audio-7B-Instruct)."""
+
+    epochs: float | None = None
+    """Training length in epochs: each run's steps = ceil(epochs x train examples / (batch_size x processes)) and
+    its warm-up = warmup_ratio x steps; None: the run files' steps and warmup_steps."""
+
+    processes: int = 1
+    """Training processes (GPUs) the runs are launched on, for the steps from epochs."""
+
+    warmup_ratio: float = 0.0
+
+    candidates: int = 5
+    """K candidates per clip for every system (the paper: 5)."""
+
+    budgets: list[int] = field(default_factory=lambda: [5, 10])
+    """Forward budgets B: MLE beam B and diverse beam (K groups), MCL beam B/K per hypothesis (greedy at B = K),
+    test-time augmentation beam B/K per augmented input; sampling at B = K only."""
+
+    decoded: list[str] | None = None
+    """Runs decoded (default: every run)."""
+
+    mcl_decodings: list[str] = field(default_factory=lambda: ["beam"])
+    """How runs with K hypotheses decode: 'beam' (greedy at B = K, beam B/K per hypothesis above: the paper's) and
+    'diverse_beam' (diverse MCL decoding: hypothesis k is group k of one diverse beam search, λ =
+    decoding.diversity_penalty)."""
+
+    diversity_penalties: list[float] = field(default_factory=lambda: [0.8, 1.0])
+    """λ of diverse beam search, one system per value."""
+
+    sampling: list[dict] = field(default_factory=lambda: [{"top_k": 50}, {"top_p": 0.95}, {"typical_p": 0.95}])
+    """Sampling systems of the single models (at B = K), one per entry of generate_hypotheses arguments."""
+
+    tta: list[list[float]] = field(default_factory=lambda: [[0.2, 0.3], [0.4, 0.6], [0.6, 0.9]])
+    """Test-time augmentation strengths φ = (time, frequency): SpecAugment masks up to that fraction of the frames
+    and of the mel channels (one mask of each), once per candidate (paper App. H, Table 7)."""
+
+    decoding: dict = field(default_factory=dict)
+    """DecodeConfig settings (max_new_tokens, repetition_penalty, batch_size, seed)."""
+
+    metrics: str = "captioning"
+    """`loramcl evaluate` metrics (preset 'captioning': BLEU, METEOR, ROUGE-L, CIDEr-D, SPICE/SPIDEr when the SPICE
+    jars are there, sBERT, Div-n, mBLEU-4)."""
+
+    def __post_init__(self) -> None:
+        _check(self.layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        _check(self.synthetic or isinstance(self.root, str) and bool(self.root),
+               "root must name the folder of the official distribution (or set synthetic: true)")
+        _check(not self.synthetic or self.layout == "clotho", "synthetic data is written in the Clotho layout")
+        unknown = set(self.splits) - set(ROLES)
+        _check(not unknown, f"splits: unknown roles {sorted(unknown)}; roles are {ROLES}")
+        for split in self.splits.values():
+            _check(split in SPLITS[self.layout], f"splits: {split!r} is no {self.layout} split {SPLITS[self.layout]}")
+        _check(self.missing_audio in MISSING_AUDIO, f"missing_audio must be one of {MISSING_AUDIO}")
+        if self.max_seconds is not None:
+            _real("max_seconds", self.max_seconds, low=0.0, low_open=True)
+        _check(self.captions_per_clip in CAPTIONS_PER_CLIP, f"captions_per_clip must be one of {CAPTIONS_PER_CLIP}")
+        _check(bool(self.mcl_decodings) and set(self.mcl_decodings) <= {"beam", "diverse_beam"},
+               f"mcl_decodings must be among beam and diverse_beam, got {self.mcl_decodings!r}")
+        _check(isinstance(self.chat_template, bool), "chat_template must be true or false")
+        _check(self.packaged_model in (None, "tiny-random"), "packaged_model must be tiny-random or null")
+        if self.epochs is not None:
+            _real("epochs", self.epochs, low=0.0, low_open=True)
+        _positive_int("processes", self.processes)
+        _real("warmup_ratio", self.warmup_ratio, low=0.0, high=1.0, high_open=True)
+        _positive_int("candidates", self.candidates, minimum=2)
+        _check(isinstance(self.budgets, list) and bool(self.budgets), "budgets must be a non-empty list")
+        for budget in self.budgets:
+            _positive_int("budgets", budget)
+            _check(budget % self.candidates == 0, f"every budget must be a multiple of candidates = "
+                   f"{self.candidates}, got {budget}")
+        for penalty in self.diversity_penalties:
+            _real("diversity_penalties", penalty, low=0.0)
+        _check(all(isinstance(s, dict) and s for s in self.sampling), "sampling: a list of non-empty mappings")
+        for strength in self.tta:
+            _check(isinstance(strength, list) and len(strength) == 2 and all(0 <= s <= 1 for s in strength),
+                   f"tta: each strength is [time fraction, frequency fraction] in [0, 1], got {strength!r}")
+        DecodeConfig(**self.decoding)
+
+    def split(self, role: str) -> str:
+        defaults = dict(zip(ROLES, SPLITS[self.layout], strict=True))
+        return self.splits.get(role, defaults[role])
+
+    @classmethod
+    def read(cls, path: Path) -> Experiment:
+        from loramcl.recipe.files import experiment_values
+
+        return cls(**experiment_values(path, list(cls.__dataclass_fields__), paths=("out", "root")))
+
+
+# ---- data ----------------------------------------------------------------------------------------------------
+
+
+def write_synthetic_clotho(folder: Path, clips: dict[str, int], seed: int = 0) -> Path:
+    """A generated set in the exact Clotho v2 layout: ``clotho_captions_<split>.csv`` (file_name, caption_1..5)
+    beside ``<split>/`` of 44.1 kHz 16-bit WAV files, each a tone of one of three pitches (0.3-1.2 s, some noise)
+    with five captions naming its pitch in five phrasings."""
+    import csv
+
+    import numpy as np
+    from scipy.io import wavfile
+
+    rng = np.random.default_rng(seed)
+    names = list(PITCHES)
+    for split, count in clips.items():
+        (folder / split).mkdir(parents=True, exist_ok=True)
+        with (folder / f"clotho_captions_{split}.csv").open("w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(["file_name", *(f"caption_{i}" for i in range(1, 6))])
+            for n in range(count):
+                pitch = names[n % len(names)]
+                rate, seconds = 44_100, float(rng.uniform(0.3, 1.2))
+                t = np.arange(int(rate * seconds)) / rate
+                wave = 0.4 * np.sin(2 * np.pi * PITCHES[pitch] * t) + 0.05 * rng.standard_normal(t.size)
+                name = f"{split}_{n:03d}.wav"
+                wavfile.write(folder / split / name, rate, (wave * 32767).astype(np.int16))
+                writer.writerow([name, *(phrase.format(p=pitch) for phrase in SYNTHETIC_PHRASES)])
+    return folder
+
+
+def prepare_data(out: Path, experiment: Experiment, root: Path, quick: bool) -> dict:
+    """Read the three splits and write data/{train,validation,test}.jsonl: {"id", "audio", "references"} per clip
+    (every file's header read: an unreadable file fails here), and data/stats.json (clips, captions, skipped clips,
+    hours of audio)."""
+    from loramcl.data.audio_captions import audio_info, read_split
+
+    out.mkdir(parents=True, exist_ok=True)
+    stats: dict = {"layout": experiment.layout, "root": str(root), "splits": {}}
+    for role in ROLES:
+        split = experiment.split(role)
+        clips, skipped = read_split(experiment.layout, root, split, experiment.missing_audio)
+        if quick:
+            clips = clips[:QUICK_CLIPS[role]]
+        seconds = 0.0
+        with (out / f"{role}.jsonl").open("w", encoding="utf-8") as f:
+            for clip in clips:
+                rate, frames = audio_info(clip.audio)
+                seconds += frames / rate
+                f.write(json.dumps({"id": clip.id, "audio": clip.audio, "references": list(clip.captions)},
+                                   ensure_ascii=False) + "\n")
+        stats["splits"][role] = {"split": split, "clips": len(clips), "captions": sum(len(c.captions) for c in clips),
+                                 "skipped": len(skipped), "hours": round(seconds / 3600, 3)}
+    (out / "stats.json").write_text(json.dumps(stats, indent=1) + "\n", encoding="utf-8")
+    return stats
+
+
+def read_manifest(path: Path) -> list:
+    from loramcl.data.audio_captions import AudioClip
+
+    with path.open(encoding="utf-8") as f:
+        return [AudioClip(r["id"], r["audio"], tuple(r["references"]), f"{path}:{n}")
+                for n, r in enumerate(map(json.loads, f), start=1)]
+
+
+# ---- training ------------------------------------------------------------------------------------------------
+
+
+def run_values(folder: Path, run: str, root: Path, model: str | None, quick: bool) -> dict:
+    """The settings of one run: common.yaml + <run>.yaml, its output under ``root``."""
+    from loramcl.recipe.files import merged, read_recipe
+
+    overrides = {"out": str(root / run)} | ({"model": model} if model is not None else {})
+    values = read_recipe(folder, [COMMON, f"{run}.yaml"], overrides)
+    _check(isinstance(values.get("model"), str), f"{folder}: no model folder (`model:` in {COMMON})")
+    return merged(values, {"training": QUICK_TRAIN}) if quick else values
+
+
+def method_of(values: dict) -> tuple[str, object]:
+    """(method, its configuration object) of a run's settings."""
+    from loramcl.baselines.config import MoEConfig
+    from loramcl.config import MCLConfig
+
+    method = values.get("method", "mcl")
+    _check(method in ("mcl", "moe"), f"method must be mcl or moe, got {method!r}")
+    _check(method in values, f"method {method} needs its `{method}:` block")
+    return method, (MCLConfig.from_dict(values["mcl"]) if method == "mcl" else MoEConfig(**values["moe"]))
+
+
+def training_config(values: dict, experiment: Experiment, train_examples: int, quick: bool = False):
+    """The run's TrainConfig, its steps and warm-up from experiment.epochs when given (not in a quick run)."""
+    from loramcl.config import TrainConfig
+
+    settings = dict(values.get("training", {}))
+    if experiment.epochs is not None and not quick:
+        batch = settings.get("batch_size", TrainConfig.batch_size) * experiment.processes
+        steps = max(1, math.ceil(experiment.epochs * train_examples / batch))
+        settings |= {"steps": steps, "warmup_steps": round(experiment.warmup_ratio * steps)}
+    return TrainConfig(**settings)
+
+
+def train_captioner(model: str, out: str, method: str, config, training, settings: dict, data: Path,
+                    experiment: Experiment, eval_examples: int | None, dtype: str) -> dict:
+    """Train one run on the data stage's manifests with ``finetune.fit`` (resuming from its checkpoints)."""
+    from transformers import AutoProcessor
+
+    from loramcl.data.audio_captions import CaptionExamples, load_audio
+    from loramcl.data.audio_prompts import CaptionEncoder, collate_audio
+    from loramcl.data.prompts import pad_token_id
+    from loramcl.finetune import fit, resumable_checkpoint
+    from loramcl.generation.cli import load_model
+
+    processor = AutoProcessor.from_pretrained(model)
+    encoder = CaptionEncoder(processor, experiment.chat_template, experiment.instruction)
+
+    def encode(clip, caption: str) -> dict:
+        return encoder.encode(load_audio(clip.audio, max_seconds=experiment.max_seconds), caption)
+
+    train_set = CaptionExamples(read_manifest(data / "train.jsonl"), encode, experiment.captions_per_clip,
+                                seed=training.seed)
+    validation = read_manifest(data / "validation.jsonl")[:eval_examples]
+    eval_set = CaptionExamples(validation, encode, "all") if validation else None
+    pad = pad_token_id(processor.tokenizer)
+    return fit(lambda: load_model(model, dtype=dtype), out, config, training, settings, train_set, eval_set,
+               collator=lambda rows: collate_audio(rows, pad), processor=processor,
+               last_checkpoint=resumable_checkpoint(out, settings, True), method=method)
+
+
+# ---- decoding ------------------------------------------------------------------------------------------------
+
+
+def tta_augment(time_fraction: float, frequency_fraction: float):
+    """SpecAugment at strength φ = (time, frequency): one time mask of width U{0..time x frames of audio} (capped
+    at that fraction of each clip's own frames) and one frequency mask of width U{0..frequency x mel channels}, drawn
+    afresh for each candidate (``generate_hypotheses`` seeds them)."""
+    from loramcl.generation.augment import spec_augment
+
+    def augment(inputs: dict, k: int) -> dict:
+        features = inputs["input_features"]  # [B, n_mels, frames]
+        lengths = inputs["feature_attention_mask"].sum(-1)  # [B] frames of audio, not padding
+        masked = spec_augment(features, num_time_masks=1, max_time_width=int(time_fraction * int(lengths.max())),
+                              max_time_ratio=max(time_fraction, 1e-6), num_freq_masks=1,
+                              max_freq_width=int(frequency_fraction * features.shape[1]), lengths=lengths)
+        return {**inputs, "input_features": masked}
+
+    return augment
+
+
+def decode_captions(model: str, adapters: str, test: Path, out: Path, arguments: dict, experiment: Experiment,
+                    batch_size: int, dtype: str, device: str) -> Path:
+    """K candidates per test clip with ``generate_hypotheses``; written as `loramcl evaluate` reads predictions:
+    {"id", "candidates": [K], "log_probs": [K]} (+ "hypotheses" for an MCL model)."""
+    from transformers import AutoProcessor
+
+    from loramcl.data.audio_captions import load_audio
+    from loramcl.data.audio_prompts import CaptionEncoder
+    from loramcl.generation.cli import load_model
+    from loramcl.generation.decoding import generate_hypotheses
+
+    arguments = dict(arguments)
+    strength = arguments.pop("tta_strength", None)
+    if arguments["strategy"] == "tta":
+        arguments["augment"] = tta_augment(*strength)
+    processor = AutoProcessor.from_pretrained(model)
+    encoder = CaptionEncoder(processor, experiment.chat_template, experiment.instruction)
+    decoder = load_model(model, adapters, dtype, device)
+    clips = read_manifest(test)
+    seed = arguments.pop("seed")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f:
+        for b, start in enumerate(range(0, len(clips), batch_size)):
+            chunk = clips[start:start + batch_size]
+            batch = encoder.generation_batch([load_audio(c.audio, max_seconds=experiment.max_seconds) for c in chunk])
+            outs = generate_hypotheses(decoder, processor, batch, seed=seed + b, **arguments)
+            for clip, candidates in zip(chunk, outs, strict=True):
+                record = {"id": clip.id, "candidates": [c.text.strip() for c in candidates],
+                          "log_probs": [c.log_prob for c in candidates]}
+                if candidates[0].hypothesis is not None:
+                    record["hypotheses"] = [c.hypothesis for c in candidates]
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return out
+
+
+def score_references(model: str, adapters: str, test: Path, out: Path, experiment: Experiment, batch_size: int,
+                     dtype: str, device: str) -> Path:
+    """The mean NLL per caption token (end token included) of every reference caption of every test clip under
+    every hypothesis of a run, tokenized as in training: {"id", "nll": [[K] per reference]} per clip, what `loramcl
+    evaluate --nll` reads for the oracle test NLL (paper App. E.1)."""
+    import torch
+    from transformers import AutoProcessor
+
+    from loramcl.data.audio_captions import load_audio
+    from loramcl.data.audio_prompts import CaptionEncoder, collate_audio
+    from loramcl.data.prompts import pad_token_id
+    from loramcl.generation.cli import load_model
+
+    processor = AutoProcessor.from_pretrained(model)
+    encoder = CaptionEncoder(processor, experiment.chat_template, experiment.instruction)
+    scorer = load_model(model, adapters, dtype, device)
+    pad = pad_token_id(processor.tokenizer)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f, torch.no_grad():
+        for clip in read_manifest(test):
+            waveform = load_audio(clip.audio, max_seconds=experiment.max_seconds)
+            rows = [encoder.encode(waveform, caption) for caption in clip.captions]
+            scores = [scorer(**{k: v.to(device) for k, v in collate_audio(rows[i:i + batch_size], pad).items()})
+                      .nll.float().cpu() for i in range(0, len(rows), batch_size)]  # each [b, K]
+            f.write(json.dumps({"id": clip.id, "nll": torch.cat(scores).tolist()}) + "\n")
+    return out
+
+
+def systems_of(experiment: Experiment, hypotheses: dict[str, int], budgets: list[int]) -> list[System]:
+    """Every decoded run at every budget: MCL runs with beam B/K per hypothesis (greedy at B = K); single models
+    (LoRA-MLE, LoRA-MoE) with beam search, diverse beam search per λ and test-time augmentation per strength (beam
+    B/K per augmented input); every run with each sampling setting at B = K (paper Tables 8-9)."""
+    k = experiment.candidates
+    mcl = {run: n for run, n in hypotheses.items() if n > 1}
+    single = [run for run, n in hypotheses.items() if n == 1]
+    systems = equal_budget_systems(mcl, k, budgets, mcl_strategies=experiment.mcl_decodings) + equal_budget_systems(
+        dict.fromkeys(single, 1), k, budgets, ("beam",))
+    for run in single:
+        for budget in budgets:
+            systems += [System(f"{run}-dbs{penalty:g}-b{budget}", run, "diverse_beam", budget,
+                               {"diversity_penalty": penalty}) for penalty in experiment.diversity_penalties]
+            systems += [System(f"{run}-tta{i + 1}-b{budget}", run, "tta", budget, {"tta_strength": strength})
+                        for i, strength in enumerate(experiment.tta)]
+    if k in budgets:  # sampling advances one sequence per candidate: budget K only
+        systems += [System(f"{run}-{sampling_name(s)}-b{k}", run, "sample", k, dict(s))
+                    for run in hypotheses for s in experiment.sampling]
+    return systems
+
+
+def sampling_name(settings: dict) -> str:
+    """e.g. {"top_k": 50} -> "topk50", {"typical_p": 0.95} -> "typical0.95"."""
+    return "-".join(f"{key.removesuffix('_p').replace('_', '')}{value:g}" for key, value in settings.items())
+
+
+# ---- the command ---------------------------------------------------------------------------------------------
+
+
+def audio_captioning(out: str | None = None, recipes: str | None = None, quick: bool = False,
+                     budgets: list[int] | None = None, stop_after: str | None = None, runs: list[str] | None = None,
+                     threads: int | None = None, device: str = "cpu") -> dict:
+    """Audio captioning with Qwen2-Audio (paper §4.2, Fig. 3): LoRA-MCL against LoRA-MLE and LoRA-MoE at equal budget.
+
+    Trains every run of the recipe folder, decodes K captions per clip at equal forward budgets (MCL beam B/K per
+    hypothesis; MLE and MoE beam, diverse beam, SpecAugment test-time augmentation; sampling), scores them
+    (`loramcl evaluate`: oracle SPIDEr / CIDEr-D / METEOR / sBERT, mBLEU-4, Div-n) and plots quality against
+    diversity.
+
+    Writes to `out`: data/, one folder per run (adapters, logs), predictions/, eval/, figures/, report.json and
+    report.md. Finished stages are reused when their settings are unchanged; an interrupted training resumes.
+
+    Args:
+        out: output folder (default: experiment.yaml's `out`).
+        recipes: recipe folder with experiment.yaml, common.yaml and one file per run (default:
+            recipes/audio_captioning/tiny of this repository; clotho/ and audiocaps/ beside it are the paper's).
+        quick: a few clips, two training steps per run, the smallest budget: checks the whole pipeline (numbers
+            meaningless).
+        budgets: forward budgets to decode at (default: experiment.yaml's).
+        stop_after: "data" or "train": stop after that stage (e.g. to train each run with `accelerate launch`, see
+            the paper-scale common.yaml, then run this command again to decode and report).
+        runs: train only these runs (with stop_after train; e.g. one run per `accelerate launch`).
+        threads: torch CPU threads (default: torch's choice).
+        device: e.g. cpu or cuda.
+    """
+    import torch
+
+    from loramcl.audio_captioning.report import build_report
+    from loramcl.finetune import _sha256
+    from loramcl.recipe.files import recipe_folder, run_names
+    from loramcl.recipe.stages import Stages, file_stamp, run_stamp
+
+    _check(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
+    _check(runs is None or stop_after == "train", "runs selects the runs to train: use it with stop_after: train")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    folder = recipe_folder(recipes, DEFAULT_RECIPES, [EXPERIMENT, COMMON])
+    experiment = Experiment.read(folder / EXPERIMENT)
+    root = Path(out if out is not None else experiment.out)
+    stages = Stages(root)
+    chosen = chosen_budgets(budgets, experiment.budgets, quick)
+
+    model = None
+    if experiment.packaged_model == "tiny-random":
+        from loramcl.models import tiny_qwen2_audio
+
+        model = str(root / TINY_MODEL_FOLDER)
+        stages.run("build model", root / TINY_MODEL_FOLDER / "built.json", {"words": SYNTHETIC_WORDS},
+                   tiny_qwen2_audio, model, SYNTHETIC_WORDS)
+    names = run_names(folder, reserved=(EXPERIMENT, COMMON))
+    unknown = sorted(set(runs or []) - set(names))
+    _check(not unknown, f"runs: no run file for {unknown} (runs: {names})")
+    values = {run: run_values(folder, run, root, model, quick) for run in names}
+    model = values[names[0]]["model"]
+    _check(all(v["model"] == model for v in values.values()), "every run of a recipe folder trains the same model")
+    if stop_after != "data":
+        from loramcl.inputs import check_model_folder
+
+        check_model_folder(model)  # before hours of data preparation
+
+    data_root = Path(experiment.root) if experiment.root else root / "synthetic-clotho"
+    if experiment.synthetic:
+        stages.run("write synthetic data", data_root / "written.json", {"clips": SYNTHETIC_CLIPS},
+                   write_synthetic_clotho, data_root, SYNTHETIC_CLIPS)
+    data = root / "data"
+    data_settings = {"layout": experiment.layout, "root": str(data_root), "splits": {r: experiment.split(r)
+                                                                                     for r in ROLES},
+                     "missing_audio": experiment.missing_audio, "quick": quick,
+                     "csv_sha256": {r: _sha256(csv_path(experiment.layout, data_root, experiment.split(r)))
+                                    for r in ROLES if csv_path(experiment.layout, data_root, experiment.split(r))
+                                    .is_file()}}
+    stages.run("prepare data", data / "prepare.json", data_settings, prepare_data, data, experiment, data_root, quick)
+    stats = json.loads((data / "stats.json").read_text())
+    if stop_after == "data":
+        return {"data": str(data)}
+
+    train_examples = stats["splits"]["train"]["clips" if experiment.captions_per_clip == "one" else "captions"]
+    data_sha256 = {role: _sha256(data / f"{role}.jsonl") for role in ROLES[:2]}
+    for run in names if runs is None else runs:  # retrained when its recipe or data changed, resumed if interrupted
+        v = values[run]
+        method, config = method_of(v)
+        training = training_config(v, experiment, train_examples, quick)
+        dtype, eval_examples = v.get("dtype", "float32"), v.get("eval_examples", 64)
+        captions = {"captions_per_clip": experiment.captions_per_clip, "max_seconds": experiment.max_seconds,
+                    "chat_template": experiment.chat_template, "instruction": experiment.instruction}
+        settings = {"model": model, **({"mcl": config.to_dict()} if method == "mcl" else {"method": method,
+                                                                                            method: config.to_dict()}),
+                    "training": asdict(training), "dtype": dtype, "eval_examples": eval_examples,
+                    "captions": captions, "data_sha256": data_sha256}
+        settings = json.loads(json.dumps(settings))
+        stages.train(f"train {run}", Path(v["out"]), settings, train_captioner, model, v["out"], method, config,
+                     training, settings, data, experiment, eval_examples, dtype)
+    if stop_after == "train":
+        return {"runs": {run: str(root / run) for run in (names if runs is None else runs)}}
+
+    decoded = experiment.decoded if experiment.decoded is not None else names
+    _check(not set(decoded) - set(names), f"decoded: no run file for {sorted(set(decoded) - set(names))}")
+    hypotheses = {run: method_of(values[run])[1].to_dict().get("num_hypotheses", 1) for run in decoded}
+    systems = systems_of(experiment, hypotheses, chosen)
+    if quick:  # one system per decoding family and run: every code path, fewer decodes
+        seen: set = set()
+        systems = [s for s in systems if (s.run, s.strategy) not in seen and not seen.add((s.run, s.strategy))]
+    decode = DecodeConfig(**(experiment.decoding | (QUICK_DECODING if quick else {})))
+    test = data / "test.jsonl"
+    for system in systems:
+        path = root / "predictions" / f"{system.name}.jsonl"
+        arguments = system.decoding(experiment.candidates, hypotheses[system.run] == 1, decode)
+        settings = {**arguments, "batch_size": decode.batch_size, "trained": run_stamp(root / system.run),
+                    "test": file_stamp(test)}
+        stages.run(f"generate {system.name}", path.with_suffix(".settings.json"), settings, decode_captions, model,
+                   str(root / system.run), test, path, arguments, experiment, decode.batch_size,
+                   values[system.run].get("dtype", "float32"), device)
+
+    for run in decoded:
+        path = root / "nll" / f"{run}.jsonl"
+        stages.run(f"nll {run}", path.with_suffix(".settings.json"), {"trained": run_stamp(root / run),
+                                                                       "test": file_stamp(test)},
+                   score_references, model, str(root / run), test, path, experiment, decode.batch_size,
+                   values[run].get("dtype", "float32"), device)
+
+    from loramcl.metrics.cli import evaluate
+
+    metrics = QUICK_METRICS if quick else experiment.metrics
+    for system in systems:
+        predictions, nll = root / "predictions" / f"{system.name}.jsonl", root / "nll" / f"{system.run}.jsonl"
+        stages.run(f"evaluate {system.name}", root / "eval" / f"{system.name}.settings.json",
+                   {"predictions": file_stamp(predictions), "nll": file_stamp(nll), "metrics": metrics}, evaluate,
+                   predictions=str(predictions), references=str(test), metrics=metrics, out=str(root / "eval"),
+                   name=system.name, nll=str(nll))
+    report = stages.timed("report", build_report, root, experiment, systems, names)
+    report["timing_s"] = stages.timings
+    (root / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print((root / "report.md").read_text(encoding="utf-8"))
+    print(f"report: {root / 'report.md'} (+ report.json, eval/, figures/)")
+    return report
+
+
+__all__ = ["Experiment", "audio_captioning", "prepare_data", "systems_of", "write_synthetic_clotho"]
