@@ -259,7 +259,7 @@ def caption(model: str, adapters: str, test: Path, out: Path, arguments: dict, b
     from transformers import AutoProcessor
 
     from loramcl.data.captioning import decoding_batch
-    from loramcl.generation.decoding import generate_hypotheses
+    from loramcl.generation.decoding import generate_hypotheses, prediction_record
 
     processor = AutoProcessor.from_pretrained(model)
     decoder = load_vlm(model, dtype, device, adapters)
@@ -272,11 +272,7 @@ def caption(model: str, adapters: str, test: Path, out: Path, arguments: dict, b
             outs = generate_hypotheses(decoder, processor, decoding_batch(processor, chunk, instruction),
                                        seed=seed + b, **arguments)
             for image, candidates in zip(chunk, outs, strict=True):
-                record = {"id": image.image_id, "candidates": [c.text.strip() for c in candidates],
-                          "log_probs": [c.log_prob for c in candidates]}
-                if candidates[0].hypothesis is not None:
-                    record["hypotheses"] = [c.hypothesis for c in candidates]
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                f.write(json.dumps(prediction_record(image.image_id, candidates), ensure_ascii=False) + "\n")
     print(f"{len(images)} images x {len(outs[0])} candidates ({arguments['strategy']}): {out}")
     return str(out)
 
