@@ -140,3 +140,69 @@ def test_a_time_first_layout_is_refused_not_misrouted():
     input_ids = torch.randint(3, 80, (B, 3 * K))  # T = 9: a multiple of K, unlike K*B = 6
     with pytest.raises(RuntimeError, match="batch is on dimension 1 .*time-first"):
         mcl(input_ids=input_ids, labels=input_ids)
+
+
+def test_decoding_runs_a_frozen_tower_once_for_the_k_copies():
+    """LLaVA-NeXT with adapters in the language model only (the paper's setting): decoding K hypotheses gives the
+    vision tower and projector one copy of the images (anyres, different sizes), not K, and every hypothesis's
+    tokens equal its decoding alone; with the sharing off the tower sees K times the patches and the outputs are the
+    same. Copies that are not equal are never shared."""
+    mcl, _, inputs, _ = wrapped_model("llava_next", num_hypotheses=K)
+    assert mcl.shared_module_names == ["model.vision_tower", "model.multi_modal_projector"]
+    tower = mcl.base_model.get_submodule("model.vision_tower")
+    seen = []
+    handle = tower.register_forward_pre_hook(lambda module, args, kwargs: seen.append(
+        (args[0] if args else kwargs["pixel_values"]).shape[0]), with_kwargs=True)
+    settings = dict(strategy="beam", num_beams=2, max_new_tokens=4, min_new_tokens=4)
+    generate_hypotheses(mcl, None, inputs, hypotheses=[0], **settings)
+    once, patches = list(seen), 5  # 2 anyres crops of the 16x16 image, 3 of the 16x32 one
+    assert once == [patches]
+    seen.clear()
+    shared = generate_hypotheses(mcl, None, inputs, **settings)
+    assert seen == once
+    seen.clear()
+    mcl.share_frozen_modules = False
+    repeated = generate_hypotheses(mcl, None, inputs, **settings)
+    assert seen == [K * patches]
+    mcl.share_frozen_modules = True
+    assert [[c.token_ids for c in row] for row in shared] == [[c.token_ids for c in row] for row in repeated]
+    for k in range(K):
+        alone = generate_hypotheses(mcl, None, inputs, hypotheses=[k], **settings)
+        assert [row[k].token_ids for row in shared] == [row[0].token_ids for row in alone]
+    assert any(len({tuple(c.token_ids) for c in row}) > 1 for row in shared)
+    # two "copies" that differ (another image in the second): the tower runs on both
+    other = dict(inputs, pixel_values=torch.cat([inputs["pixel_values"], inputs["pixel_values"].flip(0)]),
+                 **{name: torch.cat([inputs[name]] * 2) for name in ("input_ids", "attention_mask")},
+                 image_sizes=torch.cat([inputs["image_sizes"], inputs["image_sizes"].flip(0)]))
+    seen.clear()
+    with torch.no_grad(), mcl.use_hypotheses(torch.tensor([0, 1]), copies=True):
+        logits = mcl.base_model(**other).logits
+    handle.remove()
+    assert seen == [2 * patches]
+    with torch.no_grad(), mcl.use_hypotheses(torch.tensor([0, 1]), copies=True):
+        mcl.share_frozen_modules = False
+        expected = mcl.base_model(**other).logits
+        mcl.share_frozen_modules = True
+    torch.testing.assert_close(logits, expected, atol=0, rtol=0)
+
+
+def test_decoding_runs_an_encoder_without_adapters_once():
+    """Whisper with adapters in its decoder only: the encoder runs on the B examples, not K*B, and every
+    hypothesis decodes as it does alone."""
+    base = build_model("whisper").eval()
+    inputs, _ = build_batch("whisper", base)
+    mcl = get_mcl_model(base, MCLConfig(num_hypotheses=K, r=4, alpha=8,
+                                        target_modules=r".*decoder.*\.(q_proj|k_proj|v_proj)")).eval()
+    randomize_adapters(mcl, std=0.5)
+    assert mcl.shared_module_names == ["model.encoder"]
+    seen = []
+    mcl.base_model.get_encoder().register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((args[0] if args else kwargs["input_features"]).shape[0]),
+        with_kwargs=True)
+    settings = dict(strategy="beam", num_beams=2, max_new_tokens=4, min_new_tokens=4)
+    batched = generate_hypotheses(mcl, None, inputs, **settings)
+    assert set(seen) == {B}
+    for k in range(K):
+        alone = generate_hypotheses(mcl, None, inputs, hypotheses=[k], **settings)
+        assert [row[k].token_ids for row in batched] == [row[0].token_ids for row in alone]
+    assert any(len({tuple(c.token_ids) for c in row}) > 1 for row in batched)

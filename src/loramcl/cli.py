@@ -23,6 +23,7 @@ def commands() -> dict:
     """{name: function} of every `loramcl` command (light imports: torch loads inside the functions)."""
     from loramcl.audio_captioning.reproduce import audio_captioning
     from loramcl.bilingual.reproduce import bilingual
+    from loramcl.captioning.reproduce import image_captioning
     from loramcl.finetune import nll, train
     from loramcl.generation.cli import generate
     from loramcl.markov.reproduce import markov
@@ -31,8 +32,9 @@ def commands() -> dict:
     from loramcl.translation.reproduce import translation
 
     return {"markov": markov, "bilingual": bilingual, "translation": translation, "audio-captioning": audio_captioning,
-            "train": train, "generate": generate, "nll": nll, "evaluate": evaluate, "plot-tradeoff": plot_tradeoff,
-            "convert-smollm2": convert_smollm2_command, "convert-whisper-base": convert_whisper_base_command}
+            "image-captioning": image_captioning, "train": train, "generate": generate, "nll": nll,
+            "evaluate": evaluate, "plot-tradeoff": plot_tradeoff, "convert-smollm2": convert_smollm2_command,
+            "convert-whisper-base": convert_whisper_base_command}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -300,6 +300,8 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(_log_lines_callback(ProgressCallback))
+    if hasattr(train_set, "set_epoch"):  # e.g. one caption drawn per image and epoch (data.textcaps)
+        trainer.add_callback(_epoch_callback(train_set))
     if saving:
         checkpoints.mkdir(parents=True, exist_ok=True)
         (checkpoints / SETTINGS_NAME).write_text(json.dumps(settings, indent=1) + "\n")
@@ -357,6 +359,18 @@ def _log_lines_callback(progress_callback: type) -> type:
                 self.training_bar.write(log_line(state.global_step, logs))
 
     return LogLines
+
+
+def _epoch_callback(dataset) -> object:
+    """Tells ``dataset`` the epoch at each epoch's start. Trainer's data loader does not always do it: accelerate
+    forwards ``set_epoch`` to the dataset only when the sampler has none, and its seedable sampler has one."""
+    from transformers import TrainerCallback
+
+    class SetEpoch(TrainerCallback):
+        def on_epoch_begin(self, args, state, control, **kwargs):
+            dataset.set_epoch(int((state.epoch or 0) + 1e-6))  # 1.0 after epoch 0's last step; 1.5 when resumed
+
+    return SetEpoch()
 
 
 def _sha256(path: str) -> str:

@@ -37,6 +37,7 @@ class HypothesisRouting:
     index: torch.Tensor | None = None
     per_copy: bool = False
     rows: int | None = None  # stacked: the K*B rows the K copies of the batch made (set where they are made)
+    copies: int | None = None  # use_hypotheses(index, copies=True): the batch is len(index) identical copies
 
 
 def linear_features(layer: nn.Module) -> tuple[int, int]:

@@ -166,6 +166,12 @@ class MCLModel(nn.Module):
         self.branch_names = _branch_names(model, self.expansion_module_name, layer_names)
         output_layer = _output_layer(model)
         self._output_layer_name = next((n for n, m in model.named_modules() if m is output_layer), None)
+        self.shared_module_names = _shared_module_names(model, self.expansion_module_name, layer_names,
+                                                        self._output_layer_name)
+        # Decoding K copies of a batch runs each shared module (a frozen tower before the adapters) once, on one
+        # copy; False runs it on all K copies (the same result, K times the work; for benchmarks).
+        self.share_frozen_modules = True
+        self._shared_calls: dict[int, int] = {}  # id(shared module) -> copies its running call was given
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._generation_context: list[torch.Tensor] | None = None  # armed by capture_context()
         self.scoring_head = self._build_scoring_head(output_layer) if config.scoring else None
@@ -236,7 +242,7 @@ class MCLModel(nn.Module):
 
     def _set_routing(self, hypotheses: int | torch.Tensor | None, rows: int | None, copies: bool = False) -> None:
         routing, k_max = self.routing, self.num_hypotheses
-        routing.per_copy, routing.rows, self._main_rows = False, None, None
+        routing.per_copy, routing.rows, routing.copies, self._main_rows = False, None, None, None
         if hypotheses is None:
             routing.mode, routing.index = STACKED, None
         elif isinstance(hypotheses, int) and not isinstance(hypotheses, bool):
@@ -244,6 +250,7 @@ class MCLModel(nn.Module):
             routing.mode, routing.hypothesis, routing.index = SINGLE, hypotheses, None
         elif torch.is_tensor(hypotheses) and not hypotheses.is_floating_point():
             index = hypotheses.flatten().long()
+            routing.copies = index.numel() if copies else None
             if rows is not None and index.numel() != rows:
                 raise ValueError(f"hypotheses must give one hypothesis per example ({rows}), got {index.numel()}")
             if index.numel() == 0 or int(index.min()) < 0 or int(index.max()) >= k_max:
@@ -270,6 +277,10 @@ class MCLModel(nn.Module):
         expansion = self.base_model.get_submodule(self.expansion_module_name)
         self._hooks.append(self.base_model.register_forward_pre_hook(self._record_main_rows, with_kwargs=True))
         self._hooks.append(expansion.register_forward_pre_hook(self._expand_rows, with_kwargs=True))
+        for name in self.shared_module_names:
+            module = self.base_model.get_submodule(name)
+            self._hooks.append(module.register_forward_pre_hook(self._run_on_one_copy, with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(self._copy_outputs, with_kwargs=True))
         for name in self.branch_names:
             check = functools.partial(self._check_rows_per_example, name)
             self._hooks.append(self.base_model.get_submodule(name).register_forward_pre_hook(check, with_kwargs=True))
@@ -291,6 +302,31 @@ class MCLModel(nn.Module):
         k = self.num_hypotheses
         self.routing.rows = k * batch
         return repeat_examples(args, k, batch), {n: repeat_examples(v, k, batch, n) for n, v in kwargs.items()}
+
+    def _run_on_one_copy(self, module: nn.Module, args: tuple, kwargs: dict):
+        """While the batch is C identical copies (decoding, ``use_hypotheses(index, copies=True)``), give a shared
+        module only the first copy: every per-example input [C*N, ...] -> [N, ...] (a size-1 broadcast stays). The
+        copies are checked to be equal, so the module runs on all of them whenever they are not (no silent
+        misroute): e.g. inputs that differ per hypothesis."""
+        copies = self.routing.copies
+        self._shared_calls[id(module)] = 1
+        if not self.share_frozen_modules or not copies or copies < 2:
+            return None
+        tensors = list(_tensor_inputs(args, kwargs))
+        one_copy = all(value.shape[0] == 1 or value.shape[0] % copies == 0 and _equal_copies(value, copies)
+                       for _, value in tensors) and any(value.shape[0] > 1 for _, value in tensors)
+        if not one_copy:
+            return None
+        self._shared_calls[id(module)] = copies
+        return _first_copy(args, copies), _first_copy(kwargs, copies)
+
+    def _copy_outputs(self, module: nn.Module, args: tuple, kwargs: dict, output):
+        """The shared module's outputs on one copy, repeated for the C copies (copy-major, as ``repeat_examples``)."""
+        copies = self._shared_calls.pop(id(module), 1)
+        if copies == 1:
+            return None
+        rows = next((v.shape[0] for _, v in _tensor_inputs(args, kwargs) if v.shape[0] > 1), 1)  # of one copy
+        return repeat_examples(output, copies, rows)
 
     def _record_main_rows(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         inputs = kwargs if kwargs else dict(zip(("input_ids",), args, strict=False))
@@ -760,6 +796,53 @@ def _branch_names(model: nn.Module, expansion_name: str, layer_names: list[str])
 
     visit(expansion_name, model.get_submodule(expansion_name))
     return branches
+
+
+def _shared_module_names(model: nn.Module, expansion_name: str, layer_names: list[str],
+                         output_layer_name: str | None) -> list[str]:
+    """The frozen modules beside the path from the model's root to the expansion module (their siblings along it),
+    without adapters and other than the output layer: e.g. the vision tower and projector of a VLM whose adapters
+    are in its language model, an audio tower, an encoder without adapters. They run before the K copies in training;
+    ``MCLModel._run_on_one_copy`` runs them once when decoding copies of a batch too."""
+    if not expansion_name:
+        return []
+    # A module also used inside the expansion module (T5's `shared` embeddings are its decoder's embed_tokens) sees
+    # per-hypothesis inputs there: not shared.
+    inside = {id(module) for module in model.get_submodule(expansion_name).modules()}
+    names, prefix = [], ""
+    for part in expansion_name.split("."):
+        for child_name, _ in model.get_submodule(prefix).named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if child_name == part or name == output_layer_name:
+                continue
+            if output_layer_name and output_layer_name.startswith(name + "."):
+                continue
+            if any(layer == name or layer.startswith(name + ".") for layer in layer_names):
+                continue
+            if id(model.get_submodule(name)) in inside:
+                continue
+            names.append(name)
+        prefix = f"{prefix}.{part}" if prefix else part
+    return names
+
+
+def _equal_copies(value: torch.Tensor, copies: int) -> bool:
+    """Whether ``value`` [C*N, ...] is C equal blocks along dim 0."""
+    blocks = value.view(copies, value.shape[0] // copies, -1) if value.is_contiguous() else value.reshape(
+        copies, value.shape[0] // copies, -1)  # [C, N, rest]
+    return all(torch.equal(blocks[0], blocks[c]) for c in range(1, copies))
+
+
+def _first_copy(value, copies: int):
+    """The first of C copies of a module input, nested containers walked: a tensor [C*N, ...] -> [N, ...]."""
+    if torch.is_tensor(value):
+        return value[:value.shape[0] // copies] if value.dim() > 0 and value.shape[0] > 1 else value
+    if isinstance(value, dict):
+        return type(value)((key, _first_copy(item, copies)) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        items = [_first_copy(item, copies) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
 
 
 def _peft_task_type(model: nn.Module) -> str | None:

@@ -325,7 +325,7 @@ def decode_captions(model: str, adapters: str, test: Path, out: Path, arguments:
     from loramcl.data.audio_captions import load_audio
     from loramcl.data.audio_prompts import CaptionEncoder
     from loramcl.generation.cli import load_model
-    from loramcl.generation.decoding import generate_hypotheses
+    from loramcl.generation.decoding import generate_hypotheses, prediction_record
 
     arguments = dict(arguments)
     strength = arguments.pop("tta_strength", None)
@@ -343,11 +343,7 @@ def decode_captions(model: str, adapters: str, test: Path, out: Path, arguments:
             batch = encoder.generation_batch([load_audio(c.audio, max_seconds=experiment.max_seconds) for c in chunk])
             outs = generate_hypotheses(decoder, processor, batch, seed=seed + b, **arguments)
             for clip, candidates in zip(chunk, outs, strict=True):
-                record = {"id": clip.id, "candidates": [c.text.strip() for c in candidates],
-                          "log_probs": [c.log_prob for c in candidates]}
-                if candidates[0].hypothesis is not None:
-                    record["hypotheses"] = [c.hypothesis for c in candidates]
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                f.write(json.dumps(prediction_record(clip.id, candidates), ensure_ascii=False) + "\n")
     return out
 
 

@@ -83,6 +83,16 @@ class EqualBudget:
         return self.tta_num_beams if strategy in ("tta", "stochastic_router") else self.mle_num_beams
 
 
+def prediction_record(item_id, candidates: Sequence[Candidate]) -> dict:
+    """One line of a predictions file as `loramcl evaluate` reads it: {"id", "candidates", "log_probs"} (+
+    "hypotheses" for an MCL model's candidates)."""
+    record = {"id": item_id, "candidates": [c.text.strip() for c in candidates],
+              "log_probs": [c.log_prob for c in candidates]}
+    if candidates and candidates[0].hypothesis is not None:
+        record["hypotheses"] = [c.hypothesis for c in candidates]
+    return record
+
+
 def equal_budget(budget: int, num_hypotheses: int) -> EqualBudget:
     """Beam sizes giving every method the same forward budget B for K candidates per input (paper §4.1).
 

@@ -100,6 +100,17 @@ class System:
         return asdict(self)
 
 
+def check_budgets(candidates: int, budgets: list[int]) -> None:
+    """An experiment's K candidates per input (>= 2) and its forward budgets: a non-empty list of multiples of K
+    (B/K beams per hypothesis)."""
+    _positive_int("candidates", candidates, minimum=2)
+    _check(isinstance(budgets, list) and budgets, f"budgets must be a non-empty list, got {budgets!r}")
+    for budget in budgets:
+        _positive_int("budgets", budget)
+        _check(budget % candidates == 0, f"every budget must be a multiple of candidates = {candidates} (B/K beams "
+               f"per hypothesis), got {budget}")
+
+
 def equal_budget_systems(hypotheses: dict[str, int], candidates: int, budgets: Sequence[int],
                          single_model_strategies: Sequence[str] = ("beam", "diverse_beam"),
                          mcl_strategies: Sequence[str] = ("beam",)) -> list[System]:

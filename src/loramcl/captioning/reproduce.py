@@ -1,0 +1,367 @@
+"""`loramcl image-captioning`: image description with reading comprehension (paper §4.3, App. H.2-H.4), data ->
+train -> decode -> evaluate -> report, every stage reused when its outputs exist with the same settings.
+
+A recipe folder holds `experiment.yaml` (what this command does: the TextCaps files and images, the K candidates, the
+forward budgets, which runs are decoded), `common.yaml` and one file per training run (the model, `mcl:` or `method:
+moe` with `moe:`, `training:`, `dtype:`); the runs train on the LLaVA-NeXT conversation of `loramcl.data.captioning`.
+recipes/image_captioning/textcaps is the paper's scale (LLaVA-1.6-Vicuna-7B on TextCaps); its files say how to
+launch the training on several GPUs. Adding a run (another K, a baseline) is adding a file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from loramcl.config import _check, _positive_int
+from loramcl.recipe.grid import DecodeConfig, System, check_budgets, chosen_budgets
+
+EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
+DEFAULT_RECIPES = "image_captioning/textcaps"
+SINGLE_MODEL_DECODINGS = ("beam", "diverse_beam")
+# Quick: the same pipeline on a few images and one training step, at the smallest budget (numbers meaningless).
+QUICK_DATA = {"train": 8, "test": 3}
+QUICK_TRAIN = {"steps": 1, "batch_size": 2, "logging_steps": 1, "warmup_steps": 0, "save_every": 0, "eval_every": 0}
+QUICK_DECODING = {"max_new_tokens": 5, "batch_size": 3}
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """experiment.yaml: what `loramcl image-captioning` does with the runs of a recipe folder."""
+
+    textcaps: str
+    """Folder holding TextCaps_0.1_{train,val,test}.json (relative paths: to this file's folder)."""
+
+    images: str
+    """Folder of the images: <images>/<image_path> or <images>/<file name> (TextVQA's train_images/); relative
+    paths: to this file's folder."""
+
+    out: str = "runs/image-captioning"
+    """Output folder (relative paths: to this file's folder, as every path of a recipe file)."""
+
+    train_split: str = "train"
+    test_split: str = "val"
+    """Split scored (TextCaps' test captions are not public: the paper reports on val)."""
+
+    per_image: str = "all"
+    """Training examples: 'all' (one per image and reference caption) or 'one' (one caption drawn per image and
+    epoch)."""
+
+    instruction: str = "Please carefully observe the image and come up with a caption for the image."
+    """The user's instruction after the image (the paper's reference code, a Vicuna-v1 conversation)."""
+
+    max_caption_tokens: int = 64
+    """Training captions longer than this (end-of-sequence included) lose their end."""
+
+    test_images: int | None = None
+    """Score the first N images of the test split only (None: all)."""
+
+    candidates: int = 3
+    """K candidates per image for every system (the paper: 3)."""
+
+    budgets: list[int] = field(default_factory=lambda: [3, 6])
+    """Forward budgets B (the paper: 3 and 6): single models decode with beam B and diverse beam search (K groups),
+    runs with K hypotheses with beam B/K each (greedy at B = K)."""
+
+    diversity_penalties: list[float] = field(default_factory=lambda: [0.8, 1.0])
+    """λ of diverse beam search: one system per value (the paper: 0.8 and 1.0)."""
+
+    decoded: list[str] | None = None
+    """Runs whose candidates are decoded and scored (default: every run)."""
+
+    mcl_decodings: list[str] = field(default_factory=lambda: ["beam"])
+    """How runs with K hypotheses decode: 'beam' (greedy at B = K, beam B/K per hypothesis above; the paper) and
+    'diverse_beam' (diverse MCL decoding, hypothesis k being group k of one diverse beam search; one system per λ)."""
+
+    decoding: dict = field(default_factory=dict)
+    """DecodeConfig settings (max_new_tokens, repetition_penalty, batch_size, seed)."""
+
+    metrics: str = "captioning"
+    """`loramcl evaluate --metrics` presets or names (the 'captioning' preset: BLEU, METEOR, ROUGE-L, CIDEr-D, SPICE
+    and SPIDEr where the SPICE jars are installed, sBERT, Div-n, mBLEU-4)."""
+
+    bilingual: dict | None = None
+    """The bilingual variant (§4.3, App. H.5): `data.caption_translation.BilingualSettings` (translator: a local
+    seq2seq model folder, relative to this file; prefix, language, fraction, seed). Half the training captions become
+    French, the test set keeps the English references and their translations; the report adds which hypothesis wins
+    each reference language, the language of each hypothesis's outputs, and the embedding probes."""
+
+    def __post_init__(self) -> None:
+        from loramcl.data.textcaps import PER_IMAGE, SPLIT_FILES
+
+        for name in ("textcaps", "images"):
+            _check(isinstance(getattr(self, name), str) and getattr(self, name), f"{name} must be a folder path")
+        for name in ("train_split", "test_split"):
+            _check(getattr(self, name) in SPLIT_FILES, f"{name} must be one of {sorted(SPLIT_FILES)}, got "
+                   f"{getattr(self, name)!r}")
+        _check(self.test_split != "test", "test_split: TextCaps' test split has no captions to score against; use val")
+        _check(self.per_image in PER_IMAGE, f"per_image must be one of {PER_IMAGE}, got {self.per_image!r}")
+        _check(isinstance(self.instruction, str) and self.instruction.strip(), "instruction must be a non-empty text")
+        _positive_int("max_caption_tokens", self.max_caption_tokens, minimum=2)
+        if self.test_images is not None:
+            _positive_int("test_images", self.test_images)
+        check_budgets(self.candidates, self.budgets)
+        _check(isinstance(self.diversity_penalties, list) and all(
+            isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in self.diversity_penalties),
+            f"diversity_penalties must be a list of numbers >= 0, got {self.diversity_penalties!r}")
+        DecodeConfig(**self.decoding)
+        if self.bilingual is not None:
+            self.bilingual_settings()
+
+    def bilingual_settings(self):
+        """The typed `bilingual:` settings, or None."""
+        from loramcl.data.caption_translation import BilingualSettings
+
+        if self.bilingual is None:
+            return None
+        _check(isinstance(self.bilingual, dict), f"bilingual must be a mapping of settings, got {self.bilingual!r}")
+        return BilingualSettings(**self.bilingual)
+
+    @classmethod
+    def read(cls, path: Path) -> Experiment:
+        from loramcl.recipe.files import experiment_values
+
+        values = experiment_values(path, list(cls.__dataclass_fields__), paths=("out", "textcaps", "images"))
+        bilingual = values.get("bilingual")
+        if isinstance(bilingual, dict) and isinstance(bilingual.get("translator"), str):  # relative to this file too
+            translator = Path(path).parent / Path(bilingual["translator"]).expanduser()
+            values["bilingual"] = {**bilingual, "translator": str(translator.resolve())}
+        return cls(**values)
+
+
+def run_values(folder: Path, run: str, root: Path, quick: bool) -> dict:
+    """The settings of one training run: common.yaml + <run>.yaml (paths relative to the file that gives them), its
+    output under ``root`` (``recipe.files.run_arguments``; the text `data:` section it adds is not read here)."""
+    from loramcl.recipe.files import run_arguments
+
+    values = run_arguments(folder, run, root, quick={"training": QUICK_TRAIN} if quick else None, common=COMMON)
+    _check(isinstance(values.get("model"), str), f"{folder}: the runs need `model:` (a local LLaVA-NeXT folder)")
+    method = values.get("method", "mcl")
+    _check(method in ("mcl", "moe", "multihead") and isinstance(values.get(method), dict),
+           f"{folder / (run + '.yaml')}: needs a `{method}:` block (method: {method})")
+    return values
+
+
+def method_settings(values: dict):
+    """(method, its configuration) of a run's settings."""
+    from loramcl.baselines.config import MoEConfig, MultiHeadConfig
+    from loramcl.config import MCLConfig
+
+    method = values.get("method", "mcl")
+    config = {"mcl": MCLConfig, "moe": MoEConfig, "multihead": MultiHeadConfig}[method].from_dict(values[method])
+    return method, config
+
+
+def candidates_per_run(values: dict) -> int:
+    """How many hypotheses a run's model decodes as (a LoRA-MoE model is one model: 1)."""
+    method = values.get("method", "mcl")
+    return 1 if method == "moe" else values[method]["num_hypotheses"]
+
+
+def systems_of(experiment: Experiment, values: dict[str, dict], budgets: list[int]) -> list[System]:
+    """Each decoded run x each decoding x each budget, at equal forward budget; one diverse beam search system per λ."""
+    from loramcl.recipe.grid import equal_budget_systems
+
+    decoded = experiment.decoded if experiment.decoded is not None else list(values)
+    unknown = [run for run in decoded if run not in values]
+    _check(not unknown, f"decoded: no run file for {unknown} (runs: {sorted(values)})")
+    systems = []
+    for system in equal_budget_systems({run: candidates_per_run(values[run]) for run in decoded},
+                                       experiment.candidates, budgets, SINGLE_MODEL_DECODINGS,
+                                       experiment.mcl_decodings):
+        if system.strategy != "diverse_beam":
+            systems.append(system)
+            continue
+        for penalty in experiment.diversity_penalties:
+            name = system.name.replace("-diversebeam-", f"-diversebeam{penalty:g}-")
+            systems.append(System(name, system.run, system.strategy, system.budget, {"diversity_penalty": penalty}))
+    return systems
+
+
+def prepare_data(out: Path, experiment: Experiment, quick: bool, device: str = "cpu") -> dict:
+    """Read and check the TextCaps splits (every image opened), and write data/{train,test}.jsonl: {"id", "image",
+    "references"} per image. The bilingual variant translates its share of the training captions and every test
+    reference (cached in <out>/../translations/), and tags them: "languages" (train), "reference_languages" (test)."""
+    from loramcl.data.caption_translation import bilingual_splits
+    from loramcl.data.textcaps import SPLIT_FILES, read_textcaps
+
+    splits = {}
+    for name, split in (("train", experiment.train_split), ("test", experiment.test_split)):
+        images = read_textcaps(Path(experiment.textcaps) / SPLIT_FILES[split], experiment.images, captions=True)
+        limit = QUICK_DATA[name] if quick else (experiment.test_images if name == "test" else None)
+        splits[name] = images[:limit]
+    rows = {name: [{"id": i.image_id, "image": str(i.image_path), "references": i.references} for i in images]
+            for name, images in splits.items()}
+    bilingual = experiment.bilingual_settings()
+    if bilingual is not None:
+        rows["train"], rows["test"] = bilingual_splits(splits["train"], splits["test"], bilingual,
+                                                       out.parent / "translations" / bilingual.cache_name(), device)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, lines in rows.items():
+        with (out / f"{name}.jsonl").open("w", encoding="utf-8") as f:
+            for line in lines:
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    stats = {"images": {name: len(images) for name, images in rows.items()},
+             "captions": {name: sum(len(r["references"]) for r in images) for name, images in rows.items()}}
+    if bilingual is not None:
+        stats["translated_training_captions"] = sum(lang != "en" for r in rows["train"] for lang in r["languages"])
+    (out / "stats.json").write_text(json.dumps(stats, indent=1) + "\n", encoding="utf-8")
+    return stats
+
+
+def read_images(path: Path) -> list:
+    """The CaptionImage list of a data/*.jsonl file."""
+    from loramcl.data.textcaps import CaptionImage
+    from loramcl.metrics.io import read_jsonl
+
+    return [CaptionImage(str(r["id"]), Path(r["image"]), list(r["references"]))
+            for r in read_jsonl(path, "references").values()]
+
+
+def load_vlm(model: str, dtype: str = "float32", device: str = "cpu", adapters: str | None = None):
+    """A local image-text-to-text model (LLaVA-NeXT) in eval mode, with the adapters of a run folder if given."""
+    from loramcl.generation.cli import load_model
+
+    return load_model(model, adapters, dtype, device)
+
+
+def train_run(values: dict, data: Path, experiment: Experiment, settings: dict, threads: int | None) -> dict:
+    """Train one run on the training images (``finetune.fit``: the same files and record as `loramcl train`)."""
+    from transformers import AutoProcessor
+
+    from loramcl.config import TrainConfig
+    from loramcl.data.captioning import CaptionEncoder, collate_captions
+    from loramcl.data.textcaps import CaptionTrainingSet
+    from loramcl.finetune import fit, resumable_checkpoint
+
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    processor = AutoProcessor.from_pretrained(values["model"])
+    training = TrainConfig(**values.get("training", {}))
+    encoder = CaptionEncoder(processor, experiment.instruction, experiment.max_caption_tokens)
+    train_set = CaptionTrainingSet(read_images(data / "train.jsonl"), experiment.per_image, training.seed, encoder)
+    pad = processor.tokenizer.pad_token_id
+    pad = processor.tokenizer.eos_token_id if pad is None else pad
+    method, config = method_settings(values)
+    last = resumable_checkpoint(values["out"], settings, resume=True)
+    return fit(lambda: load_vlm(values["model"], values.get("dtype", "float32")), values["out"], config, training,
+               settings, train_set, None, collator=lambda rows: collate_captions(rows, pad), processor=processor,
+               last_checkpoint=last, method=method)
+
+
+def caption(model: str, adapters: str, test: Path, out: Path, arguments: dict, batch_size: int, instruction: str,
+            dtype: str = "float32", device: str = "cpu") -> str:
+    """K candidates per test image with ``generate_hypotheses``; written as `loramcl evaluate` reads predictions:
+    {"id", "candidates", "log_probs"(, "hypotheses")} per line. Batch b decodes with seed + b."""
+    from transformers import AutoProcessor
+
+    from loramcl.data.captioning import decoding_batch
+    from loramcl.generation.decoding import generate_hypotheses, prediction_record
+
+    processor = AutoProcessor.from_pretrained(model)
+    decoder = load_vlm(model, dtype, device, adapters)
+    images = read_images(test)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    seed = arguments.pop("seed", 0)
+    with out.open("w", encoding="utf-8") as f:
+        for b, start in enumerate(range(0, len(images), batch_size)):
+            chunk = images[start:start + batch_size]
+            outs = generate_hypotheses(decoder, processor, decoding_batch(processor, chunk, instruction),
+                                       seed=seed + b, **arguments)
+            for image, candidates in zip(chunk, outs, strict=True):
+                f.write(json.dumps(prediction_record(image.image_id, candidates), ensure_ascii=False) + "\n")
+    print(f"{len(images)} images x {len(outs[0])} candidates ({arguments['strategy']}): {out}")
+    return str(out)
+
+
+def image_captioning(out: str | None = None, recipes: str | None = None, quick: bool = False,
+                     budgets: list[int] | None = None, stop_after: str | None = None, threads: int | None = None,
+                     device: str = "cpu") -> dict:
+    """Image captioning on TextCaps (paper §4.3, Table 3): train, decode at equal budget, score and report.
+
+    Trains the runs of a recipe folder (LoRA-MLE, LoRA-MCL K = 3, LoRA-MoE), decodes K captions per image at equal
+    forward budgets (MCL: beam B/K per hypothesis; single models: beam B and diverse beam search), scores them
+    (`loramcl evaluate --metrics captioning`), plots quality against diversity, and reports.
+
+    Writes to `out`: data/, one folder per run (adapters, logs), predictions/, figures/, report.json and report.md.
+    Finished stages are reused when their settings are unchanged; an interrupted training resumes.
+
+    Args:
+        out: output folder (default: experiment.yaml's `out`).
+        recipes: recipe folder with experiment.yaml, common.yaml and one file per run (default:
+            recipes/image_captioning/textcaps of this repository, the paper's scale).
+        quick: a few images, one training step per run, the smallest budget: checks the whole pipeline (numbers
+            meaningless).
+        budgets: forward budgets to decode at (default: experiment.yaml's).
+        stop_after: "data" or "train": stop after that stage (e.g. train under `accelerate launch` on several GPUs,
+            then run this command again to decode and report).
+        threads: torch CPU threads (default: torch's choice).
+        device: e.g. cpu or cuda.
+    """
+    from loramcl.captioning.report import build_report
+    from loramcl.config import TrainConfig
+    from loramcl.finetune import _sha256
+    from loramcl.recipe.files import recipe_folder, run_names
+    from loramcl.recipe.stages import Stages, file_stamp, run_record, run_stamp
+
+    _check(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
+    folder = recipe_folder(recipes, DEFAULT_RECIPES, [EXPERIMENT, COMMON])
+    experiment = Experiment.read(folder / EXPERIMENT)
+    root = Path(out if out is not None else experiment.out)
+    stages = Stages(root)
+    chosen = chosen_budgets(budgets, experiment.budgets, quick)
+    runs = run_names(folder, reserved=(EXPERIMENT, COMMON))
+    values = {run: run_values(folder, run, root, quick) for run in runs}
+    systems = systems_of(experiment, values, chosen)
+    model = values[runs[0]]["model"]
+    for run, v in values.items():
+        _check(v["model"] == model, f"run {run}: every run of a recipe folder trains the same model ({model})")
+
+    data = root / "data"
+    data_settings = asdict(experiment) | {"quick": quick, "files_sha256": {
+        split: _sha256(Path(experiment.textcaps) / f"TextCaps_0.1_{split}.json")
+        for split in {experiment.train_split, experiment.test_split}}}
+    for name in ("out", "decoded", "decoding", "budgets", "candidates", "diversity_penalties", "metrics",
+                 "mcl_decodings"):
+        data_settings.pop(name)  # decoding settings: not the data's
+    stages.run("prepare data", data / "prepare.json", data_settings, prepare_data, data, experiment, quick, device)
+    if stop_after == "data":
+        return {"data": str(data)}
+
+    data_fields = {"per_image": experiment.per_image, "instruction": experiment.instruction,
+                   "max_caption_tokens": experiment.max_caption_tokens}
+    for run in runs:  # retrained when its recipe or its data changed, resumed when it was interrupted
+        v = values[run]
+        method, config = method_settings(v)
+        settings = json.loads(json.dumps({
+            "model": model, **({"mcl": config.to_dict()} if method == "mcl" else {"method": method,
+                                                                                  method: config.to_dict()}),
+            "data": data_fields, "training": asdict(TrainConfig(**v.get("training", {}))),
+            "dtype": v.get("dtype", "float32"), "data_sha256": {"train": _sha256(data / "train.jsonl")}}))
+        stages.train(f"train {run}", Path(v["out"]), settings, train_run, v, data, experiment, settings, threads)
+    if stop_after == "train":
+        return {"runs": {run: str(root / run) for run in runs}}
+
+    decode = DecodeConfig(**(experiment.decoding | (QUICK_DECODING if quick else {})))
+    for system in systems:
+        path = root / "predictions" / f"{system.name}.jsonl"
+        v = values[system.run]
+        arguments = system.decoding(experiment.candidates, candidates_per_run(v) == 1, decode)
+        settings = {**arguments, "batch_size": decode.batch_size, "trained": run_stamp(root / system.run),
+                    "test": file_stamp(data / "test.jsonl"), "instruction": experiment.instruction}
+        stages.run(f"generate {system.name}", path.with_suffix(".settings.json"), settings, caption, model,
+                   str(root / system.run), data / "test.jsonl", path, dict(arguments), decode.batch_size,
+                   experiment.instruction, v.get("dtype", "float32"), device)
+
+    report = stages.timed("evaluate and report", build_report, root, experiment, systems, runs)
+    report["timing_s"] = stages.timings | {"runs": {run: run_record(root / run)["seconds"] for run in runs}}
+    (root / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print((root / "report.md").read_text(encoding="utf-8"))
+    print(f"report: {root / 'report.md'} (+ report.json, figures/)")
+    return report
+
+
+__all__ = ["Experiment", "image_captioning", "prepare_data", "systems_of", "caption"]
