@@ -197,6 +197,17 @@ def test_ranking_quality_by_hand():
         ranking_quality([[0.9, 0.3]], [0])
 
 
+def write_base_and_training_pairs(folder) -> None:
+    """A tiny random Llama with its tokenizer in folder/base, 24 training pairs in folder/train.jsonl."""
+    import json
+
+    torch.manual_seed(0)
+    build_model("llama").save_pretrained(folder / "base")
+    word_tokenizer().save_pretrained(folder / "base")
+    rows = [{"prompt": f"w{5 + i % 7} w{20 + i % 5}", "target": f"w{40 + i % 3} w{60 + i % 4}"} for i in range(24)]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def test_the_commands_write_and_read_scores_and_the_mixture_nll(tmp_path):
     import json
 
@@ -205,11 +216,7 @@ def test_the_commands_write_and_read_scores_and_the_mixture_nll(tmp_path):
     from loramcl.generation.cli import generate
     from loramcl.metrics.cli import evaluate
 
-    torch.manual_seed(0)
-    build_model("llama").save_pretrained(tmp_path / "base")
-    word_tokenizer().save_pretrained(tmp_path / "base")
-    rows = [{"prompt": f"w{5 + i % 7} w{20 + i % 5}", "target": f"w{40 + i % 3} w{60 + i % 4}"} for i in range(24)]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_base_and_training_pairs(tmp_path)
     test = [{"id": i, "prompt": f"w{5 + i} w20", "references": [f"w4{i} w60", "w41"]} for i in range(4)]
     (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))
     adapters = train(model=str(tmp_path / "base"), out=str(tmp_path / "mcl"),
@@ -244,11 +251,7 @@ def test_scores_fitted_to_a_finished_run_leave_its_hypotheses_as_they_were(tmp_p
     from loramcl.finetune import train
     from loramcl.model import WEIGHTS_NAME
 
-    torch.manual_seed(0)
-    build_model("llama").save_pretrained(tmp_path / "base")
-    word_tokenizer().save_pretrained(tmp_path / "base")
-    rows = [{"prompt": f"w{5 + i % 7} w{20 + i % 5}", "target": f"w{40 + i % 3} w{60 + i % 4}"} for i in range(24)]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_base_and_training_pairs(tmp_path)
     data = DataConfig(train_file=str(tmp_path / "train.jsonl"))
     run = train(model=str(tmp_path / "base"), out=str(tmp_path / "mcl"), data=data, threads=1,
                 mcl=MCLConfig(num_hypotheses=2, r=4, alpha=8, target_modules=["q_proj", "v_proj"], loss="relaxed",
