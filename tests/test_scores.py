@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 from conftest import randomize_adapters, wrapped_model
-from tiny_models import build_model, word_tokenizer
+from tiny_models import build_model, token_rows, word_tokenizer
 from transformers import TrainingArguments
 
 from loramcl import MCLConfig, MCLTrainer, generate_hypotheses, get_mcl_model, load_mcl_model
@@ -15,14 +15,7 @@ from loramcl.scores import mixture_nll
 
 
 def _dataset(n=16, length=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        ids = torch.randint(3, 80, (length,), generator=g)
-        labels = ids.clone()
-        labels[:3] = -100
-        rows.append({"input_ids": ids, "attention_mask": torch.ones(length, dtype=torch.long), "labels": labels})
-    return rows
+    return token_rows(n, length, seed, prompt=3)
 
 
 def _args(tmp_path, **overrides):

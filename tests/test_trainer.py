@@ -3,21 +3,14 @@
 import pytest
 import torch
 from conftest import randomize_adapters
-from tiny_models import build_model
+from tiny_models import build_model, token_rows
 from transformers import TrainingArguments
 
 from loramcl import MCLConfig, MCLTrainer, get_mcl_model, load_mcl_model
 
 
 def _dataset(n=16, length=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        ids = torch.randint(3, 80, (length,), generator=g)
-        labels = ids.clone()
-        labels[:2] = -100
-        rows.append({"input_ids": ids, "attention_mask": torch.ones(length, dtype=torch.long), "labels": labels})
-    return rows
+    return token_rows(n, length, seed, prompt=2)
 
 
 def _model(loss="wta", num_hypotheses=3, dropout=0.0, **config):

@@ -289,6 +289,18 @@ def build_batch(name: str, model: torch.nn.Module, batch: int = 2, generator: to
     return {"input_ids": input_ids, "attention_mask": attention_mask}, labels
 
 
+def token_rows(n: int = 16, length: int = 8, seed: int = 0, prompt: int = 2) -> list[dict]:
+    """``n`` random token sequences as training rows, the first ``prompt`` positions unlabelled (-100)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(3, 80, (length,), generator=g)
+        labels = ids.clone()
+        labels[:prompt] = -100
+        rows.append({"input_ids": ids, "attention_mask": torch.ones(length, dtype=torch.long), "labels": labels})
+    return rows
+
+
 def word_tokenizer():
     """A word-level tokenizer over the tiny models' vocabulary: w3 ... w96, with <pad>=0, <s>=1, </s>=2."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
