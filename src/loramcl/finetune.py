@@ -190,9 +190,10 @@ def train(
 
     if scores_for is not None:
         config = _scored_run_config(scores_for, method, mcl)
+        from loramcl.recipe.stages import run_stamp
+
         settings = run_settings(model, config, data, training, dtype, method) | {
-            "scores_for": str(scores_for), "scores_for_run": hashlib.sha256(
-                (Path(scores_for) / RUN_RECORD).read_bytes()).hexdigest()[:16]}
+            "scores_for": str(scores_for), "scores_for_run": run_stamp(Path(scores_for))}
     else:
         config = method_config(method, mcl, moe, multihead)
         settings = run_settings(model, config, data, training, dtype, method)
