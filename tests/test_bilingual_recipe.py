@@ -26,13 +26,20 @@ def test_quick_recipe_writes_every_output(quick):
         for share in result["languages"]["per_hypothesis"]:
             assert sum(share.values()) == pytest.approx(1.0)
         assert set(result["language_wins"]["by_group"]) == {"fr", "de"}
-    assert report["runs"]["mle"]["trainable_parameters"] == report["runs"]["mcl-relaxed"]["trainable_parameters"]
+    for name in ("mcl-relaxed-greedy-b2", "mcl-relaxed-diverse-b2", "mcl-annealed-beam-b4"):  # scored MCL runs
+        metrics, scores = report["systems"][name]["metrics"], report["systems"][name]["mean_scores"]
+        assert sum(scores) == pytest.approx(1.0) and 0 <= metrics["score_top1"] <= 1 and 0 <= metrics["score_ece"] <= 1
+        assert metrics["mixture_nll"] >= metrics["oracle_nll"] - 1e-9  # min_k -log p_k <= -log sum_k p(k|c) p_k
+    assert "mean_scores" not in report["systems"]["mle-beam-b2"]
+    # equal trainable counts but for the scores head of the MCL runs: K x (SmolLM2's hidden size 576 + a bias)
+    trainable = {run: report["runs"][run]["trainable_parameters"] for run in RUNS}
+    assert trainable["mcl-relaxed"] == trainable["mcl-annealed"] == trainable["mle"] + 2 * (576 + 1)
     # the identifier is trained and checked on the real catalogs, so its accuracy means something even here
     assert report["identifier"]["accuracy"] > 0.9
     for path in report["figures"].values():
         assert (out / "figures" / path.rsplit("/", 1)[-1]).stat().st_size > 1000
     markdown = (out / "report.md").read_text()
-    assert "paper Table 7" in markdown and "SVM test accuracy" in markdown
+    assert "paper Table 7" in markdown and "SVM test accuracy" in markdown and "Hypothesis scores" in markdown
     assert json.loads((out / "report.json").read_text())["systems"].keys() == report["systems"].keys()
 
 

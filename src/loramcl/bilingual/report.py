@@ -52,7 +52,7 @@ def language_wins(candidates: list[list[str]], test: list[dict]) -> dict:
 def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> dict:
     from loramcl.analysis import embed, hypothesis_probe, language_shares, pca_plot
     from loramcl.metrics import evaluate_candidates
-    from loramcl.metrics.io import load_nll, read_jsonl, to_jsonable
+    from loramcl.metrics.io import load_mixture_nll, load_nll, load_scores, read_jsonl, to_jsonable
     from loramcl.recipe.report import training_curves
     from loramcl.recipe.stages import run_record
 
@@ -67,17 +67,23 @@ def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> 
     outputs: dict[str, list[list[str]]] = {}
     languages: dict[str, np.ndarray] = {}
     for system in systems:
-        predictions = read_jsonl(root / "predictions" / f"{system.name}.jsonl", "candidates")
+        path = root / "predictions" / f"{system.name}.jsonl"
+        predictions = read_jsonl(path, "candidates")
         candidates = [predictions[r["id"]]["candidates"] for r in test]
         outputs[system.name] = candidates
-        nll = load_nll(root / "nll" / f"{system.run}.jsonl", [r["id"] for r in test], references)
-        report = evaluate_candidates(candidates, references, metrics=metrics, nll=nll, winner_metric="chrf")
+        ids, nll_path = [r["id"] for r in test], root / "nll" / f"{system.run}.jsonl"
+        scores = load_scores(path, ids, candidates)  # p(k | c): runs trained with hypothesis scores (docs/scores.md)
+        report = evaluate_candidates(candidates, references, metrics=metrics, nll=load_nll(nll_path, ids, references),
+                                     winner_metric="chrf", mixture_nll=load_mixture_nll(nll_path, ids, references),
+                                     scores=scores)
         report.pop("candidate_scores")
         shares = language_shares(candidates, identifier, languages=list(LANGUAGES))
         languages[system.name] = np.array(shares.pop("predictions"))  # [N, K] identified language per candidate
         results[system.name] = {"system": system.to_dict(), "metrics": report["metrics"],
                                 "likelihood": report["likelihood"], "language_wins": language_wins(candidates, test),
                                 "languages": shares, "timing_s": report["timing_s"]}
+        if scores is not None:
+            results[system.name]["mean_scores"] = scores.mean(axis=0)
 
     figures = {"curves": training_curves({run: root / run for run in runs}, root / "figures" / "training.png")}
     probes = {}
@@ -127,6 +133,22 @@ def markdown(report: dict) -> str:
                      f"{per_language['fr']:.2f} / {per_language['de']:.2f} | "
                      f"{m['mbleu4']:.3f} | {m['div2']:.3f} | {lik['oracle_nll']:.3f} | "
                      f"{percent(result['languages']['both_languages'])}% |")
+
+    scored = {name: result for name, result in systems.items() if "mean_scores" in result}
+    if scored:
+        lines += ["", "## Hypothesis scores p(k | c) (docs/scores.md)", "",
+                  "Top-1: how often the most probable candidate is the best one by sentence chrF (chance 1/K); ECE: "
+                  "calibration of p(k | c) against those wins. Mixture NLL: -log sum_k p(k | c) p_k(x | c) of the "
+                  "references (nats per token), a proper likelihood to compare with LoRA-MLE's NLL; oracle NLL: the "
+                  "best hypothesis per reference.", "",
+                  "| system | mean p(k \\| c) | top-1 (chance) | ECE | mixture NLL | oracle NLL |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for name, result in scored.items():
+            m, k = result["metrics"], len(result["mean_scores"])
+            mean = " / ".join(f"{p:.2f}" for p in result["mean_scores"])
+            mixture = f"{m['mixture_nll']:.3f}" if "mixture_nll" in m else "–"
+            lines.append(f"| {name} | {mean} | {m['score_top1']:.3f} ({1 / k:.3f}) | {m['score_ece']:.3f} | "
+                         f"{mixture} | {m['oracle_nll']:.3f} |")
 
     lines += ["", "## Which hypothesis wins each reference language (paper Table 7)", "",
               "For each test message and each language, the candidate closest to that language's reference "

@@ -2,8 +2,9 @@
 
 The paper's bilingual experiment (§4.3, App. H.5) on a real pretrained model and human translations, on the CPU:
 build the data from the machine's gettext catalogs, train LoRA-MLE and two LoRA-MCL runs (K = 2, relaxed and
-annealed) from the recipes in recipes/bilingual/, decode every system at equal forward budgets, score them
-(oracle sentence BLEU and chrF, mBLEU-4, oracle NLL), identify the language of every candidate, and probe the
+annealed, with hypothesis scores p(k | c)) from the recipes in recipes/bilingual/, decode every system at equal
+forward budgets (MCL also with diverse MCL decoding), score them (oracle sentence BLEU and chrF, mBLEU-4, oracle
+and mixture NLL, the scores' ranking and calibration), identify the language of every candidate, and probe the
 sentence embeddings for specialisation (PCA, linear SVM). Every stage skips work whose outputs exist with the same
 settings, so an interrupted run resumes and the report can be rebuilt alone.
 """
@@ -29,9 +30,11 @@ SYSTEMS = (
     System("mle-beam-b2", "mle", "beam", 2), System("mle-dbs-b2", "mle", "diverse_beam", 2),
     System("mcl-relaxed-greedy-b2", "mcl-relaxed", "greedy", 2),
     System("mcl-annealed-greedy-b2", "mcl-annealed", "greedy", 2),
+    System("mcl-relaxed-diverse-b2", "mcl-relaxed", "diverse_beam", 2),  # diverse MCL decoding (docs/decoding.md)
     System("mle-beam-b4", "mle", "beam", 4), System("mle-dbs-b4", "mle", "diverse_beam", 4),
     System("mcl-relaxed-beam-b4", "mcl-relaxed", "beam", 4),
     System("mcl-annealed-beam-b4", "mcl-annealed", "beam", 4),
+    System("mcl-relaxed-diverse-b4", "mcl-relaxed", "diverse_beam", 4),
 )
 DECODING = DecodeConfig(max_new_tokens=48, repetition_penalty=1.1, batch_size=16, diversity_penalty=0.8)
 QUICK_DECODING = replace(DECODING, max_new_tokens=12)
