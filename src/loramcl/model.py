@@ -34,6 +34,7 @@ from transformers.pytorch_utils import Conv1D
 from transformers.utils import ModelOutput
 
 from loramcl.config import MCLConfig
+from loramcl.context import check_split_inputs, is_shared_context, share_context, split_context
 from loramcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting, MCLLoraLinear, linear_features
 from loramcl.losses import mcl_loss
 from loramcl.scores import HypothesisScores, context_positions, mixture_nll
@@ -97,6 +98,8 @@ def repeat_examples(value, copies: int, batch: int, name: str | None = None):
     if isinstance(value, list | tuple):
         items = [repeat_examples(item, copies, batch, name) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuples too
+    if is_shared_context(value):  # the context computed once: its cache makes its copies itself (loramcl.context)
+        return value
     if isinstance(value, Cache) and value.get_seq_length() > 0:
         raise ValueError(f"input {name!r} is a cache of past keys and values: its K copies cannot be made; run the "
                          "hypotheses on the full inputs instead")
@@ -171,6 +174,10 @@ class MCLModel(nn.Module):
         # Decoding K copies of a batch runs each shared module (a frozen tower before the adapters) once, on one
         # copy; False runs it on all K copies (the same result, K times the work; for benchmarks).
         self.share_frozen_modules = True
+        # adapt_context=False: run the context once on B rows and the targets on K*B rows (loramcl.context); False
+        # computes the same on the full sequence with the adapters masked on the context (the reference, for tests
+        # and benchmarks).
+        self.context_once = True
         self._shared_calls: dict[int, int] = {}  # id(shared module) -> copies its running call was given
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._generation_context: list[torch.Tensor] | None = None  # armed by capture_context()
@@ -243,6 +250,7 @@ class MCLModel(nn.Module):
     def _set_routing(self, hypotheses: int | torch.Tensor | None, rows: int | None, copies: bool = False) -> None:
         routing, k_max = self.routing, self.num_hypotheses
         routing.per_copy, routing.rows, routing.copies, self._main_rows = False, None, None, None
+        routing.positions = None
         if hypotheses is None:
             routing.mode, routing.index = STACKED, None
         elif isinstance(hypotheses, int) and not isinstance(hypotheses, bool):
@@ -424,6 +432,8 @@ class MCLModel(nn.Module):
                      ) -> MCLOutput:
         """nll of every example under the routing already set: [B, K] (stacked, with the loss) or [B]."""
         base, k, batch = self.base_model, self.num_hypotheses, targets.shape[0]
+        if not self.mcl_config.adapt_context and not self._adapters_disabled:
+            inputs, targets, positions = self._without_context(inputs, targets, positions, k if stacked else 1)
         row_positions = positions.repeat(k, 1) if stacked else positions  # [rows, T]
         scoring = stacked and self.scoring_head is not None
         outputs, states = self._call_base(
@@ -454,7 +464,62 @@ class MCLModel(nn.Module):
         return MCLOutput(loss=loss + self.mcl_config.scoring_weight * scoring_loss, nll=nll, weights=weights,
                          log_scores=log_scores.detach(), mixture_nll=mixture, scoring_loss=scoring_loss)
 
+    def _without_context(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, copies: int
+                         ) -> tuple[dict, torch.Tensor, torch.Tensor]:
+        """adapt_context=False: (inputs, targets [B, L], positions [B, L]) of a call that runs only the target
+        positions, attending to the context run once on B rows without adapters (loramcl.context); or, with
+        ``context_once=False``, the full sequence with the adapters masked on the context."""
+        base = self.base_model
+        if getattr(base.config, "is_encoder_decoder", False):  # the encoder is the context
+            return self._encoder_once(inputs), targets, positions
+        check_split_inputs(inputs, type(base).__name__)
+        lengths = context_positions(positions)  # [B] c_b: positions before the first that predicts a label
+        if not self.context_once:
+            steps = torch.arange(positions.shape[1], device=positions.device)
+            mask = (steps >= lengths.unsqueeze(1)).repeat(copies, 1)  # [rows, T]
+            self.routing.positions = mask.unsqueeze(-1).to(self._adapter_dtype())  # [rows, T, 1]
+            return inputs, targets, positions
+        if int(lengths.max()) == 0:  # every row predicts from its first position: there is no context
+            return inputs, targets, positions
+        context_inputs, target_inputs, index = split_context(inputs, lengths)
+        nothing = torch.zeros_like(context_inputs["input_ids"], dtype=torch.bool)  # no logits on the context
+        with torch.no_grad(), self._adapters_off():
+            outputs, _ = self._call_base({**context_inputs, "use_cache": True}, expand_batch=None,
+                                         logit_positions=nothing if self._output_layer_name else None)
+        cache = share_context(outputs.past_key_values, copies)
+        targets = torch.where(index >= 0, targets.gather(1, index.clamp(min=0)), IGNORE_INDEX)  # [B, L]
+        return {**target_inputs, "past_key_values": cache}, targets, targets != IGNORE_INDEX
+
+    def _encoder_once(self, inputs: dict) -> dict:
+        """An encoder-decoder's inputs with the encoder run once, on B rows without adapters: its outputs go to the
+        decoder in place of the encoder's inputs (and are made K-fold where the hypotheses start)."""
+        if inputs.get("encoder_outputs") is not None:
+            return inputs
+        decoder = {name: value for name, value in inputs.items() if name.startswith("decoder_") or name in (
+            "use_cache", "attention_mask", "past_key_values")}
+        encoder_inputs = {name: value for name, value in inputs.items() if name not in decoder or
+                          name == "attention_mask"}
+        with torch.no_grad(), self._adapters_off():
+            encoded = self.base_model.get_encoder()(**encoder_inputs, return_dict=True)
+        return {**decoder, "encoder_outputs": encoded}
+
+    @contextlib.contextmanager
+    def _adapters_off(self) -> Iterator[None]:
+        saved = copy.copy(self.routing)
+        self.routing.mode = DISABLED
+        try:
+            yield
+        finally:
+            vars(self.routing).update(vars(saved))
+
+    def _adapter_dtype(self) -> torch.dtype:
+        return next(iter(self.base_model.get_submodule(self.layer_names[0]).adapter_tensors().values())).dtype
+
     def _forward_logits(self, hypotheses: int | torch.Tensor | None, inputs: dict) -> MCLOutput:
+        if not self.mcl_config.adapt_context and not self._adapters_disabled:
+            raise ValueError("adapt_context=False: the adapters act from the first position that predicts a label on, "
+                             "so the forward needs labels to know where the context ends; pass labels (the output "
+                             "then holds nll), or decode with generate")
         batch = _batch_size(inputs)
         stacked = hypotheses is None and not self._adapters_disabled
         if not self._adapters_disabled:
@@ -620,6 +685,7 @@ class MCLModel(nn.Module):
         from peft import LoraConfig
 
         self._check_hypothesis(k)
+        self._refuse_position_dependent("exported as a PEFT LoRA adapter")
         cfg = self.mcl_config
         is_conv1d = [isinstance(layer.base_layer, Conv1D) for _, layer in self.mcl_layers()]
         if any(is_conv1d) and not all(is_conv1d):
@@ -663,7 +729,16 @@ class MCLModel(nn.Module):
         ``inplace=True`` saves the copy's memory on large models and leaves this MCLModel unusable.
         """
         self._check_hypothesis(k)
+        self._refuse_position_dependent("merged into the base weights")
         return self._remove_adapters(k, inplace, "merged in place (merge_hypothesis(..., inplace=True))")
+
+    def _refuse_position_dependent(self, what: str) -> None:
+        if not self.mcl_config.adapt_context:
+            raise ValueError(
+                f"these hypotheses were trained with adapt_context=False: they act only from the first target "
+                f"position on, so hypothesis weights {what} (applied at every position, the context included) "
+                "would compute another model. Decode with this MCLModel (generate_hypotheses), or train with "
+                "adapt_context=True to export standard LoRA adapters")
 
     def unload(self) -> nn.Module:
         """Remove every adapter and return the base model as it was before ``get_mcl_model`` (its original layers,
