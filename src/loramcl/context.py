@@ -47,13 +47,16 @@ class SharedContextLayer(DynamicLayer):
 
 
 def _after_copies(shared: torch.Tensor, new: torch.Tensor, copies: int) -> torch.Tensor:
-    """[B, h, C, d] shared by every copy, [copies*B, h, L, d] new -> [copies*B, h, C + L, d] (one copy, no repeat)."""
+    """[B, h, C, d] shared by every copy, [copies*B*beams, h, L, d] new -> [copies*B*beams, h, C + L, d]: row
+    (c, b, j) reads example b's context (beams j of a row consecutive, as generate makes them); one copy, no repeat."""
     batch = shared.shape[0]
-    if new.shape[0] != copies * batch:
-        raise RuntimeError(f"the shared context has {batch} rows but the targets come on {new.shape[0]} rows; "
-                           f"expected {copies} copies of the batch")
-    grouped = new.unflatten(0, (copies, batch))  # [copies, B, h, L, d]
-    return torch.cat([shared.unsqueeze(0).expand(copies, *shared.shape), grouped], dim=-2).flatten(0, 1)
+    if new.shape[0] % (copies * batch):
+        raise RuntimeError(f"the shared context has {batch} rows but the targets come on {new.shape[0]} rows, not a "
+                           f"multiple of {copies} copies of the batch")
+    beams = new.shape[0] // (copies * batch)
+    grouped = new.unflatten(0, (copies, batch, beams))  # [copies, B, beams, h, L, d]
+    context = shared[None, :, None].expand(copies, batch, beams, *shared.shape[1:])  # a view
+    return torch.cat([context, grouped], dim=-2).flatten(0, 2)
 
 
 def share_context(cache: Cache, copies: int) -> Cache:

@@ -577,7 +577,100 @@ class MCLModel(nn.Module):
         self._check_usable()
         if not self._explicit_routing:
             raise RuntimeError("choose the hypotheses to decode: `with model.use_hypotheses(k): model.generate(...)`")
-        return self.base_model.generate(*args, **kwargs)
+        if self.mcl_config.adapt_context or self._adapters_disabled:
+            return self.base_model.generate(*args, **kwargs)
+        return self._generate_without_context(*args, **kwargs)
+
+    def _generate_without_context(self, input_ids: torch.Tensor | None = None, **kwargs):
+        """adapt_context=False decoding: the adapters act from the prompt's last position (whose output predicts the
+        first new token) on. The prompt minus its last token is run once, on one copy of the batch when it holds
+        identical copies (decoding K hypotheses at once), without adapters; generate goes on from that shared cache
+        for every copy and beam. ``context_once=False``: the full prefill with the adapters masked on the context."""
+        if getattr(self.base_model.config, "is_encoder_decoder", False):
+            return self._generate_encoder_once(input_ids, **kwargs)
+        check_split_inputs({"input_ids": input_ids, **{n: v for n, v in kwargs.items() if torch.is_tensor(v)}},
+                           type(self.base_model).__name__)
+        if kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is False:
+            raise ValueError("adapt_context=False decodes from its own cache of the prompt: leave past_key_values "
+                             "and use_cache out")
+        rows, length = input_ids.shape
+        mask = kwargs.get("attention_mask")
+        mask = torch.ones_like(input_ids) if mask is None else mask  # [R, T], prompts left-padded
+        if not self.context_once:
+            hook = self.base_model.register_forward_pre_hook(
+                functools.partial(self._mask_prompt, length), with_kwargs=True)
+            try:
+                return self.base_model.generate(input_ids=input_ids, **kwargs)
+            finally:
+                hook.remove()
+                self.routing.positions = None
+        if length == 1:  # the prompt is its last token: no context
+            return self.base_model.generate(input_ids=input_ids, **kwargs)
+        copies = self.routing.copies or 1
+        if copies > 1 and not (rows % copies == 0 and _equal_copies(input_ids, copies) and _equal_copies(mask, copies)):
+            copies = 1
+        batch = rows // copies
+        positions = kwargs.get("position_ids")
+        if positions is None:  # as generate numbers left-padded prompts
+            positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        context = {"input_ids": input_ids[:batch, :-1], "attention_mask": mask[:batch, :-1],
+                   "position_ids": positions[:batch, :-1], "use_cache": True}
+        nothing = torch.zeros_like(context["input_ids"], dtype=torch.bool)  # no logits on the context
+        capture, self._generation_context = self._generation_context, None  # scores read the last prompt position
+        try:
+            with torch.no_grad(), self._adapters_off():
+                outputs, _ = self._call_base(context, expand_batch=None,
+                                             logit_positions=nothing if self._output_layer_name else None)
+        finally:
+            self._generation_context = capture
+        cache = share_context(outputs.past_key_values, copies)
+        return self.base_model.generate(input_ids=input_ids, past_key_values=cache, **kwargs)
+
+    @contextlib.contextmanager
+    def context_masked(self, inputs: dict, prompt_length: int) -> Iterator[dict]:
+        """A teacher-forced forward of prompts (left-padded to ``prompt_length``) followed by generated tokens, as
+        adapt_context=False decodes them: yields the inputs to give the base model inside the block (the adapters
+        masked before the prompt's last position; an encoder-decoder's encoder run without them). As it is with
+        adapt_context=True."""
+        if self.mcl_config.adapt_context or self._adapters_disabled:
+            yield inputs
+        elif getattr(self.base_model.config, "is_encoder_decoder", False):
+            yield self._encoder_once(inputs)
+        else:
+            saved = self.routing.positions
+            self._mask_prompt(prompt_length, self.base_model, (), inputs)
+            try:
+                yield inputs
+            finally:
+                self.routing.positions = saved
+
+    def _mask_prompt(self, prompt_length: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before each forward of a generate: the adapters masked on the positions before the prompt's last."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        past = kwargs.get("past_key_values")
+        start = past.get_seq_length() if past is not None else 0
+        adapted = torch.arange(start, start + ids.shape[1], device=ids.device) >= prompt_length - 1  # [n]
+        self.routing.positions = None if bool(adapted.all()) else (
+            adapted.expand(ids.shape[0], -1).unsqueeze(-1).to(self._adapter_dtype()))  # [rows, n, 1]
+
+    def _generate_encoder_once(self, input_ids: torch.Tensor | None = None, **kwargs):
+        """An encoder-decoder: the encoder runs once without adapters (on one copy of identical copies), the decoder
+        with them."""
+        if kwargs.get("encoder_outputs") is not None:
+            raise ValueError("adapt_context=False runs the encoder itself: leave encoder_outputs out")
+        encoder_inputs = {n: v for n, v in kwargs.items() if torch.is_tensor(v) and not n.startswith("decoder_")}
+        if input_ids is not None:
+            encoder_inputs["input_ids"] = input_ids
+        copies = self.routing.copies or 1
+        rows = _batch_size(encoder_inputs)
+        if copies > 1 and not all(v.shape[0] == rows and rows % copies == 0 and _equal_copies(v, copies)
+                                  for v in encoder_inputs.values()):
+            copies = 1
+        with torch.no_grad(), self._adapters_off():
+            encoded = self.base_model.get_encoder()(**_first_copy(encoder_inputs, copies), return_dict=True)
+        encoded = repeat_examples(encoded, copies, rows // copies)
+        rest = {n: v for n, v in kwargs.items() if n not in encoder_inputs or n == "attention_mask"}
+        return self.base_model.generate(encoder_outputs=encoded, **rest)
 
     # ---- training helpers -------------------------------------------------------------------------------
 
