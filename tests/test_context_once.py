@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import wrapped_model
+from conftest import randomize_adapters, wrapped_model
 from tiny_models import build_model
 from transformers import TrainingArguments
 
@@ -138,3 +138,60 @@ def test_sliding_window_caches_are_refused():
     labels[:, :4] = -100
     with pytest.raises(ValueError, match="DynamicSlidingWindowLayer.*not supported yet"):
         mcl(input_ids=ids, labels=labels)
+
+
+def _decoder(name):
+    """A model whose hypotheses decode differently (larger adapters)."""
+    mcl, _, inputs, _ = wrapped_model(name, adapt_context=False)
+    randomize_adapters(mcl, std=0.3)
+    return mcl, inputs
+
+
+def _left_padded(mcl, inputs):
+    if mcl.config.is_encoder_decoder:
+        return inputs
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[1, :3] = 0
+    return {"input_ids": inputs["input_ids"], "attention_mask": mask}
+
+
+@pytest.mark.parametrize(("name", "strategy", "beams"), [("llama", "greedy", None), ("llama", "beam", 2),
+                                                         ("gpt2", "greedy", None), ("t5", "greedy", None)])
+def test_batched_decoding_equals_each_hypothesis_alone_with_masked_adapters(name, strategy, beams):
+    from loramcl.generation import generate_hypotheses
+
+    mcl, inputs = _decoder(name)
+    inputs = _left_padded(mcl, inputs)
+    options = dict(inputs=inputs, strategy=strategy, num_beams=beams, max_new_tokens=6, seed=3)
+    shapes = []
+    first = sorted(mcl.layer_names)[0]
+    hook = mcl.base_model.get_submodule(first).register_forward_hook(lambda m, a, o: shapes.append(a[0].shape[:2]))
+    batched = generate_hypotheses(mcl, **options)  # [B][K], the context once
+    hook.remove()
+    mcl.context_once = False
+    alone = [generate_hypotheses(mcl, hypotheses=[k], **options) for k in range(3)]  # [K][B][1], masked prefill
+    for i in range(2):
+        for k in range(3):
+            assert batched[i][k].token_ids == alone[k][i][0].token_ids, (i, k)
+            assert batched[i][k].log_prob == pytest.approx(alone[k][i][0].log_prob, abs=1e-4)
+    if not mcl.config.is_encoder_decoder:  # the prompt but its last token ran once, on B rows
+        assert tuple(shapes[0]) == (2, inputs["input_ids"].shape[1] - 1)
+        assert shapes[1][0] == 3 * 2 * (beams or 1)
+    mcl.mcl_config.adapt_context = True
+    paper = generate_hypotheses(mcl, **options)
+    assert any(paper[i][k].token_ids != batched[i][k].token_ids for i in range(2) for k in range(3))
+
+
+def test_rescored_log_probs_follow_the_masked_adapters():
+    """Diverse MCL decoding at lambda = 0 is beam search; its log-probs come from a teacher-forced forward, the beam
+    search's from the step logits."""
+    from loramcl.generation import generate_hypotheses
+
+    mcl, inputs = _decoder("llama")
+    options = dict(inputs=_left_padded(mcl, inputs), num_beams=2, max_new_tokens=5)
+    beam = generate_hypotheses(mcl, strategy="beam", **options)
+    diverse = generate_hypotheses(mcl, strategy="diverse_beam", diversity_penalty=0.0, **options)
+    for row_beam, row_diverse in zip(beam, diverse, strict=True):
+        for b, d in zip(row_beam, row_diverse, strict=True):
+            assert b.token_ids == d.token_ids
+            assert d.log_prob == pytest.approx(b.log_prob, abs=1e-4)
