@@ -195,3 +195,16 @@ def test_rescored_log_probs_follow_the_masked_adapters():
         for b, d in zip(row_beam, row_diverse, strict=True):
             assert b.token_ids == d.token_ids
             assert d.log_prob == pytest.approx(b.log_prob, abs=1e-4)
+
+
+def test_hypothesis_scores_read_the_first_target_position():
+    mcl, _, inputs, labels = wrapped_model("llama", adapt_context=False, scoring=True)
+    inputs, labels = _uneven_batch(mcl, inputs, labels)
+    with torch.no_grad():
+        mcl.scoring_head.weight.normal_()
+        mcl.context_once = False
+        full = mcl(**inputs, labels=labels)
+        mcl.context_once = True
+        once = mcl(**inputs, labels=labels)
+    torch.testing.assert_close(once.log_scores, full.log_scores, rtol=0, atol=1e-6)
+    torch.testing.assert_close(once.mixture_nll, full.mixture_nll, rtol=0, atol=1e-6)
