@@ -21,6 +21,7 @@ import statistics
 import time
 
 import torch
+from training_step import synchronize  # benchmarks/ is on the path of a script run from it
 
 from loramcl import MCLConfig, get_mcl_model
 
@@ -54,11 +55,6 @@ def step(mcl, batch: dict, optimizer) -> None:
     mcl(**batch).loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def check_once_matches_masked(args, context: int) -> None:
