@@ -208,3 +208,14 @@ def test_hypothesis_scores_read_the_first_target_position():
         once = mcl(**inputs, labels=labels)
     torch.testing.assert_close(once.log_scores, full.log_scores, rtol=0, atol=1e-6)
     torch.testing.assert_close(once.mixture_nll, full.mixture_nll, rtol=0, atol=1e-6)
+
+
+def test_activation_checkpointing_recomputes_the_same_gradient():
+    mcl, _, inputs, labels = wrapped_model("llama", adapt_context=False, loss="relaxed", epsilon=0.1)
+    inputs, labels = _uneven_batch(mcl, inputs, labels)
+    _, _, expected, _ = _run(mcl.train(), inputs, labels, context_once=False)
+    mcl.activation_checkpointing_enable({"use_reentrant": False})
+    _, _, grads, _ = _run(mcl, inputs, labels, context_once=True)
+    assert grads.keys() == expected.keys()
+    for key, grad in expected.items():
+        torch.testing.assert_close(grads[key], grad, rtol=0, atol=1e-6, msg=key)

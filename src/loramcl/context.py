@@ -27,23 +27,30 @@ SPLIT_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "use_ca
 
 class SharedContextLayer(DynamicLayer):
     """A cache layer holding the context's keys and values for B rows, read by ``copies`` copies of the batch
-    (copy-major, as ``repeat_examples``): its first update returns [copies*B, heads, C + L, d], the context repeated
-    before each copy's new keys. Afterwards it is an ordinary ``DynamicLayer`` of copies*B rows (decoding goes on)."""
+    (copy-major, as ``repeat_examples``): an update returns [copies*B*beams, heads, C + L, d], the context laid under
+    each row's new keys.
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, copies: int) -> None:
+    keep: decoding, where the cache grows: the first update stores its result, and the layer is an ordinary
+        ``DynamicLayer`` of copies*B*beams rows from then on. Training keeps nothing: activation checkpointing
+        recomputes a layer's forward, which must find the cache as the first forward did.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, copies: int, keep: bool) -> None:
         super().__init__()
         self.lazy_initialization(keys, values)
         self.keys, self.values = keys, values  # [B, heads, C, d]
         self.copies: int | None = copies
+        self.keep = keep
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.copies is None:
             return super().update(key_states, value_states, *args, **kwargs)
-        copies, self.copies = self.copies, None
-        self.keys, self.values = (_after_copies(shared, new, copies) for shared, new in
-                                  ((self.keys, key_states), (self.values, value_states)))
-        return self.keys, self.values
+        keys = _after_copies(self.keys, key_states, self.copies)
+        values = _after_copies(self.values, value_states, self.copies)
+        if self.keep:
+            self.keys, self.values, self.copies = keys, values, None
+        return keys, values
 
 
 def _after_copies(shared: torch.Tensor, new: torch.Tensor, copies: int) -> torch.Tensor:
@@ -59,14 +66,15 @@ def _after_copies(shared: torch.Tensor, new: torch.Tensor, copies: int) -> torch
     return torch.cat([context, grouped], dim=-2).flatten(0, 2)
 
 
-def share_context(cache: Cache, copies: int) -> Cache:
-    """Make the context's ``cache`` (B rows) serve ``copies`` copies of the batch; refuse layers of another kind."""
+def share_context(cache: Cache, copies: int, keep: bool = False) -> Cache:
+    """Make the context's ``cache`` (B rows) serve ``copies`` copies of the batch (``keep``: as the start of a
+    growing decoding cache, see ``SharedContextLayer``); refuse layers of another kind."""
     for i, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer:
             raise ValueError(f"adapt_context=False shares a context cache of full-attention layers; layer {i} keeps "
                              f"a {type(layer).__name__} (sliding window, linear attention...), not supported yet: "
                              "use adapt_context=True for this model")
-        cache.layers[i] = SharedContextLayer(layer.keys, layer.values, copies)
+        cache.layers[i] = SharedContextLayer(layer.keys, layer.values, copies, keep)
     return cache
 
 

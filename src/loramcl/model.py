@@ -29,7 +29,7 @@ import safetensors.torch
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import ModelOutput
 
@@ -432,14 +432,17 @@ class MCLModel(nn.Module):
                      ) -> MCLOutput:
         """nll of every example under the routing already set: [B, K] (stacked, with the loss) or [B]."""
         base, k, batch = self.base_model, self.num_hypotheses, targets.shape[0]
+        keep_cache = contextlib.nullcontext()
         if not self.mcl_config.adapt_context and not self._adapters_disabled:
             inputs, targets, positions = self._without_context(inputs, targets, positions, k if stacked else 1)
+            keep_cache = _checkpointing_keeps_cache(base)
         row_positions = positions.repeat(k, 1) if stacked else positions  # [rows, T]
         scoring = stacked and self.scoring_head is not None
-        outputs, states = self._call_base(
-            {**inputs, "use_cache": False}, expand_batch=batch if stacked else None,
-            logit_positions=row_positions if self._output_layer_name else None,
-            context_positions=context_positions(row_positions) if scoring else None)
+        with keep_cache:
+            outputs, states = self._call_base(
+                {**inputs, "use_cache": False}, expand_batch=batch if stacked else None,
+                logit_positions=row_positions if self._output_layer_name else None,
+                context_positions=context_positions(row_positions) if scoring else None)
         logits = getattr(outputs, "logits", None)
         if logits is None:
             raise ValueError(f"{type(base).__name__} returns no logits: LoRA-MCL needs a model with a language-"
@@ -483,10 +486,11 @@ class MCLModel(nn.Module):
             return inputs, targets, positions
         context_inputs, target_inputs, index = split_context(inputs, lengths)
         nothing = torch.zeros_like(context_inputs["input_ids"], dtype=torch.bool)  # no logits on the context
-        with torch.no_grad(), self._adapters_off():
-            outputs, _ = self._call_base({**context_inputs, "use_cache": True}, expand_batch=None,
-                                         logit_positions=nothing if self._output_layer_name else None)
-        cache = share_context(outputs.past_key_values, copies)
+        cache = DynamicCache(config=base.config)
+        with torch.no_grad(), self._adapters_off(), _checkpointing_keeps_cache(base):
+            self._call_base({**context_inputs, "past_key_values": cache, "use_cache": True}, expand_batch=None,
+                            logit_positions=nothing if self._output_layer_name else None)
+        cache = share_context(cache, copies)  # recomputing a checkpointed layer finds it as the forward did
         targets = torch.where(index >= 0, targets.gather(1, index.clamp(min=0)), IGNORE_INDEX)  # [B, L]
         return {**target_inputs, "past_key_values": cache}, targets, targets != IGNORE_INDEX
 
@@ -623,7 +627,7 @@ class MCLModel(nn.Module):
                                              logit_positions=nothing if self._output_layer_name else None)
         finally:
             self._generation_context = capture
-        cache = share_context(outputs.past_key_values, copies)
+        cache = share_context(outputs.past_key_values, copies, keep=True)
         return self.base_model.generate(input_ids=input_ids, past_key_values=cache, **kwargs)
 
     @contextlib.contextmanager
@@ -992,6 +996,22 @@ def _shared_module_names(model: nn.Module, expansion_name: str, layer_names: lis
             names.append(name)
         prefix = f"{prefix}.{part}" if prefix else part
     return names
+
+
+@contextlib.contextmanager
+def _checkpointing_keeps_cache(model: nn.Module) -> Iterator[None]:
+    """Let activation-checkpointed layers of ``model`` read a cache: transformers drops ``past_key_values`` in them
+    (a recomputed forward would update a growing cache twice), which would silently cut the targets from their
+    shared context. Our training cache is never updated in place (``SharedContextLayer``), so recomputing is safe."""
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True
+              and hasattr(type(m), "_can_checkpoint_with_cache")]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache  # the class's value again
 
 
 def _equal_copies(value: torch.Tensor, copies: int) -> bool:
