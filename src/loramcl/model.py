@@ -487,7 +487,7 @@ class MCLModel(nn.Module):
         context_inputs, target_inputs, index = split_context(inputs, lengths)
         nothing = torch.zeros_like(context_inputs["input_ids"], dtype=torch.bool)  # no logits on the context
         cache = DynamicCache(config=base.config)
-        with torch.no_grad(), self._adapters_off(), _checkpointing_keeps_cache(base):
+        with torch.no_grad(), self.disable_adapters(), _checkpointing_keeps_cache(base):
             self._call_base({**context_inputs, "past_key_values": cache, "use_cache": True}, expand_batch=None,
                             logit_positions=nothing if self._output_layer_name else None)
         cache = share_context(cache, copies)  # recomputing a checkpointed layer finds it as the forward did
@@ -503,18 +503,9 @@ class MCLModel(nn.Module):
             "use_cache", "attention_mask", "past_key_values")}
         encoder_inputs = {name: value for name, value in inputs.items() if name not in decoder or
                           name == "attention_mask"}
-        with torch.no_grad(), self._adapters_off():
+        with torch.no_grad(), self.disable_adapters():
             encoded = self.base_model.get_encoder()(**encoder_inputs, return_dict=True)
         return {**decoder, "encoder_outputs": encoded}
-
-    @contextlib.contextmanager
-    def _adapters_off(self) -> Iterator[None]:
-        saved = copy.copy(self.routing)
-        self.routing.mode = DISABLED
-        try:
-            yield
-        finally:
-            vars(self.routing).update(vars(saved))
 
     def _adapter_dtype(self) -> torch.dtype:
         return next(iter(self.base_model.get_submodule(self.layer_names[0]).adapter_tensors().values())).dtype
@@ -617,17 +608,18 @@ class MCLModel(nn.Module):
         positions = kwargs.get("position_ids")
         if positions is None:  # as generate numbers left-padded prompts
             positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        cache = DynamicCache(config=self.base_model.config)
         context = {"input_ids": input_ids[:batch, :-1], "attention_mask": mask[:batch, :-1],
-                   "position_ids": positions[:batch, :-1], "use_cache": True}
+                   "position_ids": positions[:batch, :-1], "past_key_values": cache, "use_cache": True}
         nothing = torch.zeros_like(context["input_ids"], dtype=torch.bool)  # no logits on the context
         capture, self._generation_context = self._generation_context, None  # scores read the last prompt position
         try:
-            with torch.no_grad(), self._adapters_off():
-                outputs, _ = self._call_base(context, expand_batch=None,
-                                             logit_positions=nothing if self._output_layer_name else None)
+            with torch.no_grad(), self.disable_adapters():
+                self._call_base(context, expand_batch=None,
+                                logit_positions=nothing if self._output_layer_name else None)
         finally:
             self._generation_context = capture
-        cache = share_context(outputs.past_key_values, copies, keep=True)
+        cache = share_context(cache, copies, keep=True)
         return self.base_model.generate(input_ids=input_ids, past_key_values=cache, **kwargs)
 
     @contextlib.contextmanager
@@ -670,7 +662,7 @@ class MCLModel(nn.Module):
         if copies > 1 and not all(v.shape[0] == rows and rows % copies == 0 and _equal_copies(v, copies)
                                   for v in encoder_inputs.values()):
             copies = 1
-        with torch.no_grad(), self._adapters_off():
+        with torch.no_grad(), self.disable_adapters():
             encoded = self.base_model.get_encoder()(**_first_copy(encoder_inputs, copies), return_dict=True)
         encoded = repeat_examples(encoded, copies, rows // copies)
         rest = {n: v for n, v in kwargs.items() if n not in encoder_inputs or n == "attention_mask"}
