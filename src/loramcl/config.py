@@ -93,6 +93,14 @@ class MCLConfig:
     """With ``layers_to_transform``: the name of the blocks' list (e.g. 'layers', 'h') when the default
     search for it is ambiguous, as PEFT's ``layers_pattern``."""
 
+    adapt_context: bool = True
+    """Whether the hypotheses' adapters act on the context too (True: the paper's method, every position). False
+    (an extension, "activated LoRA", Greenewald et al. 2025): they act only from the first position whose output
+    predicts a label on (a causal LM: the last prompt token; an encoder-decoder: the decoder), so the context's hidden
+    states are the base model's, the same for every hypothesis: the context runs once on B rows and only the target
+    positions run on K*B rows (docs/architecture.md). Such adapters are not standard PEFT LoRA: export and merge
+    refuse them."""
+
     def __post_init__(self) -> None:
         if isinstance(self.target_modules, tuple | set):
             self.target_modules = sorted(self.target_modules)
@@ -148,6 +156,7 @@ class MCLConfig:
                "layers_pattern names the list of blocks that layers_to_transform indexes: set layers_to_transform "
                "too, or leave layers_pattern out")
         _check(isinstance(self.use_rslora, bool), f"use_rslora must be True or False, got {self.use_rslora!r}")
+        _check(isinstance(self.adapt_context, bool), f"adapt_context must be True or False, got {self.adapt_context!r}")
 
     @property
     def scaling(self) -> float:

@@ -38,6 +38,9 @@ class HypothesisRouting:
     per_copy: bool = False
     rows: int | None = None  # stacked: the K*B rows the K copies of the batch made (set where they are made)
     copies: int | None = None  # use_hypotheses(index, copies=True): the batch is len(index) identical copies
+    # [rows, T, 1]: 1 where the adapters act, 0 where they are masked (adapt_context=False computed on the full
+    # sequence, the reference of the context-once path); None: everywhere
+    positions: torch.Tensor | None = None
 
 
 def linear_features(layer: nn.Module) -> tuple[int, int]:
@@ -100,6 +103,11 @@ class MCLLoraLinear(nn.Module):
             return result
         h = self.dropout(x).to(self.lora_A.dtype)  # [rows, ..., d_in]
         delta = self._adapter_delta(h)  # [rows, ..., d_out]
+        if self.routing.positions is not None:
+            if tuple(delta.shape[:2]) != tuple(self.routing.positions.shape[:2]):
+                raise RuntimeError(f"adapters masked by position on {tuple(self.routing.positions.shape[:2])} (rows, "
+                                   f"positions), but this layer sees {tuple(delta.shape)}")
+            delta = delta * self.routing.positions  # [rows, T, d_out]
         return result + (delta * self.scaling).to(result.dtype)
 
     def _adapter_delta(self, h: torch.Tensor) -> torch.Tensor:

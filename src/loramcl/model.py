@@ -29,11 +29,12 @@ import safetensors.torch
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import ModelOutput
 
 from loramcl.config import MCLConfig
+from loramcl.context import check_split_inputs, is_shared_context, share_context, split_context
 from loramcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting, MCLLoraLinear, linear_features
 from loramcl.losses import mcl_loss
 from loramcl.scores import HypothesisScores, context_positions, mixture_nll
@@ -97,6 +98,8 @@ def repeat_examples(value, copies: int, batch: int, name: str | None = None):
     if isinstance(value, list | tuple):
         items = [repeat_examples(item, copies, batch, name) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuples too
+    if is_shared_context(value):  # the context computed once: its cache makes its copies itself (loramcl.context)
+        return value
     if isinstance(value, Cache) and value.get_seq_length() > 0:
         raise ValueError(f"input {name!r} is a cache of past keys and values: its K copies cannot be made; run the "
                          "hypotheses on the full inputs instead")
@@ -171,6 +174,10 @@ class MCLModel(nn.Module):
         # Decoding K copies of a batch runs each shared module (a frozen tower before the adapters) once, on one
         # copy; False runs it on all K copies (the same result, K times the work; for benchmarks).
         self.share_frozen_modules = True
+        # adapt_context=False: run the context once on B rows and the targets on K*B rows (loramcl.context); False
+        # computes the same on the full sequence with the adapters masked on the context (the reference, for tests
+        # and benchmarks).
+        self.context_once = True
         self._shared_calls: dict[int, int] = {}  # id(shared module) -> copies its running call was given
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._generation_context: list[torch.Tensor] | None = None  # armed by capture_context()
@@ -243,6 +250,7 @@ class MCLModel(nn.Module):
     def _set_routing(self, hypotheses: int | torch.Tensor | None, rows: int | None, copies: bool = False) -> None:
         routing, k_max = self.routing, self.num_hypotheses
         routing.per_copy, routing.rows, routing.copies, self._main_rows = False, None, None, None
+        routing.positions = None
         if hypotheses is None:
             routing.mode, routing.index = STACKED, None
         elif isinstance(hypotheses, int) and not isinstance(hypotheses, bool):
@@ -424,12 +432,17 @@ class MCLModel(nn.Module):
                      ) -> MCLOutput:
         """nll of every example under the routing already set: [B, K] (stacked, with the loss) or [B]."""
         base, k, batch = self.base_model, self.num_hypotheses, targets.shape[0]
+        keep_cache = contextlib.nullcontext()
+        if not self.mcl_config.adapt_context and not self._adapters_disabled:
+            inputs, targets, positions = self._without_context(inputs, targets, positions, k if stacked else 1)
+            keep_cache = _checkpointing_keeps_cache(base)
         row_positions = positions.repeat(k, 1) if stacked else positions  # [rows, T]
         scoring = stacked and self.scoring_head is not None
-        outputs, states = self._call_base(
-            {**inputs, "use_cache": False}, expand_batch=batch if stacked else None,
-            logit_positions=row_positions if self._output_layer_name else None,
-            context_positions=context_positions(row_positions) if scoring else None)
+        with keep_cache:
+            outputs, states = self._call_base(
+                {**inputs, "use_cache": False}, expand_batch=batch if stacked else None,
+                logit_positions=row_positions if self._output_layer_name else None,
+                context_positions=context_positions(row_positions) if scoring else None)
         logits = getattr(outputs, "logits", None)
         if logits is None:
             raise ValueError(f"{type(base).__name__} returns no logits: LoRA-MCL needs a model with a language-"
@@ -454,7 +467,54 @@ class MCLModel(nn.Module):
         return MCLOutput(loss=loss + self.mcl_config.scoring_weight * scoring_loss, nll=nll, weights=weights,
                          log_scores=log_scores.detach(), mixture_nll=mixture, scoring_loss=scoring_loss)
 
+    def _without_context(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, copies: int
+                         ) -> tuple[dict, torch.Tensor, torch.Tensor]:
+        """adapt_context=False: (inputs, targets [B, L], positions [B, L]) of a call that runs only the target
+        positions, attending to the context run once on B rows without adapters (loramcl.context); or, with
+        ``context_once=False``, the full sequence with the adapters masked on the context."""
+        base = self.base_model
+        if getattr(base.config, "is_encoder_decoder", False):  # the encoder is the context
+            return self._encoder_once(inputs), targets, positions
+        check_split_inputs(inputs, type(base).__name__)
+        lengths = context_positions(positions)  # [B] c_b: positions before the first that predicts a label
+        if not self.context_once:
+            steps = torch.arange(positions.shape[1], device=positions.device)
+            mask = (steps >= lengths.unsqueeze(1)).repeat(copies, 1)  # [rows, T]
+            self.routing.positions = mask.unsqueeze(-1).to(self._adapter_dtype())  # [rows, T, 1]
+            return inputs, targets, positions
+        if int(lengths.max()) == 0:  # every row predicts from its first position: there is no context
+            return inputs, targets, positions
+        context_inputs, target_inputs, index = split_context(inputs, lengths)
+        nothing = torch.zeros_like(context_inputs["input_ids"], dtype=torch.bool)  # no logits on the context
+        cache = DynamicCache(config=base.config)
+        with torch.no_grad(), self.disable_adapters(), _checkpointing_keeps_cache(base):
+            self._call_base({**context_inputs, "past_key_values": cache, "use_cache": True}, expand_batch=None,
+                            logit_positions=nothing if self._output_layer_name else None)
+        cache = share_context(cache, copies)  # recomputing a checkpointed layer finds it as the forward did
+        targets = torch.where(index >= 0, targets.gather(1, index.clamp(min=0)), IGNORE_INDEX)  # [B, L]
+        return {**target_inputs, "past_key_values": cache}, targets, targets != IGNORE_INDEX
+
+    def _encoder_once(self, inputs: dict) -> dict:
+        """An encoder-decoder's inputs with the encoder run once, on B rows without adapters: its outputs go to the
+        decoder in place of the encoder's inputs (and are made K-fold where the hypotheses start)."""
+        if inputs.get("encoder_outputs") is not None:
+            return inputs
+        decoder = {name: value for name, value in inputs.items() if name.startswith("decoder_") or name in (
+            "use_cache", "attention_mask", "past_key_values")}
+        encoder_inputs = {name: value for name, value in inputs.items() if name not in decoder or
+                          name == "attention_mask"}
+        with torch.no_grad(), self.disable_adapters():
+            encoded = self.base_model.get_encoder()(**encoder_inputs, return_dict=True)
+        return {**decoder, "encoder_outputs": encoded}
+
+    def _adapter_dtype(self) -> torch.dtype:
+        return next(iter(self.base_model.get_submodule(self.layer_names[0]).adapter_tensors().values())).dtype
+
     def _forward_logits(self, hypotheses: int | torch.Tensor | None, inputs: dict) -> MCLOutput:
+        if not self.mcl_config.adapt_context and not self._adapters_disabled:
+            raise ValueError("adapt_context=False: the adapters act from the first position that predicts a label on, "
+                             "so the forward needs labels to know where the context ends; pass labels (the output "
+                             "then holds nll), or decode with generate")
         batch = _batch_size(inputs)
         stacked = hypotheses is None and not self._adapters_disabled
         if not self._adapters_disabled:
@@ -512,7 +572,101 @@ class MCLModel(nn.Module):
         self._check_usable()
         if not self._explicit_routing:
             raise RuntimeError("choose the hypotheses to decode: `with model.use_hypotheses(k): model.generate(...)`")
-        return self.base_model.generate(*args, **kwargs)
+        if self.mcl_config.adapt_context or self._adapters_disabled:
+            return self.base_model.generate(*args, **kwargs)
+        return self._generate_without_context(*args, **kwargs)
+
+    def _generate_without_context(self, input_ids: torch.Tensor | None = None, **kwargs):
+        """adapt_context=False decoding: the adapters act from the prompt's last position (whose output predicts the
+        first new token) on. The prompt minus its last token is run once, on one copy of the batch when it holds
+        identical copies (decoding K hypotheses at once), without adapters; generate goes on from that shared cache
+        for every copy and beam. ``context_once=False``: the full prefill with the adapters masked on the context."""
+        if getattr(self.base_model.config, "is_encoder_decoder", False):
+            return self._generate_encoder_once(input_ids, **kwargs)
+        check_split_inputs({"input_ids": input_ids, **{n: v for n, v in kwargs.items() if torch.is_tensor(v)}},
+                           type(self.base_model).__name__)
+        if kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is False:
+            raise ValueError("adapt_context=False decodes from its own cache of the prompt: leave past_key_values "
+                             "and use_cache out")
+        rows, length = input_ids.shape
+        mask = kwargs.get("attention_mask")
+        mask = torch.ones_like(input_ids) if mask is None else mask  # [R, T], prompts left-padded
+        if not self.context_once:
+            hook = self.base_model.register_forward_pre_hook(
+                functools.partial(self._mask_prompt, length), with_kwargs=True)
+            try:
+                return self.base_model.generate(input_ids=input_ids, **kwargs)
+            finally:
+                hook.remove()
+                self.routing.positions = None
+        if length == 1:  # the prompt is its last token: no context
+            return self.base_model.generate(input_ids=input_ids, **kwargs)
+        copies = self.routing.copies or 1
+        if copies > 1 and not (rows % copies == 0 and _equal_copies(input_ids, copies) and _equal_copies(mask, copies)):
+            copies = 1
+        batch = rows // copies
+        positions = kwargs.get("position_ids")
+        if positions is None:  # as generate numbers left-padded prompts
+            positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        cache = DynamicCache(config=self.base_model.config)
+        context = {"input_ids": input_ids[:batch, :-1], "attention_mask": mask[:batch, :-1],
+                   "position_ids": positions[:batch, :-1], "past_key_values": cache, "use_cache": True}
+        nothing = torch.zeros_like(context["input_ids"], dtype=torch.bool)  # no logits on the context
+        capture, self._generation_context = self._generation_context, None  # scores read the last prompt position
+        try:
+            with torch.no_grad(), self.disable_adapters():
+                self._call_base(context, expand_batch=None,
+                                logit_positions=nothing if self._output_layer_name else None)
+        finally:
+            self._generation_context = capture
+        cache = share_context(cache, copies, keep=True)
+        return self.base_model.generate(input_ids=input_ids, past_key_values=cache, **kwargs)
+
+    @contextlib.contextmanager
+    def context_masked(self, inputs: dict, prompt_length: int) -> Iterator[dict]:
+        """A teacher-forced forward of prompts (left-padded to ``prompt_length``) followed by generated tokens, as
+        adapt_context=False decodes them: yields the inputs to give the base model inside the block (the adapters
+        masked before the prompt's last position; an encoder-decoder's encoder run without them). As it is with
+        adapt_context=True."""
+        if self.mcl_config.adapt_context or self._adapters_disabled:
+            yield inputs
+        elif getattr(self.base_model.config, "is_encoder_decoder", False):
+            yield self._encoder_once(inputs)
+        else:
+            saved = self.routing.positions
+            self._mask_prompt(prompt_length, self.base_model, (), inputs)
+            try:
+                yield inputs
+            finally:
+                self.routing.positions = saved
+
+    def _mask_prompt(self, prompt_length: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before each forward of a generate: the adapters masked on the positions before the prompt's last."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        past = kwargs.get("past_key_values")
+        start = past.get_seq_length() if past is not None else 0
+        adapted = torch.arange(start, start + ids.shape[1], device=ids.device) >= prompt_length - 1  # [n]
+        self.routing.positions = None if bool(adapted.all()) else (
+            adapted.expand(ids.shape[0], -1).unsqueeze(-1).to(self._adapter_dtype()))  # [rows, n, 1]
+
+    def _generate_encoder_once(self, input_ids: torch.Tensor | None = None, **kwargs):
+        """An encoder-decoder: the encoder runs once without adapters (on one copy of identical copies), the decoder
+        with them."""
+        if kwargs.get("encoder_outputs") is not None:
+            raise ValueError("adapt_context=False runs the encoder itself: leave encoder_outputs out")
+        encoder_inputs = {n: v for n, v in kwargs.items() if torch.is_tensor(v) and not n.startswith("decoder_")}
+        if input_ids is not None:
+            encoder_inputs["input_ids"] = input_ids
+        copies = self.routing.copies or 1
+        rows = _batch_size(encoder_inputs)
+        if copies > 1 and not all(v.shape[0] == rows and rows % copies == 0 and _equal_copies(v, copies)
+                                  for v in encoder_inputs.values()):
+            copies = 1
+        with torch.no_grad(), self.disable_adapters():
+            encoded = self.base_model.get_encoder()(**_first_copy(encoder_inputs, copies), return_dict=True)
+        encoded = repeat_examples(encoded, copies, rows // copies)
+        rest = {n: v for n, v in kwargs.items() if n not in encoder_inputs or n == "attention_mask"}
+        return self.base_model.generate(encoder_outputs=encoded, **rest)
 
     # ---- training helpers -------------------------------------------------------------------------------
 
@@ -620,6 +774,7 @@ class MCLModel(nn.Module):
         from peft import LoraConfig
 
         self._check_hypothesis(k)
+        self._refuse_position_dependent("exported as a PEFT LoRA adapter")
         cfg = self.mcl_config
         is_conv1d = [isinstance(layer.base_layer, Conv1D) for _, layer in self.mcl_layers()]
         if any(is_conv1d) and not all(is_conv1d):
@@ -663,7 +818,16 @@ class MCLModel(nn.Module):
         ``inplace=True`` saves the copy's memory on large models and leaves this MCLModel unusable.
         """
         self._check_hypothesis(k)
+        self._refuse_position_dependent("merged into the base weights")
         return self._remove_adapters(k, inplace, "merged in place (merge_hypothesis(..., inplace=True))")
+
+    def _refuse_position_dependent(self, what: str) -> None:
+        if not self.mcl_config.adapt_context:
+            raise ValueError(
+                f"these hypotheses were trained with adapt_context=False: they act only from the first target "
+                f"position on, so hypothesis weights {what} (applied at every position, the context included) "
+                "would compute another model. Decode with this MCLModel (generate_hypotheses), or train with "
+                "adapt_context=True to export standard LoRA adapters")
 
     def unload(self) -> nn.Module:
         """Remove every adapter and return the base model as it was before ``get_mcl_model`` (its original layers,
@@ -824,6 +988,22 @@ def _shared_module_names(model: nn.Module, expansion_name: str, layer_names: lis
             names.append(name)
         prefix = f"{prefix}.{part}" if prefix else part
     return names
+
+
+@contextlib.contextmanager
+def _checkpointing_keeps_cache(model: nn.Module) -> Iterator[None]:
+    """Let activation-checkpointed layers of ``model`` read a cache: transformers drops ``past_key_values`` in them
+    (a recomputed forward would update a growing cache twice), which would silently cut the targets from their
+    shared context. Our training cache is never updated in place (``SharedContextLayer``), so recomputing is safe."""
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True
+              and hasattr(type(m), "_can_checkpoint_with_cache")]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache  # the class's value again
 
 
 def _equal_copies(value: torch.Tensor, copies: int) -> bool:

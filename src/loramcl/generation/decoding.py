@@ -661,8 +661,11 @@ class _Decoder:
                 inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
         if "logits_to_keep" in accepted:
             inputs["logits_to_keep"] = length + 1
-        model = self.model.base_model if isinstance(self.model, MCLModel) else self.model
-        with torch.no_grad():  # in the routing of the generate call (see _candidates)
+        mcl = isinstance(self.model, MCLModel)
+        model = self.model.base_model if mcl else self.model
+        # in the routing of the generate call (see _candidates); adapt_context=False: the adapters as it decoded
+        masked = self.model.context_masked(inputs, prompt) if mcl else contextlib.nullcontext(inputs)
+        with torch.no_grad(), masked as inputs:
             logits = model(**inputs, use_cache=False).logits  # [N, T', V]
         logits = logits[:, -length - 1:-1] if not _is_encoder_decoder(self.model) else logits[:, prompt - 1:]
         token_log_probs = logits.float().log_softmax(-1).gather(2, sequences[:, prompt:].unsqueeze(2)).squeeze(2)

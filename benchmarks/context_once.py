@@ -1,0 +1,123 @@
+"""Speed-up of the context computed once (MCLConfig(adapt_context=False)) as the context grows, as ratios to the
+K=1 step measured in the same run.
+
+For each context length (the prompt, no labels) followed by a target of --target tokens, and K in {1, 3, 5}:
+  full   adapt_context=True, the paper's method: all K hypotheses over the whole sequence (K*B rows)
+  once   adapt_context=False: the context once on B rows without adapters (kept as a KV cache, no gradient), the
+         target positions on K*B rows attending to it
+  masked adapt_context=False computed naively (the full K*B forward with the adapters masked on the context): the
+         same model as `once`, at the cost of `full` (shown with --masked)
+Every step is forward + backward + AdamW of the relaxed loss (epsilon=0.05), so every hypothesis gets a gradient.
+Before timing, `once` is checked to give the NLLs of `masked` (float32).
+
+    python benchmarks/context_once.py                          # CPU, small Llama (a few minutes)
+    python benchmarks/context_once.py --device cuda --layers 8 --hidden 1024 --contexts 256 1024 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from training_step import synchronize  # benchmarks/ is on the path of a script run from it
+
+from loramcl import MCLConfig, get_mcl_model
+
+
+def build(args, context: int, variant: str, k: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    length = context + args.target
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
+                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                         num_key_value_heads=max(args.hidden // 192, 1), max_position_embeddings=length)
+    base = LlamaForCausalLM(config).to(args.device, getattr(torch, args.dtype))
+    mcl = get_mcl_model(base, MCLConfig(num_hypotheses=k, r=8, alpha=8, loss="relaxed", epsilon=0.05 if k > 1 else 0.0,
+                                        adapt_context=variant == "full",
+                                        target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]))
+    mcl.context_once = variant == "once"
+    with torch.no_grad():  # non-zero B, so that the hypotheses differ as they do after some training
+        for _, layer in mcl.mcl_layers():
+            layer.lora_B.normal_(std=0.02)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab, (args.batch, length), generator=g).to(args.device)
+    labels = ids.clone()
+    labels[:, :context] = -100  # the context: the last context token's output predicts the first target token
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    optimizer = torch.optim.AdamW([p for p in mcl.parameters() if p.requires_grad], lr=1e-4)
+    return mcl.train(), batch, optimizer
+
+
+def step(mcl, batch: dict, optimizer) -> None:
+    mcl(**batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def check_once_matches_masked(args, context: int) -> None:
+    once, batch, _ = build(args, context, "once", 3)
+    masked, _, _ = build(args, context, "masked", 3)
+    with torch.no_grad():
+        torch.testing.assert_close(once(**batch).nll, masked(**batch).nll, atol=1e-4, rtol=1e-4)
+
+
+def time_context(args, context: int, variants: list[tuple[str, int]]) -> dict[tuple[str, int], float]:
+    """Median seconds per step at one context length; variants interleaved round by round."""
+    runs = {key: build(args, context, *key) for key in variants}
+    for run in runs.values():
+        step(*run)  # warm-up
+    times = {key: [] for key in variants}
+    for _ in range(args.steps):
+        for key, run in runs.items():
+            synchronize(args.device)
+            started = time.perf_counter()
+            step(*run)
+            synchronize(args.device)
+            times[key].append(time.perf_counter() - started)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=576)  # SmolLM2-135M's width
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--target", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--ks", type=int, nargs="+", default=[3, 5])
+    parser.add_argument("--masked", action="store_true", help="also time the naive masked computation")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (after one warm-up)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    check_once_matches_masked(args, args.contexts[0])
+    print(f"Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; batch {args.batch}, target "
+          f"{args.target} tokens; LoRA r=8 on q,k,v,up,down; relaxed WTA; {args.device} {args.dtype}, torch "
+          f"{torch.__version__}, {torch.get_num_threads()} threads; median of {args.steps} steps\n")
+    kinds = ["full", "once", *(["masked"] if args.masked else [])]
+    variants = [(kind, k) for k in (1, *args.ks) for kind in kinds]
+    columns = [f"{kind} K={k}" for kind, k in variants if (kind, k) != ("full", 1)]
+    print("| context:target | K=1 full step (ms) | " + " | ".join(columns) + " | once speed-up at K=" +
+          ", ".join(str(k) for k in args.ks) + " |")
+    print("|---" * (len(columns) + 3) + "|")
+    for context in args.contexts:
+        seconds = time_context(args, context, variants)
+        reference = seconds[("full", 1)]
+        ratios = [f"{seconds[key] / reference:.2f}" for key in variants if key != ("full", 1)]
+        speedups = ", ".join(f"{seconds[('full', k)] / seconds[('once', k)]:.2f}x" for k in args.ks)
+        print(f"| {context}:{args.target} | {reference * 1000:.0f} | " + " | ".join(ratios) + f" | {speedups} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
