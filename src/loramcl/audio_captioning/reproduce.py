@@ -22,7 +22,7 @@ from pathlib import Path
 from loramcl.config import _check, _positive_int, _real
 from loramcl.data.audio_captions import CAPTIONS_PER_CLIP, LAYOUTS, MISSING_AUDIO, SPLITS, csv_path
 from loramcl.data.audio_prompts import DEFAULT_INSTRUCTION
-from loramcl.recipe.grid import DecodeConfig, System, chosen_budgets, equal_budget_systems
+from loramcl.recipe.grid import DecodeConfig, System, chosen_budgets, equal_budget_systems, one_per_strategy
 
 EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
 DEFAULT_RECIPES = "audio_captioning/tiny"
@@ -507,9 +507,8 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
     _check(not set(decoded) - set(names), f"decoded: no run file for {sorted(set(decoded) - set(names))}")
     hypotheses = {run: method_of(values[run])[1].to_dict().get("num_hypotheses", 1) for run in decoded}
     systems = systems_of(experiment, hypotheses, chosen)
-    if quick:  # one system per decoding family and run: every code path, fewer decodes
-        seen: set = set()
-        systems = [s for s in systems if (s.run, s.strategy) not in seen and not seen.add((s.run, s.strategy))]
+    if quick:
+        systems = one_per_strategy(systems)
     decode = DecodeConfig(**(experiment.decoding | (QUICK_DECODING if quick else {})))
     test = data / "test.jsonl"
     for system in systems:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from loramcl.config import _check, _positive_int
 from loramcl.data.spoken_messages import SpokenSettings
-from loramcl.recipe.grid import DecodeConfig, System, check_budgets, chosen_budgets
+from loramcl.recipe.grid import DecodeConfig, System, check_budgets, chosen_budgets, one_per_strategy
 
 EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
 DEFAULT_RECIPES = "spoken_translation"
@@ -226,7 +226,8 @@ def systems(experiment: Experiment, hypotheses: dict[str, int], budgets: list[in
 
 
 def spoken_translation(out: str | None = None, recipes: str | None = None, quick: bool = False,
-                       budgets: list[int] | None = None, threads: int | None = None) -> dict:
+                       budgets: list[int] | None = None, stop_after: str | None = None, runs: list[str] | None = None,
+                       threads: int | None = None) -> dict:
     """Whisper-base hears a spoken English message and writes its transcript or its French translation (MCL vs MLE).
 
     Do the K = 2 LoRA-MCL hypotheses split by mode where LoRA-MLE's beams do not?
@@ -243,6 +244,9 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
         quick: a few messages, two training steps per run, the smallest budget: checks the whole pipeline (numbers
             meaningless).
         budgets: forward budgets to decode at (default: experiment.yaml's).
+        stop_after: "train": stop after training (e.g. to train the runs in separate processes with `runs`, then run
+            this command again to decode and report).
+        runs: train only these runs (with stop_after train).
         threads: torch CPU threads (default: torch's choice).
     """
     import torch
@@ -256,6 +260,8 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
     from loramcl.recipe.stages import Stages, file_stamp, run_stamp
     from loramcl.spoken_translation.report import build_report
 
+    _check(stop_after in (None, "train"), f"stop_after must be train, got {stop_after!r}")
+    _check(runs is None or stop_after == "train", "runs selects the runs to train: use it with stop_after: train")
     if threads is not None:
         torch.set_num_threads(threads)
     folder = recipe_folder(recipes, DEFAULT_RECIPES, [EXPERIMENT, COMMON])
@@ -275,10 +281,12 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
     stats = json.loads((data / "stats.json").read_text())
 
     names = run_names(folder, reserved=(EXPERIMENT, COMMON))
+    _check(not set(runs or []) - set(names), f"runs: no run file for {sorted(set(runs or []) - set(names))} (runs: "
+           f"{names})")
     values = {run: run_values(folder, run, root, model, quick) for run in names}
     data_sha256 = {role: _sha256(data / f"{role}.jsonl") for role in ("train", "validation")}
     eval_examples = experiment.eval_examples if not quick else 2
-    for run in names:  # retrained when its recipe or data changed, resumed if interrupted
+    for run in names if runs is None else runs:  # retrained when its recipe or data changed, resumed if interrupted
         method, config = method_of(values[run])
         training = TrainConfig(**values[run].get("training", {}))
         run_settings = json.loads(json.dumps({
@@ -286,12 +294,13 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
             "context_seconds": experiment.context_seconds, "data_sha256": data_sha256}))
         stages.train(f"train {run}", Path(values[run]["out"]), run_settings, train_run, model, values[run]["out"],
                      method, config, training, run_settings, data, eval_examples)
+    if stop_after == "train":
+        return {"runs": {run: str(root / run) for run in (names if runs is None else runs)}}
 
     hypotheses = {run: method_of(values[run])[1].to_dict().get("num_hypotheses", 1) for run in names}
     compared = systems(experiment, hypotheses, chosen)
-    if quick:  # one system per decoding family and run: every code path, fewer decodes
-        seen: set = set()
-        compared = [s for s in compared if (s.run, s.strategy) not in seen and not seen.add((s.run, s.strategy))]
+    if quick:
+        compared = one_per_strategy(compared)
     decode = DecodeConfig(**(experiment.decoding | (QUICK_DECODING if quick else {})))
     test = data / "test.jsonl"
     for system in compared:
