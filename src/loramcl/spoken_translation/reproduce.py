@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import types
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -110,18 +111,22 @@ def build_model(out: Path, seconds: int) -> Path:
     return whisper_with_context(full, out, seconds)
 
 
-def plain_generate(model) -> None:
+def plain_generate(model, allowed: Sequence[int] = ()) -> None:
     """Decode a Whisper model with transformers' generic ``generate``: in transformers 5.23
     ``WhisperForConditionalGeneration.generate`` returns the best beam num_return_sequences times instead of the
     num_return_sequences best beams (seen on Whisper-base: beam 3 returning 2 gives one sequence twice), which
     would make the beam-search baselines look diverse-less for no reason of theirs. Our prompt is the decoder start
-    token alone (the model predicts the language and task tokens), so nothing of Whisper's own pipeline is needed."""
+    token alone (the model predicts the language and task tokens), so nothing of Whisper's own pipeline is needed.
+    ``allowed``: tokens the model must be free to write although its generation config suppresses them (Whisper
+    suppresses its task tokens, <|transcribe|> among them, which its own pipeline puts in the prompt instead)."""
     from transformers.generation import GenerationMixin
 
     from loramcl.model import MCLModel
 
     base = model.base_model if isinstance(model, MCLModel) else model
     base.generate = types.MethodType(GenerationMixin.generate, base)
+    config = base.generation_config
+    config.suppress_tokens = [t for t in config.suppress_tokens or () if t not in set(allowed)] or None
 
 
 # ---- training ------------------------------------------------------------------------------------------------
@@ -189,6 +194,7 @@ def decode_run(model: str, adapters: str, test: Path, out: Path, arguments: dict
     from transformers import AutoTokenizer
 
     from loramcl.audio_captioning.reproduce import tta_augment
+    from loramcl.data.spoken_messages import WhisperTargets
     from loramcl.generation.cli import load_model
     from loramcl.generation.decoding import generate_hypotheses, prediction_record
 
@@ -196,7 +202,7 @@ def decode_run(model: str, adapters: str, test: Path, out: Path, arguments: dict
     strength, seed = arguments.pop("tta_strength", None), arguments.pop("seed")
     tokenizer = AutoTokenizer.from_pretrained(model)
     decoder = load_model(model, adapters)
-    plain_generate(decoder)
+    plain_generate(decoder, allowed=[t for prefix in WhisperTargets(tokenizer).prefixes.values() for t in prefix])
     rows = read_rows(test)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:
