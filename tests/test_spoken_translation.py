@@ -246,3 +246,21 @@ def test_quick_end_to_end_on_whisper_base_then_every_stage_reused(tmp_path):
     assert "| mcl | 2 | 8 | annealed τ0=1, ρ=0.97 |" in text and "| mle | 1 | 16 | MLE |" in text
     again = spoken_translation(out=str(out), quick=True)
     assert set(again["timing_s"]) == {"report"}
+
+
+def test_plain_generate_lets_the_model_write_the_task_tokens_whisper_suppresses():
+    """Whisper's generation config suppresses its task tokens (<|transcribe|> ...), which our targets hold: decoding
+    must be free to write them (the full run's first decodes were garbage without it)."""
+    from loramcl import generate_hypotheses
+    from loramcl.spoken_translation.reproduce import plain_generate
+
+    model = build_model("whisper").eval()
+    inputs, _ = build_batch("whisper", model)
+    settings = dict(strategy="beam", num_beams=2, num_sequences=1, max_new_tokens=2, min_new_tokens=2)
+    first = {row[0].token_ids[0] for row in generate_hypotheses(model, None, inputs, **settings)}
+    model.generation_config.suppress_tokens = [*first, 3]
+    plain_generate(model)
+    assert not first & {row[0].token_ids[0] for row in generate_hypotheses(model, None, inputs, **settings)}
+    plain_generate(model, allowed=first)
+    assert model.generation_config.suppress_tokens == [3]
+    assert {row[0].token_ids[0] for row in generate_hypotheses(model, None, inputs, **settings)} == first
