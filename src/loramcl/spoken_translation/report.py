@@ -113,7 +113,7 @@ def markdown(report: dict) -> str:
     for name, result in systems.items():
         for k, share in enumerate(result["languages"]["per_hypothesis"]):
             tokens = result["language_tokens"][k]
-            rest = 1 - share.get("en", 0.0) - share.get("fr", 0.0)
+            rest = max(0.0, 1 - share.get("en", 0.0) - share.get("fr", 0.0))  # not -0.0 from rounding
             lines.append(f"| {name} | {k} | {percent(share.get('en', 0))} | {percent(share.get('fr', 0))} | "
                          f"{percent(rest)} | {percent(tokens.get('<|en|>', 0))} | {percent(tokens.get('<|fr|>', 0))} |")
     lines += ["", "## Examples", ""]
