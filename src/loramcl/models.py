@@ -318,3 +318,30 @@ def convert_whisper_base_command(out: LocalPath = "models/whisper-base") -> str:
     folder = convert_whisper_base(out)
     print(f"Whisper-base (WhisperForConditionalGeneration with its tokenizer and feature extractor): {folder}")
     return str(folder)
+
+
+def whisper_with_context(source: str | Path, out: str | Path, seconds: int) -> Path:
+    """A Whisper folder whose encoder reads ``seconds`` of audio instead of 30: its position embeddings cut to the
+    first 50 x ``seconds`` rows and its feature extractor padding to ``seconds`` (whisper.cpp's `audio_ctx`). The
+    encoder's cost falls about as fast as the context (its attention faster); the other weights are the model's.
+    Short clips (a spoken UI message lasts 1-5 s) lose little: measured on espeak-ng speech in docs/spoken.md.
+    Returns ``out``."""
+    from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    source, out = Path(source), Path(out)
+    model = WhisperForConditionalGeneration.from_pretrained(source)
+    full = model.config.max_source_positions  # 1500 positions for 30 s
+    positions = full * seconds // 30
+    if not isinstance(seconds, int) or not 1 <= seconds <= 30 or positions * 30 != full * seconds:
+        raise ValueError(f"seconds must be an integer in 1..30 that cuts the encoder's {full} positions evenly, got "
+                         f"{seconds!r}")
+    embeddings = model.model.encoder.embed_positions
+    embeddings.weight.data = embeddings.weight.data[:positions].clone()  # [positions, d]
+    embeddings.num_embeddings = positions
+    model.config.max_source_positions = positions
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    features = WhisperFeatureExtractor.from_pretrained(source)
+    WhisperFeatureExtractor(feature_size=features.feature_size, sampling_rate=features.sampling_rate,
+                            hop_length=features.hop_length, chunk_length=seconds).save_pretrained(out)
+    return out

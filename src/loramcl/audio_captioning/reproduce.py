@@ -22,7 +22,7 @@ from pathlib import Path
 from loramcl.config import _check, _positive_int, _real
 from loramcl.data.audio_captions import CAPTIONS_PER_CLIP, LAYOUTS, MISSING_AUDIO, SPLITS, csv_path
 from loramcl.data.audio_prompts import DEFAULT_INSTRUCTION
-from loramcl.recipe.grid import DecodeConfig, System, chosen_budgets, equal_budget_systems
+from loramcl.recipe.grid import DecodeConfig, System, chosen_budgets, equal_budget_systems, one_per_strategy
 
 EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
 DEFAULT_RECIPES = "audio_captioning/tiny"
@@ -299,15 +299,18 @@ def train_captioner(model: str, out: str, method: str, config, training, setting
 # ---- decoding ------------------------------------------------------------------------------------------------
 
 
-def tta_augment(time_fraction: float, frequency_fraction: float):
+def tta_augment(time_fraction: float, frequency_fraction: float, lengths=None):
     """SpecAugment at strength φ = (time, frequency): one time mask of width U{0..time x frames of audio} (capped
     at that fraction of each clip's own frames) and one frequency mask of width U{0..frequency x mel channels}, drawn
-    afresh for each candidate (``generate_hypotheses`` seeds them)."""
+    afresh for each candidate (``generate_hypotheses`` seeds them). lengths: [B] frames of audio of each clip of the
+    batch, for inputs without a ``feature_attention_mask`` (Whisper's); None: from that mask."""
     from loramcl.generation.augment import spec_augment
+
+    given = lengths
 
     def augment(inputs: dict, k: int) -> dict:
         features = inputs["input_features"]  # [B, n_mels, frames]
-        lengths = inputs["feature_attention_mask"].sum(-1)  # [B] frames of audio, not padding
+        lengths = inputs["feature_attention_mask"].sum(-1) if given is None else given  # [B] audio, not padding
         masked = spec_augment(features, num_time_masks=1, max_time_width=int(time_fraction * int(lengths.max())),
                               max_time_ratio=max(time_fraction, 1e-6), num_freq_masks=1,
                               max_freq_width=int(frequency_fraction * features.shape[1]), lengths=lengths)
@@ -504,9 +507,8 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
     _check(not set(decoded) - set(names), f"decoded: no run file for {sorted(set(decoded) - set(names))}")
     hypotheses = {run: method_of(values[run])[1].to_dict().get("num_hypotheses", 1) for run in decoded}
     systems = systems_of(experiment, hypotheses, chosen)
-    if quick:  # one system per decoding family and run: every code path, fewer decodes
-        seen: set = set()
-        systems = [s for s in systems if (s.run, s.strategy) not in seen and not seen.add((s.run, s.strategy))]
+    if quick:
+        systems = one_per_strategy(systems)
     decode = DecodeConfig(**(experiment.decoding | (QUICK_DECODING if quick else {})))
     test = data / "test.jsonl"
     for system in systems:

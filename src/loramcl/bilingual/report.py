@@ -4,6 +4,7 @@ hypothesis's outputs, embedding probes, and the training curves (paper Table 7, 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -34,18 +35,18 @@ def train_identifier(train: list[dict], test: list[dict], seed: int = 0):
     return identifier, evaluate_identifier(identifier, check_texts, check_labels)
 
 
-def language_wins(candidates: list[list[str]], test: list[dict]) -> dict:
+def language_wins(candidates: list[list[str]], test: list[dict], languages: Sequence[str] = LANGUAGES) -> dict:
     """Per reference language, which hypothesis's candidate is closest (sentence chrF) to that language's
-    references: the paper's Table 7 (which picks the winner with BLEU-4). Also the oracle chrF against each
-    language's references alone: does the system offer a good French AND a good German translation?"""
+    references (``test[i][lang]``): the paper's Table 7 (which picks the winner with BLEU-4). Also the oracle chrF
+    against each language's references alone: does the system offer a good French AND a good German translation?"""
     from loramcl.metrics import candidate_scores, chrf_sentence, oracle, win_rates
 
     scores, groups = [], []
-    for lang in LANGUAGES:
+    for lang in languages:
         scores.append(candidate_scores(chrf_sentence, candidates, [r[lang] for r in test])["chrf"])
         groups += [lang] * len(test)
     wins = win_rates(np.concatenate(scores), groups)
-    wins["oracle_chrf"] = {lang: oracle(s) for lang, s in zip(LANGUAGES, scores, strict=True)}
+    wins["oracle_chrf"] = {lang: oracle(s) for lang, s in zip(languages, scores, strict=True)}
     return wins
 
 

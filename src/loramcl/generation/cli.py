@@ -162,17 +162,25 @@ def generate(
 
 
 def load_model(model: str, adapters: str | None = None, dtype: str = "float32", device: str = "cpu"):
-    """A local transformers model (causal, sequence-to-sequence, or an audio/vision-language model such as
-    Qwen2-Audio) in eval mode, with MCL adapters (an MCLModel), a PEFT adapter (a PeftModel) or none."""
+    """A local transformers model (causal, sequence-to-sequence, speech-to-text such as Whisper, or an audio/vision-
+    language model such as Qwen2-Audio) in eval mode, with MCL adapters (an MCLModel), a PEFT adapter (a PeftModel)
+    or none."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMultimodalLM, AutoModelForSeq2SeqLM
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForMultimodalLM,
+        AutoModelForSeq2SeqLM,
+        AutoModelForSpeechSeq2Seq,
+    )
 
     from loramcl.model import CONFIG_NAME, load_mcl_model
 
     check_choice("dtype", dtype, DTYPES)
     config = AutoConfig.from_pretrained(model)
-    if getattr(config, "is_encoder_decoder", False):
-        model_class = AutoModelForSeq2SeqLM
+    if getattr(config, "is_encoder_decoder", False):  # text to text, or speech to text (Whisper)
+        model_class = AutoModelForSpeechSeq2Seq if type(config) in AutoModelForSpeechSeq2Seq._model_mapping and \
+            type(config) not in AutoModelForSeq2SeqLM._model_mapping else AutoModelForSeq2SeqLM
     else:  # a multimodal LM (Qwen2-Audio, LLaVA) has no causal-LM class of its own
         model_class = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else \
             AutoModelForMultimodalLM

@@ -132,6 +132,12 @@ def equal_budget_systems(hypotheses: dict[str, int], candidates: int, budgets: S
     return systems
 
 
+def one_per_strategy(systems: Sequence[System]) -> list[System]:
+    """The first system of each (run, strategy): a quick run's every decoding code path, with fewer decodes."""
+    seen: set = set()
+    return [s for s in systems if (s.run, s.strategy) not in seen and not seen.add((s.run, s.strategy))]
+
+
 def chosen_budgets(budgets: Sequence[int] | None, available: Sequence[int], quick: bool) -> list[int]:
     """The forward budgets a recipe command decodes at: ``budgets`` if given (a non-empty subset of the recipe's
     ``available`` ones), else the smallest in a quick run, else all."""

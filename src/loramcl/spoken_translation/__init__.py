@@ -1,0 +1,1 @@
+"""Spoken English messages transcribed OR translated to French by Whisper-base (`loramcl spoken-translation`)."""

