@@ -81,7 +81,7 @@ class MCLConfig:
     """Rank-stabilised LoRA (as PEFT's ``use_rslora``): scale the adapter output by alpha / sqrt(r) instead of
     alpha / r, so that larger ranks keep learning at the same rate."""
 
-    logits_chunk_size: int | None = 1024
+    logits_chunk_size: int | None = 256
     """Label tokens whose vocabulary logits are computed at once when the NLL is (training, the scoring pass of
     two-pass WTA, evaluation): the output layer and the cross-entropy run chunk by chunk, so no [N, V] float32 logits
     of all K*N label tokens are ever alive (V is 152k for Qwen2-Audio), with the same NLL and gradients. None computes
