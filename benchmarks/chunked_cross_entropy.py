@@ -9,7 +9,7 @@ and, for each chunked variant, several chunk sizes. Each step is a forward, a ba
 token NLLs (as the MCL losses are) into the hidden states (the output layer is frozen, as in LoRA-MCL), and a
 no-grad forward (the scoring pass of two-pass WTA). Before timing, every variant is checked against `whole`.
 
-    python benchmarks/chunked_cross_entropy.py                       # CPU: N 512, d 576, V 32768
+    python benchmarks/chunked_cross_entropy.py --threads 1           # CPU: N 1024, d 576, V 32768
     python benchmarks/chunked_cross_entropy.py --vocab 151936        # Qwen2's vocabulary
 
 Peak memory: as benchmarks/training_step.py (peak resident set of the step in a fresh process per variant, above
@@ -168,10 +168,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--tokens", type=int, default=512, help="N label tokens (K * label tokens of a batch)")
+    parser.add_argument("--tokens", type=int, default=1024, help="N label tokens (K * label tokens of a batch)")
     parser.add_argument("--hidden", type=int, default=576)
     parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--chunks", type=int, nargs="+", default=[128, 512, 1024])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[128, 256, 512, 1024])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--memory-of", nargs=2, metavar=("METHOD", "CHUNK"), help=argparse.SUPPRESS)
