@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from training_step import ResidentPeak, resident_bytes, synchronize
+from training_step import peak_mib, synchronize
 
 from loramcl.scoring import chunked_token_nll
 
@@ -150,18 +150,7 @@ def peak_memory_mib(method: str, size: int | None) -> float:
 def measure_memory_here(args, method: str, size: int | None) -> None:
     built = build(args)
     step(method, size, *built)  # warm-up
-    if args.device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step(method, size, *built)
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
-        before = resident_bytes()
-        sampler = ResidentPeak()
-        sampler.start()
-        step(method, size, *built)
-        peak = sampler.stop() - before
-    print(json.dumps({"peak_mib": peak / 2**20}))
+    print(json.dumps({"peak_mib": peak_mib(args.device, lambda: step(method, size, *built))}))
 
 
 def main() -> None:

@@ -178,20 +178,22 @@ def measure_memory_here(args, variant: str, k: int, logits: str) -> None:
     mcl, batch, optimizer = build(args, variant, k, logits)
     step(variant, mcl, batch, optimizer)  # warm-up: optimizer state, allocator pools
     gc.collect()
-    if args.device.startswith("cuda"):
+    print(json.dumps({"peak_mib": peak_mib(args.device, lambda: [step(variant, mcl, batch, optimizer)
+                                                                 for _ in range(2)])}))
+
+
+def peak_mib(device: str, run) -> float:
+    """Peak memory of ``run()`` above what was in use before it: CUDA's allocated memory, or the resident set."""
+    if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        for _ in range(2):
-            step(variant, mcl, batch, optimizer)
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
-        before = resident_bytes()
-        sampler = ResidentPeak()
-        sampler.start()
-        for _ in range(2):
-            step(variant, mcl, batch, optimizer)
-        peak = sampler.stop() - before
-    print(json.dumps({"peak_mib": peak / 2**20}))
+        run()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+    before = resident_bytes()
+    sampler = ResidentPeak()
+    sampler.start()
+    run()
+    return (sampler.stop() - before) / 2**20
 
 
 def main() -> None:
