@@ -6,9 +6,12 @@ Compares, for K in {1, 3, 5}:
   grouped-conv the paper's layer (App. G): a 1x1 Conv1d with K groups over [B, K*d, T], with its permutes
 and, for vanilla WTA, the one-pass loss (backward through all K) against the two-pass scheme (score all K
 without grad, then forward + backward of the winners only). Relaxed WTA (epsilon=0.05) is used for the
-first three so that every hypothesis gets a gradient.
+first three so that every hypothesis gets a gradient. Every variant runs twice: with the vocabulary logits and
+their cross-entropy computed in chunks of --chunk label tokens (MCLConfig.logits_chunk_size, the default), and
+whole ([N, V] logits at once, logits_chunk_size=None).
 
     python benchmarks/training_step.py                  # CPU, small Llama (a few minutes)
+    python benchmarks/training_step.py --vocab 151936   # Qwen2's vocabulary: the logits dominate
     python benchmarks/training_step.py --device cuda --layers 8 --hidden 1024 --seq 512 --batch 8
 
 Peak memory: on CUDA, torch.cuda.max_memory_allocated during the steps; on CPU, in a fresh process running only
@@ -33,8 +36,19 @@ import torch.nn.functional as F
 
 from loramcl import MCLConfig, MCLLoraLinear, get_mcl_model, mcl_loss
 
-VARIANTS = [(variant, k) for k in (1, 3, 5) for variant in ("stacked", "loop", "grouped-conv")]
-VARIANTS += [(variant, k) for k in (3, 5) for variant in ("wta-one-pass", "wta-two-pass")]
+STEPS = [(variant, k) for k in (1, 3, 5) for variant in ("stacked", "loop", "grouped-conv")]
+STEPS += [(variant, k) for k in (3, 5) for variant in ("wta-one-pass", "wta-two-pass")]
+LOGITS = ("chunks", "whole")
+
+
+def steps(args) -> list[tuple[str, int]]:
+    """The (variant, K) pairs asked for (--only), always with the K=1 reference."""
+    return [(variant, k) for variant, k in STEPS if not args.only or variant in args.only or (variant, k) == (
+        "stacked", 1)]
+
+
+def variants(args) -> list[tuple[str, int, str]]:
+    return [(variant, k, logits) for variant, k in steps(args) for logits in LOGITS]
 
 
 class GroupedConvLoraLinear(MCLLoraLinear):
@@ -52,7 +66,10 @@ class GroupedConvLoraLinear(MCLLoraLinear):
         return y.view(batch, k, d_out, length).permute(1, 0, 3, 2).reshape(rows, length, d_out)  # copy
 
 
-def build(args, variant: str, k: int):
+_SHARED: dict[tuple[int, int], tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
+
+
+def build(args, variant: str, k: int, logits: str = "chunks"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -60,9 +77,14 @@ def build(args, variant: str, k: int):
                          num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
                          num_key_value_heads=max(args.hidden // 192, 1), max_position_embeddings=args.seq)
     base = LlamaForCausalLM(config).to(args.device, getattr(torch, args.dtype))
+    # Every variant has the same frozen embeddings and output layer (seed 0): one copy of them for all the variants
+    # built in a process, which a large vocabulary needs.
+    shared = _SHARED.setdefault((args.vocab, args.hidden), (base.model.embed_tokens.weight, base.lm_head.weight))
+    base.model.embed_tokens.weight, base.lm_head.weight = shared
     loss = "wta" if variant.startswith("wta") else "relaxed"
     mcl = get_mcl_model(base, MCLConfig(num_hypotheses=k, r=8, alpha=8, loss=loss, epsilon=0.05 if k > 1 else 0.0,
-                                        target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]))
+                                        target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"],
+                                        logits_chunk_size=args.chunk if logits == "chunks" else None))
     if variant == "grouped-conv":
         for _, layer in mcl.mcl_layers():
             layer.__class__ = GroupedConvLoraLinear
@@ -106,12 +128,12 @@ def check_grouped_conv_matches(args) -> None:
         torch.testing.assert_close(ours(**batch).nll, paper(**batch).nll, atol=1e-4, rtol=1e-4)
 
 
-def time_all(args) -> dict[tuple[str, int], float]:
+def time_all(args) -> dict[tuple[str, int, str], float]:
     """Median seconds per step; variants are interleaved round by round so that drifts hit all alike."""
-    runs = {key: build(args, *key) for key in VARIANTS}
+    runs = {key: build(args, *key) for key in variants(args)}
     for key, (mcl, batch, optimizer) in runs.items():
         step(key[0], mcl, batch, optimizer)  # warm-up
-    times = {key: [] for key in VARIANTS}
+    times = {key: [] for key in variants(args)}
     for _ in range(args.steps):
         for key, (mcl, batch, optimizer) in runs.items():
             synchronize(args.device)
@@ -122,9 +144,9 @@ def time_all(args) -> dict[tuple[str, int], float]:
     return {key: statistics.median(values) for key, values in times.items()}
 
 
-def peak_memory_mib(args, variant: str, k: int) -> float:
+def peak_memory_mib(args, variant: str, k: int, logits: str) -> float:
     """Peak memory of the steps of one variant, measured in a fresh process (see the module docstring)."""
-    command = [sys.executable, __file__, "--memory-of", variant, str(k), *sys.argv[1:]]
+    command = [sys.executable, __file__, "--memory-of", variant, str(k), logits, *sys.argv[1:]]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     output = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
     return json.loads(output.strip().splitlines()[-1])["peak_mib"]
@@ -152,24 +174,26 @@ class ResidentPeak(threading.Thread):
         return max(self.peak, resident_bytes())
 
 
-def measure_memory_here(args, variant: str, k: int) -> None:
-    mcl, batch, optimizer = build(args, variant, k)
+def measure_memory_here(args, variant: str, k: int, logits: str) -> None:
+    mcl, batch, optimizer = build(args, variant, k, logits)
     step(variant, mcl, batch, optimizer)  # warm-up: optimizer state, allocator pools
     gc.collect()
-    if args.device.startswith("cuda"):
+    print(json.dumps({"peak_mib": peak_mib(args.device, lambda: [step(variant, mcl, batch, optimizer)
+                                                                 for _ in range(2)])}))
+
+
+def peak_mib(device: str, run) -> float:
+    """Peak memory of ``run()`` above what was in use before it: CUDA's allocated memory, or the resident set."""
+    if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        for _ in range(2):
-            step(variant, mcl, batch, optimizer)
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
-        before = resident_bytes()
-        sampler = ResidentPeak()
-        sampler.start()
-        for _ in range(2):
-            step(variant, mcl, batch, optimizer)
-        peak = sampler.stop() - before
-    print(json.dumps({"peak_mib": peak / 2**20}))
+        run()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+    before = resident_bytes()
+    sampler = ResidentPeak()
+    sampler.start()
+    run()
+    return (sampler.stop() - before) / 2**20
 
 
 def main() -> None:
@@ -183,7 +207,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (after one warm-up)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--memory-of", nargs=2, metavar=("VARIANT", "K"), help=argparse.SUPPRESS)
+    parser.add_argument("--chunk", type=int, default=MCLConfig.logits_chunk_size,
+                        help="label tokens per chunk of logits in the 'chunks' variants")
+    parser.add_argument("--only", nargs="+", choices=sorted({variant for variant, _ in STEPS}),
+                        help="these variants only (and the K=1 stacked step, the reference)")
+    parser.add_argument("--memory-of", nargs=3, metavar=("VARIANT", "K", "LOGITS"), help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -191,26 +219,29 @@ def main() -> None:
 
     logging.set_verbosity_error()
     if args.memory_of:
-        measure_memory_here(args, args.memory_of[0], int(args.memory_of[1]))
+        measure_memory_here(args, args.memory_of[0], int(args.memory_of[1]), args.memory_of[2])
         return
     check_grouped_conv_matches(args)
+    label_tokens = args.batch * (args.seq - args.seq // 4)
     print(f"Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; batch {args.batch} x {args.seq} "
-          f"tokens; LoRA r=8 on q,k,v,up,down; {args.device} {args.dtype}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; median of {args.steps} steps")
+          f"tokens ({label_tokens} label tokens); LoRA r=8 on q,k,v,up,down; {args.device} {args.dtype}, torch "
+          f"{torch.__version__}, {torch.get_num_threads()} threads; median of {args.steps} steps; logits in chunks of "
+          f"{args.chunk} label tokens or whole")
     seconds = time_all(args)
-    memory = {key: peak_memory_mib(args, *key) for key in VARIANTS}
-    reference = seconds[("stacked", 1)]
-    print(f"\nK=1 step: {reference * 1000:.0f} ms, peak memory {memory[('stacked', 1)]:.0f} MiB\n")
-    print("| variant | K | step time / K=1 step | peak memory / K=1 |")
-    print("|---|---|---|---|")
-    for key in VARIANTS:
-        print(f"| {key[0]} | {key[1]} | {seconds[key] / reference:.2f} | "
-              f"{memory[key] / memory[('stacked', 1)]:.2f} |")
-    for k in (3, 5):
-        print(f"\nK={k}: stacked is {seconds[('loop', k)] / seconds[('stacked', k)]:.2f}x faster than the loop and "
-              f"{seconds[('grouped-conv', k)] / seconds[('stacked', k)]:.2f}x faster than the grouped conv; two-pass "
-              f"WTA takes {seconds[('wta-two-pass', k)] / seconds[('wta-one-pass', k)]:.2f}x the one-pass time and "
-              f"{memory[('wta-two-pass', k)] / memory[('wta-one-pass', k)]:.2f}x its memory")
+    memory = {key: peak_memory_mib(args, *key) for key in variants(args)}
+    for logits in LOGITS:
+        reference = ("stacked", 1, logits)
+        print(f"K=1 step, logits {logits}: {seconds[reference] * 1000:.0f} ms, peak memory {memory[reference]:.0f} MiB")
+    print("\n| variant | K | step time / K=1 step | peak memory / K=1 | whole logits: time / K=1 | peak / K=1 "
+          "| chunks / whole: time | peak |")
+    print("|---|---|---|---|---|---|---|---|")
+    for variant, k in steps(args):
+        chunks, whole = (variant, k, "chunks"), (variant, k, "whole")
+        one_chunks, one_whole = ("stacked", 1, "chunks"), ("stacked", 1, "whole")
+        ratios = [seconds[chunks] / seconds[one_chunks], memory[chunks] / memory[one_chunks],
+                  seconds[whole] / seconds[one_whole], memory[whole] / memory[one_whole],
+                  seconds[chunks] / seconds[whole], memory[chunks] / memory[whole]]
+        print(f"| {variant} | {k} | " + " | ".join(f"{ratio:.2f}" for ratio in ratios) + " |")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,12 @@ class MCLConfig:
     """Rank-stabilised LoRA (as PEFT's ``use_rslora``): scale the adapter output by alpha / sqrt(r) instead of
     alpha / r, so that larger ranks keep learning at the same rate."""
 
+    logits_chunk_size: int | None = 256
+    """Label tokens whose vocabulary logits are computed at once when the NLL is (training, the scoring pass of
+    two-pass WTA, evaluation): the output layer and the cross-entropy run chunk by chunk, so no [N, V] float32 logits
+    of all K*N label tokens are ever alive (V is 152k for Qwen2-Audio), with the same NLL and gradients. None computes
+    them whole, as before. A computation setting: the hypotheses do not depend on it."""
+
     exclude_modules: list[str] | str | None = None
     """Layers that never get adapters even when ``target_modules`` matches them, matched as PEFT matches
     ``exclude_modules``: a list of names (exact or '.'-suffix) or a regular expression string (full match)."""
@@ -155,6 +161,8 @@ class MCLConfig:
         _check(self.layers_pattern is None or layers is not None,
                "layers_pattern names the list of blocks that layers_to_transform indexes: set layers_to_transform "
                "too, or leave layers_pattern out")
+        if self.logits_chunk_size is not None:
+            _positive_int("logits_chunk_size", self.logits_chunk_size, what="(label tokens; None: no chunks)")
         _check(isinstance(self.use_rslora, bool), f"use_rslora must be True or False, got {self.use_rslora!r}")
         _check(isinstance(self.adapt_context, bool), f"adapt_context must be True or False, got {self.adapt_context!r}")
 

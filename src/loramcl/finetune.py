@@ -92,6 +92,8 @@ def finished_run(out: str | Path, settings: dict) -> bool:
 
 
 _CONFIGS = {"mcl": MCLConfig, "moe": MoEConfig, "multihead": MultiHeadConfig}
+# Fields that decide how a run is computed, not its adapters: a run resumed or compared with another value is the same
+_COMPUTATION_ONLY = {"mcl": ("logits_chunk_size",)}
 
 
 def _as_configs(settings: dict) -> dict:
@@ -103,6 +105,8 @@ def _as_configs(settings: dict) -> dict:
         try:
             if key in _CONFIGS and isinstance(value, dict):
                 result[key] = _CONFIGS[key].from_dict(value).to_dict()
+                for name in _COMPUTATION_ONLY.get(key, ()):
+                    del result[key][name]
             elif key in ("data", "training") and isinstance(value, dict):
                 result[key] = asdict((DataConfig if key == "data" else TrainConfig)(**value))
         except (TypeError, ValueError):  # a field removed or renamed since: compared as recorded

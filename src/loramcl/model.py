@@ -38,7 +38,7 @@ from loramcl.context import check_split_inputs, is_shared_context, share_context
 from loramcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting, MCLLoraLinear, linear_features
 from loramcl.losses import mcl_loss
 from loramcl.scores import HypothesisScores, context_positions, mixture_nll
-from loramcl.scoring import IGNORE_INDEX, aligned_targets, check_targets, mean_token_nll
+from loramcl.scoring import IGNORE_INDEX, aligned_targets, check_targets, chunked_token_nll, mean_token_nll, row_means
 
 CONFIG_NAME = "mcl_config.json"
 WEIGHTS_NAME = "mcl_adapters.safetensors"
@@ -143,6 +143,10 @@ class _PendingForward:
     logit_positions: torch.Tensor | None = None  # [rows, T] bool: hidden states the LM head must see
     context_positions: torch.Tensor | None = None  # [rows]: the last context position, whose state the scores read
     context_states: torch.Tensor | None = None  # [rows, d]: those states (detached), filled by the output-layer hook
+    # logits in chunks: the output-layer hook keeps the hidden states at label positions [N, d] here and gives the
+    # layer only the first of them (a probe row: checks that logits_of reproduces what the model does to them)
+    chunked: bool = False
+    label_states: torch.Tensor | None = None
 
 
 class MCLModel(nn.Module):
@@ -181,6 +185,7 @@ class MCLModel(nn.Module):
         self._shared_calls: dict[int, int] = {}  # id(shared module) -> copies its running call was given
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._generation_context: list[torch.Tensor] | None = None  # armed by capture_context()
+        self._unchunkable: str | None = None  # why this model's logits cannot be computed in chunks, once found
         self.scoring_head = self._build_scoring_head(output_layer) if config.scoring else None
         self._install_hooks()
 
@@ -381,6 +386,9 @@ class MCLModel(nn.Module):
         if self._pending.context_positions is not None:
             rows = torch.arange(hidden.shape[0], device=hidden.device)
             self._pending.context_states = hidden[rows, self._pending.context_positions].detach()  # [rows, d]
+        if self._pending.chunked:
+            self._pending.label_states = hidden[positions]  # [N, d]
+            return (self._pending.label_states[:1], *args[1:])  # the probe row
         return (hidden[positions], *args[1:])
 
     # ---- forward ----------------------------------------------------------------------------------------
@@ -432,17 +440,19 @@ class MCLModel(nn.Module):
                      ) -> MCLOutput:
         """nll of every example under the routing already set: [B, K] (stacked, with the loss) or [B]."""
         base, k, batch = self.base_model, self.num_hypotheses, targets.shape[0]
+        given = inputs, targets, positions  # the arguments as passed: an unchunked retry starts again from them
         keep_cache = contextlib.nullcontext()
         if not self.mcl_config.adapt_context and not self._adapters_disabled:
             inputs, targets, positions = self._without_context(inputs, targets, positions, k if stacked else 1)
             keep_cache = _checkpointing_keeps_cache(base)
         row_positions = positions.repeat(k, 1) if stacked else positions  # [rows, T]
         scoring = stacked and self.scoring_head is not None
+        chunked = self._logits_in_chunks()
         with keep_cache:
-            outputs, states = self._call_base(
+            outputs, states, label_states = self._call_base(
                 {**inputs, "use_cache": False}, expand_batch=batch if stacked else None,
                 logit_positions=row_positions if self._output_layer_name else None,
-                context_positions=context_positions(row_positions) if scoring else None)
+                context_positions=context_positions(row_positions) if scoring else None, chunked=chunked)
         logits = getattr(outputs, "logits", None)
         if logits is None:
             raise ValueError(f"{type(base).__name__} returns no logits: LoRA-MCL needs a model with a language-"
@@ -450,9 +460,16 @@ class MCLModel(nn.Module):
         token_targets = targets[positions]  # [N_B] in (example, position) order
         if stacked:
             token_targets = token_targets.repeat(k)  # [K*N_B], hypothesis-major like the rows
-        token_logits = logits if self._output_layer_name else logits[row_positions]  # [N, V]
         rows = row_positions.nonzero()[:, 0]  # [N]
-        nll = mean_token_nll(token_logits, token_targets, rows, row_positions.shape[0])  # [rows]
+        if chunked:
+            logits_of = self._logits_of()
+            if not self._reproduces_logits(logits_of, label_states, logits):
+                return self._forward_nll(*given, stacked)  # again, unchunked from now on
+            token_nll = chunked_token_nll(label_states, token_targets, logits_of, self.mcl_config.logits_chunk_size)
+            nll = row_means(token_nll, rows, row_positions.shape[0])  # [rows]
+        else:
+            token_logits = logits if self._output_layer_name else logits[row_positions]  # [N, V]
+            nll = mean_token_nll(token_logits, token_targets, rows, row_positions.shape[0])  # [rows]
         if not stacked:
             return MCLOutput(loss=nll.mean(), nll=nll)
         nll = nll.view(k, batch).T  # [B, K]
@@ -525,16 +542,65 @@ class MCLModel(nn.Module):
         return MCLOutput(logits=logits)
 
     def _call_base(self, inputs: dict, expand_batch: int | None, logit_positions: torch.Tensor | None = None,
-                   context_positions: torch.Tensor | None = None) -> tuple:
+                   context_positions: torch.Tensor | None = None, chunked: bool = False) -> tuple:
         """Run the base model with the hooks armed for this call, and check that they fired: (outputs, the hidden
-        states at ``context_positions`` [rows, d] or None)."""
-        self._pending = _PendingForward(expand_batch, logit_positions, context_positions)
+        states at ``context_positions`` [rows, d] or None, with ``chunked`` the hidden states at ``logit_positions``
+        [N, d] else None)."""
+        self._pending = _PendingForward(expand_batch, logit_positions, context_positions, chunked=chunked)
         try:
             outputs = self.base_model(**inputs)
             self._check_hooks_ran()
-            return outputs, self._pending.context_states
+            return outputs, self._pending.context_states, self._pending.label_states
         finally:
             self._pending = _PendingForward()
+
+    # ---- logits in chunks (MCLConfig.logits_chunk_size) --------------------------------------------------------
+
+    def _logits_in_chunks(self) -> bool:
+        """Whether this forward computes the vocabulary logits and their cross-entropy chunk by chunk: asked for, an
+        output layer that is found and frozen (its weight would get no gradient), and no transformation of the
+        logits that ``_logits_of`` fails to reproduce."""
+        if self.mcl_config.logits_chunk_size is None or self._output_layer_name is None or self._unchunkable:
+            return False
+        layer = self.base_model.get_submodule(self._output_layer_name)
+        return not any(param.requires_grad for param in layer.parameters())
+
+    def _logits_of(self):
+        """hidden states at label positions [n, d] -> the logits [n, V] the model returns for them: its output layer,
+        then what transformers' models apply after it: BART-family ``final_logits_bias`` (added), Gemma-family
+        ``final_logit_softcapping`` (cap * tanh(logits / cap)), in their own order of operations."""
+        base = self.base_model
+        layer = base.get_submodule(self._output_layer_name)
+        bias = getattr(base, "final_logits_bias", None)  # [1, V]
+        text_config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+        cap = getattr(text_config, "final_logit_softcapping", None)
+
+        def logits_of(states: torch.Tensor) -> torch.Tensor:
+            logits = layer(states)  # [n, V]
+            if torch.is_tensor(bias):
+                logits = logits + bias.to(logits.device)
+            if cap is not None:
+                logits = torch.tanh(logits / cap) * cap
+            return logits
+
+        return logits_of
+
+    def _reproduces_logits(self, logits_of, label_states: torch.Tensor, probe: torch.Tensor) -> bool:
+        """Whether ``logits_of`` gives exactly the logits the model returned for the probe row (the first label
+        position); if not, warn once and compute the full logits from now on (any other post-processing of the
+        logits, e.g. Cohere's logit_scale or Granite's logits_scaling, is the model's own)."""
+        with torch.no_grad():
+            ours = logits_of(label_states[:1])  # [1, V]
+        # NaN where the model's logits are NaN too (a diverged step is the NaN guard's business, not a different model)
+        if probe.numel() == ours.numel() and torch.allclose(probe.detach().reshape(ours.shape).to(ours.dtype), ours,
+                                                            rtol=0, atol=0, equal_nan=True):
+            return True
+        self._unchunkable = (f"{type(self.base_model).__name__} transforms the output of its output layer in a way "
+                             "loramcl does not reproduce")
+        warnings.warn(f"{self._unchunkable}: its logits are computed whole ([N label tokens, V]), not in chunks of "
+                      f"MCLConfig.logits_chunk_size={self.mcl_config.logits_chunk_size}. Please report this model "
+                      "class to loramcl.", stacklevel=4)
+        return False
 
     def _check_hooks_ran(self) -> None:
         if self._pending.expand_batch is not None:

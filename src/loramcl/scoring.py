@@ -7,6 +7,8 @@ encoder-decoder's logits at position t predict label t.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -63,6 +65,11 @@ def mean_token_nll(token_logits: torch.Tensor, token_targets: torch.Tensor, rows
                    num_rows: int) -> torch.Tensor:
     """Mean NLL per row from packed tokens: logits [N, V], targets [N], row of each token [N] -> [num_rows]."""
     token_nll = F.cross_entropy(token_logits.float(), token_targets, reduction="none")  # [N]
+    return row_means(token_nll, rows, num_rows)
+
+
+def row_means(token_nll: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Mean of the token NLLs of each row: token_nll [N], row of each token [N] -> [num_rows]."""
     totals = token_nll.new_zeros(num_rows).index_add(0, rows, token_nll)  # [num_rows]
     counts = torch.bincount(rows, minlength=num_rows).to(totals.dtype)  # [num_rows]
     return totals / counts
@@ -75,3 +82,56 @@ def sequence_nll(logits: torch.Tensor, labels: torch.Tensor, causal: bool) -> to
     mask = targets != IGNORE_INDEX  # [B, T]
     rows = mask.nonzero()[:, 0]  # [N]
     return mean_token_nll(logits[mask], targets[mask], rows, labels.shape[0])
+
+
+def chunked_token_nll(hidden: torch.Tensor, targets: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor],
+                      chunk_size: int) -> torch.Tensor:
+    """NLL of each token from the hidden states the output layer reads, ``chunk_size`` tokens at a time:
+    hidden [N, d], targets [N] -> [N] float32, never more than [chunk_size, V] logits alive at once.
+
+    ``logits_of`` maps hidden states [n, d] to logits [n, V] (the output layer and whatever the model applies to its
+    output); it must hold no parameter that trains (the output layer is frozen: it gets no gradient here). Equal to
+    ``F.cross_entropy(logits_of(hidden).float(), targets, reduction="none")`` in value and in gradient.
+    """
+    if torch.is_grad_enabled() and hidden.requires_grad:
+        return _ChunkedTokenNLL.apply(hidden, targets, logits_of, chunk_size)
+    with torch.no_grad():
+        return _token_nll_in_chunks(hidden, targets, logits_of, chunk_size, gradient=None)
+
+
+def _token_nll_in_chunks(hidden: torch.Tensor, targets: torch.Tensor, logits_of, chunk_size: int,
+                         gradient: torch.Tensor | None) -> torch.Tensor:
+    """Token NLLs [N] chunk by chunk; with ``gradient`` [N, d], also fills it with d nll_t / d h_t."""
+    token_nll = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [N]
+    for start in range(0, hidden.shape[0], chunk_size):
+        chunk = slice(start, start + chunk_size)
+        states = hidden[chunk].detach().requires_grad_(gradient is not None)  # [n, d]
+        nll = F.cross_entropy(logits_of(states).float(), targets[chunk], reduction="none")  # [n]
+        if gradient is not None:  # token t's NLL depends on h_t only: the gradient of the sum holds each row's own
+            gradient[chunk] = torch.autograd.grad(nll.sum(), states)[0]
+        token_nll[chunk] = nll.detach()
+    return token_nll
+
+
+class _ChunkedTokenNLL(torch.autograd.Function):
+    """Token NLLs in chunks, with each chunk's gradient computed in the forward while its logits are alive.
+
+    d nll_t / d h_t [d] is known before the loss is, so the backward needs [N, d] (scaled by the incoming gradient)
+    instead of the [N, V] float32 log-softmax that the plain cross-entropy keeps, and no logits are computed twice (a
+    checkpoint per chunk, or a recomputation in the backward, computes every chunk's logits twice:
+    benchmarks/chunked_cross_entropy.py measures the three).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, targets, logits_of, chunk_size):
+        gradient = torch.empty_like(hidden)  # [N, d]
+        with torch.enable_grad():
+            token_nll = _token_nll_in_chunks(hidden, targets, logits_of, chunk_size, gradient)
+        ctx.save_for_backward(gradient)
+        return token_nll
+
+    @staticmethod
+    def backward(ctx, grad_nll):
+        (gradient,) = ctx.saved_tensors
+        grad_hidden = (gradient.float() * grad_nll.unsqueeze(1)).to(gradient.dtype)  # [N, d]
+        return grad_hidden, None, None, None

@@ -164,6 +164,10 @@ class MultiHeadModel(BaselineFiles, MCLModel):
         nll = out.nll.gather(1, index.unsqueeze(1).to(out.nll.device)).squeeze(1)  # [B]
         return MCLOutput(loss=nll.mean(), nll=nll)
 
+    def _logits_in_chunks(self) -> bool:
+        # K heads at the output route their rows by hypothesis (and train): they must see every label row at once
+        return not self.heads_at_output and super()._logits_in_chunks()
+
     def _keep_label_positions(self, module: nn.Module, args: tuple):
         positions = self._pending.logit_positions
         kept = super()._keep_label_positions(module, args)
