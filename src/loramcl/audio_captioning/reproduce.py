@@ -512,13 +512,10 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
     decode = DecodeConfig(**(experiment.decoding | (QUICK_DECODING if quick else {})))
     test = data / "test.jsonl"
     for system in systems:
-        path = root / "predictions" / f"{system.name}.jsonl"
         arguments = system.decoding(experiment.candidates, hypotheses[system.run] == 1, decode)
-        settings = {**arguments, "batch_size": decode.batch_size, "trained": run_stamp(root / system.run),
-                    "test": file_stamp(test)}
-        stages.run(f"generate {system.name}", path.with_suffix(".settings.json"), settings, decode_captions, model,
-                   str(root / system.run), test, path, arguments, experiment, decode.batch_size,
-                   values[system.run].get("dtype", "float32"), device)
+        stages.decode(system, arguments, decode.batch_size, test, decode_captions, model, str(root / system.run), test,
+                      stages.predictions(system.name), arguments, experiment, decode.batch_size,
+                      values[system.run].get("dtype", "float32"), device)
 
     for run in decoded:
         path = root / "nll" / f"{run}.jsonl"

@@ -107,15 +107,12 @@ def bilingual(out: str = "runs/bilingual", quick: bool = False, budgets: list[in
     decoding = QUICK_DECODING if quick else DECODING
     systems = tuple(s for s in SYSTEMS if budgets is None or s.budget in budgets)
     for system in systems:
-        path = root / "predictions" / f"{system.name}.jsonl"
         single = run_record(root / system.run)["settings"]["mcl"]["num_hypotheses"] == 1
         arguments = system.decoding(NUM_CANDIDATES, single, decoding)
-        settings = {**arguments, "batch_size": decoding.batch_size, "trained": run_stamp(root / system.run),
-                    "test": file_stamp(test)}
         adapters = root / system.run / (PEFT_FOLDER if single else "")
-        stages.run(f"generate {system.name}", path.with_suffix(".settings.json"), settings, generate, model=model,
-                   input=test, out=str(path), adapters=str(adapters), device=device, batch_size=decoding.batch_size,
-                   **arguments)
+        stages.decode(system, arguments, decoding.batch_size, test, generate, model=model, input=test,
+                      out=str(stages.predictions(system.name)), adapters=str(adapters), device=device,
+                      batch_size=decoding.batch_size, **arguments)
     for run in RUNS:
         path = root / "nll" / f"{run}.jsonl"
         stamps = {"trained": run_stamp(root / run), "test": file_stamp(test)}

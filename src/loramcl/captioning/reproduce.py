@@ -305,7 +305,7 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
     from loramcl.config import TrainConfig
     from loramcl.finetune import _sha256
     from loramcl.recipe.files import recipe_folder, run_names
-    from loramcl.recipe.stages import Stages, file_stamp, run_record, run_stamp
+    from loramcl.recipe.stages import Stages, run_record
 
     _check(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
     folder = recipe_folder(recipes, DEFAULT_RECIPES, [EXPERIMENT, COMMON])
@@ -347,14 +347,12 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
 
     decode = DecodeConfig(**(experiment.decoding | (QUICK_DECODING if quick else {})))
     for system in systems:
-        path = root / "predictions" / f"{system.name}.jsonl"
         v = values[system.run]
         arguments = system.decoding(experiment.candidates, candidates_per_run(v) == 1, decode)
-        settings = {**arguments, "batch_size": decode.batch_size, "trained": run_stamp(root / system.run),
-                    "test": file_stamp(data / "test.jsonl"), "instruction": experiment.instruction}
-        stages.run(f"generate {system.name}", path.with_suffix(".settings.json"), settings, caption, model,
-                   str(root / system.run), data / "test.jsonl", path, dict(arguments), decode.batch_size,
-                   experiment.instruction, v.get("dtype", "float32"), device)
+        stages.decode(system, arguments, decode.batch_size, data / "test.jsonl", caption, model,
+                      str(root / system.run), data / "test.jsonl", stages.predictions(system.name), dict(arguments),
+                      decode.batch_size, experiment.instruction, v.get("dtype", "float32"), device,
+                      extra={"instruction": experiment.instruction})
 
     report = stages.timed("evaluate and report", build_report, root, experiment, systems, runs)
     report["timing_s"] = stages.timings | {"runs": {run: run_record(root / run)["seconds"] for run in runs}}

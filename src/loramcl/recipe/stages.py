@@ -52,6 +52,20 @@ class Stages:
         self.timed(name, fn, *args, **kwargs)
         return True
 
+    def predictions(self, system: str) -> Path:
+        """Where the decoding stage of the system named ``system`` writes its candidates."""
+        return self.root / "predictions" / f"{system}.jsonl"
+
+    def decode(self, system, arguments: dict, batch_size: int, test: str | Path, fn: Callable, /, *args,
+               extra: dict | None = None, **kwargs) -> bool:
+        """The decoding stage of ``system`` (a ``recipe.grid.System``): ``fn(*args, **kwargs)`` writes
+        ``self.predictions(system.name)``; redone when its decoding ``arguments``, ``batch_size``, ``extra`` settings,
+        its trained run or the ``test`` file change. True if it ran."""
+        settings = {**arguments, "batch_size": batch_size, "trained": run_stamp(self.root / system.run),
+                    "test": file_stamp(test), **(extra or {})}
+        return self.run(f"generate {system.name}", self.predictions(system.name).with_suffix(".settings.json"),
+                        settings, fn, *args, **kwargs)
+
     def timed(self, name: str, fn: Callable, /, *args, **kwargs):
         started = time.perf_counter()
         result = fn(*args, **kwargs)

@@ -263,7 +263,7 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
     from loramcl.finetune import _sha256
     from loramcl.models import whisper_base_files
     from loramcl.recipe.files import recipe_folder, run_names
-    from loramcl.recipe.stages import Stages, file_stamp, run_stamp
+    from loramcl.recipe.stages import Stages
     from loramcl.spoken_translation.report import build_report
 
     _check(stop_after in (None, "train"), f"stop_after must be train, got {stop_after!r}")
@@ -310,12 +310,9 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
     decode = DecodeConfig(**(experiment.decoding | (QUICK_DECODING if quick else {})))
     test = data / "test.jsonl"
     for system in compared:
-        path = root / "predictions" / f"{system.name}.jsonl"
         arguments = system.decoding(experiment.candidates, hypotheses[system.run] == 1, decode)
-        stamps = {**arguments, "batch_size": decode.batch_size, "trained": run_stamp(root / system.run),
-                  "test": file_stamp(test)}
-        stages.run(f"generate {system.name}", path.with_suffix(".settings.json"), stamps, decode_run, model,
-                   str(root / system.run), test, path, arguments, decode.batch_size)
+        stages.decode(system, arguments, decode.batch_size, test, decode_run, model, str(root / system.run), test,
+                      stages.predictions(system.name), arguments, decode.batch_size)
 
     report = stages.timed("report", build_report, root, experiment, compared, names, stats)
     report["timing_s"] = stages.timings

@@ -290,16 +290,14 @@ def translation(out: str | None = None, recipes: str | None = None, quick: bool 
     decode = DecodeConfig(**(experiment.decoding | (QUICK_DECODING if quick else {})))
     test = str(data / "test.jsonl")
     for system in systems:
-        path = root / "predictions" / f"{system.name}.jsonl"
         v = values[system.run]
         single = v["mcl"]["num_hypotheses"] == 1
         arguments = system.decoding(experiment.candidates, single, decode)
-        settings = {**arguments, "batch_size": decode.batch_size, "trained": run_stamp(root / system.run),
-                    "test": file_stamp(test)}
         adapters = root / system.run / (PEFT_FOLDER if single else "")
-        stages.run(f"generate {system.name}", path.with_suffix(".settings.json"), settings, generate, model=model,
-                   input=test, out=str(path), adapters=str(adapters), device=device, batch_size=decode.batch_size,
-                   chat_template=chat_template, dtype=v.get("dtype", "float32"), **arguments)
+        stages.decode(system, arguments, decode.batch_size, test, generate, model=model, input=test,
+                      out=str(stages.predictions(system.name)), adapters=str(adapters), device=device,
+                      batch_size=decode.batch_size, chat_template=chat_template, dtype=v.get("dtype", "float32"),
+                      **arguments)
     for run in table:
         path = root / "nll" / f"{run}.jsonl"
         stamps = {"trained": run_stamp(root / run), "test": file_stamp(test)}
