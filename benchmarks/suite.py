@@ -211,12 +211,13 @@ def training(suite: Suite, args) -> list[dict]:
     models |= {("wta", k): suite.wrap(k, loss="wta") for k in KS[1:]}
     for k in KS:
         use_grouped_conv(models[("grouped-conv", k)][0])
-    rows = []
-    for seq in args.seqs:
-        batch = suite.batch(seq, seq - seq // 4, args.batch)
-        with torch.no_grad():  # the paper's layer computes our function
+    batches = {seq: suite.batch(seq, seq - seq // 4, args.batch) for seq in args.seqs}
+    for batch in batches.values():  # the paper's layer computes our function (checked before any step changes them)
+        with torch.no_grad():
             close(models[("relaxed", 3)][0](**batch).nll, models[("grouped-conv", 3)][0](**batch).nll, suite.dtype,
                   "grouped conv vs stacked")
+    rows = []
+    for seq, batch in batches.items():
 
         def run(variant, k, batch=batch):
             model = ("relaxed" if variant in ("stacked", "loop") else "wta" if variant.startswith("wta") else
@@ -314,10 +315,17 @@ def targets(results: dict) -> list[dict]:
     return found
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def environment(args) -> dict:
     device = args.device
-    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else (platform.processor() or
-                                                                                platform.machine())
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else cpu_name()
     import transformers
 
     return dict(device=device, device_name=name, threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
