@@ -124,6 +124,8 @@ SHAPES = {shape.name: shape for shape in [
 
 def check_request(shape: Shape, device: str, dtype: str, allow_cpu: bool) -> None:
     """Refuse a run whose numbers would mean nothing, saying what to change."""
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"--dtype {dtype} is not a torch dtype (float32, bfloat16, float16)")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible here; run on a GPU machine or use --device cpu")
     if device == "cpu" and shape.gpu and not allow_cpu:
@@ -133,8 +135,6 @@ def check_request(shape: Shape, device: str, dtype: str, allow_cpu: bool) -> Non
     if device == "cpu" and dtype != "float32":
         raise ValueError(f"--dtype {dtype} on the CPU times its slow CPU kernels, which say nothing about the GPU "
                          "run it stands for: use --dtype float32 on the CPU, bfloat16 with --device cuda")
-    if not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise ValueError(f"--dtype {dtype} is not a torch dtype (float32, bfloat16, float16)")
 
 
 @dataclass

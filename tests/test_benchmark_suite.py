@@ -41,6 +41,8 @@ def test_refuses_runs_that_would_mean_nothing():
     suite.check_request(suite.SHAPES["llama-8b"], "cpu", "float32", allow_cpu=True)
     with pytest.raises(ValueError, match="--dtype bfloat16 on the CPU.*float32"):
         suite.check_request(suite.SHAPES["cpu-small"], "cpu", "bfloat16", allow_cpu=False)
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        suite.check_request(suite.SHAPES["cpu-small"], "cpu", "float33", allow_cpu=False)
     with pytest.raises(SystemExit):  # the command line says it as an argparse error
         suite.parse(["--shape", "llama-1b"])
     if not torch.cuda.is_available():
