@@ -78,7 +78,7 @@ def test_inputs_that_cannot_be_cut_by_example_run_whole_with_one_warning():
     """Qwen2-VL's image patches are flattened over the batch: which rows are whose is the model's business."""
     mcl, _, inputs, labels = wrapped_model("qwen2_vl")
     expected, _ = _scored(mcl, inputs, labels)
-    with pytest.warns(UserWarning, match=r"'pixel_values'.*runs the batch whole, not in blocks of 1 examples"):
+    with pytest.warns(UserWarning, match=r"'pixel_values'.*runs the batch whole, not 1 example at a time"):
         got, rows = _scored(mcl, inputs, labels, 1)
     _assert_same(got, expected)
     assert len(rows) == 1

@@ -536,8 +536,10 @@ class MCLModel(nn.Module):
         except ExamplesNotSeparable as error:
             if not self._whole_batch_warned:
                 self._whole_batch_warned = True
-                warnings.warn(f"{error}: the forward of all K hypotheses runs the batch whole, not in blocks of "
-                              f"{examples_per_block} examples (the same result, a higher peak memory)", stacklevel=5)
+                warnings.warn(f"{error}: the forward of all K hypotheses runs the batch whole, not "
+                              f"{examples_per_block} example{'s' if examples_per_block > 1 else ''} at a time (the "
+                              "same result, a higher peak memory); examples_per_block=None (MCLTrainer: "
+                              "scoring_examples_per_block=None) asks for the whole batch", stacklevel=5)
             return [(slice(None), inputs)]
 
     def _nll_of_rows(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, stacked: bool
