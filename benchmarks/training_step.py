@@ -5,10 +5,11 @@ Compares, for K in {1, 3, 5}:
   loop         K forwards, one hypothesis each, then one backward (the straightforward implementation)
   grouped-conv the paper's layer (App. G): a 1x1 Conv1d with K groups over [B, K*d, T], with its permutes
 and, for vanilla WTA, the one-pass loss (backward through all K) against the two-pass scheme (score all K
-without grad, then forward + backward of the winners only). Relaxed WTA (epsilon=0.05) is used for the
-first three so that every hypothesis gets a gradient. Every variant runs twice: with the vocabulary logits and
-their cross-entropy computed in chunks of --chunk label tokens (MCLConfig.logits_chunk_size, the default), and
-whole ([N, V] logits at once, logits_chunk_size=None).
+without grad, then forward + backward of the winners only), its scoring pass on the whole batch at once
+(wta-two-pass) or in blocks of examples as MCLTrainer runs it (wta-two-pass-blocks). Relaxed WTA (epsilon=0.05)
+is used for the first three so that every hypothesis gets a gradient. Every variant runs twice: with the
+vocabulary logits and their cross-entropy computed in chunks of --chunk label tokens (MCLConfig.logits_chunk_size,
+the default), and whole ([N, V] logits at once, logits_chunk_size=None).
 
     python benchmarks/training_step.py                  # CPU, small Llama (a few minutes)
     python benchmarks/training_step.py --vocab 151936   # Qwen2's vocabulary: the logits dominate
@@ -35,9 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from loramcl import MCLConfig, MCLLoraLinear, get_mcl_model, mcl_loss
+from loramcl.trainer import scoring_block
 
 STEPS = [(variant, k) for k in (1, 3, 5) for variant in ("stacked", "loop", "grouped-conv")]
-STEPS += [(variant, k) for k in (3, 5) for variant in ("wta-one-pass", "wta-two-pass")]
+STEPS += [(variant, k) for k in (3, 5) for variant in ("wta-one-pass", "wta-two-pass", "wta-two-pass-blocks")]
 LOGITS = ("chunks", "whole")
 
 
@@ -105,9 +107,10 @@ def step(variant: str, mcl, batch: dict, optimizer) -> None:
     if variant == "loop":
         nll = torch.stack([mcl(**batch, hypotheses=h).nll for h in range(k)], dim=1)  # [B, K]
         loss = mcl_loss(nll, mcl.mcl_config)[0]
-    elif variant == "wta-two-pass":
+    elif variant.startswith("wta-two-pass"):  # -blocks: the scoring pass in blocks of examples, as MCLTrainer's
+        per_block = scoring_block(len(batch["labels"]), k) if variant.endswith("blocks") else None
         with torch.no_grad():
-            winners = mcl(**batch).nll.argmin(dim=1)
+            winners = mcl(**batch, examples_per_block=per_block).nll.argmin(dim=1)
         loss = mcl(**batch, hypotheses=winners).loss
     else:  # stacked, grouped-conv, wta-one-pass
         loss = mcl(**batch).loss
