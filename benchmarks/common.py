@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from loramcl import MCLLoraLinear, mcl_loss
 from loramcl.generation import generate_hypotheses
+from loramcl.trainer import scoring_block
 
 # LoRA on attention's q, k, v and the MLP's up and down projections (the paper's audio and vision setting)
 TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
@@ -88,14 +89,15 @@ def use_grouped_conv(mcl) -> None:
 def train_step(variant: str, mcl, batch: dict, optimizer) -> None:
     """One training step (forward, backward, optimizer) of ``mcl`` on ``batch``, computed as ``variant`` says:
     loop (K forwards of one hypothesis each, then one backward), wta-two-pass (score all K without gradient, then
-    forward and backward the winners only: the MCLTrainer default for loss="wta"), or anything else: one forward of
-    the K hypotheses stacked."""
+    forward and backward the winners only), wta-two-pass-blocks (the same with the scoring pass in blocks of
+    examples: what MCLTrainer runs for loss="wta"), or anything else: one forward of the K hypotheses stacked."""
     if variant == "loop":
         nll = torch.stack([mcl(**batch, hypotheses=h).nll for h in range(mcl.num_hypotheses)], dim=1)  # [B, K]
         loss = mcl_loss(nll, mcl.mcl_config)[0]
-    elif variant == "wta-two-pass":
+    elif variant.startswith("wta-two-pass"):
+        per_block = scoring_block(len(batch["labels"]), mcl.num_hypotheses) if variant.endswith("blocks") else None
         with torch.no_grad():
-            winners = mcl(**batch).nll.argmin(dim=1)  # [B]
+            winners = mcl(**batch, examples_per_block=per_block).nll.argmin(dim=1)  # [B]
         loss = mcl(**batch, hypotheses=winners).loss
     else:
         loss = mcl(**batch).loss

@@ -5,10 +5,11 @@ Compares, for K in {1, 3, 5}:
   loop         K forwards, one hypothesis each, then one backward (the straightforward implementation)
   grouped-conv the paper's layer (App. G): a 1x1 Conv1d with K groups over [B, K*d, T], with its permutes
 and, for vanilla WTA, the one-pass loss (backward through all K) against the two-pass scheme (score all K
-without grad, then forward + backward of the winners only). Relaxed WTA (epsilon=0.05) is used for the
-first three so that every hypothesis gets a gradient. Every variant runs twice: with the vocabulary logits and
-their cross-entropy computed in chunks of --chunk label tokens (MCLConfig.logits_chunk_size, the default), and
-whole ([N, V] logits at once, logits_chunk_size=None).
+without grad, then forward + backward of the winners only), its scoring pass on the whole batch at once
+(wta-two-pass) or in blocks of examples as MCLTrainer runs it (wta-two-pass-blocks). Relaxed WTA (epsilon=0.05)
+is used for the first three so that every hypothesis gets a gradient. Every variant runs twice: with the
+vocabulary logits and their cross-entropy computed in chunks of --chunk label tokens (MCLConfig.logits_chunk_size,
+the default), and whole ([N, V] logits at once, logits_chunk_size=None).
 
     python benchmarks/training_step.py                  # CPU, small Llama (a few minutes)
     python benchmarks/training_step.py --vocab 151936   # Qwen2's vocabulary: the logits dominate
@@ -44,7 +45,7 @@ from common import (
 from loramcl import MCLConfig, get_mcl_model
 
 STEPS = [(variant, k) for k in (1, 3, 5) for variant in ("stacked", "loop", "grouped-conv")]
-STEPS += [(variant, k) for k in (3, 5) for variant in ("wta-one-pass", "wta-two-pass")]
+STEPS += [(variant, k) for k in (3, 5) for variant in ("wta-one-pass", "wta-two-pass", "wta-two-pass-blocks")]
 LOGITS = ("chunks", "whole")
 
 

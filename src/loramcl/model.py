@@ -65,6 +65,28 @@ def _batch_dim(name: str | None, value: torch.Tensor) -> int:
     return 1 if name is not None and name.endswith("position_ids") and value.dim() == 3 else 0
 
 
+def _map_input(value, leaf, name: str | None = None):
+    """``leaf(item, name)`` for every item of a model input, through dicts, lists, tuples (namedtuples too) and
+    ``ModelOutput``s, each item named by its key (a list's items by the list's name)."""
+    if isinstance(value, ModelOutput):
+        return type(value)(**{key: _map_input(item, leaf, key) for key, item in value.items()})
+    if isinstance(value, dict):
+        return type(value)((key, _map_input(item, leaf, key)) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        items = [_map_input(item, leaf, name) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return leaf(value, name)
+
+
+def _examples_dim(value: torch.Tensor, name: str | None, batch: int) -> int | None:
+    """The dimension of a tensor input that runs over the ``batch`` examples (``_batch_dim``); None where the tensor is
+    not per example: 0-dimensional, named in ``_NOT_PER_EXAMPLE``, or a broadcast (size 1 there while B > 1)."""
+    if value.dim() == 0 or name in _NOT_PER_EXAMPLE:
+        return None
+    dim = _batch_dim(name, value)
+    return None if value.shape[dim] == 1 and batch != 1 else dim
+
+
 def repeat_examples(value, copies: int, batch: int, name: str | None = None):
     """``copies`` copies of a model input, copy-major: copy c of a batch-first tensor [B, ...] is rows
     c*B ... (c+1)*B - 1 of the result [copies*B, ...]. The one K-copy rule (DESIGN decision 9), for any input:
@@ -80,30 +102,51 @@ def repeat_examples(value, copies: int, batch: int, name: str | None = None):
     """
     if copies == 1:
         return value
-    if torch.is_tensor(value):
-        if value.dim() == 0 or name in _NOT_PER_EXAMPLE:
-            return value
-        dim = _batch_dim(name, value)
-        size = value.shape[dim]
-        if size == 1 and batch != 1:
-            return value
-        if dim != 0 and size != batch:
-            raise ValueError(f"input {name!r} of shape {tuple(value.shape)} should have the batch ({batch}) on "
-                             f"dimension {dim}: its K copies cannot be made")
-        return value.repeat(*(copies if d == dim else 1 for d in range(value.dim())))
-    if isinstance(value, ModelOutput):
-        return type(value)(**{key: repeat_examples(item, copies, batch, key) for key, item in value.items()})
-    if isinstance(value, dict):
-        return type(value)((key, repeat_examples(item, copies, batch, key)) for key, item in value.items())
-    if isinstance(value, list | tuple):
-        items = [repeat_examples(item, copies, batch, name) for item in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuples too
-    if is_shared_context(value):  # the context computed once: its cache makes its copies itself (loramcl.context)
-        return value
-    if isinstance(value, Cache) and value.get_seq_length() > 0:
-        raise ValueError(f"input {name!r} is a cache of past keys and values: its K copies cannot be made; run the "
-                         "hypotheses on the full inputs instead")
-    return value
+
+    def repeat(item, key: str | None):
+        if torch.is_tensor(item):
+            dim = _examples_dim(item, key, batch)
+            if dim is None:
+                return item
+            if dim != 0 and item.shape[dim] != batch:
+                raise ValueError(f"input {key!r} of shape {tuple(item.shape)} should have the batch ({batch}) on "
+                                 f"dimension {dim}: its K copies cannot be made")
+            return item.repeat(*(copies if d == dim else 1 for d in range(item.dim())))
+        if is_shared_context(item):  # the context computed once: its cache makes its copies itself (loramcl.context)
+            return item
+        if isinstance(item, Cache) and item.get_seq_length() > 0:
+            raise ValueError(f"input {key!r} is a cache of past keys and values: its K copies cannot be made; run "
+                             "the hypotheses on the full inputs instead")
+        return item
+
+    return _map_input(value, repeat, name)
+
+
+def select_examples(value, block: slice, batch: int, name: str | None = None):
+    """Examples ``block`` of a model input of ``batch`` examples (two-pass WTA's scoring pass in blocks), by the
+    rules of ``repeat_examples``: a tensor is sliced along its batch dimension, kept where it is not per example;
+    anything else stays as it is. Raises ``ExamplesNotSeparable`` where the examples' rows cannot be told apart: a
+    tensor whose batch dimension is not ``batch`` (items flattened over the batch, e.g. Qwen2-VL's image patches)
+    or a cache.
+    """
+    def select(item, key: str | None):
+        if torch.is_tensor(item):
+            dim = _examples_dim(item, key, batch)
+            if dim is None:
+                return item
+            if item.shape[dim] != batch:
+                raise ExamplesNotSeparable(f"input {key!r} of shape {tuple(item.shape)} has {item.shape[dim]} rows "
+                                           f"for {batch} examples (items flattened over the batch)")
+            return item[(slice(None),) * dim + (block,)]
+        if isinstance(item, Cache):
+            raise ExamplesNotSeparable(f"input {key!r} is a cache, whose rows are the model's own")
+        return item
+
+    return _map_input(value, select, name)
+
+
+class ExamplesNotSeparable(ValueError):
+    """The inputs of a batch cannot be cut into blocks of examples from their shapes."""
 
 
 class RowsPerExampleUnknown(RuntimeError):
@@ -186,6 +229,7 @@ class MCLModel(nn.Module):
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._generation_context: list[torch.Tensor] | None = None  # armed by capture_context()
         self._unchunkable: str | None = None  # why this model's logits cannot be computed in chunks, once found
+        self._whole_batch_warned = False  # examples_per_block met inputs it cannot cut (warned once)
         self.scoring_head = self._build_scoring_head(output_layer) if config.scoring else None
         self._install_hooks()
 
@@ -394,7 +438,7 @@ class MCLModel(nn.Module):
     # ---- forward ----------------------------------------------------------------------------------------
 
     def forward(self, labels: torch.Tensor | None = None, hypotheses: int | torch.Tensor | None = None,
-                **inputs) -> MCLOutput:
+                examples_per_block: int | None = None, **inputs) -> MCLOutput:
         """Run the hypotheses on a batch.
 
         labels: [B, T] token ids, -100 where nothing is predicted. With labels, returns ``nll`` and ``loss``.
@@ -402,12 +446,19 @@ class MCLModel(nn.Module):
         hypotheses: None runs all K hypotheses on every example (the MCL forward); an int k runs hypothesis
             k only; a LongTensor [B] runs hypothesis ``hypotheses[b]`` on example b (then ``nll`` is [B]).
             Inside ``disable_adapters()``: None, and the frozen base model runs (``nll`` [B]).
+        examples_per_block: a forward without gradient of all K hypotheses (labels given, ``hypotheses=None``) runs
+            the batch this many examples at a time, K*n rows per call instead of K*B: the same outputs (to float
+            rounding) at the peak memory of one block. Two-pass WTA's scoring pass (``MCLTrainer``) uses it. Where
+            the inputs cannot be cut by example (items flattened over the batch, e.g. Qwen2-VL's image patches) the
+            batch runs whole, with a warning once. None: the batch at once.
         inputs: every other input of the base model (input_ids, attention_mask, pixel_values,
             input_features, decoder_input_ids, ...), passed through untouched.
         """
         self._check_usable()
         if self._adapters_disabled and hypotheses is not None:
             raise ValueError("the adapters are disabled in this block (disable_adapters): leave hypotheses out")
+        if examples_per_block is not None:
+            self._check_examples_per_block(examples_per_block, labels, hypotheses)
         if labels is None:
             return self._forward_logits(hypotheses, inputs)
         base = self.base_model
@@ -434,11 +485,67 @@ class MCLModel(nn.Module):
                 nll = self._forward_nll(inputs, targets, positions, stacked=True).nll  # [B, K]
                 nll = nll.gather(1, index.unsqueeze(1)).squeeze(1)  # [B]
                 return MCLOutput(loss=nll.mean(), nll=nll)
-        return self._forward_nll(inputs, targets, positions, stacked)
+        return self._forward_nll(inputs, targets, positions, stacked, examples_per_block)
 
-    def _forward_nll(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, stacked: bool
-                     ) -> MCLOutput:
-        """nll of every example under the routing already set: [B, K] (stacked, with the loss) or [B]."""
+    def _check_examples_per_block(self, examples_per_block, labels: torch.Tensor | None, hypotheses) -> None:
+        if isinstance(examples_per_block, bool) or not isinstance(examples_per_block, int) or examples_per_block < 1:
+            raise ValueError(f"examples_per_block must be a number of examples >= 1 or None, got "
+                             f"{examples_per_block!r}")
+        if labels is None or hypotheses is not None or self._adapters_disabled:
+            raise ValueError("examples_per_block cuts the forward of all K hypotheses with labels (hypotheses=None, "
+                             "adapters enabled) into blocks of examples; leave it out here")
+        if torch.is_grad_enabled():
+            raise ValueError("examples_per_block lowers the peak memory of a forward without gradient (two-pass "
+                             "WTA's scoring pass); with gradients every block's activations stay alive until the "
+                             "backward, so blocks save nothing: run it under torch.no_grad(), or leave it out")
+
+    def _forward_nll(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, stacked: bool,
+                     examples_per_block: int | None = None) -> MCLOutput:
+        """nll of every example under the routing already set: [B, K] (stacked, with the loss) or [B]; stacked, the
+        examples run ``examples_per_block`` at a time (the loss and the scores see them all at once)."""
+        if not stacked:
+            nll = self._nll_of_rows(inputs, targets, positions, stacked=False)[0]  # [B]
+            return MCLOutput(loss=nll.mean(), nll=nll)
+        k, batch = self.num_hypotheses, targets.shape[0]
+        nll, states = [], []
+        for block, block_inputs in self._example_blocks(inputs, batch, examples_per_block):
+            block_nll, block_states = self._nll_of_rows(block_inputs, targets[block], positions[block], stacked=True)
+            nll.append(block_nll.view(k, -1))  # [K, n]: rows are hypothesis-major within the block
+            if block_states is not None:
+                states.append(block_states.view(k, -1, block_states.shape[-1]))  # [K, n, d]
+        nll = torch.cat(nll, dim=1).T  # [B, K]
+        loss, weights = mcl_loss(nll, self.mcl_config, self.training_step)
+        if self.scoring_head is None:
+            return MCLOutput(loss=loss, nll=nll, weights=weights)
+        # The head learns even inside the trainer's no-grad scoring pass of two-pass WTA (its inputs are detached).
+        with torch.enable_grad() if self.training else contextlib.nullcontext():
+            log_scores = self.scoring_head(torch.cat(states, dim=1))  # [B, K]
+            scoring_loss = mixture_nll(log_scores, nll.detach(), positions.sum(dim=1)).mean()
+        mixture = mixture_nll(log_scores.detach(), nll.detach(), positions.sum(dim=1))  # [B]
+        return MCLOutput(loss=loss + self.mcl_config.scoring_weight * scoring_loss, nll=nll, weights=weights,
+                         log_scores=log_scores.detach(), mixture_nll=mixture, scoring_loss=scoring_loss)
+
+    def _example_blocks(self, inputs: dict, batch: int, examples_per_block: int | None
+                        ) -> list[tuple[slice, dict]]:
+        """(examples, their inputs) of each block; the whole batch where it is one block or cannot be cut."""
+        if examples_per_block is None or examples_per_block >= batch:
+            return [(slice(None), inputs)]
+        blocks = [slice(start, start + examples_per_block) for start in range(0, batch, examples_per_block)]
+        try:
+            return [(block, select_examples(inputs, block, batch)) for block in blocks]
+        except ExamplesNotSeparable as error:
+            if not self._whole_batch_warned:
+                self._whole_batch_warned = True
+                warnings.warn(f"{error}: the forward of all K hypotheses runs the batch whole, not "
+                              f"{examples_per_block} example{'s' if examples_per_block > 1 else ''} at a time (the "
+                              "same result, a higher peak memory); examples_per_block=None (MCLTrainer: "
+                              "scoring_examples_per_block=None) asks for the whole batch", stacklevel=5)
+            return [(slice(None), inputs)]
+
+    def _nll_of_rows(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, stacked: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(nll [rows], with hypothesis scores the hidden states they read [rows, d] else None) of one call of the
+        base model under the routing already set: rows K*B hypothesis-major (stacked) or B."""
         base, k, batch = self.base_model, self.num_hypotheses, targets.shape[0]
         given = inputs, targets, positions  # the arguments as passed: an unchunked retry starts again from them
         keep_cache = contextlib.nullcontext()
@@ -464,25 +571,13 @@ class MCLModel(nn.Module):
         if chunked:
             logits_of = self._logits_of()
             if not self._reproduces_logits(logits_of, label_states, logits):
-                return self._forward_nll(*given, stacked)  # again, unchunked from now on
+                return self._nll_of_rows(*given, stacked)  # again, unchunked from now on
             token_nll = chunked_token_nll(label_states, token_targets, logits_of, self.mcl_config.logits_chunk_size)
             nll = row_means(token_nll, rows, row_positions.shape[0])  # [rows]
         else:
             token_logits = logits if self._output_layer_name else logits[row_positions]  # [N, V]
             nll = mean_token_nll(token_logits, token_targets, rows, row_positions.shape[0])  # [rows]
-        if not stacked:
-            return MCLOutput(loss=nll.mean(), nll=nll)
-        nll = nll.view(k, batch).T  # [B, K]
-        loss, weights = mcl_loss(nll, self.mcl_config, self.training_step)
-        if not scoring:
-            return MCLOutput(loss=loss, nll=nll, weights=weights)
-        # The head learns even inside the trainer's no-grad scoring pass of two-pass WTA (its inputs are detached).
-        with torch.enable_grad() if self.training else contextlib.nullcontext():
-            log_scores = self.scoring_head(states.view(k, batch, -1))  # [B, K]
-            scoring_loss = mixture_nll(log_scores, nll.detach(), positions.sum(dim=1)).mean()
-        mixture = mixture_nll(log_scores.detach(), nll.detach(), positions.sum(dim=1))  # [B]
-        return MCLOutput(loss=loss + self.mcl_config.scoring_weight * scoring_loss, nll=nll, weights=weights,
-                         log_scores=log_scores.detach(), mixture_nll=mixture, scoring_loss=scoring_loss)
+        return nll, (states if scoring else None)
 
     def _without_context(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, copies: int
                          ) -> tuple[dict, torch.Tensor, torch.Tensor]:

@@ -98,6 +98,12 @@ def _fsync_tree(folder: str) -> None:
         _fsync(root)
 
 
+def scoring_block(batch: int, num_hypotheses: int) -> int:
+    """Examples per block of two-pass WTA's scoring pass: about as many rows per block (K*n) as the winners' pass
+    has (B), so that the scoring pass, which keeps no activations, peaks below the winners' forward + backward."""
+    return max(1, -(-batch // num_hypotheses))  # ceil(B / K)
+
+
 class MCLTrainer(Trainer):
     """Train an ``MCLModel`` exactly as a ``Trainer`` trains any model.
 
@@ -107,6 +113,10 @@ class MCLTrainer(Trainer):
         activation memory. Set False to backpropagate through all K (the one-pass reference). With dropout,
         the two passes draw different dropout masks, so the winner is picked on another draw of the noise.
 
+    scoring_examples_per_block: two-pass WTA's scoring pass runs the batch this many examples at a time
+        (``MCLModel.forward(examples_per_block=)``), so that its peak memory, K*n rows at once, stays within that of
+        the winners' forward + backward on B rows. "auto" (default): ``scoring_block(B, K)``; None: the whole
+        batch at once (K*B rows). The winners and the gradient are the same either way.
     collapse_window, collapse_share: a warning (once) when a hypothesis has won less than ``collapse_share`` of the
         examples over the last ``collapse_window`` optimizer steps, naming the remedies.
     scoring_learning_rate: the learning rate of the hypothesis-scores head (``MCLConfig(scoring=True)``); default
@@ -129,10 +139,15 @@ class MCLTrainer(Trainer):
     DDP runs without the unused-parameter search unless ``ddp_find_unused_parameters`` is set.
     """
 
-    def __init__(self, model: MCLModel | None = None, *args, two_pass_wta: bool = True, collapse_window: int = 100,
+    def __init__(self, model: MCLModel | None = None, *args, two_pass_wta: bool = True,
+                 scoring_examples_per_block: int | str | None = "auto", collapse_window: int = 100,
                  collapse_share: float = 0.01, scoring_learning_rate: float | None = None, **kwargs) -> None:
         if not isinstance(model, MCLModel):
             raise TypeError(f"MCLTrainer trains an MCLModel (from get_mcl_model), got {type(model).__name__}")
+        if not (scoring_examples_per_block in (None, "auto") or isinstance(scoring_examples_per_block, int)
+                and not isinstance(scoring_examples_per_block, bool) and scoring_examples_per_block >= 1):
+            raise ValueError(f"scoring_examples_per_block must be 'auto', None or a number of examples >= 1, got "
+                             f"{scoring_examples_per_block!r}")
         if isinstance(collapse_window, bool) or not isinstance(collapse_window, int) or collapse_window < 1:
             raise ValueError(f"collapse_window must be a number of steps >= 1, got {collapse_window!r}")
         if not 0.0 <= collapse_share < 1.0:
@@ -142,6 +157,7 @@ class MCLTrainer(Trainer):
             raise ValueError(f"scoring_learning_rate must be a finite number > 0, got {scoring_learning_rate!r}")
         _refuse_float16_adapters(model)
         self.two_pass_wta = two_pass_wta
+        self.scoring_examples_per_block = scoring_examples_per_block
         self.scoring_learning_rate = scoring_learning_rate
         self.collapse_window, self.collapse_share = collapse_window, collapse_share
         self._recent_wins: collections.deque = collections.deque()  # (first step, last step, wins [K]) per log
@@ -184,8 +200,13 @@ class MCLTrainer(Trainer):
         mcl = self._mcl_model()
         mcl.training_step = self.state.global_step
         if model.training and self.two_pass_wta and mcl.mcl_config.loss == "wta" and mcl.num_hypotheses > 1:
-            with torch.no_grad():
-                scored = model(**inputs)  # nll [B, K]; the scoring head, if any, learns from this pass
+            per_block = self.scoring_examples_per_block
+            if per_block == "auto" and torch.is_tensor(inputs.get("labels")):
+                per_block = scoring_block(inputs["labels"].shape[0], mcl.num_hypotheses)
+            elif per_block == "auto":
+                per_block = None
+            with torch.no_grad():  # nll [B, K]; the scoring head, if any, learns from this pass
+                scored = model(**inputs, examples_per_block=per_block)
             winners = loss_winners(scored.nll, mcl.mcl_config.tie_break)  # [B], as the one-pass loss picks them
             outputs = model(**inputs, hypotheses=winners)  # forward + backward of the winner rows only
             outputs.nll = scored.nll
