@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup main test bench
+.PHONY: setup main test bench bench-suite
 
 setup: $(VENV)/.installed
 
@@ -31,3 +31,6 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/training_step.py
+
+bench-suite: setup
+	$(PY) benchmarks/suite.py --shape cpu-small --threads 1

@@ -17,31 +17,24 @@ Before timing, `once` is checked to give the NLLs of `masked` (float32).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-from training_step import synchronize  # benchmarks/ is on the path of a script run from it
+from common import TARGETS, build_model, interleaved_medians, perturb_adapters, small_llama_config, train_step
 
 from loramcl import MCLConfig, get_mcl_model
 
 
 def build(args, context: int, variant: str, k: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     length = context + args.target
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                         num_key_value_heads=max(args.hidden // 192, 1), max_position_embeddings=length)
-    base = LlamaForCausalLM(config).to(args.device, getattr(torch, args.dtype))
+    config = small_llama_config(args.layers, args.hidden, args.vocab, length)
+    base = build_model(LlamaForCausalLM, config, args.device, getattr(torch, args.dtype))
     mcl = get_mcl_model(base, MCLConfig(num_hypotheses=k, r=8, alpha=8, loss="relaxed", epsilon=0.05 if k > 1 else 0.0,
-                                        adapt_context=variant == "full",
-                                        target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]))
+                                        adapt_context=variant == "full", target_modules=TARGETS))
     mcl.context_once = variant == "once"
-    with torch.no_grad():  # non-zero B, so that the hypotheses differ as they do after some training
-        for _, layer in mcl.mcl_layers():
-            layer.lora_B.normal_(std=0.02)
+    perturb_adapters(mcl)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, length), generator=g).to(args.device)
     labels = ids.clone()
@@ -49,12 +42,6 @@ def build(args, context: int, variant: str, k: int):
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     optimizer = torch.optim.AdamW([p for p in mcl.parameters() if p.requires_grad], lr=1e-4)
     return mcl.train(), batch, optimizer
-
-
-def step(mcl, batch: dict, optimizer) -> None:
-    mcl(**batch).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def check_once_matches_masked(args, context: int) -> None:
@@ -67,17 +54,8 @@ def check_once_matches_masked(args, context: int) -> None:
 def time_context(args, context: int, variants: list[tuple[str, int]]) -> dict[tuple[str, int], float]:
     """Median seconds per step at one context length; variants interleaved round by round."""
     runs = {key: build(args, context, *key) for key in variants}
-    for run in runs.values():
-        step(*run)  # warm-up
-    times = {key: [] for key in variants}
-    for _ in range(args.steps):
-        for key, run in runs.items():
-            synchronize(args.device)
-            started = time.perf_counter()
-            step(*run)
-            synchronize(args.device)
-            times[key].append(time.perf_counter() - started)
-    return {key: statistics.median(values) for key, values in times.items()}
+    return interleaved_medians({key: lambda mcl=mcl, batch=batch, optimizer=optimizer: train_step(
+        "stacked", mcl, batch, optimizer) for key, (mcl, batch, optimizer) in runs.items()}, args.steps, args.device)
 
 
 def main() -> None:

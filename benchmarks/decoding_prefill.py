@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from common import perturb_adapters, timed
 
 from loramcl import MCLConfig, get_mcl_model
 from loramcl.generation import generate_hypotheses
@@ -46,9 +46,7 @@ def build(args):
     base = LlavaNextForConditionalGeneration(config).to(args.device, getattr(torch, args.dtype)).eval()
     mcl = get_mcl_model(base, MCLConfig(num_hypotheses=args.k, r=8, alpha=32, target_modules=(
         r".*language_model.*\.(q_proj|k_proj|v_proj|up_proj|down_proj)")))
-    with torch.no_grad():  # non-zero B, so that the hypotheses differ as they do after training
-        for _, layer in mcl.mcl_layers():
-            layer.lora_B.normal_(std=0.02)
+    perturb_adapters(mcl)
     return mcl.eval()
 
 
@@ -81,16 +79,6 @@ def prefill(mcl, inputs, shared: bool):
         return generate_hypotheses(mcl, None, inputs, max_new_tokens=1, min_new_tokens=1, log_probs=False)
     finally:
         mcl.share_frozen_modules = True
-
-
-def timed(fn, device: str) -> float:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def main() -> None:

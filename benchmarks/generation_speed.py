@@ -13,31 +13,31 @@ headline is their ratio, measured side by side. Before timing, the script checks
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from common import (
+    TARGETS,
+    build_model,
+    decoding_sides,
+    interleaved_medians,
+    perturb_adapters,
+    same_tokens,
+    small_llama_config,
+)
 
 from loramcl import MCLConfig, get_mcl_model
-from loramcl.generation import generate_hypotheses
 
 SETTINGS = [(k, strategy, beams) for k in (3, 5) for strategy, beams in (("greedy", 1), ("beam", 2))]
 
 
 def build(args, k: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                         num_key_value_heads=max(args.hidden // 192, 1),
-                         max_position_embeddings=args.prompt + args.new_tokens)
-    base = LlamaForCausalLM(config).to(args.device, getattr(torch, args.dtype))
-    mcl = get_mcl_model(base, MCLConfig(num_hypotheses=k, r=8, alpha=8,
-                                        target_modules=["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]))
-    with torch.no_grad():  # non-zero B, so that the hypotheses differ as they do after training
-        for _, layer in mcl.mcl_layers():
-            layer.lora_B.normal_(std=0.02)
+    config = small_llama_config(args.layers, args.hidden, args.vocab, args.prompt + args.new_tokens)
+    base = build_model(LlamaForCausalLM, config, args.device, getattr(torch, args.dtype))
+    mcl = get_mcl_model(base, MCLConfig(num_hypotheses=k, r=8, alpha=8, target_modules=TARGETS))
+    perturb_adapters(mcl)
     return mcl.eval()
 
 
@@ -51,30 +51,6 @@ def prompts(args) -> dict:
         input_ids[row, -n:] = torch.randint(3, args.vocab, (n,), generator=g)
         attention_mask[row, -n:] = 1
     return {"input_ids": input_ids.to(args.device), "attention_mask": attention_mask.to(args.device)}
-
-
-def batched(mcl, inputs, strategy, beams, args):
-    return generate_hypotheses(mcl, None, inputs, strategy=strategy, num_beams=beams, max_new_tokens=args.new_tokens,
-                               min_new_tokens=args.new_tokens, repetition_penalty=1.1)
-
-
-def loop(mcl, inputs, strategy, beams, args):
-    return [generate_hypotheses(mcl, None, inputs, strategy=strategy, num_beams=beams, hypotheses=[k],
-                                max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, repetition_penalty=1.1)
-            for k in range(mcl.num_hypotheses)]
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def timed(decode, mcl, inputs, strategy: str, beams: int, args) -> float:
-    synchronize(args.device)
-    started = time.perf_counter()
-    decode(mcl, inputs, strategy, beams, args)
-    synchronize(args.device)
-    return time.perf_counter() - started
 
 
 def main() -> None:
@@ -104,15 +80,12 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for k, strategy, beams in SETTINGS:
         mcl = build(args, k)
-        one, many = batched(mcl, inputs, strategy, beams, args), loop(mcl, inputs, strategy, beams, args)  # warm-up
-        same = all(one[i][h].token_ids == many[h][i][0].token_ids for i in range(args.batch) for h in range(k))
-        if not same:
+        sides = decoding_sides(mcl, inputs, strategy, beams, args.new_tokens)
+        one, many = sides["batched"](), sides["loop"]()  # also the warm-up
+        if same_tokens(one, many) < 1:
             raise RuntimeError(f"K={k} {strategy}: the batched and the looped hypotheses decoded different tokens")
-        times = {"batched": [], "loop": []}
-        for _ in range(args.repeats):
-            times["batched"].append(timed(batched, mcl, inputs, strategy, beams, args))
-            times["loop"].append(timed(loop, mcl, inputs, strategy, beams, args))
-        fused, looped = statistics.median(times["batched"]), statistics.median(times["loop"])
+        seconds = interleaved_medians(sides, args.repeats, args.device, warmup=0)
+        fused, looped = seconds["batched"], seconds["loop"]
         label = "greedy" if beams == 1 else f"beam {beams}/hypothesis"
         tokens = k * args.batch * args.new_tokens
         print(f"| {k} | {label} | {fused * 1000:.0f} | {looped * 1000:.0f} | {looped / fused:.2f} | "

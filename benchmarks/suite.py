@@ -1,0 +1,448 @@
+"""The benchmark suite (issue 18): every speed and memory measurement of LoRA-MCL for one model shape, in one run.
+
+For a named shape (a transformers config with random weights: a small Llama on the CPU, Llama-3.2-1B,
+Llama-3.1-8B or Qwen2-Audio-7B sizes on a GPU), all measured side by side in one process, as ratios to the K=1 step
+of the same run:
+  training   one step (forward, backward, AdamW) of MCL at K in {1, 3, 5}, relaxed WTA (epsilon=0.05) so that
+             every hypothesis gets a gradient: stacked (ours) vs loop (K forwards) vs the paper's grouped conv;
+             vanilla WTA one-pass vs two-pass (scoring pass whole or in blocks of
+             examples, as MCLTrainer runs it); peak memory and tokens/s of each, at each sequence length
+  context    the context computed once (MCLConfig(adapt_context=False)) vs the full sequence, context:target 8:1
+  decoding   one batched K-hypothesis generate vs a loop of K generates, batch 1, greedy and beam search, and with
+             the context once; tokens/s
+then prints which of the issue's targets are met. Writes <out>/suite-<shape>-<device>.json and .md.
+
+    python benchmarks/suite.py --shape cpu-small --threads 1                      # CPU, a few minutes
+    python benchmarks/suite.py --shape llama-1b --device cuda --dtype bfloat16    # on a GPU: llama-1b, llama-8b,
+    python benchmarks/suite.py --shape qwen2-audio --device cuda --dtype bfloat16 #   qwen2-audio
+
+Models share one frozen base (every variant wraps a twin of its modules, no copy of the weights). Peak memory: on
+CUDA torch.cuda.max_memory_allocated during one step; on the CPU the resident set sampled during one step (the
+script restarts itself with glibc told to unmap freed tensors), in both cases minus what was in use before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from common import (
+    RELEASE_FREED_MEMORY,
+    TARGETS,
+    build_model,
+    decoding_sides,
+    interleaved_medians,
+    peak_mib,
+    perturb_adapters,
+    same_tokens,
+    train_step,
+    twin,
+    use_grouped_conv,
+)
+
+from loramcl import MCLConfig, get_mcl_model
+
+KS = (1, 3, 5)
+TRAINING = [(variant, k) for k in KS for variant in ("stacked", "loop", "grouped-conv")]
+TRAINING += [(variant, k) for k in KS[1:] for variant in ("wta-one-pass", "wta-two-pass", "wta-two-pass-blocks")]
+DECODING = [(3, "greedy", 1, True), (5, "greedy", 1, True), (5, "beam", 2, True), (5, "greedy", 1, False)]
+AUDIO_TARGETS = [*TARGETS, "fc1", "fc2"]  # the paper's: the audio encoder's layers too (q, k, v, fc1, fc2)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A named model shape and the lengths it is measured at."""
+
+    name: str
+    family: str  # "llama" or "qwen2_audio"
+    config: dict  # the LlamaConfig's, or the Qwen2AudioConfig's (audio_config, text_config)
+    seqs: tuple[int, ...]  # training-step lengths in tokens (after the audio tokens); labels on the last 3/4
+    batch: int
+    context_target: tuple[int, int]  # the context-once step: a context then a target (labels on the target only)
+    prompt: int  # decoding: prompt tokens (after the audio tokens), batch 1
+    new_tokens: int
+    gpu: bool  # built for a GPU: refused on the CPU unless asked for explicitly
+    audio_frames: int = 0  # qwen2_audio: mel frames of the clip (4 frames per audio token)
+    note: str = ""
+
+    @property
+    def audio_tokens(self) -> int:
+        # Qwen2-Audio's encoder: a stride-2 convolution, then pooling by 2
+        return ((self.audio_frames - 1) // 2 + 1 - 2) // 2 + 1 if self.audio_frames else 0
+
+    def build(self, device: str | torch.device, dtype: torch.dtype) -> torch.nn.Module:
+        import transformers as tf
+
+        if self.family == "llama":
+            return build_model(tf.LlamaForCausalLM, tf.LlamaConfig(**self.config), device, dtype)
+        return build_model(tf.Qwen2AudioForConditionalGeneration, tf.Qwen2AudioConfig(**self.config), device, dtype)
+
+
+def _llama(layers, hidden, vocab, heads, kv_heads, intermediate, positions=4096, **extra) -> dict:
+    return dict(num_hidden_layers=layers, hidden_size=hidden, vocab_size=vocab, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, intermediate_size=intermediate, max_position_embeddings=positions,
+                **extra)
+
+
+def _qwen2_audio(audio: dict, text: dict, source_positions: int, mel_bins: int, audio_token: int) -> dict:
+    return dict(audio_config=dict(audio, num_mel_bins=mel_bins, max_source_positions=source_positions),
+                text_config=dict(model_type="qwen2", **text), audio_token_index=audio_token)
+
+
+_LLAMA3 = dict(rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001)
+SHAPES = {shape.name: shape for shape in [
+    Shape("tiny", "llama", _llama(2, 64, 512, 4, 2, 128), seqs=(32,), batch=2, context_target=(32, 4), prompt=8,
+          new_tokens=4, gpu=False, note="the test's shape: every measurement in seconds"),
+    Shape("tiny-audio", "qwen2_audio", _qwen2_audio(
+        dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64),
+        _llama(2, 64, 512, 4, 2, 128), source_positions=50, mel_bins=16, audio_token=500),
+        seqs=(16,), batch=2, context_target=(32, 4), prompt=4, new_tokens=4, gpu=False, audio_frames=100,
+        note="the test's audio shape"),
+    Shape("cpu-small", "llama", _llama(2, 576, 8192, 9, 3, 1536, positions=512), seqs=(64, 256), batch=2,
+          context_target=(256, 32), prompt=32, new_tokens=16, gpu=False,
+          note="a 2-layer Llama of SmolLM2-135M's width, vocabulary 8192"),
+    Shape("llama-1b", "llama", _llama(16, 2048, 128256, 32, 8, 8192, positions=8192, tie_word_embeddings=True,
+                                      **_LLAMA3),
+          seqs=(256, 2048), batch=1, context_target=(2048, 256), prompt=256, new_tokens=64, gpu=True,
+          note="Llama-3.2-1B's config (1.24B parameters)"),
+    Shape("llama-8b", "llama", _llama(32, 4096, 128256, 32, 8, 14336, positions=8192, **_LLAMA3),
+          seqs=(256, 1024), batch=1, context_target=(1024, 128), prompt=256, new_tokens=64, gpu=True,
+          note="Llama-3.1-8B's config (8.0B parameters)"),
+    Shape("qwen2-audio", "qwen2_audio", _qwen2_audio(
+        dict(d_model=1280, encoder_layers=32, encoder_attention_heads=20, encoder_ffn_dim=5120),
+        _llama(32, 4096, 156032, 32, 32, 11008, positions=8192), source_positions=1500, mel_bins=128,
+        audio_token=151646),
+        seqs=(64,), batch=1, context_target=(256, 32), prompt=16, new_tokens=32, gpu=True, audio_frames=1000,
+        note="Qwen2-Audio-7B's config (8.4B parameters), a 10 s clip (250 audio tokens)"),
+]}
+
+
+def check_request(shape: Shape, device: str, dtype: str, allow_cpu: bool) -> None:
+    """Refuse a run whose numbers would mean nothing, saying what to change."""
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"--dtype {dtype} is not a torch dtype (float32, bfloat16, float16)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible here; run on a GPU machine or use --device cpu")
+    if device == "cpu" and shape.gpu and not allow_cpu:
+        raise ValueError(f"--shape {shape.name} is a GPU shape ({shape.note}): run it with --device cuda, choose "
+                         f"a CPU shape ({', '.join(n for n, s in SHAPES.items() if not s.gpu)}), or pass "
+                         "--allow-cpu to build it on the CPU anyway")
+    if device == "cpu" and dtype != "float32":
+        raise ValueError(f"--dtype {dtype} on the CPU times its slow CPU kernels, which say nothing about the GPU "
+                         "run it stands for: use --dtype float32 on the CPU, bfloat16 with --device cuda")
+
+
+@dataclass
+class Suite:
+    """The shape's frozen base on the device, wrapped as many times as the measurements need."""
+
+    shape: Shape
+    device: str
+    dtype: torch.dtype
+    base: torch.nn.Module = field(init=False)
+
+    def __post_init__(self) -> None:
+        torch.manual_seed(0)
+        self.base = self.shape.build(self.device, self.dtype)
+
+    def wrap(self, k: int, loss: str = "relaxed", adapt_context: bool = True):
+        torch.manual_seed(0)  # the same adapters for every variant of a K
+        targets = AUDIO_TARGETS if self.shape.family == "qwen2_audio" else TARGETS
+        mcl = get_mcl_model(twin(self.base), MCLConfig(
+            num_hypotheses=k, r=8, alpha=8, loss=loss, epsilon=0.05 if loss == "relaxed" and k > 1 else 0.0,
+            target_modules=targets, adapt_context=adapt_context))
+        perturb_adapters(mcl)
+        optimizer = torch.optim.AdamW([p for p in mcl.parameters() if p.requires_grad], lr=1e-4)
+        return mcl.train(), optimizer
+
+    def batch(self, length: int, labelled: int, rows: int, seed: int = 1) -> dict:
+        """``rows`` random sequences of ``length`` tokens (after the audio tokens) with labels on the last
+        ``labelled`` positions."""
+        g = torch.Generator().manual_seed(seed)
+        config = self.base.config
+        ids = torch.randint(3, getattr(config, "audio_token_index", config.get_text_config().vocab_size),
+                            (rows, length), generator=g)  # never the audio token
+        inputs = {}
+        if self.shape.audio_frames:
+            audio = config.audio_config
+            ids = torch.cat([torch.full((rows, self.shape.audio_tokens), config.audio_token_index), ids], dim=1)
+            frames = torch.zeros(rows, 2 * audio.max_source_positions, dtype=torch.long)  # padded to 30 s, as Whisper
+            frames[:, : self.shape.audio_frames] = 1
+            inputs = {"input_features": torch.randn(rows, audio.num_mel_bins, frames.shape[1], generator=g),
+                      "feature_attention_mask": frames}
+        labels = ids.clone()
+        labels[:, : ids.shape[1] - labelled] = -100
+        inputs |= {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+        return {name: value.to(self.device, self.dtype if value.is_floating_point() else None)
+                for name, value in inputs.items()}
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2  # bfloat16: 8 bits of mantissa
+    if not torch.allclose(a.float(), b.float(), atol=tolerance, rtol=tolerance):
+        raise RuntimeError(f"{what}: NLLs differ by {(a.float() - b.float()).abs().max():.3g} (> {tolerance})")
+
+
+def ratio(value: float, reference: float) -> float | None:
+    """``value / reference``; None where the reference is under 1 MiB (a tiny shape's step: no meaningful ratio)."""
+    return value / reference if reference >= 1 else None
+
+
+def measure_memory(runs: dict, device: str) -> dict:
+    """Peak memory (MiB) of one more step of each run, one run at a time."""
+    import gc
+
+    peak_mib(device, next(iter(runs.values())))  # the first measurement also counts the sampler's own start-up
+    memory = {}
+    for key, run in runs.items():
+        gc.collect()
+        memory[key] = peak_mib(device, run)
+    return memory
+
+
+def training(suite: Suite, args) -> list[dict]:
+    models = {("relaxed", k): suite.wrap(k) for k in KS}
+    models |= {("grouped-conv", k): suite.wrap(k) for k in KS}
+    models |= {("wta", k): suite.wrap(k, loss="wta") for k in KS[1:]}
+    for k in KS:
+        use_grouped_conv(models[("grouped-conv", k)][0])
+    batches = {seq: suite.batch(seq, seq - seq // 4, args.batch) for seq in args.seqs}
+    for batch in batches.values():  # the paper's layer computes our function (checked before any step changes them)
+        with torch.no_grad():
+            close(models[("relaxed", 3)][0](**batch).nll, models[("grouped-conv", 3)][0](**batch).nll, suite.dtype,
+                  "grouped conv vs stacked")
+    rows = []
+    for seq, batch in batches.items():
+
+        def run(variant, k, batch=batch):
+            model = ("relaxed" if variant in ("stacked", "loop") else "wta" if variant.startswith("wta") else
+                     variant, k)
+            mcl, optimizer = models[model]
+            return lambda: train_step(variant, mcl, batch, optimizer)
+
+        runs = {key: run(*key) for key in TRAINING}
+        seconds = interleaved_medians(runs, args.steps, suite.device)
+        memory = measure_memory(runs, suite.device)
+        tokens = batch["input_ids"].numel()
+        one = ("stacked", 1)
+        for variant, k in TRAINING:
+            key = (variant, k)
+            rows.append(dict(seq=seq, variant=variant, k=k, ms=seconds[key] * 1000, time_ratio=seconds[key] /
+                             seconds[one], peak_mib=memory[key], memory_ratio=ratio(memory[key], memory[one]),
+                             tokens_per_s=tokens / seconds[key]))
+        print(f"training at {seq} tokens: done", flush=True)
+    return rows
+
+
+def context_once(suite: Suite, args) -> list[dict] | str:
+    if suite.shape.family != "llama":
+        return ("not measured: the context computed once splits causal LMs given input_ids only; audio inputs are "
+                "refused (loramcl.context.check_split_inputs)")
+    context, target = suite.shape.context_target
+    batch = suite.batch(context + target, target, args.batch)
+    models = {("full", k): suite.wrap(k) for k in KS} | {("once", k): suite.wrap(k, adapt_context=False) for k in KS}
+    once = models[("once", 3)][0]
+    with torch.no_grad():  # once equals its naive computation, the full forward with the adapters masked on the context
+        fast = once(**batch).nll
+        once.context_once = False
+        close(fast, once(**batch).nll, suite.dtype, "context once vs masked")
+        once.context_once = True
+    runs = {key: (lambda mcl=mcl, optimizer=optimizer: train_step("stacked", mcl, batch, optimizer))
+            for key, (mcl, optimizer) in models.items()}
+    seconds = interleaved_medians(runs, args.steps, suite.device)
+    memory = measure_memory(runs, suite.device)
+    one = ("full", 1)
+    return [dict(context=context, target=target, variant=kind, k=k, ms=seconds[(kind, k)] * 1000,
+                 time_ratio=seconds[(kind, k)] / seconds[one], peak_mib=memory[(kind, k)],
+                 memory_ratio=ratio(memory[(kind, k)], memory[one]), tokens_per_s=batch["input_ids"].numel() /
+                 seconds[(kind, k)]) for kind, k in models]
+
+
+def decoding(suite: Suite, args) -> list[dict]:
+    inputs = {name: value for name, value in suite.batch(suite.shape.prompt, 0, 1, seed=2).items() if name != "labels"}
+    rows = []
+    for k, strategy, beams, adapt_context in DECODING:
+        if not adapt_context and suite.shape.family != "llama":
+            continue  # refused for audio inputs, see context_once
+        mcl = suite.wrap(k, adapt_context=adapt_context)[0].eval()
+        sides = decoding_sides(mcl, inputs, strategy, beams, args.new_tokens)
+        batched, looped = sides["batched"](), sides["loop"]()  # also the warm-up
+        agreement = same_tokens(batched, looped)
+        if agreement < 1 and suite.device == "cpu" and suite.dtype == torch.float32:
+            raise RuntimeError(f"K={k} {strategy}: the batched and the looped hypotheses decoded different tokens")
+        seconds = interleaved_medians(sides, args.repeats, suite.device, warmup=0)
+        tokens = k * args.new_tokens
+        rows.append(dict(k=k, strategy=strategy if beams == 1 else f"beam {beams}/hypothesis",
+                         context="full" if adapt_context else "once", batched_ms=seconds["batched"] * 1000,
+                         loop_ms=seconds["loop"] * 1000, speedup=seconds["loop"] / seconds["batched"],
+                         batched_tokens_per_s=tokens / seconds["batched"], loop_tokens_per_s=tokens / seconds["loop"],
+                         same_tokens=agreement))
+    print("decoding: done", flush=True)
+    return rows
+
+
+def targets(results: dict) -> list[dict]:
+    """The issue's targets, each with what was measured."""
+    found = []
+
+    def add(name: str, measured: float, limit: float, at_most: bool = True) -> None:
+        met = measured <= limit if at_most else measured >= limit
+        found.append(dict(target=name, measured=round(measured, 3), limit=round(limit, 3), met=met))
+
+    train = {(row["seq"], row["variant"], row["k"]): row for row in results["training"]}
+    for seq in sorted({row["seq"] for row in results["training"]}):
+        for k in KS[1:]:
+            for variant in ("wta-two-pass", "wta-two-pass-blocks"):
+                add(f"{seq} tokens, K={k}: hard WTA {variant[4:]} / K=1 <= (K+2)/2 + 5%",
+                    train[(seq, variant, k)]["time_ratio"], (k + 2) / 2 * 1.05)
+            add(f"{seq} tokens, K={k}: relaxed (stacked) / K=1 <= 1.05 K", train[(seq, "stacked", k)]["time_ratio"],
+                1.05 * k)
+        for k in KS[1:]:  # at K=1 both run the same computation
+            add(f"{seq} tokens, K={k}: stacked / loop <= 1 (never slower)", train[(seq, "stacked", k)]["ms"] /
+                train[(seq, "loop", k)]["ms"], 1.0)
+    if isinstance(results["context_once"], list):
+        row = next(row for row in results["context_once"] if row["variant"] == "once" and row["k"] == 5)
+        add(f"context once {row['context']}:{row['target']}, K=5 relaxed / K=1 full <= 2", row["time_ratio"], 2.0)
+    gpu = results["environment"]["device"].startswith("cuda")
+    for row in results["decoding"]:
+        if row["k"] == 5 and row["strategy"] == "greedy" and row["context"] == "full":
+            add(f"decoding K=5 greedy batch 1: batched / loop throughput >= {2.5 if gpu else 1.5}", row["speedup"],
+                2.5 if gpu else 1.5, at_most=False)
+    return found
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def environment(args) -> dict:
+    device = args.device
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else cpu_name()
+    import transformers
+
+    return dict(device=device, device_name=name, threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
+                load_average=list(os.getloadavg()), torch=torch.__version__, transformers=transformers.__version__,
+                dtype=args.dtype, python=platform.python_version())
+
+
+def run(args) -> dict:
+    """Every measurement of the suite for ``args.shape`` (see ``parse``); the results as a dict."""
+    shape = SHAPES[args.shape]
+    check_request(shape, args.device, args.dtype, args.allow_cpu)
+    suite = Suite(shape, args.device, getattr(torch, args.dtype))
+    parameters = sum(p.numel() for p in suite.base.parameters())
+    results = dict(shape=asdict(shape) | dict(parameters=parameters),
+                   settings=dict(seqs=list(args.seqs), batch=args.batch, steps=args.steps, repeats=args.repeats,
+                                 new_tokens=args.new_tokens))
+    results["training"] = training(suite, args)
+    results["context_once"] = context_once(suite, args)
+    results["decoding"] = decoding(suite, args)
+    results["environment"] = environment(args)
+    results["targets"] = targets(results)
+    return results
+
+
+def _step_row(row: dict) -> str:
+    memory = "n/a" if row["memory_ratio"] is None else f"{row['memory_ratio']:.2f}"
+    return (f"| {row['variant']} | {row['k']} | {row['ms']:.0f} | {row['time_ratio']:.2f} | {row['peak_mib']:.0f} | "
+            f"{memory} | {row['tokens_per_s']:.0f} |")
+
+
+def markdown(results: dict) -> str:
+    env, shape, settings = results["environment"], results["shape"], results["settings"]
+    lines = [f"Shape `{shape['name']}`: {shape['note']}; {shape['parameters'] / 1e6:,.1f}M parameters, random weights. "
+             f"Device {env['device']} ({env['device_name']}), {env['dtype']}, torch {env['torch']}, transformers "
+             f"{env['transformers']}, {env['threads']} threads of {env['cpu_count']} cores, load average at the end "
+             f"{env['load_average'][0]:.1f}. Batch {settings['batch']}; median of {settings['steps']} steps "
+             "(decoding: of {} repeats) after a warm-up; LoRA r=8.".format(settings["repeats"]), ""]
+    for seq in settings["seqs"]:
+        rows = [row for row in results["training"] if row["seq"] == seq]
+        one = next(row for row in rows if row["variant"] == "stacked" and row["k"] == 1)
+        lines += [f"Training step, {seq} tokens per example (labels on the last {seq - seq // 4}). K=1: "
+                  f"{one['ms']:.0f} ms, peak {one['peak_mib']:.0f} MiB, {one['tokens_per_s']:.0f} tokens/s.", "",
+                  "| variant | K | ms | time / K=1 | peak MiB | peak / K=1 | tokens/s |", "|---" * 7 + "|"]
+        lines += [_step_row(row) for row in rows]
+        lines.append("")
+    if isinstance(results["context_once"], list):
+        rows = results["context_once"]
+        one = next(row for row in rows if row["variant"] == "full" and row["k"] == 1)
+        lines += [f"Context once vs full, context:target {one['context']}:{one['target']}, relaxed WTA. K=1 full: "
+                  f"{one['ms']:.0f} ms, peak {one['peak_mib']:.0f} MiB.", "",
+                  "| context | K | ms | time / K=1 full | peak MiB | peak / K=1 full | tokens/s |",
+                  "|---" * 7 + "|"]
+        lines += [_step_row(row) for row in sorted(rows, key=lambda row: (row["k"], row["variant"]))]
+    else:
+        lines.append(f"Context once: {results['context_once']}.")
+    lines += ["", f"Decoding, batch 1, {settings['new_tokens']} new tokens per candidate:", "",
+              "| K | decoding | context | batched (ms) | loop of K (ms) | loop / batched | batched tokens/s | "
+              "same tokens |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {row['k']} | {row['strategy']} | {row['context']} | {row['batched_ms']:.0f} | {row['loop_ms']:.0f} "
+              f"| {row['speedup']:.2f} | {row['batched_tokens_per_s']:.0f} | {row['same_tokens']:.0%} |"
+              for row in results["decoding"]]
+    lines += ["", "| issue 18 target | measured | limit | met |", "|---|---|---|---|"]
+    lines += [f"| {t['target']} | {t['measured']:.2f} | {t['limit']:.2f} | {'yes' if t['met'] else '**no**'} |"
+              for t in results["targets"]]
+    return "\n".join(lines) + "\n"
+
+
+def write(results: dict, out: Path) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"suite-{results['shape']['name']}-{results['environment']['device'].replace(':', '')}"
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(results))
+    return stem.with_suffix(".json"), stem.with_suffix(".md")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", required=True, choices=list(SHAPES),
+                        help="; ".join(f"{name}: {shape.note}" for name, shape in SHAPES.items()))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--allow-cpu", action="store_true", help="build a GPU shape on the CPU anyway")
+    parser.add_argument("--seqs", type=int, nargs="+", help="training-step lengths (default: the shape's)")
+    parser.add_argument("--batch", type=int, help="training examples per step (default: the shape's)")
+    parser.add_argument("--new-tokens", type=int, help="decoded tokens per candidate (default: the shape's)")
+    parser.add_argument("--steps", type=int, default=3, help="timed training steps per variant, after a warm-up")
+    parser.add_argument("--repeats", type=int, default=3, help="timed decoding repeats per side")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--out", type=Path, default=Path("runs/benchmarks"), help="folder of the JSON and markdown")
+    args = parser.parse_args(argv)
+    shape = SHAPES[args.shape]
+    args.seqs = tuple(args.seqs or shape.seqs)
+    args.batch = args.batch or shape.batch
+    args.new_tokens = args.new_tokens or shape.new_tokens
+    try:
+        check_request(shape, args.device, args.dtype, args.allow_cpu)
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def main() -> None:
+    args = parse()
+    if args.device == "cpu" and any(os.environ.get(name) != value for name, value in RELEASE_FREED_MEMORY.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **RELEASE_FREED_MEMORY})
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    results = run(args)
+    print(markdown(results))
+    for path in write(results, args.out):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
