@@ -231,3 +231,38 @@ def test_bad_copies_settings(models, overrides, message):
     inputs = {name: value[:settings.pop("inputs_rows", 3)] for name, value in inputs_of("llama").items()}
     with pytest.raises(ValueError, match=message):
         generate_diverse_copies(models["llama"], inputs, **settings)
+
+
+@pytest.mark.parametrize("model_name", ["llama", "bart"])
+def test_one_beam_per_group_is_greedy_but_its_repetition_penalty_acts_on_log_probs(models, model_name):
+    """With one beam per group and lambda = 0, every group is greedy decoding, except for the logits processors:
+    beam search (transformers' and ours) applies them to log-probabilities, greedy decoding to logits, so a
+    repetition penalty of 1.1 is a weaker push in beam search (docs/translation.md measured what that changes)."""
+    model, config = models[model_name], REFERENCE["models"][model_name]["config"]
+    inputs = inputs_of(model_name)
+    kwargs = dict(max_new_tokens=10, eos_token_id=config["eos_token_id"], pad_token_id=config["pad_token_id"])
+    for penalty in (1.0, 1.3):
+        ours = generate_diverse_beam(model, inputs, num_beams=2, num_beam_groups=2, diversity_penalty=0.0,
+                                     num_return_sequences=1, repetition_penalty=penalty, **kwargs).sequences
+        beam = model.generate(**inputs, num_beams=1, do_sample=False, repetition_penalty=penalty, **kwargs)
+        length = min(ours.shape[1], beam.shape[1])
+        if penalty == 1.0:
+            assert torch.equal(ours[:, :length], beam[:, :length])
+    # the penalised search on log-probs: transformers' own greedy loop with the penalty moved onto them
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    on_log_probs = LogitsProcessorList([_OnLogProbs(RepetitionPenaltyLogitsProcessor(1.3))])
+    reference = model.generate(**inputs, num_beams=1, do_sample=False, logits_processor=on_log_probs, **kwargs)
+    length = min(ours.shape[1], reference.shape[1])
+    assert torch.equal(ours[:, :length], reference[:, :length])
+    assert not torch.equal(ours[:, :length], beam[:, :length]), "the fixture should show the two penalties differ"
+
+
+class _OnLogProbs:
+    """A logits processor applied to the log-softmax of the scores, as beam search applies every processor."""
+
+    def __init__(self, processor) -> None:
+        self.processor = processor
+
+    def __call__(self, input_ids, scores):
+        return self.processor(input_ids, torch.log_softmax(scores, dim=-1))
