@@ -26,6 +26,25 @@ from loramcl.trainer import scoring_block
 TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
 
 
+def small_llama_arguments(parser) -> None:
+    """The command-line options of the scripts that time a small random Llama: where it runs and its size."""
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=576)  # SmolLM2-135M's width
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+
+
+def start(args) -> None:
+    """Set torch's CPU threads (``--threads``, 0: torch's default) and silence transformers' warnings."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+
+
 def small_llama_config(layers: int, hidden: int, vocab: int, positions: int):
     """The benchmarks' small Llama: heads of 64, a third as many key/value heads, MLP 8/3 of the width."""
     from transformers import LlamaConfig

@@ -19,7 +19,16 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import TARGETS, build_model, interleaved_medians, perturb_adapters, small_llama_config, train_step
+from common import (
+    TARGETS,
+    build_model,
+    interleaved_medians,
+    perturb_adapters,
+    small_llama_arguments,
+    small_llama_config,
+    start,
+    train_step,
+)
 
 from loramcl import MCLConfig, get_mcl_model
 
@@ -60,24 +69,15 @@ def time_context(args, context: int, variants: list[tuple[str, int]]) -> dict[tu
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=576)  # SmolLM2-135M's width
-    parser.add_argument("--vocab", type=int, default=8192)
+    small_llama_arguments(parser)
     parser.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--target", type=int, default=32)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--ks", type=int, nargs="+", default=[3, 5])
     parser.add_argument("--masked", action="store_true", help="also time the naive masked computation")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (after one warm-up)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
+    start(args)
     check_once_matches_masked(args, args.contexts[0])
     print(f"Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; batch {args.batch}, target "
           f"{args.target} tokens; LoRA r=8 on q,k,v,up,down; relaxed WTA; {args.device} {args.dtype}, torch "

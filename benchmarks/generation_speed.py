@@ -22,7 +22,9 @@ from common import (
     interleaved_medians,
     perturb_adapters,
     same_tokens,
+    small_llama_arguments,
     small_llama_config,
+    start,
 )
 
 from loramcl import MCLConfig, get_mcl_model
@@ -55,22 +57,13 @@ def prompts(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=576)  # SmolLM2-135M's width
-    parser.add_argument("--vocab", type=int, default=8192)
+    small_llama_arguments(parser)
     parser.add_argument("--batch", type=int, default=4, help="prompts per call (B)")
     parser.add_argument("--prompt", type=int, default=32, help="longest prompt, in tokens")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per candidate")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats of each side (after one warm-up)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
+    start(args)
     inputs = prompts(args)
     print(f"Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; B={args.batch} prompts of "
           f"{args.prompt // 2}-{args.prompt} tokens, {args.new_tokens} new tokens per candidate, repetition penalty "

@@ -41,6 +41,7 @@ from common import (
     peak_mib,
     perturb_adapters,
     same_tokens,
+    start,
     train_step,
     twin,
     use_grouped_conv,
@@ -433,11 +434,7 @@ def main() -> None:
     args = parse()
     if args.device == "cpu" and any(os.environ.get(name) != value for name, value in RELEASE_FREED_MEMORY.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **RELEASE_FREED_MEMORY})
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
+    start(args)
     results = run(args)
     print(markdown(results))
     for path in write(results, args.out):

@@ -37,7 +37,9 @@ from common import (
     interleaved_medians,
     peak_mib,
     perturb_adapters,
+    small_llama_arguments,
     small_llama_config,
+    start,
     train_step,
     use_grouped_conv,
 )
@@ -120,26 +122,17 @@ def measure_memory_here(args, variant: str, k: int, logits: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=576)  # SmolLM2-135M's width
-    parser.add_argument("--vocab", type=int, default=8192)
+    small_llama_arguments(parser)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (after one warm-up)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--chunk", type=int, default=MCLConfig.logits_chunk_size,
                         help="label tokens per chunk of logits in the 'chunks' variants")
     parser.add_argument("--only", nargs="+", choices=sorted({variant for variant, _ in STEPS}),
                         help="these variants only (and the K=1 stacked step, the reference)")
     parser.add_argument("--memory-of", nargs=3, metavar=("VARIANT", "K", "LOGITS"), help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
+    start(args)
     if args.memory_of:
         measure_memory_here(args, args.memory_of[0], int(args.memory_of[1]), args.memory_of[2])
         return
