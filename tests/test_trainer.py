@@ -1,5 +1,7 @@
 """MCLTrainer: what changes after a step, the two-pass WTA gradient, accumulation, resume, logs."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import randomize_adapters
@@ -144,10 +146,13 @@ def test_a_datasets_dataset_keeps_the_base_models_inputs_and_drops_other_columns
 
 
 def test_activation_checkpointing_through_training_arguments(tmp_path):
+    # the argument's name before transformers 5.23 was gradient_checkpointing: users of either find it works
+    fields = {field.name for field in dataclasses.fields(TrainingArguments)}
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     results = []
     for checkpointing in (False, True):
         mcl = _model(loss="relaxed", epsilon=0.1)
-        args = _args(tmp_path, activation_checkpointing=checkpointing, max_steps=2)
+        args = _args(tmp_path, max_steps=2, **{name: checkpointing})
         MCLTrainer(mcl, args=args, train_dataset=_dataset(8)).train()
         assert mcl.is_activation_checkpointing == checkpointing
         results.append(torch.cat([p.detach().flatten() for p in mcl.parameters() if p.requires_grad]))

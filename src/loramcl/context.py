@@ -18,7 +18,10 @@ own keys that every cache update does anyway (``SharedContextLayer``): one copy,
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
+
+from loramcl.upstream import upstream_error
 
 # The inputs of a causal LM that the context / target split knows how to cut; anything else (images, audio, embeddings,
 # token types) may carry positions of its own, so it is refused rather than misplaced.
@@ -41,9 +44,11 @@ class SharedContextLayer(DynamicLayer):
         self.keys, self.values = keys, values  # [B, heads, C, d]
         self.copies: int | None = copies
         self.keep = keep
+        self.reads = 0  # updates seen: a model that never reads the cache it was given is found by check_context_read
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reads += 1
         if self.copies is None:
             return super().update(key_states, value_states, *args, **kwargs)
         keys = _after_copies(self.keys, key_states, self.copies)
@@ -66,16 +71,35 @@ def _after_copies(shared: torch.Tensor, new: torch.Tensor, copies: int) -> torch
     return torch.cat([context, grouped], dim=-2).flatten(0, 2)
 
 
-def share_context(cache: Cache, copies: int, keep: bool = False) -> Cache:
-    """Make the context's ``cache`` (B rows) serve ``copies`` copies of the batch (``keep``: as the start of a
-    growing decoding cache, see ``SharedContextLayer``); refuse layers of another kind."""
+def share_context(cache: Cache, copies: int, length: int, keep: bool = False) -> Cache:
+    """Make the context's ``cache`` (B rows, ``length`` positions written by the context's forward) serve ``copies``
+    copies of the batch (``keep``: as the start of a growing decoding cache, see ``SharedContextLayer``); refuse
+    layers of another kind, and a cache the forward did not fill."""
+    if not cache.layers or cache.get_seq_length() != length:
+        raise upstream_error(f"the context's forward left {cache.get_seq_length()} of its {length} positions in the "
+                             "cache it was given", "use MCLConfig(adapt_context=True)")
     for i, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer:
             raise ValueError(f"adapt_context=False shares a context cache of full-attention layers; layer {i} keeps "
                              f"a {type(layer).__name__} (sliding window, linear attention...), not supported yet: "
                              "use adapt_context=True for this model")
-        cache.layers[i] = SharedContextLayer(layer.keys, layer.values, copies, keep)
+        written = layer.get_seq_length()
+        shared = SharedContextLayer(layer.keys, layer.values, copies, keep) if written == length else None
+        if shared is None or shared.get_seq_length() != length:
+            raise upstream_error(f"the context's forward left {written} of its {length} positions in layer {i} of the "
+                                 "cache it was given", "use MCLConfig(adapt_context=True)")
+        cache.layers[i] = shared
     return cache
+
+
+def check_context_read(cache: Cache, model: nn.Module) -> None:
+    """After a forward given a shared context: every layer of ``model`` read it (a cache passed under a name the model
+    does not take, or dropped by a layer, would leave the targets attending to themselves alone)."""
+    unread = [i for i, layer in enumerate(cache.layers) if isinstance(layer, SharedContextLayer) and layer.reads == 0]
+    if unread:
+        raise upstream_error(f"{type(model).__name__} did not read the shared context in layer"
+                             f"{'s' if len(unread) > 1 else ''} {', '.join(map(str, unread[:8]))}"
+                             f"{', ...' if len(unread) > 8 else ''} of its cache", "use MCLConfig(adapt_context=True)")
 
 
 def is_shared_context(value) -> bool:

@@ -34,11 +34,19 @@ from transformers.pytorch_utils import Conv1D
 from transformers.utils import ModelOutput
 
 from loramcl.config import MCLConfig
-from loramcl.context import check_split_inputs, is_shared_context, share_context, split_context
+from loramcl.context import check_context_read, check_split_inputs, is_shared_context, share_context, split_context
 from loramcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting, MCLLoraLinear, linear_features
 from loramcl.losses import mcl_loss
 from loramcl.scores import HypothesisScores, context_positions, mixture_nll
 from loramcl.scoring import IGNORE_INDEX, aligned_targets, check_targets, chunked_token_nll, mean_token_nll, row_means
+from loramcl.upstream import (
+    cache_argument,
+    checkpointing_keeps_cache,
+    given_cache,
+    peft_default_targets,
+    peft_targets,
+    upstream_error,
+)
 
 CONFIG_NAME = "mcl_config.json"
 WEIGHTS_NAME = "mcl_adapters.safetensors"
@@ -551,7 +559,7 @@ class MCLModel(nn.Module):
         keep_cache = contextlib.nullcontext()
         if not self.mcl_config.adapt_context and not self._adapters_disabled:
             inputs, targets, positions = self._without_context(inputs, targets, positions, k if stacked else 1)
-            keep_cache = _checkpointing_keeps_cache(base)
+            keep_cache = checkpointing_keeps_cache(base)
         row_positions = positions.repeat(k, 1) if stacked else positions  # [rows, T]
         scoring = stacked and self.scoring_head is not None
         chunked = self._logits_in_chunks()
@@ -598,13 +606,14 @@ class MCLModel(nn.Module):
             return inputs, targets, positions
         context_inputs, target_inputs, index = split_context(inputs, lengths)
         nothing = torch.zeros_like(context_inputs["input_ids"], dtype=torch.bool)  # no logits on the context
-        cache = DynamicCache(config=base.config)
-        with torch.no_grad(), self.disable_adapters(), _checkpointing_keeps_cache(base):
-            self._call_base({**context_inputs, "past_key_values": cache, "use_cache": True}, expand_batch=None,
+        cache, name = DynamicCache(config=base.config), cache_argument(base)
+        with torch.no_grad(), self.disable_adapters(), checkpointing_keeps_cache(base):
+            self._call_base({**context_inputs, name: cache, "use_cache": True}, expand_batch=None,
                             logit_positions=nothing if self._output_layer_name else None)
-        cache = share_context(cache, copies)  # recomputing a checkpointed layer finds it as the forward did
+        # recomputing a checkpointed layer finds the shared cache as the forward did
+        cache = share_context(cache, copies, length=context_inputs["input_ids"].shape[1])
         targets = torch.where(index >= 0, targets.gather(1, index.clamp(min=0)), IGNORE_INDEX)  # [B, L]
-        return {**target_inputs, "past_key_values": cache}, targets, targets != IGNORE_INDEX
+        return {**target_inputs, name: cache}, targets, targets != IGNORE_INDEX
 
     def _encoder_once(self, inputs: dict) -> dict:
         """An encoder-decoder's inputs with the encoder run once, on B rows without adapters: its outputs go to the
@@ -612,7 +621,7 @@ class MCLModel(nn.Module):
         if inputs.get("encoder_outputs") is not None:
             return inputs
         decoder = {name: value for name, value in inputs.items() if name.startswith("decoder_") or name in (
-            "use_cache", "attention_mask", "past_key_values")}
+            "use_cache", "attention_mask", "cache", "past_key_values")}
         encoder_inputs = {name: value for name, value in inputs.items() if name not in decoder or
                           name == "attention_mask"}
         with torch.no_grad(), self.disable_adapters():
@@ -645,6 +654,9 @@ class MCLModel(nn.Module):
         try:
             outputs = self.base_model(**inputs)
             self._check_hooks_ran()
+            cache = given_cache(inputs)
+            if is_shared_context(cache):
+                check_context_read(cache, self.base_model)
             return outputs, self._pending.context_states, self._pending.label_states
         finally:
             self._pending = _PendingForward()
@@ -746,15 +758,15 @@ class MCLModel(nn.Module):
             return self._generate_encoder_once(input_ids, **kwargs)
         check_split_inputs({"input_ids": input_ids, **{n: v for n, v in kwargs.items() if torch.is_tensor(v)}},
                            type(self.base_model).__name__)
-        if kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is False:
-            raise ValueError("adapt_context=False decodes from its own cache of the prompt: leave past_key_values "
-                             "and use_cache out")
+        if given_cache(kwargs) is not None or kwargs.get("use_cache") is False:
+            raise ValueError("adapt_context=False decodes from its own cache of the prompt: leave the cache "
+                             "(cache / past_key_values) and use_cache out")
         rows, length = input_ids.shape
         mask = kwargs.get("attention_mask")
         mask = torch.ones_like(input_ids) if mask is None else mask  # [R, T], prompts left-padded
         if not self.context_once:
             hook = self.base_model.register_forward_pre_hook(
-                functools.partial(self._mask_prompt, length), with_kwargs=True)
+                functools.partial(self._mask_prompt, length, generating=True), with_kwargs=True)
             try:
                 return self.base_model.generate(input_ids=input_ids, **kwargs)
             finally:
@@ -769,9 +781,9 @@ class MCLModel(nn.Module):
         positions = kwargs.get("position_ids")
         if positions is None:  # as generate numbers left-padded prompts
             positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        cache = DynamicCache(config=self.base_model.config)
+        cache, name = DynamicCache(config=self.base_model.config), cache_argument(self.base_model)
         context = {"input_ids": input_ids[:batch, :-1], "attention_mask": mask[:batch, :-1],
-                   "position_ids": positions[:batch, :-1], "past_key_values": cache, "use_cache": True}
+                   "position_ids": positions[:batch, :-1], name: cache, "use_cache": True}
         nothing = torch.zeros_like(context["input_ids"], dtype=torch.bool)  # no logits on the context
         capture, self._generation_context = self._generation_context, None  # scores read the last prompt position
         try:
@@ -780,8 +792,16 @@ class MCLModel(nn.Module):
                                 logit_positions=nothing if self._output_layer_name else None)
         finally:
             self._generation_context = capture
-        cache = share_context(cache, copies, keep=True)
-        return self.base_model.generate(input_ids=input_ids, past_key_values=cache, **kwargs)
+        cache = share_context(cache, copies, length=length - 1, keep=True)
+        def check_first_step(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+            check.remove()
+            _check_first_step(cache, length - 1, module, args, kwargs)
+
+        check = self.base_model.register_forward_hook(check_first_step, with_kwargs=True)
+        try:
+            return self.base_model.generate(input_ids=input_ids, **{name: cache}, **kwargs)
+        finally:
+            check.remove()
 
     @contextlib.contextmanager
     def context_masked(self, inputs: dict, prompt_length: int) -> Iterator[dict]:
@@ -801,11 +821,18 @@ class MCLModel(nn.Module):
             finally:
                 self.routing.positions = saved
 
-    def _mask_prompt(self, prompt_length: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Before each forward of a generate: the adapters masked on the positions before the prompt's last."""
+    def _mask_prompt(self, prompt_length: int, module: nn.Module, args: tuple, kwargs: dict,
+                     generating: bool = False) -> None:
+        """Before each forward of a generate (``generating``) or of a teacher-forced sequence: the adapters masked on
+        the positions before the prompt's last."""
         ids = kwargs.get("input_ids", args[0] if args else None)
-        past = kwargs.get("past_key_values")
+        past = given_cache(kwargs)
         start = past.get_seq_length() if past is not None else 0
+        if generating and start == 0 and ids.shape[1] < prompt_length:
+            # a step after the prefill whose cache we cannot see: positions would be counted from 0
+            raise upstream_error(f"generate gave {type(module).__name__} {ids.shape[1]} new token(s) of a "
+                                 f"{prompt_length}-token prompt and no cache under any of cache / past_key_values",
+                                 "decode with MCLModel.context_once = True (the default)")
         adapted = torch.arange(start, start + ids.shape[1], device=ids.device) >= prompt_length - 1  # [n]
         self.routing.positions = None if bool(adapted.all()) else (
             adapted.expand(ids.shape[0], -1).unsqueeze(-1).to(self._adapter_dtype()))  # [rows, n, 1]
@@ -961,14 +988,11 @@ class MCLModel(nn.Module):
 
     def _peft_target_modules(self) -> list[str]:
         """Short layer names (q_proj, ...) when PEFT's matching of them selects exactly our layers, else full names."""
-        from peft.tuners.tuners_utils import check_target_module_exists
-
         ours = set(self.layer_names)
         original = [n for n, _ in self.base_model.named_modules()
                     if n and not any(n.startswith(layer + ".") for layer in ours)]
         short = sorted({n.rsplit(".", 1)[-1] for n in ours})
-        probe = _TargetProbe.of(self.mcl_config, short)
-        if {n for n in original if check_target_module_exists(probe, n)} == ours:
+        if {n for n in original if peft_targets(self.mcl_config, short, n)} == ours:
             return short
         return sorted(ours)
 
@@ -1021,22 +1045,6 @@ class MCLModel(nn.Module):
         if inplace:
             self._detached = how
         return model
-
-
-@dataclass
-class _TargetProbe:
-    """The attributes of a PEFT config that ``check_target_module_exists`` reads."""
-
-    target_modules: list[str] | str
-    exclude_modules: list[str] | str | None = None
-    target_parameters: None = None
-    layers_to_transform: list[int] | int | None = None
-    layers_pattern: list[str] | str | None = None
-    modules_to_save: None = None
-
-    @classmethod
-    def of(cls, config: MCLConfig, target_modules: list[str] | str) -> _TargetProbe:
-        return cls(target_modules, config.exclude_modules, None, config.layers_to_transform, config.layers_pattern)
 
 
 def _batch_size(inputs: dict, strict: bool = True) -> int | None:
@@ -1151,20 +1159,19 @@ def _shared_module_names(model: nn.Module, expansion_name: str, layer_names: lis
     return names
 
 
-@contextlib.contextmanager
-def _checkpointing_keeps_cache(model: nn.Module) -> Iterator[None]:
-    """Let activation-checkpointed layers of ``model`` read a cache: transformers drops ``past_key_values`` in them
-    (a recomputed forward would update a growing cache twice), which would silently cut the targets from their
-    shared context. Our training cache is never updated in place (``SharedContextLayer``), so recomputing is safe."""
-    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True
-              and hasattr(type(m), "_can_checkpoint_with_cache")]
-    for layer in layers:
-        layer._can_checkpoint_with_cache = True
-    try:
-        yield
-    finally:
-        for layer in layers:
-            del layer._can_checkpoint_with_cache  # the class's value again
+def _check_first_step(cache, context_length: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """After the first forward of a generate that decodes from a shared context: the model was handed that cache
+    (under the name it takes, generate starting no cache of its own), read it in every layer, and it grew by the
+    step's tokens."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if given_cache(kwargs) is not cache:
+        raise upstream_error(f"generate did not hand {type(module).__name__} the shared context's cache at its first step "
+                             "(another cache or none)", "use MCLConfig(adapt_context=True), or MCLModel.context_once = False")
+    check_context_read(cache, module)
+    if ids is not None and cache.get_seq_length() != context_length + ids.shape[1]:
+        raise upstream_error(f"after generate's first step the cache holds {cache.get_seq_length()} positions, not the "
+                             f"context's {context_length} and the step's {ids.shape[1]}",
+                             "use MCLConfig(adapt_context=True), or MCLModel.context_once = False")
 
 
 def _equal_copies(value: torch.Tensor, copies: int) -> bool:
@@ -1198,8 +1205,7 @@ def _peft_task_type(model: nn.Module) -> str | None:
 def _resolve_target_modules(model: nn.Module, config: MCLConfig) -> list[str] | str:
     targets = config.target_modules
     if targets is None:
-        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
-
+        defaults = peft_default_targets()
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type not in defaults:
             raise ValueError(f"PEFT has no default target modules for model_type={model_type!r}; set "
@@ -1259,19 +1265,15 @@ def _refuse_quantized(model: nn.Module, names: list[str] | None = None) -> None:
 
 
 def _matched_layer_names(model: nn.Module, targets: list[str] | str, config: MCLConfig) -> list[str]:
-    from peft.tuners.tuners_utils import check_target_module_exists
-
     output_layer = _output_layer(model)
     if targets == "all-linear":
         candidates = [name for name, module in model.named_modules()
                       if isinstance(module, _ADAPTABLE) and module is not output_layer]
         # matched by their short names, so that exclude_modules and layers_to_transform apply as in PEFT
-        names = [name for name in candidates
-                 if check_target_module_exists(_TargetProbe.of(config, [name.rsplit(".", 1)[-1]]), name)]
+        names = [name for name in candidates if peft_targets(config, [name.rsplit(".", 1)[-1]], name)]
         _refuse_quantized(model, names)
         return names
-    probe = _TargetProbe.of(config, targets)
-    names = [name for name, _ in model.named_modules() if name and check_target_module_exists(probe, name)]
+    names = [name for name, _ in model.named_modules() if name and peft_targets(config, targets, name)]
     _refuse_quantized(model, names)
     for name in names:
         module = model.get_submodule(name)

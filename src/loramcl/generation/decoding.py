@@ -28,7 +28,7 @@ BASELINE_STRATEGIES = ("beam", "diverse_beam", "sample", "tta", "stochastic_rout
 _SET_BY_STRATEGY = frozenset({"num_beams", "do_sample", "num_return_sequences", "return_dict_in_generate",
                               "output_logits"})
 # Inputs whose K' copies we cannot make.
-_UNSUPPORTED_INPUTS = frozenset({"past_key_values", "encoder_outputs"})
+_UNSUPPORTED_INPUTS = frozenset({"cache", "past_key_values", "encoder_outputs"})
 
 
 @dataclass

@@ -61,12 +61,16 @@ from transformers.generation.utils import (
     GenerateBeamEncoderDecoderOutput,
 )
 
+from loramcl.upstream import check_generation_steps, upstream_error
+
 # Processors that transformers 4.56.2 applied before the Hamming diversity term; every other one comes after it.
 _BEFORE_DIVERSITY = (UnbatchedClassifierFreeGuidanceLogitsProcessor, SequenceBiasLogitsProcessor)
 # Generation arguments that only act when sampling, with the values at which they do nothing.
 _SAMPLING_FLAGS = {"do_sample": (False,), "temperature": (1.0,), "top_k": (0,), "top_p": (1.0,), "typical_p": (1.0,),
                    "min_p": (), "top_h": (), "epsilon_cutoff": (0.0,), "eta_cutoff": (0.0,)}
 _NOT_RETURNED = ("output_logits", "output_attentions", "output_hidden_states")
+# The steps of transformers' generation loop (GenerationMixin's private methods) that diverse beam search drives.
+_GENERATION_STEPS = ("_prefill", "prepare_inputs_for_generation", "_update_model_kwargs_for_generation")
 
 
 def generate_diverse_beam(model: nn.Module, inputs: dict, *, num_beams: int, num_beam_groups: int,
@@ -195,6 +199,10 @@ def _reorder_cache(model: nn.Module, model_kwargs: dict, rows: torch.Tensor) -> 
     """Make row i of the KV cache hold what row ``rows[i]`` held, as transformers' own beam search does."""
     cache_key = next((key for key in ALL_CACHE_NAMES if model_kwargs.get(key) is not None), None)
     if cache_key is None:
+        if model_kwargs.get("use_cache"):  # a cache under a name we do not know would keep the old beams' rows
+            raise upstream_error("generate's model kwargs hold no cache under any of "
+                                 f"{', '.join(ALL_CACHE_NAMES)} although use_cache is on",
+                                 "pass use_cache=False to decode with diverse beam search")
         return
     if hasattr(model, "_reorder_cache"):
         model_kwargs[cache_key] = model._reorder_cache(model_kwargs[cache_key], rows)
@@ -234,6 +242,7 @@ def diverse_beam_search(model, input_ids: torch.LongTensor, logits_processor: Lo
         batch = rows // (copies * group_size)
         # [B, G, S]: row (g*B + b)*S + j is beam j of copy g of example b (generate expanded each row to S beams)
         group_rows = torch.arange(rows, device=device).view(num_groups, batch, group_size).transpose(0, 1).contiguous()
+    check_generation_steps(model, _GENERATION_STEPS, "diverse beam search", "decode with another strategy")
     asked = [name for name in _NOT_RETURNED if getattr(config, name, False)]
     if asked:
         raise NotImplementedError(f"diverse_beam_search does not return {asked}")
