@@ -118,11 +118,19 @@ def test_diverse_beam_search_refuses_a_cache_it_cannot_find():
 
 
 def test_the_private_trainer_overrides_are_listed_and_checked(tmp_path, monkeypatch):
-    from loramcl.trainer import PRIVATE_TRAINER_OVERRIDES
+    import re
+    from pathlib import Path
+
+    from loramcl import trainer
+    from loramcl.trainer import PRIVATE_TRAINER_CALLS, PRIVATE_TRAINER_OVERRIDES
 
     overridden = {name for name in MCLTrainer.__dict__ if name.startswith("_") and not name.startswith("__")
                   and hasattr(transformers.Trainer, name)}
     assert overridden == set(PRIVATE_TRAINER_OVERRIDES)  # docs/architecture.md lists the same
+    source = Path(trainer.__file__).read_text()
+    called = {name for name in re.findall(r"(?:self|super\(\))\.(_[a-z]\w*)\(", source)
+              if name not in MCLTrainer.__dict__ and callable(getattr(transformers.Trainer, name, None))}
+    assert called | overridden == set(PRIVATE_TRAINER_CALLS) | set(PRIVATE_TRAINER_OVERRIDES)
     mcl, _, _ = _decoder()
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no")
     monkeypatch.delattr(transformers.Trainer, "_save_checkpoint")

@@ -36,11 +36,12 @@ CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 # A checkpoint is written into STAGING_PREFIX + "checkpoint-N"/checkpoint-N, then renamed next to the others. The
 # name matches neither Trainer's `checkpoint-*` glob (rotation) nor its resume pattern.
 STAGING_PREFIX = "incomplete-"
-# Private Trainer methods MCLTrainer overrides (docs/architecture.md, "What we rely on in transformers and PEFT"):
-# checked to exist when a trainer is built, and by a test to be the complete list of such overrides.
+# Private Trainer methods MCLTrainer overrides, and those it calls (docs/architecture.md, "What we rely on in
+# transformers and PEFT"): checked to exist when a trainer is built, and by a test to be complete.
 PRIVATE_TRAINER_OVERRIDES = ("_build_accelerator_args", "_clip_grad_norm", "_set_signature_columns_if_needed", "_save",
                              "_get_output_dir", "_save_checkpoint", "_push_from_checkpoint", "_init_training_state",
                              "_load_from_checkpoint", "_load_best_model")
+PRIVATE_TRAINER_CALLS = ("_has_mixed_mesh_grads", "_prepare_inputs")
 
 
 def checkpoint_problem(folder: str | os.PathLike, read_weights: bool = True) -> str | None:
@@ -162,7 +163,7 @@ class MCLTrainer(Trainer):
                                                       and scoring_learning_rate > 0):
             raise ValueError(f"scoring_learning_rate must be a finite number > 0, got {scoring_learning_rate!r}")
         _refuse_float16_adapters(model)
-        check_trainer_methods(type(self), PRIVATE_TRAINER_OVERRIDES)
+        check_trainer_methods(type(self), PRIVATE_TRAINER_OVERRIDES + PRIVATE_TRAINER_CALLS)
         self.two_pass_wta = two_pass_wta
         self.scoring_examples_per_block = scoring_examples_per_block
         self.scoring_learning_rate = scoring_learning_rate

@@ -12,8 +12,8 @@ what to do instead) rather than let a moved internal compute something else.
   ``_can_checkpoint_with_cache`` (``checkpointing_keeps_cache``); the context computed once checks afterwards that
   every layer read its shared cache (``loramcl.context.check_context_read``), which also catches this attribute
   being renamed.
-- ``Trainer`` methods that ``MCLTrainer`` overrides although they are private (``check_trainer_methods``): an
-  override of a method the base class no longer has is never called, and its behaviour (atomic checkpoints, the
+- ``Trainer`` methods that ``MCLTrainer`` overrides or calls although they are private (``check_trainer_methods``):
+  an override of a method the base class no longer has is never called, and its behaviour (atomic checkpoints, the
   DDP options) would silently stop.
 - The generation loop's own steps, which diverse beam search drives (``check_generation_steps``).
 - PEFT's matching of target modules (``peft_targets``), so that our layers are the ones a PEFT LoRA with the same
@@ -88,12 +88,12 @@ def checkpointing_keeps_cache(model: nn.Module) -> Iterator[None]:
 
 
 def check_trainer_methods(trainer_class: type, names: Iterable[str]) -> None:
-    """Refuse to build ``trainer_class`` when ``transformers.Trainer`` no longer has a private method it overrides:
-    the override would never be called."""
+    """Refuse to build ``trainer_class`` when ``transformers.Trainer`` lacks a private method it overrides (the
+    override would never be called) or calls."""
     missing = sorted(name for name in names if not callable(getattr(transformers.Trainer, name, None)))
     if missing:
         raise upstream_error(f"transformers.Trainer has no {', '.join(missing)}, which {trainer_class.__name__} "
-                             "overrides (checkpoint publishing, resuming, DDP options)",
+                             "overrides or calls (checkpoint publishing, resuming, DDP options, gradient clipping)",
                              "train with the versions loramcl was tested with")
 
 
