@@ -1,7 +1,7 @@
 """Where loramcl relies on transformers beyond its documented API, in one place (docs/architecture.md, "What we rely
 on in transformers and PEFT", lists every such reliance, the test that watches it and the check that guards it).
 
-Checked on transformers 5.23 and 5.24 and PEFT 0.21 (the oldest and newest releases the test suite passes on; README,
+Checked on transformers 5.23 and 5.24 and PEFT 0.21.2 (the oldest and newest releases the test suite passes on; README,
 "Versions"). Every check here raises ``UpstreamChanged`` (package, version, what moved and what to do instead) rather
 than let a moved internal compute something else.
 
