@@ -39,6 +39,7 @@ from loramcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting
 from loramcl.losses import mcl_loss
 from loramcl.scores import HypothesisScores, context_positions, mixture_nll
 from loramcl.scoring import IGNORE_INDEX, aligned_targets, check_targets, chunked_token_nll, mean_token_nll, row_means
+from loramcl.token_ids import check_token_ids
 
 CONFIG_NAME = "mcl_config.json"
 WEIGHTS_NAME = "mcl_adapters.safetensors"
@@ -455,6 +456,7 @@ class MCLModel(nn.Module):
             input_features, decoder_input_ids, ...), passed through untouched.
         """
         self._check_usable()
+        check_token_ids(self.base_model, inputs.get("input_ids"))
         if self._adapters_disabled and hypotheses is not None:
             raise ValueError("the adapters are disabled in this block (disable_adapters): leave hypotheses out")
         if examples_per_block is not None:
@@ -731,6 +733,7 @@ class MCLModel(nn.Module):
     def generate(self, *args, **kwargs):
         """``base_model.generate`` with the hypotheses chosen by an enclosing ``use_hypotheses`` block."""
         self._check_usable()
+        check_token_ids(self.base_model, kwargs.get("input_ids", args[0] if args else None))
         if not self._explicit_routing:
             raise RuntimeError("choose the hypotheses to decode: `with model.use_hypotheses(k): model.generate(...)`")
         if self.mcl_config.adapt_context or self._adapters_disabled:
