@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from jsonargparse import CLI
 
-    from loramcl.inputs import PromptFormatWarning
+    from loramcl.inputs import BaseWeightsMismatch, PromptFormatWarning
 
     table = commands()
     command = next((a for a in args if a in table), None)
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     show_warning = warnings.showwarning
 
     def one_line_warning(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, PromptFormatWarning):
+        if issubclass(category, (PromptFormatWarning, BaseWeightsMismatch)):
             print(f"{prefix}: warning: {message}", file=sys.stderr)
         else:
             show_warning(message, category, filename, lineno, file, line)
