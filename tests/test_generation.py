@@ -550,3 +550,15 @@ def test_token_ids_outside_the_vocabulary_are_named_before_the_model_runs(bad_id
     inputs["input_ids"][1, 5] = 7
     with torch.no_grad():
         assert torch.isfinite(mcl(**inputs, labels=labels).nll).all()
+
+
+def test_a_placeholder_token_past_the_embeddings_is_not_out_of_vocabulary():
+    """LLaVA-style configs may put the image token past the text embeddings (the model swaps it for image features
+    before the lookup): that id passes the check, any other id past the vocabulary still fails."""
+    from loramcl.token_ids import check_token_ids
+
+    model = build_model("llava_next")
+    model.config.image_token_id = 200
+    check_token_ids(model, torch.tensor([[3, 200, 200, 5]]))
+    with pytest.raises(ValueError, match=rf"input_ids holds 201 \(row 0, position 2\).*vocabulary of {VOCAB} tokens"):
+        check_token_ids(model, torch.tensor([[3, 200, 201, 5]]))

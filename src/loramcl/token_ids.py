@@ -18,6 +18,9 @@ def check_token_ids(model: nn.Module, input_ids: torch.Tensor | None, name: str 
         return
     vocabulary = weight.shape[0]
     bad = (input_ids < 0) | (input_ids >= vocabulary)
+    placeholders = _placeholder_ids(getattr(model, "config", None), vocabulary)
+    if placeholders:  # e.g. LLaVA's image token may lie past the text embeddings: the model replaces it first
+        bad &= ~torch.isin(input_ids, torch.tensor(placeholders, device=input_ids.device))
     if not bad.any().item():
         return
     position = bad.nonzero()[0].tolist()
@@ -26,3 +29,15 @@ def check_token_ids(model: nn.Module, input_ids: torch.Tensor | None, name: str 
     raise ValueError(f"{name} holds {value} ({where}), outside this model's vocabulary of {vocabulary} tokens "
                      f"(ids 0..{vocabulary - 1}): were the inputs tokenized with another tokenizer? (-100 belongs in "
                      "labels, never in input_ids)")
+
+
+def _placeholder_ids(config, vocabulary: int) -> list[int]:
+    """The special ids a multimodal config names (``image_token_id``, ``audio_token_index``, ...) that lie outside
+    ``[0, vocabulary)``: its model swaps them for its own features before the embedding lookup."""
+    ids = []
+    for owner in (config, getattr(config, "text_config", None)):
+        for key, value in (vars(owner).items() if owner is not None else ()):
+            if key.endswith(("_token_id", "_token_index")) and isinstance(value, int) and not isinstance(value, bool) \
+                    and not 0 <= value < vocabulary:
+                ids.append(value)
+    return ids
