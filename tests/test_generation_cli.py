@@ -99,7 +99,8 @@ def test_bad_files_are_clear_errors(saved, tmp_path):
 
 def test_adapters_on_a_base_with_other_weights_are_warned_by_each_command(saved, tmp_path, capsys):
     """`loramcl generate` and `loramcl nll` load adapters through load_mcl_model: silent on the base they were saved
-    on, one warning line naming the mismatch on a base of the same class and shapes with other weights."""
+    on, one warning line naming the mismatch on a base of the same class and shapes with other weights, an error
+    with --strict true."""
     import warnings
 
     from loramcl.cli import main
@@ -126,3 +127,9 @@ def test_adapters_on_a_base_with_other_weights_are_warned_by_each_command(saved,
                     warned
                 assert "were trained on other base weights" in warned[0] and "every output of this pairing is " \
                     "wrong" in warned[0]
+        with pytest.raises(SystemExit) as stopped:  # --strict true: an error before anything is decoded or scored
+            main([command, "--model", str(tmp_path / "other"), "--adapters", str(saved / "mcl"), *options,
+                  "--out", str(tmp_path / f"strict_{command}.jsonl"), "--strict", "true"])
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stopped.value.code == 1 and error.startswith(f"loramcl {command}: error: the adapters in "), error
+        assert not (tmp_path / f"strict_{command}.jsonl").exists()

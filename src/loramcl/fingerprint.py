@@ -77,4 +77,4 @@ def mismatch_message(path, saved: dict, model: nn.Module, fingerprint: str | Non
             f"(weights fingerprint {recorded}), this {type(model).__name__} is {loading_onto} (fingerprint "
             f"{fingerprint}). Same class and shapes, other values (another checkpoint or seed, or a float16 copy): "
             "every output of this pairing is wrong. Load the base model the adapters were trained on "
-            "(load_mcl_model(..., strict=True) makes this an error)")
+            "(load_mcl_model(..., strict=True), or --strict true in loramcl generate / nll, makes this an error)")
