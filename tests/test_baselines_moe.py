@@ -251,3 +251,28 @@ def test_parameter_parity_matches_the_built_models():
     assert trainable(moe) == parity.moe and moe.router_parameter_count() == parity.moe_routers > 0
     assert trainable(heads) == parity.multihead
     assert "routers" in parity.summary()
+
+
+def test_moe_and_multihead_files_check_the_base_weights(tmp_path):
+    """The baselines write and check the base-weights fingerprint as LoRA-MCL does (load_mcl_model and the resume
+    path, load_adapters): silent on the right base, a warning on another seed's, an error with strict=True."""
+    import warnings
+
+    from loramcl.inputs import BaseWeightsMismatch
+
+    moe, pristine, _, _ = moe_model()
+    torch.manual_seed(0)
+    multi = get_multihead_model(copy.deepcopy(pristine), MultiHeadConfig(num_hypotheses=2, module="lm_head"))
+    for name, model in (("moe", moe), ("multihead", multi)):
+        model.save_pretrained(tmp_path / name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            load_mcl_model(copy.deepcopy(pristine), tmp_path / name).load_adapters(tmp_path / name)
+        torch.manual_seed(5)
+        other = build_model("llama")
+        with pytest.raises(ValueError, match="trained on other base weights"):
+            load_mcl_model(other, tmp_path / name, strict=True)
+        with pytest.warns(BaseWeightsMismatch, match="trained on other base weights"):
+            loaded = load_mcl_model(other, tmp_path / name)
+        with pytest.warns(BaseWeightsMismatch, match="trained on other base weights"):
+            loaded.load_adapters(tmp_path / name)

@@ -46,6 +46,7 @@ def workdir(tmp_path_factory):
     (root / "prompts.jsonl").write_text(json.dumps({"id": "a", "prompt": "w5"}) + "\n")
     (root / "preds.jsonl").write_text("".join(json.dumps({"id": i, "candidates": ["w5", "w6"]}) + "\n" for i in "ab"))
     (root / "refs.jsonl").write_text("".join(json.dumps({"id": i, "references": ["w5"]}) + "\n" for i in "ab"))
+    (root / "typo.yaml").write_text("data:\n  prompt_kye: prompt\n")
     (root / "data").mkdir()
     return root
 

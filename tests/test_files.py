@@ -227,3 +227,60 @@ def test_renamed_layers_are_named_in_the_error(tmp_path):
     renamed = r"in the file only \['model\.layers\.7\..*in the model only \['model\.layers\.1\."
     with pytest.raises(ValueError, match=renamed):
         load_mcl_model(copy.deepcopy(pristine), folder)
+
+
+def test_adapters_on_other_base_weights_warn_and_strict_refuses(tmp_path):
+    """Same class and shapes, other weights (another seed): a warning naming both fingerprints, an error with
+    strict=True (the base model untouched); the right pairing and its bfloat16 copy load silently."""
+    import warnings
+
+    from loramcl.fingerprint import BaseWeightsMismatch, base_fingerprint
+
+    mcl, pristine, _, _ = _trained_like("llama")
+    mcl.save_pretrained(tmp_path)
+    recorded = json.loads((tmp_path / "mcl_config.json").read_text())["base_fingerprint"]
+    assert recorded == base_fingerprint(pristine) and recorded.startswith("sha256-bf16-sample:")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_mcl_model(copy.deepcopy(pristine), tmp_path)
+        load_mcl_model(copy.deepcopy(pristine).to(torch.bfloat16), tmp_path)  # the same checkpoint in bfloat16
+    torch.manual_seed(1)
+    other = build_model("llama")
+    theirs = base_fingerprint(other)
+    assert theirs != recorded
+    with pytest.raises(ValueError, match=f"trained on other base weights.*{recorded}.*{theirs}"):
+        load_mcl_model(other, tmp_path, strict=True)
+    assert not any(isinstance(m, MCLLoraLinear) for m in other.modules())  # refused before wrapping
+    with pytest.warns(BaseWeightsMismatch, match=f"{recorded}.*LlamaForCausalLM.*{theirs}.*every output"):
+        loaded = load_mcl_model(other, tmp_path)
+    with pytest.warns(BaseWeightsMismatch, match="trained on other base weights"):
+        loaded.load_adapters(tmp_path)  # the trainer's resume path checks it too
+    with pytest.warns(BaseWeightsMismatch):  # a float16 copy rounds otherwise: documented as another fingerprint
+        load_mcl_model(copy.deepcopy(pristine).half(), tmp_path)
+
+
+def test_files_saved_without_a_base_fingerprint_load_silently(tmp_path):
+    import warnings
+
+    mcl, _, _, _ = _trained_like("llama")
+    mcl.save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / "mcl_config.json").read_text())
+    del meta["base_fingerprint"]  # as written before the field existed
+    (tmp_path / "mcl_config.json").write_text(json.dumps(meta))
+    torch.manual_seed(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_mcl_model(build_model("llama"), tmp_path, strict=True).load_adapters(tmp_path, strict=True)
+
+
+def test_the_base_fingerprint_survives_a_bfloat16_round_trip_sees_a_sampled_change_and_skips_meta():
+    from loramcl.fingerprint import base_fingerprint
+
+    model = build_model("gpt2")
+    assert base_fingerprint(model) == base_fingerprint(copy.deepcopy(model).to(torch.bfloat16).float())
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.transformer.h[1].attn.c_attn.weight[0, 0] += 1.0  # one sampled value (row 0, column 0)
+    assert base_fingerprint(changed) != base_fingerprint(model)
+    with torch.device("meta"):
+        assert base_fingerprint(build_model("gpt2")) is None  # nothing recorded, nothing checked

@@ -527,3 +527,38 @@ def test_right_padded_batch_for_a_decoder_only_model_is_an_error(mcl_and_plain):
     inputs, _ = build_batch("llama", mcl.base_model)  # a training batch: right-padded
     with pytest.raises(ValueError, match="right-padded.*pad on the left"):
         generate_hypotheses(mcl, None, inputs)
+
+
+@pytest.mark.parametrize("bad_id", [500, -3])
+def test_token_ids_outside_the_vocabulary_are_named_before_the_model_runs(bad_id):
+    """torch's embedding lookup says only 'IndexError: index out of range in self'; the id, its row and the vocabulary
+    size are named instead, in generate and in the scoring forward alike (-100 stays legal in labels)."""
+    mcl, inputs = mcl_case("llama")
+    inputs["input_ids"][1, 5] = bad_id
+    message = rf"input_ids holds {bad_id} \(row 1, position 5\), outside this model's vocabulary of {VOCAB} tokens"
+    with pytest.raises(ValueError, match=message):
+        generate_hypotheses(mcl, None, inputs, max_new_tokens=NEW_TOKENS)
+    with pytest.raises(ValueError, match=message), mcl.use_hypotheses(0):
+        mcl.generate(inputs["input_ids"], max_new_tokens=NEW_TOKENS, pad_token_id=0)  # given positionally
+    labels = torch.full_like(inputs["input_ids"], -100)
+    labels[:, -1] = 5
+    with pytest.raises(ValueError, match=message), torch.no_grad():
+        mcl(**inputs, labels=labels)
+    with pytest.raises(ValueError, match=message):  # a single model (no adapters, or PEFT's) too
+        generate_hypotheses(build_model("llama"), None, inputs, strategy="beam", num_beams=2, num_sequences=2,
+                            max_new_tokens=NEW_TOKENS)
+    inputs["input_ids"][1, 5] = 7
+    with torch.no_grad():
+        assert torch.isfinite(mcl(**inputs, labels=labels).nll).all()
+
+
+def test_a_placeholder_token_past_the_embeddings_is_not_out_of_vocabulary():
+    """LLaVA-style configs may put the image token past the text embeddings (the model swaps it for image features
+    before the lookup): that id passes the check, any other id past the vocabulary still fails."""
+    from loramcl.token_ids import check_token_ids
+
+    model = build_model("llava_next")
+    model.config.image_token_id = 200
+    check_token_ids(model, torch.tensor([[3, 200, 200, 5]]))
+    with pytest.raises(ValueError, match=rf"input_ids holds 201 \(row 0, position 2\).*vocabulary of {VOCAB} tokens"):
+        check_token_ids(model, torch.tensor([[3, 200, 201, 5]]))

@@ -95,3 +95,41 @@ def test_bad_files_are_clear_errors(saved, tmp_path):
     bad.write_text('{"prompt": ["w5"]}\n')
     with pytest.raises(ValueError, match='"prompt" must be a string'):
         generate(model=str(saved / "base"), input=str(bad), out=str(tmp_path / "x.jsonl"))
+
+
+def test_adapters_on_a_base_with_other_weights_are_warned_by_each_command(saved, tmp_path, capsys):
+    """`loramcl generate` and `loramcl nll` load adapters through load_mcl_model: silent on the base they were saved
+    on, one warning line naming the mismatch on a base of the same class and shapes with other weights, an error
+    with --strict true."""
+    import warnings
+
+    from loramcl.cli import main
+
+    torch.manual_seed(1)
+    build_model("llama").save_pretrained(tmp_path / "other")
+    word_tokenizer().save_pretrained(tmp_path / "other")
+    references = tmp_path / "refs.jsonl"
+    references.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p, "references": ["w20 w21"]}) + "\n"
+                                  for i, p in enumerate(PROMPTS)))
+    commands = {"generate": ["--input", str(saved / "prompts.jsonl"), "--max_new_tokens", "2", "--progress", "false"],
+                "nll": ["--input", str(references)]}
+    for command, options in commands.items():
+        for base in (saved / "base", tmp_path / "other"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")  # not once per line of code: each command loads on its own
+                main([command, "--model", str(base), "--adapters", str(saved / "mcl"), *options,
+                      "--out", str(tmp_path / f"{command}.jsonl")])
+            warned = [line for line in capsys.readouterr().err.splitlines() if ": warning: " in line]
+            if base == saved / "base":
+                assert warned == [], warned
+            else:
+                assert len(warned) == 1 and warned[0].startswith(f"loramcl {command}: warning: the adapters in "), \
+                    warned
+                assert "were trained on other base weights" in warned[0] and "every output of this pairing is " \
+                    "wrong" in warned[0]
+        with pytest.raises(SystemExit) as stopped:  # --strict true: an error before anything is decoded or scored
+            main([command, "--model", str(tmp_path / "other"), "--adapters", str(saved / "mcl"), *options,
+                  "--out", str(tmp_path / f"strict_{command}.jsonl"), "--strict", "true"])
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stopped.value.code == 1 and error.startswith(f"loramcl {command}: error: the adapters in "), error
+        assert not (tmp_path / f"strict_{command}.jsonl").exists()

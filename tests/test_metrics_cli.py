@@ -156,3 +156,23 @@ def test_a_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
     bad.write_bytes('{"id": 1, "candidates": ["a"]}\n{"id": 2, "candidates": ["caf\u00e9"]}\n'.encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1.jsonl:2 is not UTF-8 text \(byte 0xe9"):
         load_run(str(bad), REFS)
+
+
+def test_a_byte_order_mark_at_the_start_of_a_file_is_accepted_and_elsewhere_named(tmp_path):
+    """Editors on Windows (Notepad, Excel's "UTF-8 CSV") start UTF-8 files with a byte-order mark: on purpose, it is
+    read as the start of the file, with the same report as the file without it. A mark inside the file is an error
+    naming the line."""
+    marked = {}
+    for name, path in (("preds", PREDS), ("refs", REFS)):
+        marked[name] = tmp_path / f"{name}.jsonl"
+        marked[name].write_bytes(b"\xef\xbb\xbf" + Path(path).read_bytes())
+    plain = evaluate(PREDS, REFS, metrics="bleu1", out=str(tmp_path / "plain"), tokenize=False)
+    with_mark = evaluate(str(marked["preds"]), str(marked["refs"]), metrics="bleu1", out=str(tmp_path / "bom"),
+                         tokenize=False)
+    assert json.loads(Path(with_mark["json"]).read_text())["metrics"] == \
+        json.loads(Path(plain["json"]).read_text())["metrics"]
+    lines = Path(PREDS).read_bytes().splitlines(keepends=True)
+    inside = tmp_path / "inside.jsonl"
+    inside.write_bytes(lines[0] + b"\xef\xbb\xbf" + b"".join(lines[1:]))
+    with pytest.raises(ValueError, match=r"inside.jsonl:2 starts with a byte-order mark \(U\+FEFF\), which only "):
+        load_run(str(inside), REFS)

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from jsonargparse import CLI
 
-    from loramcl.inputs import PromptFormatWarning
+    from loramcl.inputs import BaseWeightsMismatch, PromptFormatWarning
 
     table = commands()
     command = next((a for a in args if a in table), None)
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     show_warning = warnings.showwarning
 
     def one_line_warning(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, PromptFormatWarning):
+        if issubclass(category, (PromptFormatWarning, BaseWeightsMismatch)):
             print(f"{prefix}: warning: {message}", file=sys.stderr)
         else:
             show_warning(message, category, filename, lineno, file, line)
@@ -122,11 +122,12 @@ def _usage_message(text: str, table: dict, command: str | None) -> str:
         return "missing required options " + ", ".join(option(key.strip()) for key in match[1].split(","))
     if match := re.match(r"unrecognized arguments: (.*)", text):
         unknown = [a for a in match[1].split() if a.startswith("--")] or match[1].split()[:1]
-        known = _option_names(table[command]) if command else []
-        close = difflib.get_close_matches(unknown[0].lstrip("-").split("=")[0], known, n=1) if unknown else []
-        suggestion = f" (did you mean --{close[0]}?)" if close else ""
+        suggestion = _suggestion(unknown[0], table, command) if unknown else ""
         see = f"; see loramcl {command} --help" if command else ""
         return f"unknown option {' '.join(unknown)}{suggestion}{see}"
+    if match := re.match(r"Subcommand '.*?' does not accept option '(.*?)'", text):  # a key of a --config file
+        see = f"; see loramcl {command} --help" if command else ""
+        return f"unknown option {match[1]} in a --config file{_suggestion(match[1], table, command, prefix='')}{see}"
     if match := re.match(r'Parser key "(.*?)": (.*)', text):
         key, problem = option(match[1]), match[2]
         if literal := re.match(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", problem):
@@ -137,6 +138,13 @@ def _usage_message(text: str, table: dict, command: str | None) -> str:
             return f"{key} must be {kind}; got {typed[2]!r}"
         return f"{key}: {problem}"
     return text
+
+
+def _suggestion(option: str, table: dict, command: str | None, prefix: str = "--") -> str:
+    """' (did you mean --name?)' for the command's option closest to ``option`` (--flag, flag=value or file key)."""
+    known = _option_names(table[command]) if command else []
+    close = difflib.get_close_matches(option.lstrip("-").split("=")[0], known, n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def _option_names(function) -> list[str]:

@@ -397,6 +397,7 @@ def nll(
     batch_size: int = 16,
     dtype: Dtype = "float32",
     device: str = "cpu",
+    strict: bool = False,
 ) -> str:
     """Score every reference under every hypothesis: its mean NLL per target token, for `loramcl evaluate --nll`.
 
@@ -417,6 +418,8 @@ def nll(
         batch_size: (prompt, reference) pairs per forward (x K hypotheses).
         dtype: float32, bfloat16 or float16.
         device: e.g. cpu, cuda.
+        strict: refuse adapters saved on a base model with other weights (their recorded fingerprint differs from
+            the model's); by default a warning.
     """
     from loramcl.data.prompts import collate, encode_pairs, pad_token_id, read_pairs
 
@@ -442,7 +445,7 @@ def nll(
 
     from loramcl.generation.cli import load_model
 
-    decoder = load_model(model, adapters, dtype, device)
+    decoder = load_model(model, adapters, dtype, device, strict=strict)
     tokenizer = AutoTokenizer.from_pretrained(model)
     pad_id = pad_token_id(tokenizer)
     owner = [i for i, refs in enumerate(references) for _ in refs]

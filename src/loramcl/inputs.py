@@ -54,6 +54,11 @@ class PromptFormatWarning(UserWarning):
     """Decoding or scoring formats its prompts otherwise than the training run did."""
 
 
+class BaseWeightsMismatch(UserWarning):
+    """Adapters loaded onto a base model whose weights differ from those they were trained on (``loramcl.fingerprint``;
+    defined here, without torch, so that the command line can print it as one line)."""
+
+
 def check_file(path: str, what: str) -> None:
     """A clear error if ``path`` is not an existing file (``what``: e.g. "training file")."""
     if not os.path.isfile(path):

@@ -35,10 +35,12 @@ from transformers.utils import ModelOutput
 
 from loramcl.config import MCLConfig
 from loramcl.context import check_context_read, check_split_inputs, is_shared_context, share_context, split_context
+from loramcl.fingerprint import base_fingerprint, check_base_weights
 from loramcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting, MCLLoraLinear, linear_features
 from loramcl.losses import mcl_loss
 from loramcl.scores import HypothesisScores, context_positions, mixture_nll
 from loramcl.scoring import IGNORE_INDEX, aligned_targets, check_targets, chunked_token_nll, mean_token_nll, row_means
+from loramcl.token_ids import check_token_ids
 from loramcl.upstream import (
     cache_argument,
     checkpointing_keeps_cache,
@@ -463,6 +465,7 @@ class MCLModel(nn.Module):
             input_features, decoder_input_ids, ...), passed through untouched.
         """
         self._check_usable()
+        check_token_ids(self.base_model, inputs.get("input_ids"))
         if self._adapters_disabled and hypotheses is not None:
             raise ValueError("the adapters are disabled in this block (disable_adapters): leave hypotheses out")
         if examples_per_block is not None:
@@ -743,6 +746,7 @@ class MCLModel(nn.Module):
     def generate(self, *args, **kwargs):
         """``base_model.generate`` with the hypotheses chosen by an enclosing ``use_hypotheses`` block."""
         self._check_usable()
+        check_token_ids(self.base_model, kwargs.get("input_ids", args[0] if args else None))
         if not self._explicit_routing:
             raise RuntimeError("choose the hypotheses to decode: `with model.use_hypotheses(k): model.generate(...)`")
         if self.mcl_config.adapt_context or self._adapters_disabled:
@@ -918,6 +922,7 @@ class MCLModel(nn.Module):
             "base_model_class": type(self.base_model).__name__,
             "adapted_modules": self.layer_names,
             "weights_sha256": _sha256(weights),
+            "base_fingerprint": getattr(self, "_base_fingerprint", None),
         }
         _write_atomically(os.path.join(path, CONFIG_NAME),
                           lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8"))
@@ -927,11 +932,12 @@ class MCLModel(nn.Module):
         """What ``save_pretrained`` writes to rebuild the model: its method's configuration."""
         return {"mcl_config": self.mcl_config.to_dict()}
 
-    def load_adapters(self, path: str | os.PathLike, verify: bool = True) -> None:
+    def load_adapters(self, path: str | os.PathLike, verify: bool = True, strict: bool = False) -> None:
         """Load adapter weights written by ``save_pretrained`` into this model (same layers, K, r and alpha).
 
         Everything is checked before any weight is copied (see ``read_adapters``; ``verify=False`` skips only the
-        checksum), so a failed load leaves the model as it was."""
+        checksum), so a failed load leaves the model as it was. Adapters saved on other base weights warn (raise
+        with ``strict=True``), as in ``load_mcl_model``."""
         saved, config, tensors = read_adapters(path, verify)
         ours = self.mcl_config
         if (config.num_hypotheses, config.r, config.alpha) != (ours.num_hypotheses, ours.r, ours.alpha):
@@ -944,6 +950,7 @@ class MCLModel(nn.Module):
             raise ValueError(f"{path} {'has' if config.scoring else 'has no'} hypothesis scores (scoring="
                              f"{config.scoring}); this model was built with scoring={ours.scoring}")
         _check_scoring_fits(path, tensors, self.scoring_head)
+        check_base_weights(path, saved, self.base_model, getattr(self, "_base_fingerprint", None), strict)
         with torch.no_grad():
             for name, layer in layers.items():
                 layer.lora_A.copy_(tensors[f"{name}.lora_A"])
@@ -1330,6 +1337,7 @@ def replace_modules(model: nn.Module, names: list[str], make_module, make_model)
     """Freeze ``model``, replace each module ``names[i]`` with ``make_module(module)`` and return
     ``make_model(names)``; if anything fails, the model is left as it was."""
     originals = {name: model.get_submodule(name) for name in names}
+    fingerprint = base_fingerprint(model)  # of the base weights as they are now, before any adapter is added
     trainable = [(param, param.requires_grad) for param in model.parameters()]
     try:
         for param in model.parameters():
@@ -1338,6 +1346,7 @@ def replace_modules(model: nn.Module, names: list[str], make_module, make_model)
             model.set_submodule(name, make_module(module))
         wrapped = make_model(names)
         wrapped._base_requires_grad = trainable  # for unload(): the base model as it was
+        wrapped._base_fingerprint = fingerprint  # written by save_pretrained, checked by load_adapters
         return wrapped
     except BaseException:
         for name, module in originals.items():  # roll back: the caller's model must not stay half-wrapped
@@ -1348,7 +1357,7 @@ def replace_modules(model: nn.Module, names: list[str], make_module, make_model)
 
 
 def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool = False,
-                   verify: bool = True, fit_scores: bool = False) -> MCLModel:
+                   verify: bool = True, fit_scores: bool = False, strict: bool = False) -> MCLModel:
     """Rebuild the MCL model saved in ``path`` on top of ``model`` (the same base model it was trained on).
 
     As with PEFT, the adapters are frozen unless ``is_trainable=True`` (to continue training). The files are read
@@ -1359,17 +1368,21 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
     the scoring head is trainable (a new zero one, p uniform, when the run has none) and the hypotheses stay frozen.
     The head's loss never reaches the hypotheses (docs/scores.md), so this fits the scores that joint training would
     fit for the final hypotheses.
+
+    Adapters saved on a base model of the same class but other weights (their ``base_fingerprint`` differs from
+    ``model``'s, see ``loramcl.fingerprint``) give a warning naming both; ``strict=True`` raises instead. Files saved
+    without a fingerprint load silently.
     """
     saved, tensors = read_adapter_files(path, verify)
+    if isinstance(model, MCLModel):
+        raise ValueError("this model already has MCL adapters: load onto the plain base model")
     if saved.get("base_model_class") not in (None, type(model).__name__):
         warnings.warn(f"adapters were trained on a {saved['base_model_class']}, loading onto a "
                       f"{type(model).__name__}", stacklevel=2)
-    if isinstance(model, MCLModel):
-        raise ValueError("this model already has MCL adapters: load onto the plain base model")
     method = saved.get("method", "mcl")
     if method in _BASELINE_LOADERS:  # a baseline (loramcl.baselines) checks and rebuilds its own layers
         module, _, loader = _BASELINE_LOADERS[method].partition(":")
-        return getattr(importlib.import_module(module), loader)(model, path, saved, tensors, is_trainable)
+        return getattr(importlib.import_module(module), loader)(model, path, saved, tensors, is_trainable, strict)
     config = _mcl_part(path, saved, tensors)
     if fit_scores and not config.scoring:
         config = replace(config, scoring=True)
@@ -1380,6 +1393,7 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
                         {name: linear_features(model.get_submodule(name)) for name in names})
     if config.scoring:
         _check_scoring_fits(path, tensors, None, hidden_size=_output_layer(model).weight.shape[1])
+    check_base_weights(path, saved, model, base_fingerprint(model), strict)  # shapes fit: are the values the same?
     mcl = get_mcl_model(model, config)
     with torch.no_grad():
         for name, layer in mcl.mcl_layers():

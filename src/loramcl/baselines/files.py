@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from loramcl.fingerprint import check_base_weights
 from loramcl.model import CONFIG_NAME, WEIGHTS_NAME, MCLModel, read_adapter_files
 
 
@@ -71,7 +72,7 @@ class BaselineFiles:
         """The configuration fields the weights' values depend on beyond their shapes."""
         raise NotImplementedError
 
-    def load_adapters(self, path, verify: bool = True) -> None:
+    def load_adapters(self, path, verify: bool = True, strict: bool = False) -> None:
         saved, tensors = read_adapter_files(path, verify)
         ours = self._method_config()
         theirs = method_config(path, saved, self.method, type(ours))
@@ -79,4 +80,5 @@ class BaselineFiles:
             raise ValueError(f"{path} holds a {self.method} model with {self._structure(theirs)}; this model has "
                              f"{self._structure(ours)}")
         check_tensors_fit(path, saved, tensors, self.layer_names, expected_shapes(self))
+        check_base_weights(path, saved, self.base_model, getattr(self, "_base_fingerprint", None), strict)
         copy_tensors(self, tensors)

@@ -27,6 +27,7 @@ from torch import nn
 
 from loramcl.baselines.config import MoEConfig
 from loramcl.baselines.files import BaselineFiles, check_tensors_fit, copy_tensors, method_config
+from loramcl.fingerprint import base_fingerprint, check_base_weights
 from loramcl.layers import DISABLED, HypothesisRouting, MCLLoraLinear, linear_features
 from loramcl.model import MCLModel, replace_modules, target_layer_names
 
@@ -199,7 +200,7 @@ def get_moe_model(model: nn.Module, config: MoEConfig) -> MoEModel:
 
 
 def load_from_files(model: nn.Module, path, saved: dict, tensors: dict[str, torch.Tensor],
-                    is_trainable: bool) -> MoEModel:
+                    is_trainable: bool, strict: bool = False) -> MoEModel:
     """``load_mcl_model`` for a saved LoRA-MoE model: checked against ``model`` before it is touched."""
     config = method_config(path, saved, "moe", MoEConfig)
     names = target_layer_names(model, config.mle_config())
@@ -210,6 +211,7 @@ def load_from_files(model: nn.Module, path, saved: dict, tensors: dict[str, torc
         expected.update({f"{name}.lora_A": (e, d_in, r), f"{name}.lora_B": (e, r, d_out),
                          f"{name}.router": (d_in, e)})
     check_tensors_fit(path, saved, tensors, names, expected)
+    check_base_weights(path, saved, model, base_fingerprint(model), strict)
     moe = get_moe_model(model, config)
     copy_tensors(moe, tensors, is_trainable)
     return moe

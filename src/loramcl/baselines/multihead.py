@@ -26,6 +26,7 @@ from torch import nn
 
 from loramcl.baselines.config import MultiHeadConfig
 from loramcl.baselines.files import BaselineFiles, check_tensors_fit, copy_tensors, method_config
+from loramcl.fingerprint import base_fingerprint, check_base_weights
 from loramcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting
 from loramcl.model import MCLModel, MCLOutput, _batch_size, _output_layer, replace_modules
 
@@ -258,7 +259,7 @@ def get_multihead_model(model: nn.Module, config: MultiHeadConfig) -> MultiHeadM
 
 
 def load_from_files(model: nn.Module, path, saved: dict, tensors: dict[str, torch.Tensor],
-                    is_trainable: bool) -> MultiHeadModel:
+                    is_trainable: bool, strict: bool = False) -> MultiHeadModel:
     """``load_mcl_model`` for a saved multi-head model: checked against ``model`` before it is touched; built with
     init='copy' (no random draws), the loaded copies then replace the pretrained ones."""
     config = method_config(path, saved, "multihead", MultiHeadConfig)
@@ -266,6 +267,7 @@ def load_from_files(model: nn.Module, path, saved: dict, tensors: dict[str, torc
     expected = {f"{config.module}.heads.{name}": (config.num_hypotheses, *param.shape)
                 for name, param in module.named_parameters()}
     check_tensors_fit(path, saved, tensors, [config.module], expected)
+    check_base_weights(path, saved, model, base_fingerprint(model), strict)
     mcl = get_multihead_model(model, dataclasses.replace(config, init="copy"))
     mcl.multihead_config = config
     copy_tensors(mcl, tensors, is_trainable)

@@ -58,6 +58,7 @@ def generate(
     device: str = "cpu",
     progress: bool = True,
     sort_by_score: bool = False,
+    strict: bool = False,
 ) -> str:
     """Decode K candidates per prompt of a JSONL file; write them as `loramcl evaluate` reads predictions.
 
@@ -104,6 +105,8 @@ def generate(
         device: e.g. cpu, cuda, cuda:1.
         sort_by_score: an MCL model with hypothesis scores: each prompt's candidates most probable first.
         progress: a progress bar (prompts decoded) on stderr.
+        strict: refuse adapters saved on a base model with other weights (their recorded fingerprint differs from
+            the model's); by default a warning.
     """
     from loramcl.data.prompts import prompt_text
 
@@ -126,7 +129,7 @@ def generate(
     from loramcl.generation.decoding import generate_hypotheses, tokenize_prompts
     from loramcl.model import MCLModel
 
-    decoder = load_model(model, adapters, dtype, device)
+    decoder = load_model(model, adapters, dtype, device, strict=strict)
     tok = AutoTokenizer.from_pretrained(tokenizer or model)
     augment_fn = _import_function(augment) if augment else None
 
@@ -161,10 +164,11 @@ def generate(
     return str(out_path)
 
 
-def load_model(model: str, adapters: str | None = None, dtype: str = "float32", device: str = "cpu"):
+def load_model(model: str, adapters: str | None = None, dtype: str = "float32", device: str = "cpu",
+               strict: bool = False):
     """A local transformers model (causal, sequence-to-sequence, speech-to-text such as Whisper, or an audio/vision-
     language model such as Qwen2-Audio) in eval mode, with MCL adapters (an MCLModel), a PEFT adapter (a PeftModel)
-    or none."""
+    or none. ``strict``: MCL adapters saved on other base weights are an error, not a warning."""
     import torch
     from transformers import (
         AutoConfig,
@@ -188,7 +192,7 @@ def load_model(model: str, adapters: str | None = None, dtype: str = "float32", 
     if adapters is None:
         return loaded
     if os.path.isfile(os.path.join(adapters, CONFIG_NAME)):
-        loaded = load_mcl_model(loaded, adapters)
+        loaded = load_mcl_model(loaded, adapters, strict=strict)
     elif os.path.isfile(os.path.join(adapters, "adapter_config.json")):
         from peft import PeftModel
 

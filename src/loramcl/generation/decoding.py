@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from loramcl.model import _NOT_PER_EXAMPLE, MCLModel, _batch_dim, _batch_size, repeat_examples
+from loramcl.token_ids import check_token_ids
 
 MCL_STRATEGIES = ("greedy", "beam", "sample", "diverse_beam")
 BASELINE_STRATEGIES = ("beam", "diverse_beam", "sample", "tta", "stochastic_router")
@@ -509,6 +510,7 @@ class _Decoder:
     def _generate(self, batch: dict, routing: int | torch.Tensor | None = None, copies: bool = False,
                   **extra) -> list[Candidate]:
         """One ``generate`` on ``batch``, as one candidate per output row."""
+        check_token_ids(self.model, batch.get("input_ids"))  # also for a plain or PEFT model
         with self._routed(routing, copies):
             output = self.model.generate(**batch, **self.kwargs, **extra)
             return self._candidates(output, batch, per_input=extra.get("num_return_sequences", 1))

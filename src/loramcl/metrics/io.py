@@ -32,6 +32,9 @@ def read_jsonl(path: str | Path, field: str, number_missing_ids: bool = False, h
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
+                if line.startswith("\ufeff"):  # accepted on line 1 only (decode_line): files were joined?
+                    raise ValueError(f"{path}:{number} starts with a byte-order mark (U+FEFF), which only the first "
+                                     "line may have (were files joined?): remove it") from None
                 raise ValueError(f"{path}:{number} is not valid JSON ({error.msg})") from None
             if not isinstance(record, dict) or field not in record or ("id" not in record and not number_missing_ids):
                 fields = f'"{field}"' if number_missing_ids else f'"id" and "{field}"'

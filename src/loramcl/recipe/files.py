@@ -25,13 +25,16 @@ def merged(base: dict, override: dict) -> dict:
 def recipe_folder(given: str | None, task: str, files: Sequence[str]) -> Path:
     """The folder holding a task's recipe files: ``given``, else recipes/<task> of the working directory or of this
     repository; an error naming what is missing otherwise."""
+    if given and not Path(given).is_dir():
+        raise FileNotFoundError(f"--recipes {given}: no such folder; give the folder holding the {task} recipes "
+                                f"({', '.join(files)}), or leave --recipes out to use the repository's")
     candidates = [Path(given)] if given else [Path("recipes") / task,
                                               Path(__file__).resolve().parents[3] / "recipes" / task]
     for folder in candidates:
         if all((folder / name).is_file() for name in files):
             return folder
-    raise FileNotFoundError(f"no {task} recipes ({', '.join(files)}) in {', '.join(map(str, candidates))}: run "
-                            "from the repository root or pass --recipes")
+    advice = "give --recipes the folder holding them" if given else "run from the repository root or pass --recipes"
+    raise FileNotFoundError(f"no {task} recipes ({', '.join(files)}) in {', '.join(map(str, candidates))}: {advice}")
 
 
 def read_recipe(folder: Path, names: Sequence[str], overrides: dict | None = None) -> dict:
