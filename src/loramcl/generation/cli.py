@@ -178,7 +178,8 @@ def load_model(model: str, adapters: str | None = None, dtype: str = "float32", 
         AutoModelForSpeechSeq2Seq,
     )
 
-    from loramcl.model import CONFIG_NAME, load_mcl_model
+    from loramcl.adapter_files import CONFIG_NAME
+    from loramcl.model import load_mcl_model
 
     check_choice("dtype", dtype, DTYPES)
     config = AutoConfig.from_pretrained(model)
