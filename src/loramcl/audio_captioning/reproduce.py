@@ -299,26 +299,6 @@ def train_captioner(model: str, out: str, method: str, config, training, setting
 # ---- decoding ------------------------------------------------------------------------------------------------
 
 
-def tta_augment(time_fraction: float, frequency_fraction: float, lengths=None):
-    """SpecAugment at strength φ = (time, frequency): one time mask of width U{0..time x frames of audio} (capped
-    at that fraction of each clip's own frames) and one frequency mask of width U{0..frequency x mel channels}, drawn
-    afresh for each candidate (``generate_hypotheses`` seeds them). lengths: [B] frames of audio of each clip of the
-    batch, for inputs without a ``feature_attention_mask`` (Whisper's); None: from that mask."""
-    from loramcl.generation.augment import spec_augment
-
-    given = lengths
-
-    def augment(inputs: dict, k: int) -> dict:
-        features = inputs["input_features"]  # [B, n_mels, frames]
-        lengths = inputs["feature_attention_mask"].sum(-1) if given is None else given  # [B] audio, not padding
-        masked = spec_augment(features, num_time_masks=1, max_time_width=int(time_fraction * int(lengths.max())),
-                              max_time_ratio=max(time_fraction, 1e-6), num_freq_masks=1,
-                              max_freq_width=int(frequency_fraction * features.shape[1]), lengths=lengths)
-        return {**inputs, "input_features": masked}
-
-    return augment
-
-
 def decode_captions(model: str, adapters: str, test: Path, out: Path, arguments: dict, experiment: Experiment,
                     batch_size: int, dtype: str, device: str) -> Path:
     """K candidates per test clip with ``generate_hypotheses``; written as `loramcl evaluate` reads predictions:
@@ -327,6 +307,7 @@ def decode_captions(model: str, adapters: str, test: Path, out: Path, arguments:
 
     from loramcl.data.audio_captions import load_audio
     from loramcl.data.audio_prompts import CaptionEncoder
+    from loramcl.generation.augment import tta_augment
     from loramcl.generation.cli import load_model
     from loramcl.generation.decoding import generate_hypotheses, prediction_record
 
@@ -436,9 +417,10 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
     import torch
 
     from loramcl.audio_captioning.report import build_report
-    from loramcl.finetune import _sha256
+    from loramcl.file_io import sha256
     from loramcl.recipe.files import recipe_folder, run_names
-    from loramcl.recipe.stages import Stages, file_stamp, run_stamp
+    from loramcl.recipe.stages import Stages
+    from loramcl.runs import file_stamp, run_stamp
 
     _check(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
     _check(runs is None or stop_after == "train", "runs selects the runs to train: use it with stop_after: train")
@@ -476,7 +458,7 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
     data_settings = {"layout": experiment.layout, "root": str(data_root), "splits": {r: experiment.split(r)
                                                                                      for r in ROLES},
                      "missing_audio": experiment.missing_audio, "quick": quick,
-                     "csv_sha256": {r: _sha256(csv_path(experiment.layout, data_root, experiment.split(r)))
+                     "csv_sha256": {r: sha256(csv_path(experiment.layout, data_root, experiment.split(r)))
                                     for r in ROLES if csv_path(experiment.layout, data_root, experiment.split(r))
                                     .is_file()}}
     stages.run("prepare data", data / "prepare.json", data_settings, prepare_data, data, experiment, data_root, quick)
@@ -485,7 +467,7 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
         return {"data": str(data)}
 
     train_examples = stats["splits"]["train"]["clips" if experiment.captions_per_clip == "one" else "captions"]
-    data_sha256 = {role: _sha256(data / f"{role}.jsonl") for role in ROLES[:2]}
+    data_sha256 = {role: sha256(data / f"{role}.jsonl") for role in ROLES[:2]}
     for run in names if runs is None else runs:  # retrained when its recipe or data changed, resumed if interrupted
         v = values[run]
         method, config = method_of(v)

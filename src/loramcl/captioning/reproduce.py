@@ -303,9 +303,10 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
     """
     from loramcl.captioning.report import build_report
     from loramcl.config import TrainConfig
-    from loramcl.finetune import _sha256
+    from loramcl.file_io import sha256
     from loramcl.recipe.files import recipe_folder, run_names
-    from loramcl.recipe.stages import Stages, run_record
+    from loramcl.recipe.stages import Stages
+    from loramcl.runs import run_record
 
     _check(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
     folder = recipe_folder(recipes, DEFAULT_RECIPES, [EXPERIMENT, COMMON])
@@ -322,7 +323,7 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
 
     data = root / "data"
     data_settings = asdict(experiment) | {"quick": quick, "files_sha256": {
-        split: _sha256(Path(experiment.textcaps) / f"TextCaps_0.1_{split}.json")
+        split: sha256(Path(experiment.textcaps) / f"TextCaps_0.1_{split}.json")
         for split in {experiment.train_split, experiment.test_split}}}
     for name in ("out", "decoded", "decoding", "budgets", "candidates", "diversity_penalties", "metrics",
                  "mcl_decodings"):
@@ -340,7 +341,7 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
             "model": model, **({"mcl": config.to_dict()} if method == "mcl" else {"method": method,
                                                                                   method: config.to_dict()}),
             "data": data_fields, "training": asdict(TrainConfig(**v.get("training", {}))),
-            "dtype": v.get("dtype", "float32"), "data_sha256": {"train": _sha256(data / "train.jsonl")}}))
+            "dtype": v.get("dtype", "float32"), "data_sha256": {"train": sha256(data / "train.jsonl")}}))
         stages.train(f"train {run}", Path(v["out"]), settings, train_run, v, data, experiment, settings, threads)
     if stop_after == "train":
         return {"runs": {run: str(root / run) for run in runs}}

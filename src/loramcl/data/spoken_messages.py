@@ -202,6 +202,12 @@ def write_spoken_splits(out: str | Path, settings: SpokenSettings, max_seconds: 
     return stats
 
 
+def read_rows(path: str | Path) -> list[dict]:
+    """The rows of a split written by ``write_spoken_splits`` (one JSON object per line)."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
 @dataclass
 class WhisperTargets:
     """Whisper's labels for a target in a mode: [<|lang|>, <|transcribe|>, <|notimestamps|>, text tokens...,

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loramcl.config import _check, _positive_int
-from loramcl.data.spoken_messages import SpokenSettings
+from loramcl.data.spoken_messages import SpokenSettings, read_rows
 from loramcl.recipe.grid import DecodeConfig, System, check_budgets, chosen_budgets, one_per_strategy
 
 EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
@@ -92,11 +92,6 @@ class Experiment:
         from loramcl.recipe.files import experiment_values
 
         return cls(**experiment_values(path, list(cls.__dataclass_fields__)))
-
-
-def read_rows(path: Path) -> list[dict]:
-    with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
 
 
 # ---- model ---------------------------------------------------------------------------------------------------
@@ -193,8 +188,8 @@ def decode_run(model: str, adapters: str, test: Path, out: Path, arguments: dict
     language token each candidate starts with)} (+ "hypotheses" for an MCL run)."""
     from transformers import AutoTokenizer
 
-    from loramcl.audio_captioning.reproduce import tta_augment
     from loramcl.data.spoken_messages import WhisperTargets
+    from loramcl.generation.augment import tta_augment
     from loramcl.generation.cli import load_model
     from loramcl.generation.decoding import generate_hypotheses, prediction_record
 
@@ -260,7 +255,7 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
     from loramcl.audio_captioning.reproduce import method_of, run_values
     from loramcl.config import TrainConfig
     from loramcl.data.spoken_messages import write_spoken_splits
-    from loramcl.finetune import _sha256
+    from loramcl.file_io import sha256
     from loramcl.models import whisper_base_files
     from loramcl.recipe.files import recipe_folder, run_names
     from loramcl.recipe.stages import Stages
@@ -290,7 +285,7 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
     _check(not set(runs or []) - set(names), f"runs: no run file for {sorted(set(runs or []) - set(names))} (runs: "
            f"{names})")
     values = {run: run_values(folder, run, root, model, quick) for run in names}
-    data_sha256 = {role: _sha256(data / f"{role}.jsonl") for role in ("train", "validation")}
+    data_sha256 = {role: sha256(data / f"{role}.jsonl") for role in ("train", "validation")}
     eval_examples = experiment.eval_examples if not quick else 2
     for run in names if runs is None else runs:  # retrained when its recipe or data changed, resumed if interrupted
         method, config = method_of(values[run])
@@ -314,7 +309,7 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
         stages.decode(system, arguments, decode.batch_size, test, decode_run, model, str(root / system.run), test,
                       stages.predictions(system.name), arguments, decode.batch_size)
 
-    report = stages.timed("report", build_report, root, experiment, compared, names, stats)
+    report = stages.timed("report", build_report, root, experiment, compared, names, stats, METRICS)
     report["timing_s"] = stages.timings
     (root / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print((root / "report.md").read_text(encoding="utf-8"))

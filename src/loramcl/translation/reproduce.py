@@ -227,10 +227,12 @@ def translation(out: str | None = None, recipes: str | None = None, quick: bool 
     import torch
 
     from loramcl.config import DataConfig, MCLConfig, TrainConfig
-    from loramcl.finetune import PEFT_FOLDER, _sha256, nll, run_settings, train
+    from loramcl.file_io import sha256
+    from loramcl.finetune import PEFT_FOLDER, nll, run_settings, train
     from loramcl.generation.cli import generate
     from loramcl.recipe.files import recipe_folder, run_arguments, run_names
-    from loramcl.recipe.stages import Stages, file_stamp, run_record, run_stamp
+    from loramcl.recipe.stages import Stages
+    from loramcl.runs import file_stamp, run_record, run_stamp
     from loramcl.translation.report import build_report
 
     _check(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
@@ -268,7 +270,7 @@ def translation(out: str | None = None, recipes: str | None = None, quick: bool 
     data = root / "data"
     data_settings = {name: getattr(experiment, name) for name in DATA_FIELDS} | {
         "model": model, "chat_template": chat_template, "quick": quick, "files_sha256": {
-            name: _sha256(path) for name, path in experiment.files.items() if name.endswith("_file") and path}}
+            name: sha256(path) for name, path in experiment.files.items() if name.endswith("_file") and path}}
     stages.run("prepare data", data / "prepare.json", data_settings, prepare_data, data, experiment, model,
                chat_template, quick)
     if stop_after == "data":
