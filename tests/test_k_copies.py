@@ -16,7 +16,7 @@ from loramcl import MCLConfig, get_mcl_model
 from loramcl.copies import RowsPerExampleUnknown, repeat_examples
 from loramcl.generation import generate_hypotheses
 from loramcl.model import decoder_input_ids_from_labels
-from loramcl.scoring import sequence_nll
+from loramcl.nll import sequence_nll
 
 B, K, T = 2, 3, 5
 Pair = collections.namedtuple("Pair", "cos sin")

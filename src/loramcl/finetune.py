@@ -144,7 +144,7 @@ def train(
 
     from transformers import AutoTokenizer
 
-    from loramcl.generation.cli import load_model
+    from loramcl.loading import load_model
 
     if scores_for is not None:
         config = _scored_run_config(scores_for, method, mcl)
@@ -387,7 +387,7 @@ def nll(
     import torch
     from transformers import AutoTokenizer
 
-    from loramcl.generation.cli import load_model
+    from loramcl.loading import load_model
 
     decoder = load_model(model, adapters, dtype, device, strict=strict)
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -54,6 +54,7 @@ from loramcl.fingerprint import base_fingerprint, check_base_weights
 from loramcl.generation.hypotheses import HypothesisGeneration
 from loramcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting, MCLLoraLinear, linear_features
 from loramcl.losses import mcl_loss
+from loramcl.nll import IGNORE_INDEX, aligned_targets, check_targets, chunked_token_nll, mean_token_nll, row_means
 from loramcl.peft_interop import (
     PeftInterop,
     matched_layer_names,
@@ -62,7 +63,6 @@ from loramcl.peft_interop import (
     target_layer_names,
 )
 from loramcl.scores import HypothesisScores, context_positions, mixture_nll
-from loramcl.scoring import IGNORE_INDEX, aligned_targets, check_targets, chunked_token_nll, mean_token_nll, row_means
 from loramcl.token_ids import check_token_ids
 from loramcl.upstream import cache_argument, checkpointing_keeps_cache, given_cache
 

@@ -29,7 +29,7 @@ from loramcl.adapter_files import CONFIG_NAME, WEIGHTS_NAME, read_adapters
 from loramcl.losses import temperature_at
 from loramcl.losses import winners as loss_winners
 from loramcl.model import MCLModel
-from loramcl.scoring import IGNORE_INDEX, examples_without_targets
+from loramcl.nll import IGNORE_INDEX, examples_without_targets
 from loramcl.upstream import check_trainer_methods
 
 TRAINING_ARGS_NAME = "training_args.json"  # TrainingArguments.to_dict(), tokens masked; never read back
