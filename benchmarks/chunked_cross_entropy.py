@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from training_step import peak_mib, synchronize
 
-from loramcl.scoring import chunked_token_nll
+from loramcl.nll import chunked_token_nll
 
 
 def whole(hidden, targets, head, chunk_size):

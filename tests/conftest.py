@@ -69,6 +69,6 @@ def peft_reference(model, mcl):
 @pytest.fixture(scope="session")
 def smollm2_folder(tmp_path_factory):
     """SmolLM2-135M-Instruct converted once per test session (about 20 s) for the recipes' end-to-end tests."""
-    from loramcl.models import convert_smollm2
+    from loramcl.pretrained import convert_smollm2
 
     return convert_smollm2(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")

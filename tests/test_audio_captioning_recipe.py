@@ -104,7 +104,7 @@ def test_experiment_errors_say_what_to_change(tmp_path):
 
 
 def test_tta_masks_at_most_its_strength_inside_the_audio():
-    from loramcl.audio_captioning.reproduce import tta_augment
+    from loramcl.generation.augment import tta_augment
 
     features = torch.randn(2, 20, 100) + 5.0  # [B, n_mels, frames]
     mask = torch.zeros(2, 100, dtype=torch.long)

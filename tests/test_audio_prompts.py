@@ -8,7 +8,7 @@ from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 from loramcl import MCLConfig, get_mcl_model
 from loramcl.data.audio_prompts import CaptionEncoder, collate_audio
 from loramcl.generation import generate_hypotheses
-from loramcl.models import tiny_qwen2_audio
+from loramcl.pretrained import tiny_qwen2_audio
 
 WORDS = "a dog barks loudly rain falls".split()
 

@@ -12,7 +12,7 @@ from conftest import randomize_adapters, wrapped_model
 from tiny_models import VOCAB, build_batch
 
 from loramcl import MCLConfig, get_mcl_model
-from loramcl.scoring import chunked_token_nll
+from loramcl.nll import chunked_token_nll
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 7, 13, 64])

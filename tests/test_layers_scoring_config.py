@@ -10,7 +10,7 @@ from transformers.pytorch_utils import Conv1D
 
 from loramcl import DataConfig, MCLConfig, MCLLoraLinear, TrainConfig
 from loramcl.layers import HypothesisRouting
-from loramcl.scoring import aligned_targets, sequence_nll
+from loramcl.nll import aligned_targets, sequence_nll
 
 K, B, T, D_IN, D_OUT, R = 3, 2, 5, 12, 7, 4
 

@@ -6,7 +6,7 @@ from conftest import peft_reference, wrapped_model
 from tiny_models import ARCHITECTURES, CASES, build_batch, build_model
 
 from loramcl import MCLConfig, get_mcl_model
-from loramcl.scoring import sequence_nll
+from loramcl.nll import sequence_nll
 
 
 def _decoder_inputs(mcl, inputs, labels):

@@ -31,7 +31,7 @@ def test_disable_adapters_runs_the_frozen_base_model():
         assert torch.equal(logits, expected) and not torch.allclose(adapted, expected)
         reference = pristine.generate(input_ids=inputs["input_ids"][:1, :4], max_new_tokens=4, do_sample=False)
     assert torch.equal(generated, reference)
-    from loramcl.scoring import sequence_nll
+    from loramcl.nll import sequence_nll
 
     torch.testing.assert_close(nll, sequence_nll(expected, labels, causal=True), atol=1e-6, rtol=0)
     assert vars(mcl.routing) == routing_before and mcl(**inputs, labels=labels).nll.shape == (2, 3)  # restored

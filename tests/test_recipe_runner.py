@@ -8,7 +8,8 @@ import pytest
 from loramcl.recipe.files import merged, read_recipe, recipe_folder
 from loramcl.recipe.grid import DecodeConfig, System
 from loramcl.recipe.report import Column, metrics_table, runs_table
-from loramcl.recipe.stages import Stages, file_stamp, run_stamp
+from loramcl.recipe.stages import Stages
+from loramcl.runs import file_stamp, run_stamp
 
 DECODE = DecodeConfig(max_new_tokens=20, repetition_penalty=1.1, diversity_penalty=0.8)
 
@@ -144,7 +145,8 @@ def test_run_files_and_the_systems_at_equal_budget(tmp_path):
 
 def test_a_run_recorded_before_an_option_existed_is_still_the_same_run(tmp_path):
     from loramcl.config import DataConfig, MCLConfig, TrainConfig
-    from loramcl.finetune import finished_run, run_settings, stale_checkpoint_fields
+    from loramcl.finetune import run_settings
+    from loramcl.runs import finished_run, stale_checkpoint_fields
 
     (tmp_path / "train.jsonl").write_text('{"prompt": "a", "target": "b"}\n')
     settings = run_settings("m", MCLConfig(num_hypotheses=2, r=4), DataConfig(train_file=str(tmp_path / "train.jsonl")),

@@ -241,8 +241,8 @@ def test_scores_fitted_to_a_finished_run_leave_its_hypotheses_as_they_were(tmp_p
     from safetensors.torch import load_file
 
     from loramcl import DataConfig, TrainConfig
+    from loramcl.adapter_files import WEIGHTS_NAME
     from loramcl.finetune import train
-    from loramcl.model import WEIGHTS_NAME
 
     write_base_and_training_pairs(tmp_path)
     data = DataConfig(train_file=str(tmp_path / "train.jsonl"))

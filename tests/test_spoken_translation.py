@@ -25,7 +25,7 @@ from loramcl.data.spoken_messages import (
     speakable,
     spoken_splits,
 )
-from loramcl.models import WHISPER_PACKAGES
+from loramcl.pretrained import WHISPER_PACKAGES
 
 HAVE_WHISPER_AND_ESPEAK = all(importlib.util.find_spec(p) for p in WHISPER_PACKAGES) and bool(shutil.which("espeak-ng"))
 NEEDS_WHISPER_AND_ESPEAK = pytest.mark.skipif(
@@ -174,7 +174,7 @@ def test_encoder_states_given_once_train_as_the_live_encoder(tmp_path):
 def test_whisper_context_cut_keeps_the_first_positions(tmp_path):
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
-    from loramcl.models import whisper_with_context
+    from loramcl.pretrained import whisper_with_context
 
     config = WhisperConfig(vocab_size=64, num_mel_bins=80, d_model=16, encoder_layers=1, decoder_layers=1,
                            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16,

@@ -28,7 +28,7 @@ def commands() -> dict:
     from loramcl.generation.cli import generate
     from loramcl.markov.reproduce import markov
     from loramcl.metrics.cli import evaluate, plot_tradeoff
-    from loramcl.models import convert_smollm2_command, convert_whisper_base_command
+    from loramcl.pretrained import convert_smollm2_command, convert_whisper_base_command
     from loramcl.spoken_translation.reproduce import spoken_translation
     from loramcl.translation.reproduce import translation
 

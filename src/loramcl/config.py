@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from loramcl.inputs import LocalPath
+from loramcl.validate import require, require_int, require_real
 
 LossName = Literal["wta", "relaxed", "annealed"]
 LOSS_NAMES: tuple[str, ...] = ("wta", "relaxed", "annealed")
@@ -110,17 +111,17 @@ class MCLConfig:
     def __post_init__(self) -> None:
         if isinstance(self.target_modules, tuple | set):
             self.target_modules = sorted(self.target_modules)
-        _positive_int("num_hypotheses", self.num_hypotheses)
-        _positive_int("r", self.r, what="(LoRA rank)")
-        _real("alpha", self.alpha, low=0.0, low_open=True, hint=" (the adapter output is scaled by alpha/r)")
-        _real("dropout", self.dropout, low=0.0, high=1.0, high_open=True)
-        _check(self.loss in LOSS_NAMES, f"loss must be one of {LOSS_NAMES}, got {self.loss!r}")
-        _check(isinstance(self.scoring, bool), f"scoring must be True or False, got {self.scoring!r}")
-        _real("scoring_weight", self.scoring_weight, low=0.0)
-        _check(self.tie_break in TIE_BREAKS, f"tie_break must be one of {TIE_BREAKS}, got {self.tie_break!r}")
-        _check(self.adapter_dtype in ADAPTER_DTYPES,
+        require_int("num_hypotheses", self.num_hypotheses)
+        require_int("r", self.r, what="(LoRA rank)")
+        require_real("alpha", self.alpha, low=0.0, low_open=True, hint=" (the adapter output is scaled by alpha/r)")
+        require_real("dropout", self.dropout, low=0.0, high=1.0, high_open=True)
+        require(self.loss in LOSS_NAMES, f"loss must be one of {LOSS_NAMES}, got {self.loss!r}")
+        require(isinstance(self.scoring, bool), f"scoring must be True or False, got {self.scoring!r}")
+        require_real("scoring_weight", self.scoring_weight, low=0.0)
+        require(self.tie_break in TIE_BREAKS, f"tie_break must be one of {TIE_BREAKS}, got {self.tie_break!r}")
+        require(self.adapter_dtype in ADAPTER_DTYPES,
                f"adapter_dtype must be one of {ADAPTER_DTYPES}, got {self.adapter_dtype!r}")
-        _real("epsilon", self.epsilon, low=0.0)
+        require_real("epsilon", self.epsilon, low=0.0)
         if self.loss == "relaxed":
             k = self.num_hypotheses
             upper = (k - 1) / k
@@ -128,14 +129,14 @@ class MCLConfig:
                     "(or loss='wta'), which is plain LoRA fine-tuning." if k == 1 else
                     " Above that bound a losing hypothesis would weigh more than the winner.")
             # The bound printed in full (repr), so that the largest accepted value can be copied from the message.
-            _check(self.epsilon <= upper,
+            require(self.epsilon <= upper,
                    f"epsilon must be in [0, (K-1)/K] = [0, {k - 1}/{k}] for K={k} (at most {upper!r}), "
                    f"got {self.epsilon!r}.{hint}")
-        _real("temperature0", self.temperature0, low=0.0, low_open=True)
-        _real("temperature_decay", self.temperature_decay, low=0.0, high=1.0, low_open=True,
+        require_real("temperature0", self.temperature0, low=0.0, low_open=True)
+        require_real("temperature_decay", self.temperature_decay, low=0.0, high=1.0, low_open=True,
               hint=" (1 keeps the temperature constant)")
-        _real("temperature_min", self.temperature_min, low=0.0)
-        _check(self.target_modules is None or isinstance(self.target_modules, str)
+        require_real("temperature_min", self.temperature_min, low=0.0)
+        require(self.target_modules is None or isinstance(self.target_modules, str)
                or (isinstance(self.target_modules, list) and self.target_modules
                    and all(isinstance(t, str) and t for t in self.target_modules)),
                "target_modules must be None, a non-empty list of layer names, a regular expression string or "
@@ -146,25 +147,26 @@ class MCLConfig:
             if isinstance(value, tuple | set):
                 value = sorted(value)
                 setattr(self, name, value)
-            _check(value is None or (isinstance(value, str) and value) or (
+            require(value is None or (isinstance(value, str) and value) or (
                 isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)),
                 f"{name} must be None, a non-empty list of names or a regular expression string, got {value!r}")
         layers = self.layers_to_transform
         if isinstance(layers, tuple | set):
             self.layers_to_transform = layers = sorted(layers)
-        _check(layers is None or _is_index(layers) or (
+        require(layers is None or _is_index(layers) or (
             isinstance(layers, list) and layers and all(_is_index(i) for i in layers)),
             f"layers_to_transform must be None, a block index >= 0 or a non-empty list of them, got {layers!r}")
-        _check(layers is None or not isinstance(self.target_modules, str) or self.target_modules == "all-linear",
+        require(layers is None or not isinstance(self.target_modules, str) or self.target_modules == "all-linear",
                "layers_to_transform cannot be used with a regular expression target_modules (as in PEFT): "
                "write the block indices into the expression, or give target_modules as a list of names")
-        _check(self.layers_pattern is None or layers is not None,
+        require(self.layers_pattern is None or layers is not None,
                "layers_pattern names the list of blocks that layers_to_transform indexes: set layers_to_transform "
                "too, or leave layers_pattern out")
         if self.logits_chunk_size is not None:
-            _positive_int("logits_chunk_size", self.logits_chunk_size, what="(label tokens; None: no chunks)")
-        _check(isinstance(self.use_rslora, bool), f"use_rslora must be True or False, got {self.use_rslora!r}")
-        _check(isinstance(self.adapt_context, bool), f"adapt_context must be True or False, got {self.adapt_context!r}")
+            require_int("logits_chunk_size", self.logits_chunk_size, what="(label tokens; None: no chunks)")
+        require(isinstance(self.use_rslora, bool), f"use_rslora must be True or False, got {self.use_rslora!r}")
+        require(isinstance(self.adapt_context, bool),
+                f"adapt_context must be True or False, got {self.adapt_context!r}")
 
     @property
     def scaling(self) -> float:
@@ -178,7 +180,7 @@ class MCLConfig:
         _refuse_peft_only_options(values)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
-        _check(not unknown, f"unknown MCLConfig fields {unknown}; known fields are {sorted(known)}")
+        require(not unknown, f"unknown MCLConfig fields {unknown}; known fields are {sorted(known)}")
         return cls(**values)
 
 
@@ -259,13 +261,14 @@ class DataConfig:
     def __post_init__(self) -> None:
         for name in ("train_file", "prompt_key", "target_key"):
             value = getattr(self, name)
-            _check(isinstance(value, str) and value, f"{name} must be a non-empty string, got {value!r}")
-        _check(self.validation_file is None or (isinstance(self.validation_file, str) and self.validation_file),
+            require(isinstance(value, str) and value, f"{name} must be a non-empty string, got {value!r}")
+        require(self.validation_file is None or (isinstance(self.validation_file, str) and self.validation_file),
                f"validation_file must be a path or None, got {self.validation_file!r}")
-        _check(isinstance(self.chat_template, bool), f"chat_template must be true or false, got {self.chat_template!r}")
-        _positive_int("max_length", self.max_length, minimum=2)
+        require(isinstance(self.chat_template, bool),
+                f"chat_template must be true or false, got {self.chat_template!r}")
+        require_int("max_length", self.max_length, minimum=2)
         if self.eval_examples is not None:
-            _positive_int("eval_examples", self.eval_examples)
+            require_int("eval_examples", self.eval_examples)
 
 
 @dataclass(frozen=True)
@@ -318,49 +321,24 @@ class TrainConfig:
     """Learning rate of the hypothesis-scores head (MCLConfig(scoring=True)); None: learning_rate."""
 
     def __post_init__(self) -> None:
-        _positive_int("steps", self.steps)
+        require_int("steps", self.steps)
         if self.scoring_learning_rate is not None:
-            _real("scoring_learning_rate", self.scoring_learning_rate, low=0.0, low_open=True)
-        _positive_int("batch_size", self.batch_size)
-        _real("learning_rate", self.learning_rate, low=0.0, low_open=True)
-        _real("weight_decay", self.weight_decay, low=0.0)
-        _real("adam_beta2", self.adam_beta2, low=0.0, high=1.0, high_open=True)
-        _real("min_learning_rate", self.min_learning_rate, low=0.0, high=self.learning_rate, high_open=True)
-        _check(self.min_learning_rate == 0 or self.scheduler == "cosine", f"min_learning_rate floors the cosine "
+            require_real("scoring_learning_rate", self.scoring_learning_rate, low=0.0, low_open=True)
+        require_int("batch_size", self.batch_size)
+        require_real("learning_rate", self.learning_rate, low=0.0, low_open=True)
+        require_real("weight_decay", self.weight_decay, low=0.0)
+        require_real("adam_beta2", self.adam_beta2, low=0.0, high=1.0, high_open=True)
+        require_real("min_learning_rate", self.min_learning_rate, low=0.0, high=self.learning_rate, high_open=True)
+        require(self.min_learning_rate == 0 or self.scheduler == "cosine", f"min_learning_rate floors the cosine "
                f"schedule: set scheduler: cosine, or min_learning_rate: 0 (scheduler is {self.scheduler!r})")
-        _real("max_grad_norm", self.max_grad_norm, low=0.0)
-        _positive_int("warmup_steps", self.warmup_steps, minimum=0)
-        _check(isinstance(self.scheduler, str) and self.scheduler, f"scheduler must be a name, got {self.scheduler!r}")
-        _positive_int("eval_every", self.eval_every, minimum=0)
-        _positive_int("logging_steps", self.logging_steps)
-        _positive_int("save_every", self.save_every, minimum=0)
-        _positive_int("keep_checkpoints", self.keep_checkpoints)
-        _positive_int("seed", self.seed, minimum=0)
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-def _positive_int(name: str, value, minimum: int = 1, what: str = "") -> None:
-    """An int >= minimum; a bool is refused although Python counts it as an int (True would be taken as 1)."""
-    label = f"{name} {what}".rstrip()
-    _check(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-           f"{label} must be an integer >= {minimum}, got {value!r}")
-
-
-def _real(name: str, value, low: float | None = None, high: float | None = None, low_open: bool = False,
-          high_open: bool = False, hint: str = "") -> None:
-    """A finite real number in [low, high] (an open end with low_open / high_open); NaN and inf are refused."""
-    interval = (f"{'(' if low_open else '['}{'-inf' if low is None else f'{low:g}'}, "
-                f"{'inf' if high is None else f'{high:g}'}{')' if high_open or high is None else ']'}")
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and low is not None:
-        ok = value > low if low_open else value >= low
-    if ok and high is not None:
-        ok = value < high if high_open else value <= high
-    _check(ok, f"{name} must be a finite number in {interval}{hint}, got {value!r}")
+        require_real("max_grad_norm", self.max_grad_norm, low=0.0)
+        require_int("warmup_steps", self.warmup_steps, minimum=0)
+        require(isinstance(self.scheduler, str) and self.scheduler, f"scheduler must be a name, got {self.scheduler!r}")
+        require_int("eval_every", self.eval_every, minimum=0)
+        require_int("logging_steps", self.logging_steps)
+        require_int("save_every", self.save_every, minimum=0)
+        require_int("keep_checkpoints", self.keep_checkpoints)
+        require_int("seed", self.seed, minimum=0)
 
 
 __all__ = ["MCLConfig", "DataConfig", "TrainConfig", "LOSS_NAMES"]

@@ -8,7 +8,6 @@ the functions, after the files, their fields and the model folder are checked.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from typing import Literal
 
 from loramcl.baselines.config import MoEConfig, MultiHeadConfig
 from loramcl.config import DataConfig, MCLConfig, TrainConfig
+from loramcl.file_io import sha256
 from loramcl.inputs import (
     DTYPES,
     MCL_CONFIG,
@@ -33,11 +33,10 @@ from loramcl.inputs import (
     is_encoder_decoder,
     prompt_format,
 )
+from loramcl.runs import CHECKPOINTS, SETTINGS_NAME, run_stamp, stale_checkpoint_fields
 
 # No `if TYPE_CHECKING: import torch` here: jsonargparse runs such blocks to resolve the commands' annotations, which
 # would import torch before every `loramcl train` / `nll` could check its files (tests/test_cli.py).
-CHECKPOINTS = "checkpoints"  # Trainer's resumable checkpoints of a run, inside its `out` folder
-SETTINGS_NAME = "settings.json"  # in CHECKPOINTS: what the checkpoints were trained with, checked on resume
 METHODS = ("mcl", "moe", "multihead")  # LoRA-MCL (K = 1: LoRA-MLE), LoRA-MoE, multi-head MCL
 MethodConfig = MCLConfig | MoEConfig | MultiHeadConfig
 
@@ -50,7 +49,7 @@ def run_settings(model: str, mcl: MethodConfig, data: DataConfig, training: Trai
     files = {"train": data.train_file, "validation": data.validation_file}
     model_settings = {"mcl": mcl.to_dict()} if method == "mcl" else {"method": method, method: mcl.to_dict()}
     settings = {"model": model, **model_settings, "data": asdict(data), "training": asdict(training),
-                "dtype": dtype, "data_sha256": {name: _sha256(path) for name, path in files.items() if path}}
+                "dtype": dtype, "data_sha256": {name: sha256(path) for name, path in files.items() if path}}
     return json.loads(json.dumps(settings))  # as read back from a file (lists, not tuples)
 
 
@@ -83,51 +82,6 @@ def method_model(base, method: str, config: MethodConfig):
     from loramcl.model import get_mcl_model
 
     return get_mcl_model(base, config)
-
-
-def finished_run(out: str | Path, settings: dict) -> bool:
-    """Whether `out` holds a finished `loramcl train` run with these settings (from ``run_settings``)."""
-    path = Path(out) / "run.json"
-    return path.is_file() and not _differing(json.loads(path.read_text()).get("settings") or {}, settings)
-
-
-_CONFIGS = {"mcl": MCLConfig, "moe": MoEConfig, "multihead": MultiHeadConfig}
-# Fields that decide how a run is computed, not its adapters: a run resumed or compared with another value is the same
-_COMPUTATION_ONLY = {"mcl": ("logits_chunk_size",)}
-
-
-def _as_configs(settings: dict) -> dict:
-    """``settings`` with each configuration section rebuilt through its dataclass, so that a field added to
-    loramcl since a run was recorded compares at its default (an option added later is off by default: the run
-    is the same) rather than as a difference."""
-    result = dict(settings)
-    for key, value in settings.items():
-        try:
-            if key in _CONFIGS and isinstance(value, dict):
-                result[key] = _CONFIGS[key].from_dict(value).to_dict()
-                for name in _COMPUTATION_ONLY.get(key, ()):
-                    del result[key][name]
-            elif key in ("data", "training") and isinstance(value, dict):
-                result[key] = asdict((DataConfig if key == "data" else TrainConfig)(**value))
-        except (TypeError, ValueError):  # a field removed or renamed since: compared as recorded
-            pass
-    return json.loads(json.dumps(result))
-
-
-def _differing(saved: dict, settings: dict) -> list[str]:
-    saved, settings = _as_configs(saved), _as_configs(settings)
-    return sorted(key for key in saved.keys() | settings.keys() if saved.get(key) != settings.get(key))
-
-
-def stale_checkpoint_fields(out: str | Path, settings: dict) -> list[str]:
-    """The settings in which the checkpoints under `out` differ from ``settings`` ([] if none or no checkpoints)."""
-    folder = Path(out) / CHECKPOINTS
-    if not any(folder.glob("checkpoint-*")):
-        return []
-    path = folder / SETTINGS_NAME
-    if not path.is_file():
-        return [f"unknown: no {SETTINGS_NAME} beside them"]
-    return _differing(json.loads(path.read_text()), settings)
 
 
 def train(
@@ -190,12 +144,10 @@ def train(
 
     from transformers import AutoTokenizer
 
-    from loramcl.generation.cli import load_model
+    from loramcl.loading import load_model
 
     if scores_for is not None:
         config = _scored_run_config(scores_for, method, mcl)
-        from loramcl.recipe.stages import run_stamp
-
         settings = run_settings(model, config, data, training, dtype, method) | {
             "scores_for": str(scores_for), "scores_for_run": run_stamp(Path(scores_for))}
     else:
@@ -378,14 +330,6 @@ def _epoch_callback(dataset) -> object:
     return SetEpoch()
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def nll(
     model: ModelPath,
     adapters: LocalPath,
@@ -443,7 +387,7 @@ def nll(
     import torch
     from transformers import AutoTokenizer
 
-    from loramcl.generation.cli import load_model
+    from loramcl.loading import load_model
 
     decoder = load_model(model, adapters, dtype, device, strict=strict)
     tokenizer = AutoTokenizer.from_pretrained(model)

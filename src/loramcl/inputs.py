@@ -21,7 +21,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]  # the frozen model's dtype, a
 DTYPES: tuple[str, ...] = get_args(Dtype)
 RUN_RECORD = "run.json"  # written last by `loramcl train` in its `out` folder
 PEFT_FOLDER = "peft"  # where a K = 1 run of `loramcl train` exports its adapter, inside `out`
-MCL_CONFIG = "mcl_config.json"  # loramcl.model.CONFIG_NAME (not imported: that module imports torch)
+MCL_CONFIG = "mcl_config.json"  # loramcl.adapter_files.CONFIG_NAME (not imported: that module imports torch)
 PEFT_CONFIG = "adapter_config.json"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 

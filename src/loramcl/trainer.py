@@ -25,10 +25,11 @@ from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
+from loramcl.adapter_files import CONFIG_NAME, WEIGHTS_NAME, read_adapters
 from loramcl.losses import temperature_at
 from loramcl.losses import winners as loss_winners
-from loramcl.model import CONFIG_NAME, WEIGHTS_NAME, MCLModel, read_adapters
-from loramcl.scoring import IGNORE_INDEX, examples_without_targets
+from loramcl.model import MCLModel
+from loramcl.nll import IGNORE_INDEX, examples_without_targets
 from loramcl.upstream import check_trainer_methods
 
 TRAINING_ARGS_NAME = "training_args.json"  # TrainingArguments.to_dict(), tokens masked; never read back

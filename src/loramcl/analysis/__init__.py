@@ -3,7 +3,8 @@
     language   LanguageIdentifier (character n-gram tf-idf + logistic regression; fit / predict / labels),
                evaluate_identifier (its accuracy and confusion on labelled text),
                language_shares (share of each language per hypothesis, from N items x K candidates),
-               language_table (that as markdown)
+               language_table (that as markdown),
+               language_wins (per reference language, which hypothesis comes closest: paper Table 7)
     embedding  embed (unit sentence embeddings, default the packaged all-MiniLM-L6-v2),
                hypothesis_probe (linear SVM predicting the hypothesis from the embedding, split by item),
                item_split (that split), pca_plot (2-D PCA scatter coloured by hypothesis or label)
@@ -13,9 +14,16 @@ sklearn, sentence-transformers and matplotlib inside their functions.
 """
 
 from loramcl.analysis.embedding import embed, hypothesis_probe, item_split, pca_plot
-from loramcl.analysis.language import EMPTY, LanguageIdentifier, evaluate_identifier, language_shares, language_table
+from loramcl.analysis.language import (
+    EMPTY,
+    LanguageIdentifier,
+    evaluate_identifier,
+    language_shares,
+    language_table,
+    language_wins,
+)
 
 __all__ = [
-    "LanguageIdentifier", "evaluate_identifier", "language_shares", "language_table", "EMPTY",
+    "LanguageIdentifier", "evaluate_identifier", "language_shares", "language_table", "language_wins", "EMPTY",
     "embed", "hypothesis_probe", "item_split", "pca_plot",
 ]

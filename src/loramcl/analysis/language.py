@@ -180,6 +180,23 @@ def language_shares(
     }
 
 
+def language_wins(candidates: list[list[str]], test: list[dict], languages: Sequence[str]) -> dict:
+    """Per reference language, which hypothesis's candidate is closest (sentence chrF) to that language's
+    references (``test[i][lang]``): the paper's Table 7 (which picks the winner with BLEU-4). Also the oracle chrF
+    against each language's references alone: does the system offer a good French AND a good German translation?"""
+    import numpy as np
+
+    from loramcl.metrics import candidate_scores, chrf_sentence, oracle, win_rates
+
+    scores, groups = [], []
+    for lang in languages:
+        scores.append(candidate_scores(chrf_sentence, candidates, [r[lang] for r in test])["chrf"])
+        groups += [lang] * len(test)
+    wins = win_rates(np.concatenate(scores), groups)
+    wins["oracle_chrf"] = {lang: oracle(s) for lang, s in zip(languages, scores, strict=True)}
+    return wins
+
+
 def language_table(shares: dict, title: str = "") -> str:
     """Markdown table of a `language_shares` result: one row per hypothesis, one column per label (share in %),
     then the majority label; a last line gives the share of items covering all of `languages`."""

@@ -21,7 +21,7 @@ def build_report(root: Path, experiment, systems: Sequence[System], runs: Sequen
     """report.md and figures/ from the evaluations in eval/ and the runs' records; returns the report's data."""
     from loramcl.metrics.io import read_report
     from loramcl.metrics.plot import tradeoff_plot
-    from loramcl.recipe.stages import run_record
+    from loramcl.runs import run_record
 
     evaluations = {s.name: read_report(root / "eval" / f"{s.name}.json") for s in systems}
     results = {s.name: {"system": s.to_dict(), "metrics": evaluations[s.name]["metrics"],

@@ -19,10 +19,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from loramcl.config import _check, _positive_int, _real
 from loramcl.data.audio_captions import CAPTIONS_PER_CLIP, LAYOUTS, MISSING_AUDIO, SPLITS, csv_path
 from loramcl.data.audio_prompts import DEFAULT_INSTRUCTION
 from loramcl.recipe.grid import DecodeConfig, System, chosen_budgets, equal_budget_systems, one_per_strategy
+from loramcl.validate import require, require_int, require_real
 
 EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
 DEFAULT_RECIPES = "audio_captioning/tiny"
@@ -124,37 +124,37 @@ class Experiment:
     jars are there, sBERT, Div-n, mBLEU-4)."""
 
     def __post_init__(self) -> None:
-        _check(self.layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        _check(self.synthetic or isinstance(self.root, str) and bool(self.root),
+        require(self.layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        require(self.synthetic or isinstance(self.root, str) and bool(self.root),
                "root must name the folder of the official distribution (or set synthetic: true)")
-        _check(not self.synthetic or self.layout == "clotho", "synthetic data is written in the Clotho layout")
+        require(not self.synthetic or self.layout == "clotho", "synthetic data is written in the Clotho layout")
         unknown = set(self.splits) - set(ROLES)
-        _check(not unknown, f"splits: unknown roles {sorted(unknown)}; roles are {ROLES}")
+        require(not unknown, f"splits: unknown roles {sorted(unknown)}; roles are {ROLES}")
         for split in self.splits.values():
-            _check(split in SPLITS[self.layout], f"splits: {split!r} is no {self.layout} split {SPLITS[self.layout]}")
-        _check(self.missing_audio in MISSING_AUDIO, f"missing_audio must be one of {MISSING_AUDIO}")
+            require(split in SPLITS[self.layout], f"splits: {split!r} is no {self.layout} split {SPLITS[self.layout]}")
+        require(self.missing_audio in MISSING_AUDIO, f"missing_audio must be one of {MISSING_AUDIO}")
         if self.max_seconds is not None:
-            _real("max_seconds", self.max_seconds, low=0.0, low_open=True)
-        _check(self.captions_per_clip in CAPTIONS_PER_CLIP, f"captions_per_clip must be one of {CAPTIONS_PER_CLIP}")
-        _check(bool(self.mcl_decodings) and set(self.mcl_decodings) <= {"beam", "diverse_beam"},
+            require_real("max_seconds", self.max_seconds, low=0.0, low_open=True)
+        require(self.captions_per_clip in CAPTIONS_PER_CLIP, f"captions_per_clip must be one of {CAPTIONS_PER_CLIP}")
+        require(bool(self.mcl_decodings) and set(self.mcl_decodings) <= {"beam", "diverse_beam"},
                f"mcl_decodings must be among beam and diverse_beam, got {self.mcl_decodings!r}")
-        _check(isinstance(self.chat_template, bool), "chat_template must be true or false")
-        _check(self.packaged_model in (None, "tiny-random"), "packaged_model must be tiny-random or null")
+        require(isinstance(self.chat_template, bool), "chat_template must be true or false")
+        require(self.packaged_model in (None, "tiny-random"), "packaged_model must be tiny-random or null")
         if self.epochs is not None:
-            _real("epochs", self.epochs, low=0.0, low_open=True)
-        _positive_int("processes", self.processes)
-        _real("warmup_ratio", self.warmup_ratio, low=0.0, high=1.0, high_open=True)
-        _positive_int("candidates", self.candidates, minimum=2)
-        _check(isinstance(self.budgets, list) and bool(self.budgets), "budgets must be a non-empty list")
+            require_real("epochs", self.epochs, low=0.0, low_open=True)
+        require_int("processes", self.processes)
+        require_real("warmup_ratio", self.warmup_ratio, low=0.0, high=1.0, high_open=True)
+        require_int("candidates", self.candidates, minimum=2)
+        require(isinstance(self.budgets, list) and bool(self.budgets), "budgets must be a non-empty list")
         for budget in self.budgets:
-            _positive_int("budgets", budget)
-            _check(budget % self.candidates == 0, f"every budget must be a multiple of candidates = "
+            require_int("budgets", budget)
+            require(budget % self.candidates == 0, f"every budget must be a multiple of candidates = "
                    f"{self.candidates}, got {budget}")
         for penalty in self.diversity_penalties:
-            _real("diversity_penalties", penalty, low=0.0)
-        _check(all(isinstance(s, dict) and s for s in self.sampling), "sampling: a list of non-empty mappings")
+            require_real("diversity_penalties", penalty, low=0.0)
+        require(all(isinstance(s, dict) and s for s in self.sampling), "sampling: a list of non-empty mappings")
         for strength in self.tta:
-            _check(isinstance(strength, list) and len(strength) == 2 and all(0 <= s <= 1 for s in strength),
+            require(isinstance(strength, list) and len(strength) == 2 and all(0 <= s <= 1 for s in strength),
                    f"tta: each strength is [time fraction, frequency fraction] in [0, 1], got {strength!r}")
         DecodeConfig(**self.decoding)
 
@@ -242,7 +242,7 @@ def run_values(folder: Path, run: str, root: Path, model: str | None, quick: boo
 
     overrides = {"out": str(root / run)} | ({"model": model} if model is not None else {})
     values = read_recipe(folder, [COMMON, f"{run}.yaml"], overrides)
-    _check(isinstance(values.get("model"), str), f"{folder}: no model folder (`model:` in {COMMON})")
+    require(isinstance(values.get("model"), str), f"{folder}: no model folder (`model:` in {COMMON})")
     return merged(values, {"training": QUICK_TRAIN}) if quick else values
 
 
@@ -252,8 +252,8 @@ def method_of(values: dict) -> tuple[str, object]:
     from loramcl.config import MCLConfig
 
     method = values.get("method", "mcl")
-    _check(method in ("mcl", "moe"), f"method must be mcl or moe, got {method!r}")
-    _check(method in values, f"method {method} needs its `{method}:` block")
+    require(method in ("mcl", "moe"), f"method must be mcl or moe, got {method!r}")
+    require(method in values, f"method {method} needs its `{method}:` block")
     return method, (MCLConfig.from_dict(values["mcl"]) if method == "mcl" else MoEConfig(**values["moe"]))
 
 
@@ -278,7 +278,7 @@ def train_captioner(model: str, out: str, method: str, config, training, setting
     from loramcl.data.audio_prompts import CaptionEncoder, collate_audio
     from loramcl.data.prompts import pad_token_id
     from loramcl.finetune import fit, resumable_checkpoint
-    from loramcl.generation.cli import load_model
+    from loramcl.loading import load_model
 
     processor = AutoProcessor.from_pretrained(model)
     encoder = CaptionEncoder(processor, experiment.chat_template, experiment.instruction)
@@ -299,26 +299,6 @@ def train_captioner(model: str, out: str, method: str, config, training, setting
 # ---- decoding ------------------------------------------------------------------------------------------------
 
 
-def tta_augment(time_fraction: float, frequency_fraction: float, lengths=None):
-    """SpecAugment at strength φ = (time, frequency): one time mask of width U{0..time x frames of audio} (capped
-    at that fraction of each clip's own frames) and one frequency mask of width U{0..frequency x mel channels}, drawn
-    afresh for each candidate (``generate_hypotheses`` seeds them). lengths: [B] frames of audio of each clip of the
-    batch, for inputs without a ``feature_attention_mask`` (Whisper's); None: from that mask."""
-    from loramcl.generation.augment import spec_augment
-
-    given = lengths
-
-    def augment(inputs: dict, k: int) -> dict:
-        features = inputs["input_features"]  # [B, n_mels, frames]
-        lengths = inputs["feature_attention_mask"].sum(-1) if given is None else given  # [B] audio, not padding
-        masked = spec_augment(features, num_time_masks=1, max_time_width=int(time_fraction * int(lengths.max())),
-                              max_time_ratio=max(time_fraction, 1e-6), num_freq_masks=1,
-                              max_freq_width=int(frequency_fraction * features.shape[1]), lengths=lengths)
-        return {**inputs, "input_features": masked}
-
-    return augment
-
-
 def decode_captions(model: str, adapters: str, test: Path, out: Path, arguments: dict, experiment: Experiment,
                     batch_size: int, dtype: str, device: str) -> Path:
     """K candidates per test clip with ``generate_hypotheses``; written as `loramcl evaluate` reads predictions:
@@ -327,8 +307,9 @@ def decode_captions(model: str, adapters: str, test: Path, out: Path, arguments:
 
     from loramcl.data.audio_captions import load_audio
     from loramcl.data.audio_prompts import CaptionEncoder
-    from loramcl.generation.cli import load_model
+    from loramcl.generation.augment import tta_augment
     from loramcl.generation.decoding import generate_hypotheses, prediction_record
+    from loramcl.loading import load_model
 
     arguments = dict(arguments)
     strength = arguments.pop("tta_strength", None)
@@ -361,7 +342,7 @@ def score_references(model: str, adapters: str, test: Path, out: Path, experimen
     from loramcl.data.audio_captions import load_audio
     from loramcl.data.audio_prompts import CaptionEncoder, collate_audio
     from loramcl.data.prompts import pad_token_id
-    from loramcl.generation.cli import load_model
+    from loramcl.loading import load_model
 
     processor = AutoProcessor.from_pretrained(model)
     encoder = CaptionEncoder(processor, experiment.chat_template, experiment.instruction)
@@ -436,12 +417,13 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
     import torch
 
     from loramcl.audio_captioning.report import build_report
-    from loramcl.finetune import _sha256
+    from loramcl.file_io import sha256
     from loramcl.recipe.files import recipe_folder, run_names
-    from loramcl.recipe.stages import Stages, file_stamp, run_stamp
+    from loramcl.recipe.stages import Stages
+    from loramcl.runs import file_stamp, run_stamp
 
-    _check(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
-    _check(runs is None or stop_after == "train", "runs selects the runs to train: use it with stop_after: train")
+    require(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
+    require(runs is None or stop_after == "train", "runs selects the runs to train: use it with stop_after: train")
     if threads is not None:
         torch.set_num_threads(threads)
     folder = recipe_folder(recipes, DEFAULT_RECIPES, [EXPERIMENT, COMMON])
@@ -452,17 +434,17 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
 
     model = None
     if experiment.packaged_model == "tiny-random":
-        from loramcl.models import tiny_qwen2_audio
+        from loramcl.pretrained import tiny_qwen2_audio
 
         model = str(root / TINY_MODEL_FOLDER)
         stages.run("build model", root / TINY_MODEL_FOLDER / "built.json", {"words": SYNTHETIC_WORDS},
                    tiny_qwen2_audio, model, SYNTHETIC_WORDS)
     names = run_names(folder, reserved=(EXPERIMENT, COMMON))
     unknown = sorted(set(runs or []) - set(names))
-    _check(not unknown, f"runs: no run file for {unknown} (runs: {names})")
+    require(not unknown, f"runs: no run file for {unknown} (runs: {names})")
     values = {run: run_values(folder, run, root, model, quick) for run in names}
     model = values[names[0]]["model"]
-    _check(all(v["model"] == model for v in values.values()), "every run of a recipe folder trains the same model")
+    require(all(v["model"] == model for v in values.values()), "every run of a recipe folder trains the same model")
     if stop_after != "data":
         from loramcl.inputs import check_model_folder
 
@@ -476,7 +458,7 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
     data_settings = {"layout": experiment.layout, "root": str(data_root), "splits": {r: experiment.split(r)
                                                                                      for r in ROLES},
                      "missing_audio": experiment.missing_audio, "quick": quick,
-                     "csv_sha256": {r: _sha256(csv_path(experiment.layout, data_root, experiment.split(r)))
+                     "csv_sha256": {r: sha256(csv_path(experiment.layout, data_root, experiment.split(r)))
                                     for r in ROLES if csv_path(experiment.layout, data_root, experiment.split(r))
                                     .is_file()}}
     stages.run("prepare data", data / "prepare.json", data_settings, prepare_data, data, experiment, data_root, quick)
@@ -485,7 +467,7 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
         return {"data": str(data)}
 
     train_examples = stats["splits"]["train"]["clips" if experiment.captions_per_clip == "one" else "captions"]
-    data_sha256 = {role: _sha256(data / f"{role}.jsonl") for role in ROLES[:2]}
+    data_sha256 = {role: sha256(data / f"{role}.jsonl") for role in ROLES[:2]}
     for run in names if runs is None else runs:  # retrained when its recipe or data changed, resumed if interrupted
         v = values[run]
         method, config = method_of(v)
@@ -504,7 +486,7 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
         return {"runs": {run: str(root / run) for run in (names if runs is None else runs)}}
 
     decoded = experiment.decoded if experiment.decoded is not None else names
-    _check(not set(decoded) - set(names), f"decoded: no run file for {sorted(set(decoded) - set(names))}")
+    require(not set(decoded) - set(names), f"decoded: no run file for {sorted(set(decoded) - set(names))}")
     hypotheses = {run: method_of(values[run])[1].to_dict().get("num_hypotheses", 1) for run in decoded}
     systems = systems_of(experiment, hypotheses, chosen)
     if quick:

@@ -8,8 +8,9 @@ import os
 
 import torch
 
+from loramcl.adapter_files import CONFIG_NAME, WEIGHTS_NAME, read_adapter_files
 from loramcl.fingerprint import check_base_weights
-from loramcl.model import CONFIG_NAME, WEIGHTS_NAME, MCLModel, read_adapter_files
+from loramcl.model import MCLModel
 
 
 def method_config(path, saved: dict, method: str, config_class):

@@ -29,7 +29,8 @@ from loramcl.baselines.config import MoEConfig
 from loramcl.baselines.files import BaselineFiles, check_tensors_fit, copy_tensors, method_config
 from loramcl.fingerprint import base_fingerprint, check_base_weights
 from loramcl.layers import DISABLED, HypothesisRouting, MCLLoraLinear, linear_features
-from loramcl.model import MCLModel, replace_modules, target_layer_names
+from loramcl.model import MCLModel, replace_modules
+from loramcl.peft_interop import target_layer_names
 
 SOFT, SAMPLED = "soft", "sampled"
 

@@ -26,9 +26,11 @@ from torch import nn
 
 from loramcl.baselines.config import MultiHeadConfig
 from loramcl.baselines.files import BaselineFiles, check_tensors_fit, copy_tensors, method_config
+from loramcl.copies import batch_size_of
 from loramcl.fingerprint import base_fingerprint, check_base_weights
 from loramcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting
-from loramcl.model import MCLModel, MCLOutput, _batch_size, _output_layer, replace_modules
+from loramcl.model import MCLModel, MCLOutput, replace_modules
+from loramcl.peft_interop import output_layer_of
 
 
 class HypothesisHeads(nn.Module):
@@ -156,7 +158,7 @@ class MultiHeadModel(BaselineFiles, MCLModel):
             return super().forward(labels=labels, hypotheses=hypotheses, **inputs)
         # One copy per example of an internal module: which of its rows belong to which example is the model's
         # business (e.g. a varying number of image patches), so all K copies run and each example keeps its own.
-        batch = labels.shape[0] if labels is not None else _batch_size(inputs)
+        batch = labels.shape[0] if labels is not None else batch_size_of(inputs)
         self._set_routing(hypotheses, rows=batch)  # checks the indices
         index = self.routing.index  # [B]
         out = super().forward(labels=labels, **inputs)
@@ -219,7 +221,7 @@ def _reinitialised(module: nn.Module, model: nn.Module) -> nn.Module:
 
 
 def _module_suggestions(model: nn.Module) -> list[str]:
-    output = _output_layer(model)
+    output = output_layer_of(model)
     names = [name for name, m in model.named_modules() if m is output or "projector" in name.rsplit(".", 1)[-1]]
     return names or [name for name, _ in model.named_children()]
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from loramcl.config import MCLConfig
 from loramcl.layers import linear_features
-from loramcl.model import target_layer_names
+from loramcl.peft_interop import target_layer_names
 
 
 @dataclass(frozen=True)

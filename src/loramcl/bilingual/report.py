@@ -4,7 +4,6 @@ hypothesis's outputs, embedding probes, and the training curves (paper Table 7, 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -35,27 +34,12 @@ def train_identifier(train: list[dict], test: list[dict], seed: int = 0):
     return identifier, evaluate_identifier(identifier, check_texts, check_labels)
 
 
-def language_wins(candidates: list[list[str]], test: list[dict], languages: Sequence[str] = LANGUAGES) -> dict:
-    """Per reference language, which hypothesis's candidate is closest (sentence chrF) to that language's
-    references (``test[i][lang]``): the paper's Table 7 (which picks the winner with BLEU-4). Also the oracle chrF
-    against each language's references alone: does the system offer a good French AND a good German translation?"""
-    from loramcl.metrics import candidate_scores, chrf_sentence, oracle, win_rates
-
-    scores, groups = [], []
-    for lang in languages:
-        scores.append(candidate_scores(chrf_sentence, candidates, [r[lang] for r in test])["chrf"])
-        groups += [lang] * len(test)
-    wins = win_rates(np.concatenate(scores), groups)
-    wins["oracle_chrf"] = {lang: oracle(s) for lang, s in zip(languages, scores, strict=True)}
-    return wins
-
-
 def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> dict:
-    from loramcl.analysis import embed, hypothesis_probe, language_shares, pca_plot
+    from loramcl.analysis import embed, hypothesis_probe, language_shares, language_wins, pca_plot
     from loramcl.metrics import evaluate_candidates
     from loramcl.metrics.io import load_mixture_nll, load_nll, load_scores, read_jsonl, to_jsonable
     from loramcl.recipe.report import training_curves
-    from loramcl.recipe.stages import run_record
+    from loramcl.runs import run_record
 
     test = list(read_jsonl(root / "data" / "test.jsonl", "references").values())
     train = list(read_jsonl(root / "data" / "train.jsonl", "target").values())
@@ -81,7 +65,8 @@ def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> 
         shares = language_shares(candidates, identifier, languages=list(LANGUAGES))
         languages[system.name] = np.array(shares.pop("predictions"))  # [N, K] identified language per candidate
         results[system.name] = {"system": system.to_dict(), "metrics": report["metrics"],
-                                "likelihood": report["likelihood"], "language_wins": language_wins(candidates, test),
+                                "likelihood": report["likelihood"],
+                                "language_wins": language_wins(candidates, test, LANGUAGES),
                                 "languages": shares, "timing_s": report["timing_s"]}
         if scores is not None:
             results[system.name]["mean_scores"] = scores.mean(axis=0)

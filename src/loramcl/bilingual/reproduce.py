@@ -76,9 +76,10 @@ def bilingual(out: str = "runs/bilingual", quick: bool = False, budgets: list[in
     from loramcl.data.gettext_pairs import BuildSettings, build_dataset
     from loramcl.finetune import PEFT_FOLDER, nll, run_settings, train
     from loramcl.generation.cli import generate
-    from loramcl.models import convert_smollm2
+    from loramcl.pretrained import convert_smollm2
     from loramcl.recipe.files import recipe_folder
-    from loramcl.recipe.stages import Stages, file_stamp, run_record, run_stamp
+    from loramcl.recipe.stages import Stages
+    from loramcl.runs import file_stamp, run_record, run_stamp
 
     known = sorted({s.budget for s in SYSTEMS})
     if budgets is not None and (not budgets or set(budgets) - set(known)):

@@ -19,7 +19,7 @@ def build_report(root: Path, experiment, systems, runs: list[str]) -> dict:
     from loramcl.metrics import evaluate_candidates
     from loramcl.metrics.io import load_run, to_jsonable
     from loramcl.metrics.plot import tradeoff_plot
-    from loramcl.recipe.stages import run_record
+    from loramcl.runs import run_record
 
     results = {}
     for system in systems:

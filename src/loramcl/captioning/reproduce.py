@@ -14,8 +14,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from loramcl.config import _check, _positive_int
 from loramcl.recipe.grid import DecodeConfig, System, check_budgets, chosen_budgets
+from loramcl.validate import require, require_int
 
 EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
 DEFAULT_RECIPES = "image_captioning/textcaps"
@@ -91,18 +91,18 @@ class Experiment:
         from loramcl.data.textcaps import PER_IMAGE, SPLIT_FILES
 
         for name in ("textcaps", "images"):
-            _check(isinstance(getattr(self, name), str) and getattr(self, name), f"{name} must be a folder path")
+            require(isinstance(getattr(self, name), str) and getattr(self, name), f"{name} must be a folder path")
         for name in ("train_split", "test_split"):
-            _check(getattr(self, name) in SPLIT_FILES, f"{name} must be one of {sorted(SPLIT_FILES)}, got "
+            require(getattr(self, name) in SPLIT_FILES, f"{name} must be one of {sorted(SPLIT_FILES)}, got "
                    f"{getattr(self, name)!r}")
-        _check(self.test_split != "test", "test_split: TextCaps' test split has no captions to score against; use val")
-        _check(self.per_image in PER_IMAGE, f"per_image must be one of {PER_IMAGE}, got {self.per_image!r}")
-        _check(isinstance(self.instruction, str) and self.instruction.strip(), "instruction must be a non-empty text")
-        _positive_int("max_caption_tokens", self.max_caption_tokens, minimum=2)
+        require(self.test_split != "test", "test_split: TextCaps' test split has no captions to score against; use val")
+        require(self.per_image in PER_IMAGE, f"per_image must be one of {PER_IMAGE}, got {self.per_image!r}")
+        require(isinstance(self.instruction, str) and self.instruction.strip(), "instruction must be a non-empty text")
+        require_int("max_caption_tokens", self.max_caption_tokens, minimum=2)
         if self.test_images is not None:
-            _positive_int("test_images", self.test_images)
+            require_int("test_images", self.test_images)
         check_budgets(self.candidates, self.budgets)
-        _check(isinstance(self.diversity_penalties, list) and all(
+        require(isinstance(self.diversity_penalties, list) and all(
             isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in self.diversity_penalties),
             f"diversity_penalties must be a list of numbers >= 0, got {self.diversity_penalties!r}")
         DecodeConfig(**self.decoding)
@@ -115,7 +115,7 @@ class Experiment:
 
         if self.bilingual is None:
             return None
-        _check(isinstance(self.bilingual, dict), f"bilingual must be a mapping of settings, got {self.bilingual!r}")
+        require(isinstance(self.bilingual, dict), f"bilingual must be a mapping of settings, got {self.bilingual!r}")
         return BilingualSettings(**self.bilingual)
 
     @classmethod
@@ -136,9 +136,9 @@ def run_values(folder: Path, run: str, root: Path, quick: bool) -> dict:
     from loramcl.recipe.files import run_arguments
 
     values = run_arguments(folder, run, root, quick={"training": QUICK_TRAIN} if quick else None, common=COMMON)
-    _check(isinstance(values.get("model"), str), f"{folder}: the runs need `model:` (a local LLaVA-NeXT folder)")
+    require(isinstance(values.get("model"), str), f"{folder}: the runs need `model:` (a local LLaVA-NeXT folder)")
     method = values.get("method", "mcl")
-    _check(method in ("mcl", "moe", "multihead") and isinstance(values.get(method), dict),
+    require(method in ("mcl", "moe", "multihead") and isinstance(values.get(method), dict),
            f"{folder / (run + '.yaml')}: needs a `{method}:` block (method: {method})")
     return values
 
@@ -165,7 +165,7 @@ def systems_of(experiment: Experiment, values: dict[str, dict], budgets: list[in
 
     decoded = experiment.decoded if experiment.decoded is not None else list(values)
     unknown = [run for run in decoded if run not in values]
-    _check(not unknown, f"decoded: no run file for {unknown} (runs: {sorted(values)})")
+    require(not unknown, f"decoded: no run file for {unknown} (runs: {sorted(values)})")
     systems = []
     for system in equal_budget_systems({run: candidates_per_run(values[run]) for run in decoded},
                                        experiment.candidates, budgets, SINGLE_MODEL_DECODINGS,
@@ -221,7 +221,7 @@ def read_images(path: Path) -> list:
 
 def load_vlm(model: str, dtype: str = "float32", device: str = "cpu", adapters: str | None = None):
     """A local image-text-to-text model (LLaVA-NeXT) in eval mode, with the adapters of a run folder if given."""
-    from loramcl.generation.cli import load_model
+    from loramcl.loading import load_model
 
     return load_model(model, adapters, dtype, device)
 
@@ -303,11 +303,12 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
     """
     from loramcl.captioning.report import build_report
     from loramcl.config import TrainConfig
-    from loramcl.finetune import _sha256
+    from loramcl.file_io import sha256
     from loramcl.recipe.files import recipe_folder, run_names
-    from loramcl.recipe.stages import Stages, run_record
+    from loramcl.recipe.stages import Stages
+    from loramcl.runs import run_record
 
-    _check(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
+    require(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
     folder = recipe_folder(recipes, DEFAULT_RECIPES, [EXPERIMENT, COMMON])
     experiment = Experiment.read(folder / EXPERIMENT)
     root = Path(out if out is not None else experiment.out)
@@ -318,11 +319,11 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
     systems = systems_of(experiment, values, chosen)
     model = values[runs[0]]["model"]
     for run, v in values.items():
-        _check(v["model"] == model, f"run {run}: every run of a recipe folder trains the same model ({model})")
+        require(v["model"] == model, f"run {run}: every run of a recipe folder trains the same model ({model})")
 
     data = root / "data"
     data_settings = asdict(experiment) | {"quick": quick, "files_sha256": {
-        split: _sha256(Path(experiment.textcaps) / f"TextCaps_0.1_{split}.json")
+        split: sha256(Path(experiment.textcaps) / f"TextCaps_0.1_{split}.json")
         for split in {experiment.train_split, experiment.test_split}}}
     for name in ("out", "decoded", "decoding", "budgets", "candidates", "diversity_penalties", "metrics",
                  "mcl_decodings"):
@@ -340,7 +341,7 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
             "model": model, **({"mcl": config.to_dict()} if method == "mcl" else {"method": method,
                                                                                   method: config.to_dict()}),
             "data": data_fields, "training": asdict(TrainConfig(**v.get("training", {}))),
-            "dtype": v.get("dtype", "float32"), "data_sha256": {"train": _sha256(data / "train.jsonl")}}))
+            "dtype": v.get("dtype", "float32"), "data_sha256": {"train": sha256(data / "train.jsonl")}}))
         stages.train(f"train {run}", Path(v["out"]), settings, train_run, v, data, experiment, settings, threads)
     if stop_after == "train":
         return {"runs": {run: str(root / run) for run in runs}}

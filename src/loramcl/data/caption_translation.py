@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from loramcl.config import _check, _positive_int, _real
+from loramcl.validate import require, require_int, require_real
 
 
 @dataclass(frozen=True)
@@ -41,14 +41,14 @@ class BilingualSettings:
     max_new_tokens: int = 64
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.translator, str) and self.translator, "bilingual.translator must be a model folder")
-        _check(isinstance(self.prefix, str), f"bilingual.prefix must be a string, got {self.prefix!r}")
-        _check(isinstance(self.language, str) and self.language and self.language != "en",
+        require(isinstance(self.translator, str) and self.translator, "bilingual.translator must be a model folder")
+        require(isinstance(self.prefix, str), f"bilingual.prefix must be a string, got {self.prefix!r}")
+        require(isinstance(self.language, str) and self.language and self.language != "en",
                f"bilingual.language must be a tag other than 'en', got {self.language!r}")
-        _real("bilingual.fraction", self.fraction, low=0.0, high=1.0)
-        _positive_int("bilingual.seed", self.seed, minimum=0)
-        _positive_int("bilingual.batch_size", self.batch_size)
-        _positive_int("bilingual.max_new_tokens", self.max_new_tokens)
+        require_real("bilingual.fraction", self.fraction, low=0.0, high=1.0)
+        require_int("bilingual.seed", self.seed, minimum=0)
+        require_int("bilingual.batch_size", self.batch_size)
+        require_int("bilingual.max_new_tokens", self.max_new_tokens)
 
     def translated(self, image_id: str, position: int) -> bool:
         """Whether training caption ``position`` of image ``image_id`` is replaced by its translation."""

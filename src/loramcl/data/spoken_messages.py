@@ -31,7 +31,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from loramcl.config import _check, _positive_int
+from loramcl.validate import require, require_int
 
 MODES = ("en", "fr")  # the English transcript, the French translation
 ESPEAK = "espeak-ng"
@@ -67,15 +67,15 @@ class SpokenSettings:
     """espeak-ng pitch (0-99), drawn uniformly in this range per message."""
 
     def __post_init__(self) -> None:
-        _check(0 < self.min_chars <= self.max_chars, f"need 0 < min_chars <= max_chars, got {self.min_chars}, "
+        require(0 < self.min_chars <= self.max_chars, f"need 0 < min_chars <= max_chars, got {self.min_chars}, "
                f"{self.max_chars}")
         for name in ("train", "validation", "test"):
-            _positive_int(name, getattr(self, name), minimum=0 if name == "validation" else 1)
-        _check(bool(self.voices) and all(isinstance(v, str) and v for v in self.voices),
+            require_int(name, getattr(self, name), minimum=0 if name == "validation" else 1)
+        require(bool(self.voices) and all(isinstance(v, str) and v for v in self.voices),
                "voices must be a non-empty list of espeak-ng voice names (espeak-ng --voices=en)")
         for name, low, high in (("speed", 80, 450), ("pitch", 0, 99)):
             bounds = getattr(self, name)
-            _check(len(bounds) == 2 and low <= bounds[0] <= bounds[1] <= high,
+            require(len(bounds) == 2 and low <= bounds[0] <= bounds[1] <= high,
                    f"{name} must be [low, high] with {low} <= low <= high <= {high}, got {bounds!r}")
         object.__setattr__(self, "voices", tuple(self.voices))
         object.__setattr__(self, "speed", tuple(self.speed))
@@ -175,7 +175,7 @@ def write_spoken_splits(out: str | Path, settings: SpokenSettings, max_seconds: 
     ``max_seconds`` (the model's audio context) is left out and counted."""
     from loramcl.data.audio_captions import audio_info
 
-    _check(max_seconds > 0, f"max_seconds must be > 0, got {max_seconds}")
+    require(max_seconds > 0, f"max_seconds must be > 0, got {max_seconds}")
     check_voices(settings.voices)  # before reading the catalogs
     out = Path(out)
     splits = spoken_splits(settings)
@@ -202,6 +202,12 @@ def write_spoken_splits(out: str | Path, settings: SpokenSettings, max_seconds: 
     return stats
 
 
+def read_rows(path: str | Path) -> list[dict]:
+    """The rows of a split written by ``write_spoken_splits`` (one JSON object per line)."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
 @dataclass
 class WhisperTargets:
     """Whisper's labels for a target in a mode: [<|lang|>, <|transcribe|>, <|notimestamps|>, text tokens...,
@@ -223,8 +229,9 @@ class WhisperTargets:
         self.end = token_id("<|endoftext|>")
 
     def labels(self, target: str, mode: str) -> list[int]:
-        _check(mode in MODES, f"mode must be one of {MODES}, got {mode!r}")
-        _check(isinstance(target, str) and bool(target.strip()), f"a target must be a non-empty string, got {target!r}")
+        require(mode in MODES, f"mode must be one of {MODES}, got {mode!r}")
+        require(isinstance(target, str) and bool(target.strip()),
+                f"a target must be a non-empty string, got {target!r}")
         text = self.tokenizer.encode(" " + target.strip(), add_special_tokens=False)
         return [*self.prefixes[mode], *text, self.end]
 

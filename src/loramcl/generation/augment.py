@@ -85,3 +85,21 @@ def _draw_bands(count: int, max_width: int, width_limit: Tensor, span: Tensor, g
     position = torch.arange(size)[None, None, :]  # [1, 1, size]
     inside = (position >= starts[..., None]) & (position < (starts + widths)[..., None])  # [B, count, size]
     return inside.any(dim=1)
+
+
+def tta_augment(time_fraction: float, frequency_fraction: float, lengths=None):
+    """SpecAugment at strength φ = (time, frequency): one time mask of width U{0..time x frames of audio} (capped
+    at that fraction of each clip's own frames) and one frequency mask of width U{0..frequency x mel channels}, drawn
+    afresh for each candidate (``generate_hypotheses`` seeds them). lengths: [B] frames of audio of each clip of the
+    batch, for inputs without a ``feature_attention_mask`` (Whisper's); None: from that mask."""
+    given = lengths
+
+    def augment(inputs: dict, k: int) -> dict:
+        features = inputs["input_features"]  # [B, n_mels, frames]
+        lengths = inputs["feature_attention_mask"].sum(-1) if given is None else given  # [B] audio, not padding
+        masked = spec_augment(features, num_time_masks=1, max_time_width=int(time_fraction * int(lengths.max())),
+                              max_time_ratio=max(time_fraction, 1e-6), num_freq_masks=1,
+                              max_freq_width=int(frequency_fraction * features.shape[1]), lengths=lengths)
+        return {**inputs, "input_features": masked}
+
+    return augment

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loramcl.model import _NOT_PER_EXAMPLE, MCLModel, _batch_dim, _batch_size, repeat_examples
+from loramcl.copies import NOT_PER_EXAMPLE, batch_dim, batch_size_of, repeat_examples
+from loramcl.model import MCLModel
 from loramcl.token_ids import check_token_ids
 
 MCL_STRATEGIES = ("greedy", "beam", "sample", "diverse_beam")
@@ -370,7 +371,7 @@ def _prepare_inputs(model: nn.Module, tokenizer, inputs) -> dict:
     unsupported = sorted(_UNSUPPORTED_INPUTS & set(batch))
     if unsupported:
         raise ValueError(f"inputs {unsupported} cannot be copied per hypothesis: pass the raw inputs instead")
-    rows = _batch_size(batch)
+    rows = batch_size_of(batch)
     if rows == 0:
         raise ValueError("inputs is an empty batch: give at least one example")
     mask = batch.get("attention_mask")
@@ -393,7 +394,7 @@ def _prepare_inputs(model: nn.Module, tokenizer, inputs) -> dict:
 def _repeat_batch(batch: dict, copies: int) -> dict:
     """K' copies of the batch, copy-major: [B, ...] -> [K'*B, ...], copy c at rows c*B ... (c+1)*B - 1 (the
     model's K-copy rule, ``repeat_examples``)."""
-    rows = _batch_size(batch)
+    rows = batch_size_of(batch)
     return {name: repeat_examples(value, copies, rows, name) for name, value in batch.items()}
 
 
@@ -405,10 +406,10 @@ def _concat_batches(batches: list[dict]) -> dict | None:
     merged = {}
     for name, value in first.items():
         values = [b[name] for b in batches]
-        if torch.is_tensor(value) and value.dim() >= 1 and name not in _NOT_PER_EXAMPLE:
+        if torch.is_tensor(value) and value.dim() >= 1 and name not in NOT_PER_EXAMPLE:
             if any(not torch.is_tensor(v) or v.shape != value.shape for v in values):
                 return None
-            merged[name] = torch.cat(values, dim=_batch_dim(name, value))
+            merged[name] = torch.cat(values, dim=batch_dim(name, value))
         elif all(v is value for v in values) or all(_same(v, value) for v in values):
             merged[name] = value
         else:
@@ -518,7 +519,7 @@ class _Decoder:
     def mcl(self, batch: dict, selected: list[int], diversity_penalty: float | None = None) -> list[list[Candidate]]:
         """One generate over K'*B rows, hypothesis-major; candidate c of input i is row c*B + i. With
         ``diversity_penalty``: diverse MCL decoding, the copies being the groups of one diverse beam search."""
-        rows, copies = _batch_size(batch), len(selected)
+        rows, copies = batch_size_of(batch), len(selected)
         # One hypothesis: plain single routing; else one routing entry per copy of the batch.
         routing = selected[0] if copies == 1 else torch.tensor(selected)  # [K']
         head = getattr(self.model, "scoring_head", None)
@@ -552,7 +553,7 @@ class _Decoder:
     def stochastic_router(self, batch: dict, copies: int) -> list[list[Candidate]]:
         """K stochastic-router passes in one generate over K*B rows, pass-major; candidate c of input i is row
         c*B + i, decoded with the router sampled from generator seed + c."""
-        rows = _batch_size(batch)
+        rows = batch_size_of(batch)
         seed = self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item())
         with self.model.stochastic_router(copies, seed):
             candidates = self._generate(_repeat_batch(batch, copies))  # [K*B], pass-major
@@ -562,7 +563,7 @@ class _Decoder:
         """Beam search or sampling returning K sequences per input (rows of input i consecutive)."""
         with _seeded(self.seed, self.device):
             candidates = self._generate(batch, num_return_sequences=num_sequences)  # [B*K], input-major
-        return self._per_input(candidates, _batch_size(batch), num_sequences)
+        return self._per_input(candidates, batch_size_of(batch), num_sequences)
 
     def diverse_beam(self, batch: dict, num_sequences: int, groups: int, penalty: float) -> list[list[Candidate]]:
         from loramcl.generation.diverse_beam import generate_diverse_beam
@@ -572,7 +573,7 @@ class _Decoder:
                                            num_beam_groups=groups, diversity_penalty=penalty,
                                            num_return_sequences=num_sequences, **self._diverse_kwargs())
             candidates = self._candidates(output, batch, per_input=num_sequences)  # [B*K], input-major
-        return self._per_input(candidates, _batch_size(batch), num_sequences)
+        return self._per_input(candidates, batch_size_of(batch), num_sequences)
 
     def _diverse_kwargs(self) -> dict:
         """The generate arguments of a diverse beam search: it sets its own beams and output, and keeps no step
@@ -583,12 +584,12 @@ class _Decoder:
     def tta(self, batch: dict, augment: Callable[[dict, int], dict], copies: int) -> list[list[Candidate]]:
         """K perturbed contexts, each decoded with num_beams beams and returning its best: one generate over K*B
         rows (context-major) when the perturbed batches have equal shapes, else one generate per context."""
-        rows = _batch_size(batch)
+        rows = batch_size_of(batch)
         with _seeded(self.seed, self.device):
             perturbed = [dict(augment(dict(batch), k)) for k in range(copies)]
             for k, p in enumerate(perturbed):
-                if _batch_size(p) != rows:
-                    raise ValueError(f"augment(inputs, {k}) returned {_batch_size(p)} examples instead of {rows}")
+                if batch_size_of(p) != rows:
+                    raise ValueError(f"augment(inputs, {k}) returned {batch_size_of(p)} examples instead of {rows}")
             merged = _concat_batches(perturbed)
             if merged is not None:
                 candidates = self._generate(merged)  # [K*B], context-major

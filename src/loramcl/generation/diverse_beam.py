@@ -37,7 +37,7 @@ One difference is inherited from transformers 5: its ``repetition_penalty`` igno
 prompt, whereas 4.56.2 also penalised the pad token id found there.
 
 Groups as copies of the batch (``copies=G``, ``generate_diverse_copies``): the batch given to ``generate`` is G copies
-of B examples, copy-major (copy g at rows g*B ... (g+1)*B - 1, as ``loramcl.model.repeat_examples`` makes them), each
+of B examples, copy-major (copy g at rows g*B ... (g+1)*B - 1, as ``loramcl.copies.repeat_examples`` makes them), each
 expanded by ``generate`` to ``num_beams`` beams; group g of example b is copy g's beams of example b. The step above
 is unchanged (group g is penalised by the tokens of groups 0..g-1 of the same example), but each group returns its own
 best hypotheses, copy-major, where the classic mode ranks all groups together. With an MCL model routed per copy
@@ -104,7 +104,7 @@ def generate_diverse_copies(model: nn.Module, inputs: dict, *, copies: int, num_
     ``num_beams`` beams, penalised by the tokens that copies 0..g-1 of the same example chose at the same step
     (Hamming diversity, lambda = ``diversity_penalty``), and returning its own best ``num_return_sequences``.
 
-    inputs: G copies of B examples, copy-major (copy g at rows g*B ... (g+1)*B - 1; ``loramcl.model.repeat_examples``
+    inputs: G copies of B examples, copy-major (copy g at rows g*B ... (g+1)*B - 1; ``loramcl.copies.repeat_examples``
         makes them). What makes the copies differ is the caller's: e.g. an MCL model inside
         ``use_hypotheses(index, copies=True)`` runs copy g through hypothesis ``index[g]``.
     generate_kwargs: as for ``generate_diverse_beam``.

@@ -14,11 +14,12 @@ import numpy as np
 import torch
 from transformers import GPTNeoConfig, GPTNeoForCausalLM, PrinterCallback, TrainerCallback, TrainingArguments
 
-from loramcl.config import MCLConfig, _positive_int, _real
+from loramcl.config import MCLConfig
 from loramcl.markov.chains import MarkovMixture
 from loramcl.markov.theory import optimal_nll
 from loramcl.model import MCLModel, get_mcl_model
 from loramcl.trainer import MCLTrainer
+from loramcl.validate import require_int, require_real
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 TOY_MAX_POSITIONS = 1024  # positions of the toy model: the longest sequence it reads
@@ -58,13 +59,13 @@ class RunSettings:
     def __post_init__(self) -> None:
         for name in ("hypotheses", "rank", "steps", "batch_size", "eval_every", "eval_sequences", "hidden_size",
                      "layers", "heads", "window"):
-            _positive_int(name, getattr(self, name))
+            require_int(name, getattr(self, name))
         for name in ("learning_rate", "temperature0", "initializer_range"):
-            _real(name, getattr(self, name), low=0.0, low_open=True)
-        _real("epsilon", self.epsilon, low=0.0, high=1.0)
-        _real("weight_decay", self.weight_decay, low=0.0)
-        _real("temperature_decay", self.temperature_decay, low=0.0, high=1.0, low_open=True)
-        _real("temperature_min", self.temperature_min, low=0.0)
+            require_real(name, getattr(self, name), low=0.0, low_open=True)
+        require_real("epsilon", self.epsilon, low=0.0, high=1.0)
+        require_real("weight_decay", self.weight_decay, low=0.0)
+        require_real("temperature_decay", self.temperature_decay, low=0.0, high=1.0, low_open=True)
+        require_real("temperature_min", self.temperature_min, low=0.0)
 
     def to_dict(self) -> dict:
         return asdict(self)

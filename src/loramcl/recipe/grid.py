@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from loramcl.config import _check, _positive_int, _real
+from loramcl.validate import require, require_int, require_real
 
 SINGLE_MODEL_STRATEGIES = ("beam", "diverse_beam", "sample", "tta")
 MCL_STRATEGIES = ("greedy", "beam", "sample", "diverse_beam")
@@ -35,11 +35,11 @@ class DecodeConfig:
     """Seed of sampling and test-time augmentation (batch b uses seed + b)."""
 
     def __post_init__(self) -> None:
-        _positive_int("max_new_tokens", self.max_new_tokens)
-        _real("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
-        _positive_int("batch_size", self.batch_size)
-        _real("diversity_penalty", self.diversity_penalty, low=0.0)
-        _positive_int("seed", self.seed, minimum=0)
+        require_int("max_new_tokens", self.max_new_tokens)
+        require_real("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        require_int("batch_size", self.batch_size)
+        require_real("diversity_penalty", self.diversity_penalty, low=0.0)
+        require_int("seed", self.seed, minimum=0)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,11 +58,11 @@ class System:
     options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.name, str) and self.name, f"a system needs a name, got {self.name!r}")
-        _check(self.strategy in SINGLE_MODEL_STRATEGIES + MCL_STRATEGIES,
+        require(isinstance(self.name, str) and self.name, f"a system needs a name, got {self.name!r}")
+        require(self.strategy in SINGLE_MODEL_STRATEGIES + MCL_STRATEGIES,
                f"system {self.name}: unknown strategy {self.strategy!r}; single models decode with "
                f"{SINGLE_MODEL_STRATEGIES}, MCL models with {MCL_STRATEGIES}")
-        _positive_int("budget", self.budget)
+        require_int("budget", self.budget)
 
     def decoding(self, num_candidates: int, single_model: bool, decode: DecodeConfig) -> dict:
         """The ``generate_hypotheses`` arguments of this system for K = ``num_candidates`` candidates per input,
@@ -74,7 +74,7 @@ class System:
         arguments = {"strategy": strategy, "max_new_tokens": decode.max_new_tokens,
                      "repetition_penalty": decode.repetition_penalty, "seed": decode.seed}
         if single_model:
-            _check(strategy in SINGLE_MODEL_STRATEGIES, f"system {self.name}: a single model (K = 1 run) decodes with "
+            require(strategy in SINGLE_MODEL_STRATEGIES, f"system {self.name}: a single model (K = 1 run) decodes with "
                    f"{SINGLE_MODEL_STRATEGIES}, not {strategy!r}")
             arguments["num_sequences"] = k
             if strategy in ("beam", "diverse_beam"):
@@ -84,7 +84,7 @@ class System:
             if strategy == "tta":
                 arguments["num_beams"] = budget.tta_num_beams
         else:
-            _check(strategy in MCL_STRATEGIES, f"system {self.name}: an MCL model decodes with {MCL_STRATEGIES}, not "
+            require(strategy in MCL_STRATEGIES, f"system {self.name}: an MCL model decodes with {MCL_STRATEGIES}, not "
                    f"{strategy!r}")
             if strategy in ("beam", "diverse_beam"):
                 arguments["num_beams"] = budget.mcl_num_beams
@@ -92,7 +92,7 @@ class System:
                 arguments["diversity_penalty"] = decode.diversity_penalty
         if strategy in ("greedy", "sample"):
             per_candidate = budget.mcl_num_beams if not single_model else budget.budget // k
-            _check(per_candidate == 1, f"system {self.name}: {strategy} advances one sequence per candidate, so its "
+            require(per_candidate == 1, f"system {self.name}: {strategy} advances one sequence per candidate, so its "
                    f"forward budget is K = {k}, not {self.budget}")
         return arguments | self.options
 
@@ -103,11 +103,11 @@ class System:
 def check_budgets(candidates: int, budgets: list[int]) -> None:
     """An experiment's K candidates per input (>= 2) and its forward budgets: a non-empty list of multiples of K
     (B/K beams per hypothesis)."""
-    _positive_int("candidates", candidates, minimum=2)
-    _check(isinstance(budgets, list) and budgets, f"budgets must be a non-empty list, got {budgets!r}")
+    require_int("candidates", candidates, minimum=2)
+    require(isinstance(budgets, list) and budgets, f"budgets must be a non-empty list, got {budgets!r}")
     for budget in budgets:
-        _positive_int("budgets", budget)
-        _check(budget % candidates == 0, f"every budget must be a multiple of candidates = {candidates} (B/K beams "
+        require_int("budgets", budget)
+        require(budget % candidates == 0, f"every budget must be a multiple of candidates = {candidates} (B/K beams "
                f"per hypothesis), got {budget}")
 
 
@@ -118,14 +118,14 @@ def equal_budget_systems(hypotheses: dict[str, int], candidates: int, budgets: S
     with each of ``single_model_strategies``; a run with K = ``candidates`` hypotheses with each of ``mcl_strategies``:
     'beam' is greedy at B = K and beam B/K per hypothesis above, 'diverse_beam' diverse MCL decoding with B/K beams
     per hypothesis. ``hypotheses``: {run: its number of hypotheses}."""
-    _check(set(mcl_strategies) <= {"beam", "diverse_beam"}, f"mcl_strategies must be among beam and diverse_beam "
+    require(set(mcl_strategies) <= {"beam", "diverse_beam"}, f"mcl_strategies must be among beam and diverse_beam "
            f"(the decodings with a forward budget), got {list(mcl_strategies)}")
     systems = []
     for run, num_hypotheses in hypotheses.items():
-        _check(num_hypotheses in (1, candidates), f"run {run} has K = {num_hypotheses} hypotheses: a system gives "
+        require(num_hypotheses in (1, candidates), f"run {run} has K = {num_hypotheses} hypotheses: a system gives "
                f"{candidates} candidates, from a single model (K = 1) or from K = {candidates} hypotheses")
         for budget in budgets:
-            _check(budget % candidates == 0, f"budget {budget} is not a multiple of the {candidates} candidates")
+            require(budget % candidates == 0, f"budget {budget} is not a multiple of the {candidates} candidates")
             strategies = single_model_strategies if num_hypotheses == 1 else [
                 "greedy" if s == "beam" and budget == candidates else s for s in mcl_strategies]
             systems += [System(f"{run}-{s.replace('_', '')}-b{budget}", run, s, budget) for s in strategies]
@@ -142,6 +142,6 @@ def chosen_budgets(budgets: Sequence[int] | None, available: Sequence[int], quic
     """The forward budgets a recipe command decodes at: ``budgets`` if given (a non-empty subset of the recipe's
     ``available`` ones), else the smallest in a quick run, else all."""
     chosen = list(budgets) if budgets is not None else ([min(available)] if quick else list(available))
-    _check(bool(chosen) and set(chosen) <= set(available),
+    require(bool(chosen) and set(chosen) <= set(available),
            f"budgets must be a non-empty subset of {list(available)}, got {chosen}")
     return chosen

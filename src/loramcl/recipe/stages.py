@@ -3,13 +3,14 @@ training stage resumes from its last checkpoint, and the wall time of every stag
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from loramcl.runs import CHECKPOINTS, file_stamp, finished_run, run_stamp, stale_checkpoint_fields
 
 
 @dataclass
@@ -42,8 +43,6 @@ class Stages:
         """A training stage ``fn(*args, **kwargs)`` writing a finished run to ``out`` (``finetune.fit``): skipped
         when ``out`` holds a finished run of these settings; checkpoints of other settings are deleted (the recipe or
         its data changed), and ``fn`` must resume from the checkpoints left. True if it ran."""
-        from loramcl.finetune import CHECKPOINTS, finished_run, stale_checkpoint_fields
-
         settings = _as_json(settings)
         if finished_run(out, settings):
             return False
@@ -71,23 +70,6 @@ class Stages:
         result = fn(*args, **kwargs)
         self.timings[name] = round(time.perf_counter() - started, 1)
         return result
-
-
-def file_stamp(path: str | Path) -> str:
-    """Identifies a stage's input file by the hash of its bytes: a decoding or scoring stage keyed by it is redone
-    when the test set changes under the same name."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-
-
-def run_stamp(run: Path) -> str:
-    """Identifies a finished training run by the hash of its run.json (which holds its wall time to 0.1 s), so that
-    outputs made from an older run of the same name are not reused."""
-    return file_stamp(Path(run) / "run.json")
-
-
-def run_record(run: Path) -> dict:
-    """The run.json of a finished training run (``finetune.fit``)."""
-    return json.loads((Path(run) / "run.json").read_text())
 
 
 def _as_json(settings: dict) -> dict:

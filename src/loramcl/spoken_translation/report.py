@@ -8,7 +8,7 @@ import random
 from collections import Counter
 from pathlib import Path
 
-from loramcl.data.spoken_messages import MODES
+from loramcl.data.spoken_messages import MODES, read_rows
 from loramcl.recipe.report import inline, percent, runs_table
 
 IDENTIFIER_EXAMPLES = 2000  # per language, from the training split
@@ -29,15 +29,14 @@ def train_identifier(train: list[dict], test: list[dict], seed: int = 0):
     return identifier, evaluate_identifier(identifier, [t for t, _ in check], [m for _, m in check])
 
 
-def build_report(root: Path, experiment, systems, runs, stats: dict) -> dict:
-    """report.md and figures/ from the predictions; returns the report's data."""
-    from loramcl.analysis import language_shares
-    from loramcl.bilingual.report import language_wins
+def build_report(root: Path, experiment, systems, runs, stats: dict, metrics: str) -> dict:
+    """report.md and figures/ from the predictions, each system evaluated with ``metrics``; returns the report's
+    data."""
+    from loramcl.analysis import language_shares, language_wins
     from loramcl.metrics import evaluate_candidates
     from loramcl.metrics.io import read_jsonl, to_jsonable
     from loramcl.recipe.report import training_curves
-    from loramcl.recipe.stages import run_record
-    from loramcl.spoken_translation.reproduce import METRICS, read_rows
+    from loramcl.runs import run_record
 
     test = read_rows(root / "data" / "test.jsonl")
     train = read_rows(root / "data" / "train.jsonl")
@@ -49,7 +48,7 @@ def build_report(root: Path, experiment, systems, runs, stats: dict) -> dict:
         predictions = read_jsonl(root / "predictions" / f"{system.name}.jsonl", "candidates")
         candidates = [predictions[r["id"]]["candidates"] for r in test]
         outputs[system.name] = candidates
-        evaluation = evaluate_candidates(candidates, [r["references"] for r in test], metrics=METRICS,
+        evaluation = evaluate_candidates(candidates, [r["references"] for r in test], metrics=metrics,
                                          winner_metric="chrf")
         shares = language_shares(candidates, identifier, languages=list(MODES))
         shares.pop("predictions")

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from loramcl.config import _check, _positive_int
-from loramcl.data.spoken_messages import SpokenSettings
+from loramcl.data.spoken_messages import SpokenSettings, read_rows
 from loramcl.recipe.grid import DecodeConfig, System, check_budgets, chosen_budgets, one_per_strategy
+from loramcl.validate import require, require_int
 
 EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
 DEFAULT_RECIPES = "spoken_translation"
@@ -75,16 +75,16 @@ class Experiment:
 
     def __post_init__(self) -> None:
         SpokenSettings(**self.data)
-        _check(isinstance(self.context_seconds, int) and 1 <= self.context_seconds <= 30,
+        require(isinstance(self.context_seconds, int) and 1 <= self.context_seconds <= 30,
                f"context_seconds must be an integer in 1..30, got {self.context_seconds!r}")
         check_budgets(self.candidates, self.budgets)
-        _check(bool(self.mcl_decodings) and set(self.mcl_decodings) <= {"beam", "diverse_beam"},
+        require(bool(self.mcl_decodings) and set(self.mcl_decodings) <= {"beam", "diverse_beam"},
                f"mcl_decodings must be among beam and diverse_beam, got {self.mcl_decodings!r}")
         for strength in self.tta:
-            _check(isinstance(strength, list) and len(strength) == 2 and all(0 <= s <= 1 for s in strength),
+            require(isinstance(strength, list) and len(strength) == 2 and all(0 <= s <= 1 for s in strength),
                    f"tta: each strength is [time fraction, frequency fraction] in [0, 1], got {strength!r}")
-        _check(not self.sampling, "sampling systems are not part of this recipe")
-        _positive_int("eval_examples", self.eval_examples, minimum=0)
+        require(not self.sampling, "sampling systems are not part of this recipe")
+        require_int("eval_examples", self.eval_examples, minimum=0)
         DecodeConfig(**self.decoding)
 
     @classmethod
@@ -94,18 +94,13 @@ class Experiment:
         return cls(**experiment_values(path, list(cls.__dataclass_fields__)))
 
 
-def read_rows(path: Path) -> list[dict]:
-    with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
 # ---- model ---------------------------------------------------------------------------------------------------
 
 
 def build_model(out: Path, seconds: int) -> Path:
     """Whisper-base from its PyPI wheels (``models.convert_whisper_base``), then its encoder context cut to
     ``seconds`` (``models.whisper_with_context``); the full 30 s conversion is kept beside it."""
-    from loramcl.models import convert_whisper_base, whisper_with_context
+    from loramcl.pretrained import convert_whisper_base, whisper_with_context
 
     full = convert_whisper_base(out.parent / f"{out.name}-30s")
     return whisper_with_context(full, out, seconds)
@@ -154,7 +149,7 @@ def encoded_examples(model: str, rows: list[dict], batch_size: int = 16) -> list
     from transformers import AutoTokenizer
 
     from loramcl.data.spoken_messages import WhisperTargets
-    from loramcl.generation.cli import load_model
+    from loramcl.loading import load_model
 
     targets = WhisperTargets(AutoTokenizer.from_pretrained(model))
     encoder = load_model(model).get_encoder()
@@ -175,7 +170,7 @@ def train_run(model: str, out: str, method: str, config, training, settings: dic
 
     from loramcl.data.spoken_messages import collate_encoded
     from loramcl.finetune import fit, resumable_checkpoint
-    from loramcl.generation.cli import load_model
+    from loramcl.loading import load_model
 
     train_set = encoded_examples(model, read_rows(data / "train.jsonl"))
     validation = read_rows(data / "validation.jsonl")[:eval_examples]
@@ -193,10 +188,10 @@ def decode_run(model: str, adapters: str, test: Path, out: Path, arguments: dict
     language token each candidate starts with)} (+ "hypotheses" for an MCL run)."""
     from transformers import AutoTokenizer
 
-    from loramcl.audio_captioning.reproduce import tta_augment
     from loramcl.data.spoken_messages import WhisperTargets
-    from loramcl.generation.cli import load_model
+    from loramcl.generation.augment import tta_augment
     from loramcl.generation.decoding import generate_hypotheses, prediction_record
+    from loramcl.loading import load_model
 
     arguments = dict(arguments)
     strength, seed = arguments.pop("tta_strength", None), arguments.pop("seed")
@@ -260,14 +255,14 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
     from loramcl.audio_captioning.reproduce import method_of, run_values
     from loramcl.config import TrainConfig
     from loramcl.data.spoken_messages import write_spoken_splits
-    from loramcl.finetune import _sha256
-    from loramcl.models import whisper_base_files
+    from loramcl.file_io import sha256
+    from loramcl.pretrained import whisper_base_files
     from loramcl.recipe.files import recipe_folder, run_names
     from loramcl.recipe.stages import Stages
     from loramcl.spoken_translation.report import build_report
 
-    _check(stop_after in (None, "train"), f"stop_after must be train, got {stop_after!r}")
-    _check(runs is None or stop_after == "train", "runs selects the runs to train: use it with stop_after: train")
+    require(stop_after in (None, "train"), f"stop_after must be train, got {stop_after!r}")
+    require(runs is None or stop_after == "train", "runs selects the runs to train: use it with stop_after: train")
     if threads is not None:
         torch.set_num_threads(threads)
     folder = recipe_folder(recipes, DEFAULT_RECIPES, [EXPERIMENT, COMMON])
@@ -287,10 +282,10 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
     stats = json.loads((data / "stats.json").read_text())
 
     names = run_names(folder, reserved=(EXPERIMENT, COMMON))
-    _check(not set(runs or []) - set(names), f"runs: no run file for {sorted(set(runs or []) - set(names))} (runs: "
+    require(not set(runs or []) - set(names), f"runs: no run file for {sorted(set(runs or []) - set(names))} (runs: "
            f"{names})")
     values = {run: run_values(folder, run, root, model, quick) for run in names}
-    data_sha256 = {role: _sha256(data / f"{role}.jsonl") for role in ("train", "validation")}
+    data_sha256 = {role: sha256(data / f"{role}.jsonl") for role in ("train", "validation")}
     eval_examples = experiment.eval_examples if not quick else 2
     for run in names if runs is None else runs:  # retrained when its recipe or data changed, resumed if interrupted
         method, config = method_of(values[run])
@@ -314,7 +309,7 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
         stages.decode(system, arguments, decode.batch_size, test, decode_run, model, str(root / system.run), test,
                       stages.predictions(system.name), arguments, decode.batch_size)
 
-    report = stages.timed("report", build_report, root, experiment, compared, names, stats)
+    report = stages.timed("report", build_report, root, experiment, compared, names, stats, METRICS)
     report["timing_s"] = stages.timings
     (root / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print((root / "report.md").read_text(encoding="utf-8"))

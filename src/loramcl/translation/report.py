@@ -67,7 +67,7 @@ def build_report(root: Path, experiment, systems, nll_table: list[str], runs: li
     from loramcl.metrics.io import load_nll, read_jsonl, to_jsonable
     from loramcl.metrics.plot import tradeoff_plot
     from loramcl.recipe.report import training_curves
-    from loramcl.recipe.stages import run_record
+    from loramcl.runs import run_record
 
     test = list(read_jsonl(root / "data" / "test.jsonl", "references").values())
     ids, sources = [r["id"] for r in test], [r["source"] for r in test]

@@ -21,8 +21,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loramcl.config import _check, _positive_int
 from loramcl.recipe.grid import DecodeConfig, System, chosen_budgets, equal_budget_systems
+from loramcl.validate import require, require_int
 
 EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
 SMOLLM2_FOLDER = "SmolLM2-135M-Instruct"
@@ -91,19 +91,19 @@ class Experiment:
     def __post_init__(self) -> None:
         from loramcl.data.translation import language_name
 
-        _check(self.data in ("gettext", "files"), f"data must be 'gettext' or 'files', got {self.data!r}")
+        require(self.data in ("gettext", "files"), f"data must be 'gettext' or 'files', got {self.data!r}")
         language_name(self.source_lang), language_name(self.target_lang)
-        _check(self.packaged_model in (None, "smollm2"), f"packaged_model must be smollm2 or null, got "
+        require(self.packaged_model in (None, "smollm2"), f"packaged_model must be smollm2 or null, got "
                f"{self.packaged_model!r}")
-        _positive_int("candidates", self.candidates, minimum=2)
-        _check(isinstance(self.budgets, list) and self.budgets, f"budgets must be a non-empty list, got "
+        require_int("candidates", self.candidates, minimum=2)
+        require(isinstance(self.budgets, list) and self.budgets, f"budgets must be a non-empty list, got "
                f"{self.budgets!r}")
         for budget in self.budgets:
-            _positive_int("budgets", budget)
-            _check(budget % self.candidates == 0, f"every budget must be a multiple of candidates = "
+            require_int("budgets", budget)
+            require(budget % self.candidates == 0, f"every budget must be a multiple of candidates = "
                    f"{self.candidates} (B/K beams per hypothesis), got {budget}")
         if self.data == "files":
-            _check(isinstance(self.files, dict) and self.files.get("train_file") and self.files.get("test_file"),
+            require(isinstance(self.files, dict) and self.files.get("train_file") and self.files.get("test_file"),
                    "data: files needs files: {train_file: ..., test_file: ...}")
         DecodeConfig(**self.decoding)
 
@@ -131,7 +131,7 @@ def systems_of(experiment: Experiment, values: dict[str, dict], budgets: list[in
     decoded = experiment.decoded if experiment.decoded is not None else [
         run for run, n in hypotheses.items() if n in (1, k)]
     unknown = [run for run in decoded if run not in values]
-    _check(not unknown, f"decoded: no run file for {unknown} (runs: {sorted(values)})")
+    require(not unknown, f"decoded: no run file for {unknown} (runs: {sorted(values)})")
     return equal_budget_systems({run: hypotheses[run] for run in decoded}, k, budgets, SINGLE_MODEL_DECODINGS,
                                 experiment.mcl_decodings)
 
@@ -159,7 +159,7 @@ def prepare_data(out: Path, experiment: Experiment, tokenizer_folder: str, chat_
         files = experiment.files
         unknown = set(files) - {"train_file", "target_file", "validation_file", "validation_target_file",
                                 "test_file", "include_target"}
-        _check(not unknown, f"files: unknown settings {sorted(unknown)}")
+        require(not unknown, f"files: unknown settings {sorted(unknown)}")
         langs = (experiment.source_lang, experiment.target_lang)
         pairs = {"train": read_training_pairs(files["train_file"], *langs, files.get("target_file"))}
         if files.get("validation_file"):
@@ -227,13 +227,15 @@ def translation(out: str | None = None, recipes: str | None = None, quick: bool 
     import torch
 
     from loramcl.config import DataConfig, MCLConfig, TrainConfig
-    from loramcl.finetune import PEFT_FOLDER, _sha256, nll, run_settings, train
+    from loramcl.file_io import sha256
+    from loramcl.finetune import PEFT_FOLDER, nll, run_settings, train
     from loramcl.generation.cli import generate
     from loramcl.recipe.files import recipe_folder, run_arguments, run_names
-    from loramcl.recipe.stages import Stages, file_stamp, run_record, run_stamp
+    from loramcl.recipe.stages import Stages
+    from loramcl.runs import file_stamp, run_record, run_stamp
     from loramcl.translation.report import build_report
 
-    _check(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
+    require(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
     if threads is not None:
         torch.set_num_threads(threads)
     folder = recipe_folder(recipes, DEFAULT_RECIPES, [EXPERIMENT, COMMON])
@@ -244,7 +246,7 @@ def translation(out: str | None = None, recipes: str | None = None, quick: bool 
 
     model = None
     if experiment.packaged_model == "smollm2":
-        from loramcl.models import convert_smollm2
+        from loramcl.pretrained import convert_smollm2
 
         model = str(stages.timed("convert model", convert_smollm2, root / SMOLLM2_FOLDER))
     runs = run_names(folder, reserved=(EXPERIMENT, COMMON))
@@ -252,7 +254,7 @@ def translation(out: str | None = None, recipes: str | None = None, quick: bool 
     systems = systems_of(experiment, values, chosen)
     table = experiment.nll_table if experiment.nll_table is not None else runs
     for run in table:
-        _check(run in values, f"nll_table: no run file {run}.yaml (runs: {runs})")
+        require(run in values, f"nll_table: no run file {run}.yaml (runs: {runs})")
     decoded = {s.run for s in systems}
     if quick:  # the decoded runs only: every stage and table, fewer trainings
         runs = [run for run in runs if run in decoded]
@@ -262,13 +264,13 @@ def translation(out: str | None = None, recipes: str | None = None, quick: bool 
     model = first["model"]
     chat_template = DataConfig(**first["data"]).chat_template
     for run, v in values.items():
-        _check(v["model"] == model and v.get("data", {}).get("chat_template", False) == chat_template,
+        require(v["model"] == model and v.get("data", {}).get("chat_template", False) == chat_template,
                f"run {run}: every run of a recipe folder trains the same model with the same prompt format")
 
     data = root / "data"
     data_settings = {name: getattr(experiment, name) for name in DATA_FIELDS} | {
         "model": model, "chat_template": chat_template, "quick": quick, "files_sha256": {
-            name: _sha256(path) for name, path in experiment.files.items() if name.endswith("_file") and path}}
+            name: sha256(path) for name, path in experiment.files.items() if name.endswith("_file") and path}}
     stages.run("prepare data", data / "prepare.json", data_settings, prepare_data, data, experiment, model,
                chat_template, quick)
     if stop_after == "data":

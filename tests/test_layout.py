@@ -1,0 +1,69 @@
+"""The package's layout: imports run one way (no module imports, even inside a function, a module that imports it
+back), so that every module can be read, tested and changed with only the modules below it in mind."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import loramcl
+
+PACKAGE = Path(loramcl.__file__).parent
+
+
+def module_imports() -> dict[str, set[str]]:
+    """{module: the loramcl modules it imports anywhere in its file} for every module of the package."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = ("loramcl", *path.relative_to(PACKAGE).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("loramcl"):
+                # `from loramcl.analysis import language` imports the submodule, `... import embed` the package
+                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                          for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("loramcl")}
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: its strongly connected components of more than one module."""
+    order, low, stack, found, counter = {}, {}, [], [], [0]
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        for other in graph[node]:
+            if other not in order:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], order[other])
+        if low[node] == order[node]:
+            component = []
+            while (other := stack.pop()) != node:
+                component.append(other)
+            if component:
+                found.append(sorted([node, *component]))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_a_module_that_imports_it():
+    graph = module_imports()
+    assert "loramcl.model" in graph and "loramcl.copies" in graph["loramcl.model"]  # the walk sees the package
+    assert cycles(graph) == []
