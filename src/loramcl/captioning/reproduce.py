@@ -4,8 +4,8 @@ train -> decode -> evaluate -> report, every stage reused when its outputs exist
 A recipe folder holds `experiment.yaml` (what this command does: the TextCaps files and images, the K candidates, the
 forward budgets, which runs are decoded), `common.yaml` and one file per training run (the model, `mcl:` or `method:
 moe` with `moe:`, `training:`, `dtype:`); the runs train on the LLaVA-NeXT conversation of `loramcl.data.captioning`.
-recipes/image_captioning/textcaps is the paper's scale (LLaVA-1.6-Vicuna-7B on TextCaps); its files say how to
-launch the training on several GPUs. Adding a run (another K, a baseline) is adding a file.
+The packaged recipe image_captioning/textcaps is the paper's scale (LLaVA-1.6-Vicuna-7B on TextCaps); its files say
+how to launch the training on several GPUs. Adding a run (another K, a baseline) is adding a file.
 """
 
 from __future__ import annotations
@@ -120,12 +120,12 @@ class Experiment:
 
     @classmethod
     def read(cls, path: Path) -> Experiment:
-        from loramcl.recipe.files import experiment_values
+        from loramcl.recipe.files import experiment_values, path_base
 
         values = experiment_values(path, list(cls.__dataclass_fields__), paths=("out", "textcaps", "images"))
         bilingual = values.get("bilingual")
-        if isinstance(bilingual, dict) and isinstance(bilingual.get("translator"), str):  # relative to this file too
-            translator = Path(path).parent / Path(bilingual["translator"]).expanduser()
+        if isinstance(bilingual, dict) and isinstance(bilingual.get("translator"), str):  # relative as the others
+            translator = path_base(path) / Path(bilingual["translator"]).expanduser()
             values["bilingual"] = {**bilingual, "translator": str(translator.resolve())}
         return cls(**values)
 
@@ -291,8 +291,8 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
 
     Args:
         out: output folder (default: experiment.yaml's `out`).
-        recipes: recipe folder with experiment.yaml, common.yaml and one file per run (default:
-            recipes/image_captioning/textcaps of this repository, the paper's scale).
+        recipes: recipe folder with experiment.yaml, common.yaml and one file per run, or a packaged recipe's name
+            (default: textcaps, the paper's scale; textcaps-bilingual; `loramcl recipes` lists them).
         quick: a few images, one training step per run, the smallest budget: checks the whole pipeline (numbers
             meaningless).
         budgets: forward budgets to decode at (default: experiment.yaml's).
