@@ -303,6 +303,7 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
     """
     from loramcl.captioning.report import build_report
     from loramcl.config import TrainConfig
+    from loramcl.data.textcaps import SPLIT_FILES
     from loramcl.finetune import _sha256
     from loramcl.recipe.files import recipe_folder, run_names
     from loramcl.recipe.stages import Stages, run_record
@@ -320,10 +321,17 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
     for run, v in values.items():
         _check(v["model"] == model, f"run {run}: every run of a recipe folder trains the same model ({model})")
 
+    split_files = {split: Path(experiment.textcaps) / SPLIT_FILES[split]
+                   for split in dict.fromkeys((experiment.train_split, experiment.test_split))}
+    for path in split_files.values():  # the first thing a user of the packaged (paper-scale) default meets
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: the recipe {folder} reads TextCaps 0.1 and the TextVQA "
+                                    "images where its experiment.yaml says: download them there, or point a copy at "
+                                    "them (loramcl recipes copy image_captioning/textcaps DIR); this task has no CPU "
+                                    "recipe, its packaged ones are the paper's scale")
     data = root / "data"
     data_settings = asdict(experiment) | {"quick": quick, "files_sha256": {
-        split: _sha256(Path(experiment.textcaps) / f"TextCaps_0.1_{split}.json")
-        for split in {experiment.train_split, experiment.test_split}}}
+        split: _sha256(path) for split, path in split_files.items()}}
     for name in ("out", "decoded", "decoding", "budgets", "candidates", "diversity_penalties", "metrics",
                  "mcl_decodings"):
         data_settings.pop(name)  # decoding settings: not the data's
