@@ -16,9 +16,9 @@ from loramcl.audio_captioning.reproduce import (
     systems_of,
     training_config,
 )
-from loramcl.recipe.files import run_names
+from loramcl.recipe.files import packaged_recipes, run_names
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "audio_captioning"
+RECIPES = packaged_recipes() / "audio_captioning"
 
 
 def test_quick_end_to_end_then_every_stage_reused(tmp_path):
@@ -54,7 +54,7 @@ def test_quick_end_to_end_then_every_stage_reused(tmp_path):
 
 
 @pytest.mark.parametrize("folder", ["clotho", "audiocaps"])
-def test_paper_scale_recipes_load_and_build_the_model(folder):
+def test_paper_scale_recipes_load_and_build_the_model(folder, tmp_path, monkeypatch):
     """Every run file of the paper-scale recipes parses into its method's configuration and a TrainConfig, and wraps
     Qwen2-Audio-7B built from its config on the meta device (no weights): LoRA-MCL K = 5 x r = 8 trains exactly
     LoRA-MLE r = 40's parameters."""
@@ -63,6 +63,7 @@ def test_paper_scale_recipes_load_and_build_the_model(folder):
     from loramcl.finetune import method_model
 
     recipes = RECIPES / folder
+    monkeypatch.chdir(tmp_path)  # a packaged recipe's ./models and ./data are the current folder's
     experiment = Experiment.read(recipes / EXPERIMENT)
     runs = run_names(recipes, reserved=(EXPERIMENT, COMMON))
     assert runs == ["mcl-annealed", "mcl-relaxed-e0.0005", "mcl-relaxed-e0.05", "mle-r40", "mle-r8", "moe"]
@@ -73,8 +74,8 @@ def test_paper_scale_recipes_load_and_build_the_model(folder):
     trainable, hypotheses = {}, {}
     for run in runs:
         values = run_values(recipes, run, Path("/tmp/out"), None, quick=False)
-        assert values["model"] == str(RECIPES.parents[1] / "models" / "Qwen2-Audio-7B-Instruct")  # the repository's
-        assert values["dtype"] == "bfloat16" and experiment.root == str(RECIPES.parents[1] / "data" / folder)
+        assert values["model"] == str(tmp_path / "models" / "Qwen2-Audio-7B-Instruct")
+        assert values["dtype"] == "bfloat16" and experiment.root == str(tmp_path / "data" / folder)
         training = training_config(values, experiment, clips)
         assert training.steps == -(-experiment.epochs * clips // 2) and training.warmup_steps == round(
             0.1 * training.steps)

@@ -15,6 +15,7 @@ from loramcl.baselines.multihead import MultiHeadModel
 from loramcl.cli import main
 from loramcl.finetune import nll, train
 from loramcl.generation.cli import generate
+from loramcl.recipe.files import packaged_recipes
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +84,12 @@ def test_bad_method_combinations_say_what_to_change(folders, tmp_path):
 
 
 def test_baseline_recipes_select_their_method():
-    from pathlib import Path
-
     from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser
 
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--config", action=ActionConfigFile)
     parser.add_function_arguments(train)
-    recipes = Path(__file__).parent.parent / "recipes" / "bilingual"
+    recipes = packaged_recipes() / "bilingual"
     for method, config_class in (("moe", MoEConfig), ("multihead", MultiHeadConfig)):
         values = parser.instantiate_classes(parser.parse_args(
             ["--config", str(recipes / "common.yaml"), "--config", str(recipes / f"{method}.yaml")]))

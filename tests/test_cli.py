@@ -14,6 +14,7 @@ import pytest
 from tiny_models import build_model, word_tokenizer
 
 from loramcl.cli import DEBUG_ENV, commands, main
+from loramcl.recipe.files import packaged_recipes, read_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,22 +136,30 @@ def test_recipe_paths_resolve_against_the_recipe_file(tmp_path, monkeypatch, cap
     assert f"model: {tmp_path / 'models' / 'tiny'}\n" in printed and f"out: {tmp_path / 'runs' / 'a'}\n" in printed
     assert f"train_file: {recipes / 'data' / 'train.jsonl'}\n" in printed
     assert f"validation_file: {elsewhere / 'valid.jsonl'}\n" in printed  # the command line: the current folder
-    # the repository's recipes still write to the repository's runs/ (docs/bilingual.md's command), from anywhere
+    # the packaged recipes write to the current folder's runs/ (docs/bilingual.md's command), named by their id
+    # (bilingual/common.yaml) or given by their path inside the package, as the task commands read them
     monkeypatch.chdir(tmp_path)
-    folder = ROOT / "recipes" / "bilingual"
+    folder = packaged_recipes() / "bilingual"
     runs = sorted(p for p in folder.glob("*.yaml") if p.name != "common.yaml")
     assert len(runs) >= 3
-    for run in runs:
+    for run, common in zip(runs, ["bilingual/common.yaml", str(folder / "common.yaml")] * len(runs), strict=False):
         with pytest.raises(SystemExit):
-            main(["train", "--config", str(folder / "common.yaml"), "--config", str(run), "--print_config"])
+            main(["train", "--config", common, f"--config=bilingual/{run.name}", "--print_config"])
         printed = capsys.readouterr().out
-        assert f"model: {ROOT / 'runs/bilingual/SmolLM2-135M-Instruct'}\n" in printed
-        assert f"out: {ROOT / 'runs/bilingual' / run.stem}\n" in printed
+        assert f"model: {tmp_path / 'runs/bilingual/SmolLM2-135M-Instruct'}\n" in printed
+        assert f"out: {tmp_path / 'runs/bilingual' / run.stem}\n" in printed
+        values = read_recipe(folder, ["common.yaml", run.name])  # as `loramcl bilingual` reads them
+        assert (values["model"], values["out"]) == (str(tmp_path / "runs/bilingual/SmolLM2-135M-Instruct"),
+                                                    str(tmp_path / "runs/bilingual" / run.stem))
 
 
 def test_every_command_summary_is_a_whole_sentence():
-    for name, function in commands().items():
-        lines = function.__doc__.strip().splitlines()
+    table = commands()
+    summaries = {name: function["_help"] if isinstance(function, dict) else function.__doc__
+                 for name, function in table.items()}
+    summaries |= {f"recipes {name}": function.__doc__ for name, function in table["recipes"].items() if name != "_help"}
+    for name, summary in summaries.items():
+        lines = summary.strip().splitlines()
         assert lines[0].endswith("."), f"{name}: {lines[0]!r}"  # the help shows the first line only
         assert len(lines) == 1 or not lines[1].strip(), f"{name}: the summary runs onto a second line"
 

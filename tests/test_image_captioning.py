@@ -250,7 +250,7 @@ def llava_v16_vicuna_7b_config():
 @pytest.mark.parametrize("recipe,runs,k,learning_rate", [("textcaps", ["mcl", "mle", "moe"], 3, 2e-4),
                                                             ("textcaps-bilingual", ["mcl", "mle"], 2, 2e-5)])
 def test_paper_scale_recipe_files_load_and_build_the_model_from_a_config(tmp_path, recipe, runs, k, learning_rate):
-    """recipes/image_captioning/{textcaps, textcaps-bilingual}: every file parses into its typed settings, and each
+    """The packaged image_captioning/{textcaps, textcaps-bilingual}: every file parses into its typed settings, and each
     run's method wraps LLaVA-1.6-Vicuna-7B built from its config on the meta device (no weights): adapters on
     q/k/v/up/down of the language model only, the tower and projector frozen and shared at decoding, MCL and MLE at
     equal trainable count (App. H.2, H.5)."""
@@ -259,9 +259,9 @@ def test_paper_scale_recipe_files_load_and_build_the_model_from_a_config(tmp_pat
     from loramcl.captioning.reproduce import COMMON, EXPERIMENT, Experiment, method_settings, run_values, systems_of
     from loramcl.config import TrainConfig
     from loramcl.finetune import method_model
-    from loramcl.recipe.files import run_names
+    from loramcl.recipe.files import packaged_recipes, run_names
 
-    folder = Path(__file__).resolve().parents[1] / "recipes" / "image_captioning" / recipe
+    folder = packaged_recipes() / "image_captioning" / recipe
     experiment = Experiment.read(folder / EXPERIMENT)
     assert (experiment.candidates, experiment.budgets, experiment.test_split) == (k, [k, 2 * k], "val")
     assert Path(experiment.textcaps).is_absolute()

@@ -2,10 +2,13 @@
 decoding grid at equal forward budget and the report tables."""
 
 import json
+import os
+import re
 
 import pytest
 
-from loramcl.recipe.files import merged, read_recipe, recipe_folder
+from loramcl.recipe.catalog import RECIPES, command_of, copy_recipe
+from loramcl.recipe.files import merged, packaged_recipes, read_recipe, recipe_folder, recipe_ids
 from loramcl.recipe.grid import DecodeConfig, System
 from loramcl.recipe.report import Column, metrics_table, runs_table
 from loramcl.recipe.stages import Stages
@@ -24,9 +27,9 @@ def test_recipe_files_merge_section_by_section(tmp_path):
                       "training": {"steps": 50, "seed": 0},
                       "data": {"train_file": "b", "validation_file": str(tmp_path / "v")}, "mcl": {"r": 4}}
     assert merged({"a": {"b": 1}}, {"a": 2}) == {"a": 2}
-    assert recipe_folder(None, "bilingual", ["common.yaml"]).name == "bilingual"  # this repository's recipes
-    with pytest.raises(FileNotFoundError, match="no audio recipes"):
-        recipe_folder(str(tmp_path), "audio", ["missing.yaml"])
+    with pytest.raises(FileNotFoundError,
+                       match="holds no missing.yaml: give --recipes a folder with the audio recipe files"):
+        recipe_folder(str(tmp_path), "audio/tiny", ["missing.yaml"])
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(ValueError, match="list.yaml must hold a mapping"):
         read_recipe(tmp_path, ["list.yaml"])
@@ -173,3 +176,85 @@ def test_a_test_set_rewritten_under_the_same_name_has_another_stamp(tmp_path):
     assert file_stamp(test) == stamp
     test.write_text('{"prompt": "b"}\n')  # e.g. the data stage rerun with other settings
     assert file_stamp(test) != stamp
+
+
+def test_packaged_recipes_are_found_by_name_or_folder(tmp_path, monkeypatch):
+    """--recipes takes a folder or a packaged recipe's name within the task (`alma`) or its id (`translation/alma`);
+    without it, the task's default; a name of another task or of nothing is refused, listing the task's recipes."""
+    monkeypatch.chdir(tmp_path)
+    packaged = packaged_recipes()
+    files = ["experiment.yaml", "common.yaml"]
+    assert recipe_folder(None, "translation/smollm2", files) == packaged / "translation" / "smollm2"
+    assert recipe_folder("alma", "translation/smollm2", files) == packaged / "translation" / "alma"
+    assert recipe_folder("translation/alma", "translation/smollm2", files) == packaged / "translation" / "alma"
+    assert recipe_folder(None, "bilingual", ["common.yaml"]) == packaged / "bilingual"
+    (tmp_path / "alma").mkdir()  # a folder of that name here wins, as any path given
+    with pytest.raises(FileNotFoundError, match="^alma holds no experiment.yaml, common.yaml"):
+        recipe_folder("alma", "translation/smollm2", files)
+    with pytest.raises(FileNotFoundError, match=r"--recipes tiny: no such folder, nor a packaged translation recipe "
+                                                r"\(packaged: alma, smollm2; `loramcl recipes` lists every recipe\)"):
+        recipe_folder("tiny", "translation/smollm2", files)
+
+
+def test_the_recipe_table_lists_every_packaged_recipe_and_its_model():
+    """`loramcl recipes` shows each packaged folder with its model and scale; a paper-scale recipe's model is the
+    folder its common.yaml names, and every task has a command."""
+    import yaml
+
+    from loramcl.cli import commands
+
+    assert sorted(RECIPES) == recipe_ids()
+    for recipe_id, (model, scale) in RECIPES.items():
+        assert scale in ("CPU", "paper") and command_of(recipe_id) in commands()
+        common = yaml.safe_load((packaged_recipes() / recipe_id / "common.yaml").read_text())
+        if scale == "paper":
+            assert common["model"].rsplit("/", 1)[1] in model, recipe_id
+
+
+@pytest.mark.parametrize("recipe_id", sorted(RECIPES))
+def test_a_copied_recipe_names_the_places_the_packaged_one_does(tmp_path, monkeypatch, capsys, recipe_id):
+    """`loramcl recipes copy` rewrites each `./` path relative to the copy: read from anywhere, the copy's files give
+    the values the packaged files give when read from the folder the copy was made in."""
+    import yaml
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir(), elsewhere.mkdir()
+    monkeypatch.chdir(project)
+    copy = copy_recipe(recipe_id.split("/")[-1], "mine")  # a name no other task uses is enough
+    assert capsys.readouterr().out.endswith(f"run it: loramcl {command_of(recipe_id)} --recipes mine\n")
+    source = packaged_recipes() / recipe_id
+    names = sorted(p.name for p in source.glob("*.yaml"))
+    assert sorted(p.name for p in copy.iterdir()) == names
+    packaged = {name: read_recipe(source, [name]) for name in names}
+    relative = {name: _relative_values(yaml.safe_load((source / name).read_text()), project) for name in names}
+    monkeypatch.chdir(elsewhere)
+    for name in names:
+        if name != "experiment.yaml":  # the run settings, as `loramcl train` and the task commands read them
+            assert read_recipe(copy, [name]) == packaged[name], name
+        assert _relative_values(yaml.safe_load((copy / name).read_text()), copy) == relative[name], name
+        assert not re.search(r"^\s*[\w.-]+:\s+\./", (copy / name).read_text(), re.M), name  # none for the cwd
+
+
+def _relative_values(values, base):
+    """Every string of a recipe file's values that is a relative path, made absolute against ``base``."""
+    if isinstance(values, dict):
+        return {key: _relative_values(value, base) for key, value in values.items()}
+    if isinstance(values, list):
+        return [_relative_values(value, base) for value in values]
+    if isinstance(values, str) and values.startswith(("./", "../")):
+        return os.path.normpath(base / values)
+    return values
+
+
+def test_copy_refuses_an_unknown_recipe_and_a_folder_in_use(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"no packaged recipe 'audio_captioning/tyni' \(did you mean "
+                                         r"audio_captioning/tiny\?\); the recipes are audio_captioning/audiocaps"):
+        copy_recipe("audio_captioning/tyni", "mine")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="used exists and is not empty: give a new or empty folder for the copy "
+                                              "of bilingual"):
+        copy_recipe("bilingual", "used")
+    (tmp_path / "empty").mkdir()
+    assert copy_recipe("bilingual", "empty") == tmp_path / "empty"

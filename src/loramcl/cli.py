@@ -29,13 +29,16 @@ def commands() -> dict:
     from loramcl.markov.reproduce import markov
     from loramcl.metrics.cli import evaluate, plot_tradeoff
     from loramcl.pretrained import convert_smollm2_command, convert_whisper_base_command
+    from loramcl.recipe.catalog import copy_recipe, list_recipes
     from loramcl.spoken_translation.reproduce import spoken_translation
     from loramcl.translation.reproduce import translation
 
     return {"markov": markov, "bilingual": bilingual, "translation": translation, "audio-captioning": audio_captioning,
             "spoken-translation": spoken_translation, "image-captioning": image_captioning, "train": train,
             "generate": generate, "nll": nll, "evaluate": evaluate, "plot-tradeoff": plot_tradeoff,
-            "convert-smollm2": convert_smollm2_command, "convert-whisper-base": convert_whisper_base_command}
+            "convert-smollm2": convert_smollm2_command, "convert-whisper-base": convert_whisper_base_command,
+            "recipes": {"_help": "List the recipes that ship with loramcl, or copy one to edit.", "list": list_recipes,
+                        "copy": copy_recipe}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,10 +49,14 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from jsonargparse import CLI
 
+    from loramcl import __version__
     from loramcl.inputs import BaseWeightsMismatch, PromptFormatWarning
 
     table = commands()
     command = next((a for a in args if a in table), None)
+    if command == "recipes" and args[-1] == "recipes":
+        args.append("list")  # `loramcl recipes` alone lists them
+    args = _packaged_configs(args)
     prefix = f"loramcl {command}" if command else "loramcl"
     show_warning = warnings.showwarning
 
@@ -61,7 +68,9 @@ def main(argv: list[str] | None = None) -> None:
 
     warnings.showwarning = one_line_warning
     try:
-        CLI(table, args=args, as_positional=False, exit_on_error=False)
+        # `loramcl recipes copy <task>/<name> <dir>` takes positional arguments; every other command takes options
+        CLI(table, args=args, as_positional=command == "recipes", exit_on_error=False,
+            version=f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})")
     except KeyboardInterrupt:
         if debug:
             raise
@@ -75,6 +84,21 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(EXIT_USAGE if usage else EXIT_FAILURE) from None
     finally:
         warnings.showwarning = show_warning
+
+
+def _packaged_configs(args: list[str]) -> list[str]:
+    """``args`` with each `--config` naming a packaged recipe file (`bilingual/common.yaml`, or its path inside the
+    package) replaced by the file's text, so that its `./` paths are read relative to the current folder as the task
+    commands read them (jsonargparse reads a --config file's paths relative to the file)."""
+    from loramcl.recipe.files import packaged_config
+
+    args = list(args)
+    for i, arg in enumerate(args):
+        if arg == "--config" and i + 1 < len(args) and (text := packaged_config(args[i + 1])) is not None:
+            args[i + 1] = text
+        elif arg.startswith("--config=") and (text := packaged_config(arg.split("=", 1)[1])) is not None:
+            args[i] = "--config=" + text
+    return args
 
 
 def _is_usage_error(error: Exception) -> bool:
@@ -114,12 +138,18 @@ def _usage_message(text: str, table: dict, command: str | None) -> str:
     def option(key: str) -> str:
         return "--" + (key.removeprefix(f"{command}.") if command else key)
 
-    if match := re.match(r"argument subcommand: invalid choice: '(.*?)'", text):
-        close = difflib.get_close_matches(match[1], table, n=1)
+    if match := re.match(r"argument (?:\S+\.)?subcommand: invalid choice: '(.*?)'", text):
+        group = table[command] if isinstance(table.get(command), dict) else table  # `loramcl recipes <command>`
+        choices = [name for name in group if not name.startswith("_")]
+        close = difflib.get_close_matches(match[1], choices, n=1)
         suggestion = f" (did you mean {close[0]}?)" if close else ""
-        return f"unknown command {match[1]!r}{suggestion}; the commands are {', '.join(table)}"
+        return f"unknown command {match[1]!r}{suggestion}; the commands are {', '.join(choices)}"
     if match := re.match(r"the following arguments are required: (.*)", text):
-        return "missing required options " + ", ".join(option(key.strip()) for key in match[1].split(","))
+        keys = [key.strip() for key in match[1].split(",")]
+        if command == "recipes":  # positional arguments of `loramcl recipes copy`
+            return (f"missing {' '.join('<' + key.rsplit('.', 1)[-1] + '>' for key in keys)}: "
+                    "loramcl recipes copy <task>/<name> <dir> (loramcl recipes lists them)")
+        return "missing required options " + ", ".join(option(key) for key in keys)
     if match := re.match(r"unrecognized arguments: (.*)", text):
         unknown = [a for a in match[1].split() if a.startswith("--")] or match[1].split()[:1]
         suggestion = _suggestion(unknown[0], table, command) if unknown else ""
@@ -142,7 +172,7 @@ def _usage_message(text: str, table: dict, command: str | None) -> str:
 
 def _suggestion(option: str, table: dict, command: str | None, prefix: str = "--") -> str:
     """' (did you mean --name?)' for the command's option closest to ``option`` (--flag, flag=value or file key)."""
-    known = _option_names(table[command]) if command else []
+    known = _option_names(table[command]) if command and callable(table[command]) else []
     close = difflib.get_close_matches(option.lstrip("-").split("=")[0], known, n=1)
     return f" (did you mean {prefix}{close[0]}?)" if close else ""
 

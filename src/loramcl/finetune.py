@@ -2,8 +2,9 @@
 prompt -> target JSONL, and score references.
 
 Each function's signature and docstring are its CLI (jsonargparse); `--config recipe.yaml` reads the same
-arguments from a file (recipes/ holds the paper's; its paths are relative to it). torch and transformers load inside
-the functions, after the files, their fields and the model folder are checked.
+arguments from a file, its paths relative to it (the packaged recipes, `--config bilingual/common.yaml`, are read
+relative to the current folder: docs/cli.md). torch and transformers load inside the functions, after the files,
+their fields and the model folder are checked.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@ evaluate -> report, every stage reused when its outputs exist with the same sett
 
 A recipe folder holds `experiment.yaml` (the data, the prompt, the K candidates, the forward budgets, the decodings
 of the single models), `common.yaml` (the model and the training settings every run shares) and one file per
-training run (its `out` and its `mcl:` or `moe:` block). Three folders ship with the repository:
+training run (its `out` and its `mcl:` or `moe:` block). Three ship inside the package (`loramcl recipes`):
 
-- recipes/audio_captioning/tiny (default): a tiny random Qwen2-Audio on a generated set in the Clotho layout, on
-  the CPU: the whole pipeline in seconds (its numbers mean nothing);
-- recipes/audio_captioning/clotho and recipes/audio_captioning/audiocaps: the paper's scale (Qwen2-Audio-7B-
+- audio_captioning/tiny (the default): a tiny random Qwen2-Audio on a generated set in the Clotho layout, on the
+  CPU: the whole pipeline in seconds (its numbers mean nothing);
+- audio_captioning/clotho and audio_captioning/audiocaps (`--recipes clotho`): the paper's scale (Qwen2-Audio-7B-
   Instruct, App. H.1 hyper-parameters, every trained system of Fig. 3); their common.yaml says how to launch the
   training on one or several GPUs.
 """
@@ -403,8 +403,8 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
 
     Args:
         out: output folder (default: experiment.yaml's `out`).
-        recipes: recipe folder with experiment.yaml, common.yaml and one file per run (default:
-            recipes/audio_captioning/tiny of this repository; clotho/ and audiocaps/ beside it are the paper's).
+        recipes: recipe folder with experiment.yaml, common.yaml and one file per run, or a packaged recipe's name
+            (default: tiny; clotho and audiocaps are the paper's scale; `loramcl recipes` lists them).
         quick: a few clips, two training steps per run, the smallest budget: checks the whole pipeline (numbers
             meaningless).
         budgets: forward budgets to decode at (default: experiment.yaml's).

@@ -2,7 +2,7 @@
 
 The paper's bilingual experiment (§4.3, App. H.5) on a real pretrained model and human translations, on the CPU:
 build the data from the machine's gettext catalogs, train LoRA-MLE and two LoRA-MCL runs (K = 2, relaxed and
-annealed, with hypothesis scores p(k | c)) from the recipes in recipes/bilingual/, decode every system at equal
+annealed, with hypothesis scores p(k | c)) from the packaged recipe bilingual/, decode every system at equal
 forward budgets (MCL also with diverse MCL decoding), score them (oracle sentence BLEU and chrF, mBLEU-4, oracle
 and mixture NLL, the scores' ranking and calibration), identify the language of every candidate, and probe the
 sentence embeddings for specialisation (PCA, linear SVM). Every stage skips work whose outputs exist with the same
@@ -63,8 +63,8 @@ def bilingual(out: str = "runs/bilingual", quick: bool = False, budgets: list[in
         quick: a few examples and training steps: checks the whole pipeline in a few minutes (numbers meaningless).
         budgets: forward budgets to decode at (default [2, 4]): 2 is MLE beam 2 / DBS vs MCL greedy, 4 is MLE beam 4
             / DBS vs MCL beam 2 per hypothesis; on 2 CPU cores each budget-4 system takes about 10 minutes.
-        recipes: folder with common.yaml, mle.yaml, mcl-relaxed.yaml, mcl-annealed.yaml (default:
-            recipes/bilingual of this repository).
+        recipes: folder with common.yaml, mle.yaml, mcl-relaxed.yaml, mcl-annealed.yaml (default: the packaged
+            bilingual recipe; `loramcl recipes copy bilingual DIR` writes a copy to edit).
         locale_dir: where the gettext catalogs are (<language>/LC_MESSAGES/*.mo).
         threads: torch CPU threads (default: torch's choice).
         device: e.g. cpu or cuda.

@@ -4,8 +4,8 @@ train -> decode -> evaluate -> report, every stage reused when its outputs exist
 A recipe folder holds `experiment.yaml` (what this command does: the TextCaps files and images, the K candidates, the
 forward budgets, which runs are decoded), `common.yaml` and one file per training run (the model, `mcl:` or `method:
 moe` with `moe:`, `training:`, `dtype:`); the runs train on the LLaVA-NeXT conversation of `loramcl.data.captioning`.
-recipes/image_captioning/textcaps is the paper's scale (LLaVA-1.6-Vicuna-7B on TextCaps); its files say how to
-launch the training on several GPUs. Adding a run (another K, a baseline) is adding a file.
+The packaged recipe image_captioning/textcaps is the paper's scale (LLaVA-1.6-Vicuna-7B on TextCaps); its files say
+how to launch the training on several GPUs. Adding a run (another K, a baseline) is adding a file.
 """
 
 from __future__ import annotations
@@ -120,12 +120,12 @@ class Experiment:
 
     @classmethod
     def read(cls, path: Path) -> Experiment:
-        from loramcl.recipe.files import experiment_values
+        from loramcl.recipe.files import experiment_values, path_base
 
         values = experiment_values(path, list(cls.__dataclass_fields__), paths=("out", "textcaps", "images"))
         bilingual = values.get("bilingual")
-        if isinstance(bilingual, dict) and isinstance(bilingual.get("translator"), str):  # relative to this file too
-            translator = Path(path).parent / Path(bilingual["translator"]).expanduser()
+        if isinstance(bilingual, dict) and isinstance(bilingual.get("translator"), str):  # relative as the others
+            translator = path_base(path) / Path(bilingual["translator"]).expanduser()
             values["bilingual"] = {**bilingual, "translator": str(translator.resolve())}
         return cls(**values)
 
@@ -291,8 +291,8 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
 
     Args:
         out: output folder (default: experiment.yaml's `out`).
-        recipes: recipe folder with experiment.yaml, common.yaml and one file per run (default:
-            recipes/image_captioning/textcaps of this repository, the paper's scale).
+        recipes: recipe folder with experiment.yaml, common.yaml and one file per run, or a packaged recipe's name
+            (default: textcaps, the paper's scale; textcaps-bilingual; `loramcl recipes` lists them).
         quick: a few images, one training step per run, the smallest budget: checks the whole pipeline (numbers
             meaningless).
         budgets: forward budgets to decode at (default: experiment.yaml's).
@@ -303,6 +303,7 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
     """
     from loramcl.captioning.report import build_report
     from loramcl.config import TrainConfig
+    from loramcl.data.textcaps import SPLIT_FILES
     from loramcl.file_io import sha256
     from loramcl.recipe.files import recipe_folder, run_names
     from loramcl.recipe.stages import Stages
@@ -321,10 +322,17 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
     for run, v in values.items():
         require(v["model"] == model, f"run {run}: every run of a recipe folder trains the same model ({model})")
 
+    split_files = {split: Path(experiment.textcaps) / SPLIT_FILES[split]
+                   for split in dict.fromkeys((experiment.train_split, experiment.test_split))}
+    for path in split_files.values():  # the first thing a user of the packaged (paper-scale) default meets
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: the recipe {folder} reads TextCaps 0.1 and the TextVQA "
+                                    "images where its experiment.yaml says: download them there, or point a copy at "
+                                    "them (loramcl recipes copy image_captioning/textcaps DIR); this task has no CPU "
+                                    "recipe, its packaged ones are the paper's scale")
     data = root / "data"
     data_settings = asdict(experiment) | {"quick": quick, "files_sha256": {
-        split: sha256(Path(experiment.textcaps) / f"TextCaps_0.1_{split}.json")
-        for split in {experiment.train_split, experiment.test_split}}}
+        split: sha256(path) for split, path in split_files.items()}}
     for name in ("out", "decoded", "decoding", "budgets", "candidates", "diversity_penalties", "metrics",
                  "mcl_decodings"):
         data_settings.pop(name)  # decoding settings: not the data's

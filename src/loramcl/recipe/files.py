@@ -1,5 +1,5 @@
 """Recipe files: one common YAML file plus one per training run, merged section by section (as two `--config`
-files are by `loramcl train`)."""
+files are by `loramcl train`), and the recipes that ship inside the package, found by name."""
 
 from __future__ import annotations
 
@@ -22,25 +22,82 @@ def merged(base: dict, override: dict) -> dict:
     return result
 
 
-def recipe_folder(given: str | None, task: str, files: Sequence[str]) -> Path:
-    """The folder holding a task's recipe files: ``given``, else recipes/<task> of the working directory or of this
-    repository; an error naming what is missing otherwise."""
-    if given and not Path(given).is_dir():
-        raise FileNotFoundError(f"--recipes {given}: no such folder; give the folder holding the {task} recipes "
-                                f"({', '.join(files)}), or leave --recipes out to use the repository's")
-    candidates = [Path(given)] if given else [Path("recipes") / task,
-                                              Path(__file__).resolve().parents[3] / "recipes" / task]
-    for folder in candidates:
-        if all((folder / name).is_file() for name in files):
-            return folder
-    advice = "give --recipes the folder holding them" if given else "run from the repository root or pass --recipes"
-    raise FileNotFoundError(f"no {task} recipes ({', '.join(files)}) in {', '.join(map(str, candidates))}: {advice}")
+def packaged_recipes() -> Path:
+    """The folder of the recipes that ship inside the package (package data, `src/loramcl/recipes/` in a checkout):
+    one folder per recipe, `<task>/<name>` (or `<task>` where a task has one), each file a `loramcl train --config`
+    file or a task's experiment.yaml."""
+    from importlib.resources import files
+
+    folder = files("loramcl") / "recipes"
+    if not isinstance(folder, Path) or not folder.is_dir():  # e.g. a zip import, or a wheel built without them
+        raise FileNotFoundError(f"loramcl's packaged recipes are not a folder ({folder}): install loramcl from its "
+                                "wheel or sdist (pip install loramcl-<version>-py3-none-any.whl)")
+    return folder
+
+
+def recipe_ids() -> list[str]:
+    """Every packaged recipe, as `<task>/<name>` (`<task>` alone for a task with one recipe), sorted."""
+    root = packaged_recipes()
+    return sorted({p.parent.relative_to(root).as_posix() for p in root.rglob("*.yaml")})
+
+
+def is_packaged(path: str | Path) -> bool:
+    """Whether ``path`` lies inside the packaged recipes."""
+    return Path(path).resolve().is_relative_to(packaged_recipes().resolve())
+
+
+def path_base(file: str | Path) -> Path:
+    """The folder a recipe file's relative paths are relative to: the file's own, except for the packaged recipes,
+    which live inside the installed package and whose `./runs`, `./data`, `./models` are those of the current
+    folder (`loramcl recipes copy` rewrites them relative to the copy)."""
+    return Path.cwd() if is_packaged(file) else Path(file).parent
+
+
+def packaged_recipe(name: str, task: str | None = None) -> Path | None:
+    """The packaged recipe folder called ``name``: its id `<task>/<name>`, or, given ``task``, its name inside that
+    task (`alma` for `translation/alma`); None when there is none."""
+    ids = [i for i in recipe_ids() if task is None or i.split("/")[0] == task]
+    found = [i for i in ids if name.strip("/") in (i, i.split("/", 1)[-1] if task else i)]
+    return packaged_recipes() / found[0] if found else None
+
+
+def packaged_config(value: str) -> str | None:
+    """The text of the packaged recipe file ``value`` names (its path inside the package, or `<recipe id>/<file>`,
+    e.g. `bilingual/common.yaml`, where no such file exists here); None for any other value."""
+    path = Path(value).expanduser()
+    if path.suffix not in (".yaml", ".yml") or (path.exists() and not path.is_file()):
+        return None
+    if not path.exists():
+        path = packaged_recipes() / value
+    return path.read_text(encoding="utf-8") if path.is_file() and is_packaged(path) else None
+
+
+def recipe_folder(given: str | None, default: str, files: Sequence[str]) -> Path:
+    """The folder holding a task's recipe files: ``given`` (a folder, or the name of a packaged recipe of the task),
+    else the packaged recipe ``default`` (`<task>/<name>`); an error saying what to give otherwise."""
+    task = default.split("/")[0]
+    if given is None:
+        folder = packaged_recipes() / default
+    elif Path(given).is_dir():
+        folder = Path(given)
+    else:
+        folder = packaged_recipe(given, task)
+        if folder is None:
+            names = ", ".join(i.split("/", 1)[-1] for i in recipe_ids() if i.split("/")[0] == task)
+            raise FileNotFoundError(f"--recipes {given}: no such folder, nor a packaged {task} recipe (packaged: "
+                                    f"{names}; `loramcl recipes` lists every recipe)")
+    missing = [name for name in files if not (folder / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{folder} holds no {', '.join(missing)}: give --recipes a folder with the {task} "
+                                f"recipe files ({', '.join(files)}, one file per run) or a packaged {task} recipe's "
+                                "name")
+    return folder
 
 
 def read_recipe(folder: Path, names: Sequence[str], overrides: dict | None = None) -> dict:
     """The files ``names`` of ``folder`` merged in order, then ``overrides``. The paths of RUN_PATHS are made absolute
-    relative to the file that gives them, as `loramcl train --config` reads them (a model that is no folder there,
-    e.g. a Hugging Face id of the local cache, stays as given)."""
+    relative to the file that gives them (``path_base``), as `loramcl train --config` reads them (a model that is
+    no folder there, e.g. a Hugging Face id of the local cache, stays as given)."""
     import yaml
 
     values: dict = {}
@@ -49,7 +106,7 @@ def read_recipe(folder: Path, names: Sequence[str], overrides: dict | None = Non
         content = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         if not isinstance(content, dict):
             raise ValueError(f"{path} must hold a mapping of settings, got {type(content).__name__}")
-        values = merged(values, _absolute_paths(content, path.parent))
+        values = merged(values, _absolute_paths(content, path_base(path)))
     return merged(values, overrides or {})
 
 
@@ -102,5 +159,5 @@ def experiment_values(path: Path, known: Sequence[str], paths: Sequence[str] = (
         raise ValueError(f"{path}: unknown settings {unknown!r}; known: {sorted(known)}")
     for name in paths:
         if isinstance(values.get(name), str):
-            values[name] = os.path.abspath(Path(path).parent / os.path.expanduser(values[name]))
+            values[name] = os.path.abspath(path_base(path) / os.path.expanduser(values[name]))
     return values

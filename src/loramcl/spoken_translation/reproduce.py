@@ -240,8 +240,8 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
 
     Args:
         out: output folder (default: experiment.yaml's `out`).
-        recipes: folder with experiment.yaml, common.yaml and one file per run (default: recipes/spoken_translation
-            of this repository).
+        recipes: folder with experiment.yaml, common.yaml and one file per run (default: the packaged
+            spoken_translation recipe; `loramcl recipes copy spoken_translation DIR` writes a copy to edit).
         quick: a few messages, two training steps per run, the smallest budget: checks the whole pipeline (numbers
             meaningless).
         budgets: forward budgets to decode at (default: experiment.yaml's).

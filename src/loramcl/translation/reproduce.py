@@ -3,13 +3,13 @@ report, every stage reused when its outputs exist with the same settings.
 
 A recipe folder holds `experiment.yaml` (what this command does: the data, the K candidates, the forward budgets,
 which runs are decoded and which enter the NLL table), `common.yaml` and one file per training run (each a `loramcl
-train --config` file). Two folders ship with the repository:
+train --config` file). Two ship inside the package (`loramcl recipes`):
 
-- recipes/translation/smollm2 (default): SmolLM2-135M on a multi-reference set built from the machine's gettext
+- translation/smollm2 (the default): SmolLM2-135M on a multi-reference set built from the machine's gettext
   catalogs, on the CPU (docs/translation.md);
-- recipes/translation/alma: the paper's scale, ALMA-7B-Pretrain on ALMA's human-written en->de pairs, evaluated on
-  the newstest2014 subset of Ott et al. 2018 with ten references (fairseq's extra_refs file); its files say how to
-  launch the training on several GPUs.
+- translation/alma (`--recipes alma`): the paper's scale, ALMA-7B-Pretrain on ALMA's human-written en->de pairs,
+  evaluated on the newstest2014 subset of Ott et al. 2018 with ten references (fairseq's extra_refs file); its files
+  say how to launch the training on several GPUs.
 
 Adding a run (e.g. a LoRA-MoE baseline) is one more run file in the folder (and its name under `decoded:` if its
 candidates are to be decoded).
@@ -111,12 +111,12 @@ class Experiment:
     def read(cls, path: Path) -> Experiment:
         import os
 
-        from loramcl.recipe.files import experiment_values
+        from loramcl.recipe.files import experiment_values, path_base
 
         values = experiment_values(path, list(cls.__dataclass_fields__), paths=("out",))
 
         def absolute(value):
-            return os.path.abspath(path.parent / os.path.expanduser(value)) if isinstance(value, str) else value
+            return os.path.abspath(path_base(path) / os.path.expanduser(value)) if isinstance(value, str) else value
 
         if isinstance(values.get("files"), dict):
             values["files"] = {name: absolute(value) if name.endswith("_file") else value
@@ -214,8 +214,8 @@ def translation(out: str | None = None, recipes: str | None = None, quick: bool 
 
     Args:
         out: output folder (default: experiment.yaml's `out`, where the run files point).
-        recipes: recipe folder with experiment.yaml, common.yaml and one file per run (default:
-            recipes/translation/smollm2 of this repository; recipes/translation/alma is the paper's scale).
+        recipes: recipe folder with experiment.yaml, common.yaml and one file per run, or a packaged recipe's name
+            (default: smollm2; alma is the paper's scale; `loramcl recipes` lists them).
         quick: a few sentences, one training step of the decoded runs only, the smallest budget: checks the whole
             pipeline in about a minute (numbers meaningless).
         budgets: forward budgets to decode at (default: experiment.yaml's).
