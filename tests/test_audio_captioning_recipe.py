@@ -11,12 +11,10 @@ from loramcl.audio_captioning.reproduce import (
     EXPERIMENT,
     Experiment,
     audio_captioning,
-    method_of,
-    run_values,
-    systems_of,
     training_config,
 )
-from loramcl.recipe.files import packaged_recipes, run_names
+from loramcl.recipe.files import method_of, packaged_recipes, run_names, run_values
+from loramcl.recipe.grid import systems_of
 
 RECIPES = packaged_recipes() / "audio_captioning"
 
@@ -73,7 +71,7 @@ def test_paper_scale_recipes_load_and_build_the_model(folder, tmp_path, monkeypa
         base = Qwen2AudioForConditionalGeneration(config)
     trainable, hypotheses = {}, {}
     for run in runs:
-        values = run_values(recipes, run, Path("/tmp/out"), None, quick=False)
+        values = run_values(recipes, run, Path("/tmp/out"), None, None)
         assert values["model"] == str(tmp_path / "models" / "Qwen2-Audio-7B-Instruct")
         assert values["dtype"] == "bfloat16" and experiment.root == str(tmp_path / "data" / folder)
         training = training_config(values, experiment, clips)

@@ -67,3 +67,17 @@ def test_no_module_imports_a_module_that_imports_it():
     graph = module_imports()
     assert "loramcl.model" in graph and "loramcl.copies" in graph["loramcl.model"]  # the walk sees the package
     assert cycles(graph) == []
+
+
+TASKS = ("markov", "bilingual", "translation", "audio_captioning", "captioning", "spoken_translation")
+
+
+def test_a_task_recipe_imports_no_other_task():
+    """What two recipes share lives in recipe/, analysis/ or below, not inside a sibling recipe."""
+    def task(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in TASKS else None
+
+    sideways = sorted((name, other) for name, imports in module_imports().items() for other in imports
+                      if task(name) and task(other) and task(name) != task(other))
+    assert sideways == []

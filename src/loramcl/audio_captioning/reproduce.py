@@ -21,7 +21,7 @@ from pathlib import Path
 
 from loramcl.data.audio_captions import CAPTIONS_PER_CLIP, LAYOUTS, MISSING_AUDIO, SPLITS, csv_path
 from loramcl.data.audio_prompts import DEFAULT_INSTRUCTION
-from loramcl.recipe.grid import DecodeConfig, System, chosen_budgets, equal_budget_systems, one_per_strategy
+from loramcl.recipe.grid import DecodeConfig, chosen_budgets, one_per_strategy, systems_of
 from loramcl.validate import require, require_int, require_real
 
 EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
@@ -236,27 +236,6 @@ def read_manifest(path: Path) -> list:
 # ---- training ------------------------------------------------------------------------------------------------
 
 
-def run_values(folder: Path, run: str, root: Path, model: str | None, quick: bool) -> dict:
-    """The settings of one run: common.yaml + <run>.yaml, its output under ``root``."""
-    from loramcl.recipe.files import merged, read_recipe
-
-    overrides = {"out": str(root / run)} | ({"model": model} if model is not None else {})
-    values = read_recipe(folder, [COMMON, f"{run}.yaml"], overrides)
-    require(isinstance(values.get("model"), str), f"{folder}: no model folder (`model:` in {COMMON})")
-    return merged(values, {"training": QUICK_TRAIN}) if quick else values
-
-
-def method_of(values: dict) -> tuple[str, object]:
-    """(method, its configuration object) of a run's settings."""
-    from loramcl.baselines.config import MoEConfig
-    from loramcl.config import MCLConfig
-
-    method = values.get("method", "mcl")
-    require(method in ("mcl", "moe"), f"method must be mcl or moe, got {method!r}")
-    require(method in values, f"method {method} needs its `{method}:` block")
-    return method, (MCLConfig.from_dict(values["mcl"]) if method == "mcl" else MoEConfig(**values["moe"]))
-
-
 def training_config(values: dict, experiment: Experiment, train_examples: int, quick: bool = False):
     """The run's TrainConfig, its steps and warm-up from experiment.epochs when given (not in a quick run)."""
     from loramcl.config import TrainConfig
@@ -359,32 +338,6 @@ def score_references(model: str, adapters: str, test: Path, out: Path, experimen
     return out
 
 
-def systems_of(experiment: Experiment, hypotheses: dict[str, int], budgets: list[int]) -> list[System]:
-    """Every decoded run at every budget: MCL runs with beam B/K per hypothesis (greedy at B = K); single models
-    (LoRA-MLE, LoRA-MoE) with beam search, diverse beam search per λ and test-time augmentation per strength (beam
-    B/K per augmented input); every run with each sampling setting at B = K (paper Tables 8-9)."""
-    k = experiment.candidates
-    mcl = {run: n for run, n in hypotheses.items() if n > 1}
-    single = [run for run, n in hypotheses.items() if n == 1]
-    systems = equal_budget_systems(mcl, k, budgets, mcl_strategies=experiment.mcl_decodings) + equal_budget_systems(
-        dict.fromkeys(single, 1), k, budgets, ("beam",))
-    for run in single:
-        for budget in budgets:
-            systems += [System(f"{run}-dbs{penalty:g}-b{budget}", run, "diverse_beam", budget,
-                               {"diversity_penalty": penalty}) for penalty in experiment.diversity_penalties]
-            systems += [System(f"{run}-tta{i + 1}-b{budget}", run, "tta", budget, {"tta_strength": strength})
-                        for i, strength in enumerate(experiment.tta)]
-    if k in budgets:  # sampling advances one sequence per candidate: budget K only
-        systems += [System(f"{run}-{sampling_name(s)}-b{k}", run, "sample", k, dict(s))
-                    for run in hypotheses for s in experiment.sampling]
-    return systems
-
-
-def sampling_name(settings: dict) -> str:
-    """e.g. {"top_k": 50} -> "topk50", {"typical_p": 0.95} -> "typical0.95"."""
-    return "-".join(f"{key.removesuffix('_p').replace('_', '')}{value:g}" for key, value in settings.items())
-
-
 # ---- the command ---------------------------------------------------------------------------------------------
 
 
@@ -418,7 +371,7 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
 
     from loramcl.audio_captioning.report import build_report
     from loramcl.file_io import sha256
-    from loramcl.recipe.files import recipe_folder, run_names
+    from loramcl.recipe.files import method_of, recipe_folder, run_names, run_values
     from loramcl.recipe.stages import Stages
     from loramcl.runs import file_stamp, run_stamp
 
@@ -442,7 +395,7 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
     names = run_names(folder, reserved=(EXPERIMENT, COMMON))
     unknown = sorted(set(runs or []) - set(names))
     require(not unknown, f"runs: no run file for {unknown} (runs: {names})")
-    values = {run: run_values(folder, run, root, model, quick) for run in names}
+    values = {run: run_values(folder, run, root, model, QUICK_TRAIN if quick else None, COMMON) for run in names}
     model = values[names[0]]["model"]
     require(all(v["model"] == model for v in values.values()), "every run of a recipe folder trains the same model")
     if stop_after != "data":
@@ -523,4 +476,4 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
     return report
 
 
-__all__ = ["Experiment", "audio_captioning", "prepare_data", "systems_of", "write_synthetic_clotho"]
+__all__ = ["Experiment", "audio_captioning", "prepare_data", "write_synthetic_clotho"]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loramcl.inputs import _cached_hub_model
+from loramcl.validate import require
 
 # The path settings of a `loramcl train --config` file, relative to the file that gives them (as the CLI reads them).
 RUN_PATHS = (("model",), ("out",), ("data", "train_file"), ("data", "validation_file"))
@@ -136,6 +137,27 @@ def run_arguments(folder: Path, run: str, root: Path, model: str | None = None, 
     if values.get("data", {}).get("validation_file"):
         values["data"]["validation_file"] = str(root / "data" / "validation.jsonl")
     return merged(values, quick) if quick else values
+
+
+def run_values(folder: Path, run: str, root: Path, model: str | None, quick_training: dict | None,
+               common: str = "common.yaml") -> dict:
+    """The settings of one run: ``common`` + <run>.yaml, its output under ``root``, ``model`` when given;
+    ``quick_training`` (a quick run's training settings) merged last when given."""
+    overrides = {"out": str(root / run)} | ({"model": model} if model is not None else {})
+    values = read_recipe(folder, [common, f"{run}.yaml"], overrides)
+    require(isinstance(values.get("model"), str), f"{folder}: no model folder (`model:` in {common})")
+    return merged(values, {"training": quick_training}) if quick_training else values
+
+
+def method_of(values: dict) -> tuple[str, object]:
+    """(method, its configuration object) of a run's settings: LoRA-MCL (K = 1: LoRA-MLE) or LoRA-MoE."""
+    from loramcl.baselines.config import MoEConfig
+    from loramcl.config import MCLConfig
+
+    method = values.get("method", "mcl")
+    require(method in ("mcl", "moe"), f"method must be mcl or moe, got {method!r}")
+    require(method in values, f"method {method} needs its `{method}:` block")
+    return method, (MCLConfig.from_dict(values["mcl"]) if method == "mcl" else MoEConfig(**values["moe"]))
 
 
 def run_names(folder: Path, reserved: Sequence[str] = ("common.yaml",)) -> list[str]:

@@ -100,6 +100,34 @@ class System:
         return asdict(self)
 
 
+def systems_of(experiment, hypotheses: dict[str, int], budgets: list[int]) -> list[System]:
+    """The systems of a recipe whose experiment gives ``candidates`` (K), ``mcl_decodings``, ``diversity_penalties``,
+    ``tta`` (strengths) and ``sampling`` (settings), as the audio tasks' do: every decoded run (``hypotheses``: run ->
+    its K) at every budget: MCL runs with beam B/K per hypothesis (greedy at B = K); single models (LoRA-MLE, LoRA-MoE)
+    with beam search, diverse beam search per λ and test-time augmentation per strength (beam B/K per augmented
+    input); every run with each sampling setting at B = K (paper Tables 8-9)."""
+    k = experiment.candidates
+    mcl = {run: n for run, n in hypotheses.items() if n > 1}
+    single = [run for run, n in hypotheses.items() if n == 1]
+    systems = equal_budget_systems(mcl, k, budgets, mcl_strategies=experiment.mcl_decodings) + equal_budget_systems(
+        dict.fromkeys(single, 1), k, budgets, ("beam",))
+    for run in single:
+        for budget in budgets:
+            systems += [System(f"{run}-dbs{penalty:g}-b{budget}", run, "diverse_beam", budget,
+                               {"diversity_penalty": penalty}) for penalty in experiment.diversity_penalties]
+            systems += [System(f"{run}-tta{i + 1}-b{budget}", run, "tta", budget, {"tta_strength": strength})
+                        for i, strength in enumerate(experiment.tta)]
+    if k in budgets:  # sampling advances one sequence per candidate: budget K only
+        systems += [System(f"{run}-{sampling_name(s)}-b{k}", run, "sample", k, dict(s))
+                    for run in hypotheses for s in experiment.sampling]
+    return systems
+
+
+def sampling_name(settings: dict) -> str:
+    """e.g. {"top_k": 50} -> "topk50", {"typical_p": 0.95} -> "typical0.95"."""
+    return "-".join(f"{key.removesuffix('_p').replace('_', '')}{value:g}" for key, value in settings.items())
+
+
 def check_budgets(candidates: int, budgets: list[int]) -> None:
     """An experiment's K candidates per input (>= 2) and its forward budgets: a non-empty list of multiples of K
     (B/K beams per hypothesis)."""

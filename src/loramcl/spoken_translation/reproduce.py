@@ -32,6 +32,7 @@ MODEL_FOLDER = "whisper-base"
 # Quick: the same pipeline on a few messages, two training steps, the smallest budget (numbers meaningless).
 QUICK_DATA = {"train": 6, "validation": 2, "test": 4}
 QUICK_DECODING = {"max_new_tokens": 6, "batch_size": 4}
+QUICK_TRAIN = {"steps": 2, "batch_size": 2, "eval_every": 0, "logging_steps": 1, "warmup_steps": 0, "save_every": 0}
 METRICS = "sacrebleu,chrf,mbleu4"
 
 
@@ -71,7 +72,7 @@ class Experiment:
     eval_examples: int = 32
     """Validation messages scored during training."""
 
-    sampling: list = field(default_factory=list)  # read by audio_captioning.systems_of: no sampling systems here
+    sampling: list = field(default_factory=list)  # read by recipe.grid.systems_of: no sampling systems here
 
     def __post_init__(self) -> None:
         SpokenSettings(**self.data)
@@ -218,7 +219,7 @@ def decode_run(model: str, adapters: str, test: Path, out: Path, arguments: dict
 def systems(experiment: Experiment, hypotheses: dict[str, int], budgets: list[int]) -> list[System]:
     """MCL runs with beam B/K per hypothesis (greedy at B = K; + diverse MCL decoding if asked); the MLE run with
     beam search, diverse beam search per λ and test-time augmentation per strength, at every budget."""
-    from loramcl.audio_captioning.reproduce import systems_of
+    from loramcl.recipe.grid import systems_of
 
     return systems_of(experiment, hypotheses, budgets)
 
@@ -252,12 +253,11 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
     """
     import torch
 
-    from loramcl.audio_captioning.reproduce import method_of, run_values
     from loramcl.config import TrainConfig
     from loramcl.data.spoken_messages import write_spoken_splits
     from loramcl.file_io import sha256
     from loramcl.pretrained import whisper_base_files
-    from loramcl.recipe.files import recipe_folder, run_names
+    from loramcl.recipe.files import method_of, recipe_folder, run_names, run_values
     from loramcl.recipe.stages import Stages
     from loramcl.spoken_translation.report import build_report
 
@@ -284,7 +284,7 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
     names = run_names(folder, reserved=(EXPERIMENT, COMMON))
     require(not set(runs or []) - set(names), f"runs: no run file for {sorted(set(runs or []) - set(names))} (runs: "
            f"{names})")
-    values = {run: run_values(folder, run, root, model, quick) for run in names}
+    values = {run: run_values(folder, run, root, model, QUICK_TRAIN if quick else None, COMMON) for run in names}
     data_sha256 = {role: sha256(data / f"{role}.jsonl") for role in ("train", "validation")}
     eval_examples = experiment.eval_examples if not quick else 2
     for run in names if runs is None else runs:  # retrained when its recipe or data changed, resumed if interrupted
