@@ -511,7 +511,8 @@ class _Decoder:
     def _generate(self, batch: dict, routing: int | torch.Tensor | None = None, copies: bool = False,
                   **extra) -> list[Candidate]:
         """One ``generate`` on ``batch``, as one candidate per output row."""
-        check_token_ids(self.model, batch.get("input_ids"))  # also for a plain or PEFT model
+        if not isinstance(self.model, MCLModel):  # an MCLModel checks in its own generate
+            check_token_ids(self.model, batch.get("input_ids"))
         with self._routed(routing, copies):
             output = self.model.generate(**batch, **self.kwargs, **extra)
             return self._candidates(output, batch, per_input=extra.get("num_return_sequences", 1))
