@@ -4,8 +4,8 @@ the whole comparison in its quick form."""
 import numpy as np
 import pytest
 
-from loramcl.baselines.markov_compare import NEW_TOKENS, candidate_statistics
 from loramcl.markov.chains import preset_mixture
+from loramcl.markov.compare import NEW_TOKENS, candidate_statistics
 
 
 def test_candidate_statistics_assign_each_candidate_to_its_most_likely_chain():
@@ -25,7 +25,7 @@ def test_candidate_statistics_assign_each_candidate_to_its_most_likely_chain():
 
 @pytest.mark.slow
 def test_quick_comparison_runs_end_to_end(tmp_path):
-    from loramcl.baselines.markov_compare import compare
+    from loramcl.markov.compare import compare
 
     report = compare(out=str(tmp_path), quick=True, threads=1)
     systems = [s["system"] for s in report["summary"]]

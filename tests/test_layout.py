@@ -81,3 +81,26 @@ def test_a_task_recipe_imports_no_other_task():
     sideways = sorted((name, other) for name, imports in module_imports().items() for other in imports
                       if task(name) and task(other) and task(name) != task(other))
     assert sideways == []
+
+
+# The floors of the house, top first: a module imports only modules of its floor or below. The top floor holds the
+# two public faces: the package (`from loramcl import ...`, and its version) and the command line.
+FLOORS = (("the public faces", lambda m: m in ("loramcl", "loramcl.cli", "loramcl.__main__")),
+          ("a task", lambda m: len(m.split(".")) > 1 and m.split(".")[1] in TASKS),
+          ("the recipe runner", lambda m: m.startswith("loramcl.recipe.") or m == "loramcl.recipe"),
+          ("training", lambda m: m in ("loramcl.finetune", "loramcl.trainer")))
+
+
+def floor(module: str) -> int:
+    """1 for the public faces, ..., len(FLOORS) + 1 for the ground floor (the method, data, decoding, metrics and
+    what they stand on)."""
+    return next((i for i, (_, holds) in enumerate(FLOORS, start=1) if holds(module)), len(FLOORS) + 1)
+
+
+def test_imports_run_down_the_floors():
+    """core <- model <- trainer <- recipes <- cli: nothing below imports what stands above it."""
+    assert floor("loramcl.cli") < floor("loramcl.audio_captioning.reproduce") < floor("loramcl.recipe.runner") \
+        < floor("loramcl.trainer") < floor("loramcl.model")
+    upward = sorted((name, other) for name, imports in module_imports().items() for other in imports
+                    if floor(other) < floor(name))
+    assert upward == []

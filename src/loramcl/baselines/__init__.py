@@ -5,7 +5,6 @@ LoRA-MCL is, so that comparisons are fair by construction (App. F, App. H.1).
   stochastic-router decoding (``generate_hypotheses(strategy="stochastic_router")``).
 - ``multihead``: multi-head MCL, one module (the LM head, a multimodal projector) duplicated K times.
 - ``parity``: the LoRA-MLE rank and LoRA-MoE (E, r) with LoRA-MCL's trainable count.
-- ``markov_compare``: the four trained systems on the Markov mixture (``python -m loramcl.baselines.markov_compare``).
 
 LoRA-MLE is LoRA-MCL with K = 1 (``MCLConfig(num_hypotheses=1, r=K*r)``). Models of every method are saved with
 ``save_pretrained`` and loaded with ``loramcl.load_mcl_model``.

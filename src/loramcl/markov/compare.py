@@ -2,7 +2,7 @@
 multi-head MCL, each trained through ``MCLTrainer`` on the same data and decoded through ``generate_hypotheses`` at
 the same forward budget B = K.
 
-    python -m loramcl.baselines.markov_compare --out runs/baselines-markov [--seeds 3] [--quick]
+    python -m loramcl.markov.compare --out runs/baselines-markov [--seeds 3] [--quick]
 
 Per system: the oracle NLL per token (LoRA-MCL's eval loss: mean over sequences of min_k NLL; the plain NLL of a
 one-hypothesis model), the win rate of each hypothesis, the transition matrices each hypothesis learned against the
