@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from loramcl.data.gettext_pairs import LANGUAGES
-from loramcl.recipe.report import inline, percent, runs_table
+from loramcl.recipe.report import inline, percent, runs_table, wins_table, written_report
 
 IDENTIFIER_EXAMPLES = 3000  # per language, from the training split
 EXAMPLES_SHOWN = 6
@@ -37,7 +37,7 @@ def train_identifier(train: list[dict], test: list[dict], seed: int = 0):
 def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> dict:
     from loramcl.analysis import embed, hypothesis_probe, language_shares, language_wins, pca_plot
     from loramcl.metrics import evaluate_candidates
-    from loramcl.metrics.io import load_mixture_nll, load_nll, load_scores, read_jsonl, to_jsonable
+    from loramcl.metrics.io import load_mixture_nll, load_nll, load_scores, read_jsonl
     from loramcl.recipe.report import training_curves
     from loramcl.runs import run_record
 
@@ -91,11 +91,9 @@ def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> 
 
     examples = [{"source": r["source"], "fr": r["fr"][0], "de": r["de"][0],
                  **{name: outputs[name][i] for name in probed}} for i, r in enumerate(test[:EXAMPLES_SHOWN])]
-    report = to_jsonable({"identifier": identifier_accuracy, "systems": results, "probes": probes,
-                          "runs": run_info, "figures": figures, "examples": examples,
-                          "num_test_items": len(test)})
-    (root / "report.md").write_text(markdown(report), encoding="utf-8")
-    return report
+    return written_report(root, {"identifier": identifier_accuracy, "systems": results, "probes": probes,
+                                     "runs": run_info, "figures": figures, "examples": examples,
+                                     "num_test_items": len(test)}, markdown)
 
 
 def markdown(report: dict) -> str:
@@ -139,13 +137,8 @@ def markdown(report: dict) -> str:
     lines += ["", "## Which hypothesis wins each reference language (paper Table 7)", "",
               "For each test message and each language, the candidate closest to that language's reference "
               "(sentence chrF) wins; ties go to h0.", "",
-              "| system | reference | h0 | h1 | ties (both languages) |", "|---|---|---:|---:|---:|"]
-    for name, result in systems.items():
-        wins = result["language_wins"]
-        for lang in LANGUAGES:
-            rates = wins["by_group"][lang]["win_rate"]
-            lines.append(f"| {name} | {lang} | {percent(rates[0])} | {percent(rates[1])} | "
-                         f"{percent(wins['tie_rate'])} |")
+              *wins_table(systems, "language_wins", LANGUAGES,
+                          "| system | reference | h0 | h1 | ties (both languages) |")]
 
     identified = report["identifier"]["per_language"]
     per_language = ", ".join(f"{lang}: {percent(v['accuracy'])}%" for lang, v in identified.items())

@@ -4,7 +4,7 @@ training curves. Each function returns markdown lines or writes a figure and ret
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,28 @@ def inline(text: str, limit: int = 90) -> str:
 
 def percent(x: float) -> str:
     return f"{100 * x:.1f}"
+
+
+def wins_table(systems: dict, key: str, groups: Sequence[str], header: str) -> list[str]:
+    """Markdown rows: for each system and reference group (a language, a mode), how often each candidate k wins it
+    (``result[key]`` of each system: ``analysis.language_wins``) and how often candidates tie. ``header``: the
+    table's header row, one column per candidate after the system and the group, then the ties."""
+    lines = [header, "|---|---|" + "---:|" * (header.count("|") - 3)]
+    for name, result in systems.items():
+        wins = result[key]
+        for group in groups:
+            rates = " | ".join(percent(rate) for rate in wins["by_group"][group]["win_rate"])
+            lines.append(f"| {name} | {group} | {rates} | {percent(wins['tie_rate'])} |")
+    return lines
+
+
+def written_report(root: Path, report: dict, markdown: Callable[[dict], str]) -> dict:
+    """``report`` made JSON-ready (``metrics.io.to_jsonable``), its markdown written to root/report.md."""
+    from loramcl.metrics.io import to_jsonable
+
+    report = to_jsonable(report)
+    (root / "report.md").write_text(markdown(report), encoding="utf-8")
+    return report
 
 
 def loss_name(mcl: dict, method: str = "mcl") -> str:

@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from loramcl.data.spoken_messages import MODES, read_rows
-from loramcl.recipe.report import inline, percent, runs_table
+from loramcl.recipe.report import inline, percent, runs_table, wins_table, written_report
 
 IDENTIFIER_EXAMPLES = 2000  # per language, from the training split
 EXAMPLES_SHOWN = 8
@@ -34,7 +34,7 @@ def build_report(root: Path, experiment, systems, runs, stats: dict, metrics: st
     data."""
     from loramcl.analysis import language_shares, language_wins
     from loramcl.metrics import evaluate_candidates
-    from loramcl.metrics.io import read_jsonl, to_jsonable
+    from loramcl.metrics.io import read_jsonl
     from loramcl.recipe.report import training_curves
     from loramcl.runs import run_record
 
@@ -61,11 +61,9 @@ def build_report(root: Path, experiment, systems, runs, stats: dict, metrics: st
     shown = [s.name for s in systems if s.budget == min(x.budget for x in systems)]
     examples = [{"source": r["source"], "fr": r["fr"][0], **{name: outputs[name][i] for name in shown}}
                 for i, r in enumerate(test[:EXAMPLES_SHOWN])]
-    report = to_jsonable({"data": stats, "identifier": identifier_accuracy, "runs": records, "systems": results,
-                          "examples": examples, "figures": {"training": curves}, "num_test_items": len(test),
-                          "context_seconds": experiment.context_seconds})
-    (root / "report.md").write_text(markdown(report), encoding="utf-8")
-    return report
+    return written_report(root, {"data": stats, "identifier": identifier_accuracy, "runs": records, "systems": results,
+                                     "examples": examples, "figures": {"training": curves}, "num_test_items": len(test),
+                                     "context_seconds": experiment.context_seconds}, markdown)
 
 
 def markdown(report: dict) -> str:
@@ -94,13 +92,7 @@ def markdown(report: dict) -> str:
     lines += ["", "## Which candidate wins each mode", "",
               "For each test message and each mode, the candidate closest (sentence chrF) to that mode's references "
               "wins; ties go to candidate 0 (for an MCL run candidate k is hypothesis k; for MLE, beam or group rank).",
-              "", "| system | mode | k=0 | k=1 | ties |", "|---|---|---:|---:|---:|"]
-    for name, result in systems.items():
-        wins = result["mode_wins"]
-        for mode in MODES:
-            rates = wins["by_group"][mode]["win_rate"]
-            lines.append(f"| {name} | {mode} | {percent(rates[0])} | {percent(rates[1])} | "
-                         f"{percent(wins['tie_rate'])} |")
+              "", *wins_table(systems, "mode_wins", MODES, "| system | mode | k=0 | k=1 | ties |")]
     identified = report["identifier"]["per_language"]
     accuracy = ", ".join(f"{lang}: {percent(v['accuracy'])}%" for lang, v in identified.items())
     lines += ["", "## Mode of each candidate", "",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loramcl.recipe.report import Column, inline, metrics_table, percent, runs_table
+from loramcl.recipe.report import Column, inline, metrics_table, percent, runs_table, written_report
 
 EXAMPLES_SHOWN = 8
 COLUMNS = (Column("loo_bleu", "Loo-BLEU ↑", ".2f"), Column("pairwise_bleu", "Pairwise-BLEU ↓", ".2f"),
@@ -64,7 +64,7 @@ def hypothesis_profile(candidates: list[list[str]], sources: list[str], referenc
 
 def build_report(root: Path, experiment, systems, nll_table: list[str], runs: list[str]) -> dict:
     from loramcl.metrics import evaluate_candidates, loo_bleu, oracle_nll
-    from loramcl.metrics.io import load_nll, read_jsonl, to_jsonable
+    from loramcl.metrics.io import load_nll, read_jsonl
     from loramcl.metrics.plot import tradeoff_plot
     from loramcl.recipe.report import training_curves
     from loramcl.runs import run_record
@@ -112,12 +112,11 @@ def build_report(root: Path, experiment, systems, nll_table: list[str], runs: li
             title=f"Quality vs diversity, K = {experiment.candidates} candidates (paper Fig. 4)"))
     examples = [{"source": sources[i], "references": references[i],
                  **{name: outputs[name][i] for name in outputs}} for i in range(min(EXAMPLES_SHOWN, len(test)))]
-    report = to_jsonable({"systems": results, "nll_table": nll_rows, "runs": records, "figures": figures,
-                          "examples": examples, "num_test_items": len(test), "loo_references": r_min,
-                          "references_per_item": float(np.mean([len(r) for r in references])),
-                          "candidates": experiment.candidates, "bleu_tokenize": experiment.bleu_tokenize})
-    (root / "report.md").write_text(markdown(report), encoding="utf-8")
-    return report
+    report = {"systems": results, "nll_table": nll_rows, "runs": records, "figures": figures, "examples": examples,
+              "num_test_items": len(test), "loo_references": r_min,
+              "references_per_item": float(np.mean([len(r) for r in references])),
+              "candidates": experiment.candidates, "bleu_tokenize": experiment.bleu_tokenize}
+    return written_report(root, report, markdown)
 
 
 def markdown(report: dict) -> str:
