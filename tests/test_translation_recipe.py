@@ -10,7 +10,9 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from loramcl.config import DataConfig, MCLConfig, TrainConfig
 from loramcl.data.gettext_pairs import normalise
 from loramcl.recipe.files import recipe_folder, run_arguments, run_names
-from loramcl.translation.reproduce import COMMON, EXPERIMENT, Experiment, systems_of, translation
+from loramcl.recipe.runner import COMMON, EXPERIMENT
+from loramcl.recipe.stages import Stages
+from loramcl.translation.reproduce import Experiment, Translation, translation
 
 
 def test_paper_scale_recipe_files_load_and_build_a_model(tmp_path):
@@ -41,7 +43,8 @@ def test_paper_scale_recipe_files_load_and_build_a_model(tmp_path):
         assert [name.rsplit(".", 1)[-1] for name in model.layer_names] == ["down_proj"] * 2
         counts[run] = model.parameter_counts()[0]
     assert counts["mcl"] == counts["mle-r48"] == 3 * counts["mle-r16"] == 3 * 16 * (48 + 32) * 2
-    names = [s.name for s in systems_of(experiment, values, experiment.budgets)]
+    task = Translation(folder, experiment, Stages(tmp_path / "out"), False, None, "cpu")
+    names = [s.name for s in task.systems(values, experiment.budgets)]
     assert names == ["mle-r16-beam-b3", "mle-r16-diversebeam-b3", "mle-r16-beam-b6", "mle-r16-diversebeam-b6",
                      "mle-r16-beam-b9", "mle-r16-diversebeam-b9", "mle-r48-beam-b3", "mle-r48-diversebeam-b3",
                      "mle-r48-beam-b6", "mle-r48-diversebeam-b6", "mle-r48-beam-b9", "mle-r48-diversebeam-b9",
@@ -94,7 +97,7 @@ def test_quick_recipe_writes_every_output(quick):
 def test_a_second_run_reuses_the_finished_stages(quick):
     out, first = quick
     again = translation(out=str(out), quick=True, threads=1)
-    assert set(again["timing_s"]) == {"convert model", "evaluate and report", "runs"}  # nothing retrained or decoded
+    assert set(again["timing_s"]) == {"convert model", "report", "runs"}  # nothing retrained or decoded
     assert again["systems"]["mcl-k3-greedy-b3"]["metrics"] == first["systems"]["mcl-k3-greedy-b3"]["metrics"]
 
 

@@ -21,10 +21,11 @@ from pathlib import Path
 
 from loramcl.data.audio_captions import CAPTIONS_PER_CLIP, LAYOUTS, MISSING_AUDIO, SPLITS, csv_path
 from loramcl.data.audio_prompts import DEFAULT_INSTRUCTION
-from loramcl.recipe.grid import DecodeConfig, chosen_budgets, one_per_strategy, systems_of
+from loramcl.recipe import runner
+from loramcl.recipe.experiment import Experiment as RecipeExperiment
+from loramcl.recipe.grid import DecodeConfig, System, check_tta, systems_of
 from loramcl.validate import require, require_int, require_real
 
-EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
 DEFAULT_RECIPES = "audio_captioning/tiny"
 TINY_MODEL_FOLDER = "tiny-qwen2-audio"
 ROLES = ("train", "validation", "test")
@@ -42,13 +43,13 @@ SYNTHETIC_CLIPS = {"development": 24, "validation": 6, "evaluation": 9}
 SYNTHETIC_WORDS = sorted({w for phrase in SYNTHETIC_PHRASES for p in PITCHES for w in phrase.format(p=p).split()})
 
 
-@dataclass(frozen=True)
-class Experiment:
-    """experiment.yaml: what `loramcl audio-captioning` does with the runs of a recipe folder."""
+@dataclass(frozen=True, kw_only=True)
+class Experiment(RecipeExperiment):
+    """experiment.yaml: what `loramcl audio-captioning` does with the runs of a recipe folder. Paths in it (`out`,
+    `root`) are relative to that file, as those of the run files (`model` in common.yaml) are to theirs."""
 
+    PATHS = ("out", "root")
     out: str = "runs/audio-captioning"
-    """Output folder. Paths in experiment.yaml (`out`, `root`) are relative to that file, as those of the run files
-    (`model` in common.yaml) are to theirs."""
 
     layout: str = "clotho"
     """The official distribution read: 'clotho' (Clotho v2) or 'audiocaps' (loramcl.data.audio_captions)."""
@@ -98,14 +99,6 @@ class Experiment:
     """Forward budgets B: MLE beam B and diverse beam (K groups), MCL beam B/K per hypothesis (greedy at B = K),
     test-time augmentation beam B/K per augmented input; sampling at B = K only."""
 
-    decoded: list[str] | None = None
-    """Runs decoded (default: every run)."""
-
-    mcl_decodings: list[str] = field(default_factory=lambda: ["beam"])
-    """How runs with K hypotheses decode: 'beam' (greedy at B = K, beam B/K per hypothesis above: the paper's) and
-    'diverse_beam' (diverse MCL decoding: hypothesis k is group k of one diverse beam search, λ =
-    decoding.diversity_penalty)."""
-
     diversity_penalties: list[float] = field(default_factory=lambda: [0.8, 1.0])
     """λ of diverse beam search, one system per value."""
 
@@ -116,14 +109,12 @@ class Experiment:
     """Test-time augmentation strengths φ = (time, frequency): SpecAugment masks up to that fraction of the frames
     and of the mel channels (one mask of each), once per candidate (paper App. H, Table 7)."""
 
-    decoding: dict = field(default_factory=dict)
-    """DecodeConfig settings (max_new_tokens, repetition_penalty, batch_size, seed)."""
-
     metrics: str = "captioning"
     """`loramcl evaluate` metrics (preset 'captioning': BLEU, METEOR, ROUGE-L, CIDEr-D, SPICE/SPIDEr when the SPICE
     jars are there, sBERT, Div-n, mBLEU-4)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(self.layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         require(self.synthetic or isinstance(self.root, str) and bool(self.root),
                "root must name the folder of the official distribution (or set synthetic: true)")
@@ -136,37 +127,20 @@ class Experiment:
         if self.max_seconds is not None:
             require_real("max_seconds", self.max_seconds, low=0.0, low_open=True)
         require(self.captions_per_clip in CAPTIONS_PER_CLIP, f"captions_per_clip must be one of {CAPTIONS_PER_CLIP}")
-        require(bool(self.mcl_decodings) and set(self.mcl_decodings) <= {"beam", "diverse_beam"},
-               f"mcl_decodings must be among beam and diverse_beam, got {self.mcl_decodings!r}")
         require(isinstance(self.chat_template, bool), "chat_template must be true or false")
         require(self.packaged_model in (None, "tiny-random"), "packaged_model must be tiny-random or null")
         if self.epochs is not None:
             require_real("epochs", self.epochs, low=0.0, low_open=True)
         require_int("processes", self.processes)
         require_real("warmup_ratio", self.warmup_ratio, low=0.0, high=1.0, high_open=True)
-        require_int("candidates", self.candidates, minimum=2)
-        require(isinstance(self.budgets, list) and bool(self.budgets), "budgets must be a non-empty list")
-        for budget in self.budgets:
-            require_int("budgets", budget)
-            require(budget % self.candidates == 0, f"every budget must be a multiple of candidates = "
-                   f"{self.candidates}, got {budget}")
         for penalty in self.diversity_penalties:
             require_real("diversity_penalties", penalty, low=0.0)
         require(all(isinstance(s, dict) and s for s in self.sampling), "sampling: a list of non-empty mappings")
-        for strength in self.tta:
-            require(isinstance(strength, list) and len(strength) == 2 and all(0 <= s <= 1 for s in strength),
-                   f"tta: each strength is [time fraction, frequency fraction] in [0, 1], got {strength!r}")
-        DecodeConfig(**self.decoding)
+        check_tta(self.tta)
 
     def split(self, role: str) -> str:
         defaults = dict(zip(ROLES, SPLITS[self.layout], strict=True))
         return self.splits.get(role, defaults[role])
-
-    @classmethod
-    def read(cls, path: Path) -> Experiment:
-        from loramcl.recipe.files import experiment_values
-
-        return cls(**experiment_values(path, list(cls.__dataclass_fields__), paths=("out", "root")))
 
 
 # ---- data ----------------------------------------------------------------------------------------------------
@@ -341,6 +315,98 @@ def score_references(model: str, adapters: str, test: Path, out: Path, experimen
 # ---- the command ---------------------------------------------------------------------------------------------
 
 
+class AudioCaptioning(runner.Task):
+    """Qwen2-Audio captions: the clips of an official distribution (or the synthetic one), one run per run file."""
+
+    experiment_type = Experiment
+    default_recipes = DEFAULT_RECIPES
+    quick_settings = {"training": QUICK_TRAIN}
+    quick_decoding = QUICK_DECODING
+
+    def build_model(self) -> str | None:
+        if self.experiment.packaged_model != "tiny-random":
+            return None
+        from loramcl.pretrained import tiny_qwen2_audio
+
+        model = self.root / TINY_MODEL_FOLDER
+        self.stages.run("build model", model / "built.json", {"words": SYNTHETIC_WORDS}, tiny_qwen2_audio, str(model),
+                        SYNTHETIC_WORDS)
+        return str(model)
+
+    def check(self, model: str, values: dict[str, dict]) -> None:
+        from loramcl.inputs import check_model_folder
+
+        check_model_folder(model)  # before hours of data preparation
+
+    def systems(self, values: dict[str, dict], budgets: list[int]) -> list[System]:
+        decoded = self.experiment.decoded_runs(list(values))
+        return systems_of(self.experiment, {run: self.hypotheses(values[run]) for run in decoded}, budgets)
+
+    def prepare_data(self, model: str, values: dict[str, dict]) -> None:
+        from loramcl.file_io import sha256
+
+        experiment = self.experiment
+        root = Path(experiment.root) if experiment.root else self.root / "synthetic-clotho"
+        if experiment.synthetic:
+            self.stages.run("write synthetic data", root / "written.json", {"clips": SYNTHETIC_CLIPS},
+                            write_synthetic_clotho, root, SYNTHETIC_CLIPS)
+        csvs = {role: csv_path(experiment.layout, root, experiment.split(role)) for role in ROLES}
+        settings = {"layout": experiment.layout, "root": str(root), "splits": {r: experiment.split(r) for r in ROLES},
+                    "missing_audio": experiment.missing_audio, "quick": self.quick,
+                    "csv_sha256": {role: sha256(path) for role, path in csvs.items() if path.is_file()}}
+        self.stages.run("prepare data", self.data / "prepare.json", settings, prepare_data, self.data, experiment,
+                        root, self.quick)
+
+    def train(self, run: str, values: dict) -> None:
+        from loramcl.file_io import sha256
+        from loramcl.recipe.files import method_of
+
+        experiment = self.experiment
+        stats = json.loads((self.data / "stats.json").read_text())
+        examples = stats["splits"]["train"]["clips" if experiment.captions_per_clip == "one" else "captions"]
+        method, config = method_of(values)
+        training = training_config(values, experiment, examples, self.quick)
+        dtype, eval_examples = values.get("dtype", "float32"), values.get("eval_examples", 64)
+        captions = {"captions_per_clip": experiment.captions_per_clip, "max_seconds": experiment.max_seconds,
+                    "chat_template": experiment.chat_template, "instruction": experiment.instruction}
+        settings = json.loads(json.dumps({
+            "model": values["model"], **({"mcl": config.to_dict()} if method == "mcl" else {
+                "method": method, method: config.to_dict()}),
+            "training": asdict(training), "dtype": dtype, "eval_examples": eval_examples, "captions": captions,
+            "data_sha256": {role: sha256(self.data / f"{role}.jsonl") for role in ROLES[:2]}}))
+        self.stages.train(f"train {run}", Path(values["out"]), settings, train_captioner, values["model"],
+                          values["out"], method, config, training, settings, self.data, experiment, eval_examples,
+                          dtype)
+
+    def decode(self, system: System, values: dict, arguments: dict, decode: DecodeConfig) -> None:
+        decode_captions(values["model"], str(self.root / system.run), self.test, self.stages.predictions(system.name),
+                        arguments, self.experiment, decode.batch_size, values.get("dtype", "float32"), self.device)
+
+    def scored_runs(self, runs: list[str], systems: list[System]) -> list[str]:
+        return list(dict.fromkeys(system.run for system in systems))
+
+    def score(self, run: str, values: dict, decode: DecodeConfig, out: Path) -> None:
+        score_references(values["model"], str(self.root / run), self.test, out, self.experiment, decode.batch_size,
+                         values.get("dtype", "float32"), self.device)
+
+    def evaluate(self, systems: list[System]) -> None:
+        from loramcl.metrics.cli import evaluate
+        from loramcl.runs import file_stamp
+
+        metrics = QUICK_METRICS if self.quick else self.experiment.metrics
+        for system in systems:
+            predictions, nll = self.stages.predictions(system.name), self.root / "nll" / f"{system.run}.jsonl"
+            self.stages.run(f"evaluate {system.name}", self.root / "eval" / f"{system.name}.settings.json",
+                            {"predictions": file_stamp(predictions), "nll": file_stamp(nll), "metrics": metrics},
+                            evaluate, predictions=str(predictions), references=str(self.test), metrics=metrics,
+                            out=str(self.root / "eval"), name=system.name, nll=str(nll))
+
+    def report(self, systems: list[System], runs: list[str]) -> dict:
+        from loramcl.audio_captioning.report import build_report
+
+        return build_report(self.root, self.experiment, systems, runs)
+
+
 def audio_captioning(out: str | None = None, recipes: str | None = None, quick: bool = False,
                      budgets: list[int] | None = None, stop_after: str | None = None, runs: list[str] | None = None,
                      threads: int | None = None, device: str = "cpu") -> dict:
@@ -367,113 +433,7 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
         threads: torch CPU threads (default: torch's choice).
         device: e.g. cpu or cuda.
     """
-    import torch
-
-    from loramcl.audio_captioning.report import build_report
-    from loramcl.file_io import sha256
-    from loramcl.recipe.files import method_of, recipe_folder, run_names, run_values
-    from loramcl.recipe.stages import Stages
-    from loramcl.runs import file_stamp, run_stamp
-
-    require(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
-    require(runs is None or stop_after == "train", "runs selects the runs to train: use it with stop_after: train")
-    if threads is not None:
-        torch.set_num_threads(threads)
-    folder = recipe_folder(recipes, DEFAULT_RECIPES, [EXPERIMENT, COMMON])
-    experiment = Experiment.read(folder / EXPERIMENT)
-    root = Path(out if out is not None else experiment.out)
-    stages = Stages(root)
-    chosen = chosen_budgets(budgets, experiment.budgets, quick)
-
-    model = None
-    if experiment.packaged_model == "tiny-random":
-        from loramcl.pretrained import tiny_qwen2_audio
-
-        model = str(root / TINY_MODEL_FOLDER)
-        stages.run("build model", root / TINY_MODEL_FOLDER / "built.json", {"words": SYNTHETIC_WORDS},
-                   tiny_qwen2_audio, model, SYNTHETIC_WORDS)
-    names = run_names(folder, reserved=(EXPERIMENT, COMMON))
-    unknown = sorted(set(runs or []) - set(names))
-    require(not unknown, f"runs: no run file for {unknown} (runs: {names})")
-    values = {run: run_values(folder, run, root, model, QUICK_TRAIN if quick else None, COMMON) for run in names}
-    model = values[names[0]]["model"]
-    require(all(v["model"] == model for v in values.values()), "every run of a recipe folder trains the same model")
-    if stop_after != "data":
-        from loramcl.inputs import check_model_folder
-
-        check_model_folder(model)  # before hours of data preparation
-
-    data_root = Path(experiment.root) if experiment.root else root / "synthetic-clotho"
-    if experiment.synthetic:
-        stages.run("write synthetic data", data_root / "written.json", {"clips": SYNTHETIC_CLIPS},
-                   write_synthetic_clotho, data_root, SYNTHETIC_CLIPS)
-    data = root / "data"
-    data_settings = {"layout": experiment.layout, "root": str(data_root), "splits": {r: experiment.split(r)
-                                                                                     for r in ROLES},
-                     "missing_audio": experiment.missing_audio, "quick": quick,
-                     "csv_sha256": {r: sha256(csv_path(experiment.layout, data_root, experiment.split(r)))
-                                    for r in ROLES if csv_path(experiment.layout, data_root, experiment.split(r))
-                                    .is_file()}}
-    stages.run("prepare data", data / "prepare.json", data_settings, prepare_data, data, experiment, data_root, quick)
-    stats = json.loads((data / "stats.json").read_text())
-    if stop_after == "data":
-        return {"data": str(data)}
-
-    train_examples = stats["splits"]["train"]["clips" if experiment.captions_per_clip == "one" else "captions"]
-    data_sha256 = {role: sha256(data / f"{role}.jsonl") for role in ROLES[:2]}
-    for run in names if runs is None else runs:  # retrained when its recipe or data changed, resumed if interrupted
-        v = values[run]
-        method, config = method_of(v)
-        training = training_config(v, experiment, train_examples, quick)
-        dtype, eval_examples = v.get("dtype", "float32"), v.get("eval_examples", 64)
-        captions = {"captions_per_clip": experiment.captions_per_clip, "max_seconds": experiment.max_seconds,
-                    "chat_template": experiment.chat_template, "instruction": experiment.instruction}
-        settings = {"model": model, **({"mcl": config.to_dict()} if method == "mcl" else {"method": method,
-                                                                                            method: config.to_dict()}),
-                    "training": asdict(training), "dtype": dtype, "eval_examples": eval_examples,
-                    "captions": captions, "data_sha256": data_sha256}
-        settings = json.loads(json.dumps(settings))
-        stages.train(f"train {run}", Path(v["out"]), settings, train_captioner, model, v["out"], method, config,
-                     training, settings, data, experiment, eval_examples, dtype)
-    if stop_after == "train":
-        return {"runs": {run: str(root / run) for run in (names if runs is None else runs)}}
-
-    decoded = experiment.decoded if experiment.decoded is not None else names
-    require(not set(decoded) - set(names), f"decoded: no run file for {sorted(set(decoded) - set(names))}")
-    hypotheses = {run: method_of(values[run])[1].to_dict().get("num_hypotheses", 1) for run in decoded}
-    systems = systems_of(experiment, hypotheses, chosen)
-    if quick:
-        systems = one_per_strategy(systems)
-    decode = DecodeConfig(**(experiment.decoding | (QUICK_DECODING if quick else {})))
-    test = data / "test.jsonl"
-    for system in systems:
-        arguments = system.decoding(experiment.candidates, hypotheses[system.run] == 1, decode)
-        stages.decode(system, arguments, decode.batch_size, test, decode_captions, model, str(root / system.run), test,
-                      stages.predictions(system.name), arguments, experiment, decode.batch_size,
-                      values[system.run].get("dtype", "float32"), device)
-
-    for run in decoded:
-        path = root / "nll" / f"{run}.jsonl"
-        stages.run(f"nll {run}", path.with_suffix(".settings.json"), {"trained": run_stamp(root / run),
-                                                                       "test": file_stamp(test)},
-                   score_references, model, str(root / run), test, path, experiment, decode.batch_size,
-                   values[run].get("dtype", "float32"), device)
-
-    from loramcl.metrics.cli import evaluate
-
-    metrics = QUICK_METRICS if quick else experiment.metrics
-    for system in systems:
-        predictions, nll = root / "predictions" / f"{system.name}.jsonl", root / "nll" / f"{system.run}.jsonl"
-        stages.run(f"evaluate {system.name}", root / "eval" / f"{system.name}.settings.json",
-                   {"predictions": file_stamp(predictions), "nll": file_stamp(nll), "metrics": metrics}, evaluate,
-                   predictions=str(predictions), references=str(test), metrics=metrics, out=str(root / "eval"),
-                   name=system.name, nll=str(nll))
-    report = stages.timed("report", build_report, root, experiment, systems, names)
-    report["timing_s"] = stages.timings
-    (root / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    print((root / "report.md").read_text(encoding="utf-8"))
-    print(f"report: {root / 'report.md'} (+ report.json, eval/, figures/)")
-    return report
+    return runner.run_recipe(AudioCaptioning, out, recipes, quick, budgets, stop_after, runs, threads, device)
 
 
-__all__ = ["Experiment", "audio_captioning", "prepare_data", "write_synthetic_clotho"]
+__all__ = ["AudioCaptioning", "Experiment", "audio_captioning", "prepare_data", "write_synthetic_clotho"]

@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from loramcl.recipe.files import packaged_recipes, recipe_ids
+from loramcl.recipe.files import matching_recipes, packaged_recipes, recipe_ids
 
 # What `loramcl recipes` shows beside each packaged recipe: the model it trains and where it runs ("CPU": as shipped,
 # on a laptop, its model installed by `make setup` or built by the command; "paper": the paper's scale, a GPU and a
@@ -54,8 +54,7 @@ def list_recipes() -> None:
 
 def resolve(recipe: str) -> str:
     """The id of the packaged recipe ``recipe`` (its id, or a name no other task uses); an error listing them."""
-    ids = recipe_ids()
-    named = [i for i in ids if recipe.strip("/") in (i, i.split("/", 1)[-1])]
+    ids, named = recipe_ids(), matching_recipes(recipe)
     if len(named) == 1:
         return named[0]
     if named:

@@ -54,12 +54,11 @@ def path_base(file: str | Path) -> Path:
     return Path.cwd() if is_packaged(file) else Path(file).parent
 
 
-def packaged_recipe(name: str, task: str | None = None) -> Path | None:
-    """The packaged recipe folder called ``name``: its id `<task>/<name>`, or, given ``task``, its name inside that
-    task (`alma` for `translation/alma`); None when there is none."""
+def matching_recipes(name: str, task: str | None = None) -> list[str]:
+    """The ids of the packaged recipes ``name`` names: its id (`translation/alma`), or its name (`alma`) inside
+    ``task`` (inside any task when None)."""
     ids = [i for i in recipe_ids() if task is None or i.split("/")[0] == task]
-    found = [i for i in ids if name.strip("/") in (i, i.split("/", 1)[-1] if task else i)]
-    return packaged_recipes() / found[0] if found else None
+    return [i for i in ids if name.strip("/") in (i, i.split("/", 1)[-1])]
 
 
 def packaged_config(value: str) -> str | None:
@@ -82,11 +81,12 @@ def recipe_folder(given: str | None, default: str, files: Sequence[str]) -> Path
     elif Path(given).is_dir():
         folder = Path(given)
     else:
-        folder = packaged_recipe(given, task)
-        if folder is None:
+        found = matching_recipes(given, task)  # one at most: a task's recipe names differ
+        if not found:
             names = ", ".join(i.split("/", 1)[-1] for i in recipe_ids() if i.split("/")[0] == task)
             raise FileNotFoundError(f"--recipes {given}: no such folder, nor a packaged {task} recipe (packaged: "
                                     f"{names}; `loramcl recipes` lists every recipe)")
+        folder = packaged_recipes() / found[0]
     missing = [name for name in files if not (folder / name).is_file()]
     if missing:
         raise FileNotFoundError(f"{folder} holds no {', '.join(missing)}: give --recipes a folder with the {task} "
@@ -125,39 +125,44 @@ def _absolute_paths(content: dict, folder: Path) -> dict:
     return content
 
 
-def run_arguments(folder: Path, run: str, root: Path, model: str | None = None, quick: dict | None = None,
-                  common: str = "common.yaml") -> dict:
-    """The `loramcl train` arguments of one run of a recipe folder (``common`` + <run>.yaml) with its outputs moved
-    under ``root``: out = root/<run>, the data files root/data/{train,validation}.jsonl (validation only where the
-    recipe has one) and ``model`` when given; ``quick`` overrides merged last."""
-    overrides: dict = {"out": str(root / run), "data": {"train_file": str(root / "data" / "train.jsonl")}}
-    if model is not None:
-        overrides["model"] = model
-    values = read_recipe(folder, [common, f"{run}.yaml"], overrides)
-    if values.get("data", {}).get("validation_file"):
-        values["data"]["validation_file"] = str(root / "data" / "validation.jsonl")
-    return merged(values, quick) if quick else values
-
-
-def run_values(folder: Path, run: str, root: Path, model: str | None, quick_training: dict | None,
+def run_values(folder: Path, run: str, root: Path, model: str | None = None, quick: dict | None = None,
                common: str = "common.yaml") -> dict:
-    """The settings of one run: ``common`` + <run>.yaml, its output under ``root``, ``model`` when given;
-    ``quick_training`` (a quick run's training settings) merged last when given."""
+    """The settings of one run of a recipe folder: ``common`` + <run>.yaml, its output at root/<run>, ``model`` when
+    given; ``quick`` (a quick run's settings, e.g. {"training": {"steps": 2}}) merged last."""
     overrides = {"out": str(root / run)} | ({"model": model} if model is not None else {})
     values = read_recipe(folder, [common, f"{run}.yaml"], overrides)
     require(isinstance(values.get("model"), str), f"{folder}: no model folder (`model:` in {common})")
-    return merged(values, {"training": quick_training}) if quick_training else values
+    return merged(values, quick) if quick else values
+
+
+def run_arguments(folder: Path, run: str, root: Path, model: str | None = None, quick: dict | None = None,
+                  common: str = "common.yaml") -> dict:
+    """The `loramcl train` arguments of one run (``run_values``), its data files moved under ``root`` too:
+    root/data/{train,validation}.jsonl (validation only where the recipe has one)."""
+    values = run_values(folder, run, root, model, quick, common)
+    data = merged(values.get("data", {}), {"train_file": str(root / "data" / "train.jsonl")})
+    if data.get("validation_file"):
+        data["validation_file"] = str(root / "data" / "validation.jsonl")
+    return values | {"data": data}
 
 
 def method_of(values: dict) -> tuple[str, object]:
-    """(method, its configuration object) of a run's settings: LoRA-MCL (K = 1: LoRA-MLE) or LoRA-MoE."""
-    from loramcl.baselines.config import MoEConfig
+    """(method, its configuration object) of a run's settings: LoRA-MCL (K = 1: LoRA-MLE), LoRA-MoE or multi-head
+    MCL."""
+    from loramcl.baselines.config import MoEConfig, MultiHeadConfig
     from loramcl.config import MCLConfig
 
+    configs = {"mcl": MCLConfig, "moe": MoEConfig, "multihead": MultiHeadConfig}
     method = values.get("method", "mcl")
-    require(method in ("mcl", "moe"), f"method must be mcl or moe, got {method!r}")
-    require(method in values, f"method {method} needs its `{method}:` block")
-    return method, (MCLConfig.from_dict(values["mcl"]) if method == "mcl" else MoEConfig(**values["moe"]))
+    require(method in configs, f"method must be one of {sorted(configs)}, got {method!r}")
+    require(isinstance(values.get(method), dict), f"method {method} needs its `{method}:` block")
+    return method, configs[method].from_dict(values[method])
+
+
+def num_hypotheses(values: dict) -> int:
+    """How many candidates a run's model decodes as one model: its K hypotheses (a LoRA-MoE model is one model: 1)."""
+    method, config = method_of(values)
+    return 1 if method == "moe" else config.num_hypotheses
 
 
 def run_names(folder: Path, reserved: Sequence[str] = ("common.yaml",)) -> list[str]:

@@ -128,6 +128,14 @@ def sampling_name(settings: dict) -> str:
     return "-".join(f"{key.removesuffix('_p').replace('_', '')}{value:g}" for key, value in settings.items())
 
 
+def check_tta(strengths: list) -> None:
+    """Test-time augmentation strengths: each [time fraction, frequency fraction] in [0, 1] (SpecAugment masks)."""
+    require(isinstance(strengths, list), f"tta must be a list of strengths, got {strengths!r}")
+    for strength in strengths:
+        require(isinstance(strength, list) and len(strength) == 2 and all(0 <= s <= 1 for s in strength),
+               f"tta: each strength is [time fraction, frequency fraction] in [0, 1], got {strength!r}")
+
+
 def check_budgets(candidates: int, budgets: list[int]) -> None:
     """An experiment's K candidates per input (>= 2) and its forward budgets: a non-empty list of multiples of K
     (B/K beams per hypothesis)."""

@@ -23,10 +23,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loramcl.data.spoken_messages import SpokenSettings, read_rows
-from loramcl.recipe.grid import DecodeConfig, System, check_budgets, chosen_budgets, one_per_strategy
+from loramcl.recipe import runner
+from loramcl.recipe.experiment import Experiment as RecipeExperiment
+from loramcl.recipe.grid import DecodeConfig, System, check_tta, systems_of
 from loramcl.validate import require, require_int
 
-EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
 DEFAULT_RECIPES = "spoken_translation"
 MODEL_FOLDER = "whisper-base"
 # Quick: the same pipeline on a few messages, two training steps, the smallest budget (numbers meaningless).
@@ -36,12 +37,11 @@ QUICK_TRAIN = {"steps": 2, "batch_size": 2, "eval_every": 0, "logging_steps": 1,
 METRICS = "sacrebleu,chrf,mbleu4"
 
 
-@dataclass(frozen=True)
-class Experiment:
+@dataclass(frozen=True, kw_only=True)
+class Experiment(RecipeExperiment):
     """experiment.yaml: what `loramcl spoken-translation` does with the runs of its recipe folder."""
 
     out: str = "runs/spoken-translation"
-    """Output folder (relative to experiment.yaml when given there)."""
 
     data: dict = field(default_factory=dict)
     """SpokenSettings: locale_dir, min_chars, max_chars, train, validation, test, seed, voices, speed, pitch."""
@@ -50,24 +50,11 @@ class Experiment:
     """Audio the encoder reads (Whisper's is 30 s; a message lasts 1-5 s): its position embeddings are cut to
     50 per second (``models.whisper_with_context``). Longer clips are left out of the data (counted)."""
 
-    candidates: int = 2
-    """K candidates per message for every system (LoRA-MCL's K)."""
-
-    budgets: list[int] = field(default_factory=lambda: [2, 4])
-    """Forward budgets B: MCL beam B/K per hypothesis (greedy at B = K); MLE beam B, diverse beam B in K groups,
-    TTA beam B/K per augmented input."""
-
-    mcl_decodings: list[str] = field(default_factory=lambda: ["beam"])
-    """'beam' (the paper's) and/or 'diverse_beam' (diverse MCL decoding)."""
-
     diversity_penalties: list[float] = field(default_factory=lambda: [0.8])
     """λ of the MLE run's diverse beam search, one system per value."""
 
     tta: list[list[float]] = field(default_factory=lambda: [[0.2, 0.3]])
     """SpecAugment strengths φ = (time, frequency) of test-time augmentation, one system per strength."""
-
-    decoding: dict = field(default_factory=dict)
-    """DecodeConfig settings (max_new_tokens, repetition_penalty, batch_size, seed)."""
 
     eval_examples: int = 32
     """Validation messages scored during training."""
@@ -75,24 +62,13 @@ class Experiment:
     sampling: list = field(default_factory=list)  # read by recipe.grid.systems_of: no sampling systems here
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         SpokenSettings(**self.data)
         require(isinstance(self.context_seconds, int) and 1 <= self.context_seconds <= 30,
                f"context_seconds must be an integer in 1..30, got {self.context_seconds!r}")
-        check_budgets(self.candidates, self.budgets)
-        require(bool(self.mcl_decodings) and set(self.mcl_decodings) <= {"beam", "diverse_beam"},
-               f"mcl_decodings must be among beam and diverse_beam, got {self.mcl_decodings!r}")
-        for strength in self.tta:
-            require(isinstance(strength, list) and len(strength) == 2 and all(0 <= s <= 1 for s in strength),
-                   f"tta: each strength is [time fraction, frequency fraction] in [0, 1], got {strength!r}")
+        check_tta(self.tta)
         require(not self.sampling, "sampling systems are not part of this recipe")
         require_int("eval_examples", self.eval_examples, minimum=0)
-        DecodeConfig(**self.decoding)
-
-    @classmethod
-    def read(cls, path: Path) -> Experiment:
-        from loramcl.recipe.files import experiment_values
-
-        return cls(**experiment_values(path, list(cls.__dataclass_fields__)))
 
 
 # ---- model ---------------------------------------------------------------------------------------------------
@@ -216,15 +192,64 @@ def decode_run(model: str, adapters: str, test: Path, out: Path, arguments: dict
     return out
 
 
-def systems(experiment: Experiment, hypotheses: dict[str, int], budgets: list[int]) -> list[System]:
-    """MCL runs with beam B/K per hypothesis (greedy at B = K; + diverse MCL decoding if asked); the MLE run with
-    beam search, diverse beam search per λ and test-time augmentation per strength, at every budget."""
-    from loramcl.recipe.grid import systems_of
-
-    return systems_of(experiment, hypotheses, budgets)
-
-
 # ---- the command ---------------------------------------------------------------------------------------------
+
+
+class SpokenTranslation(runner.Task):
+    """Whisper-base on espeak-ng speech of gettext messages: transcript or French translation, never indicated."""
+
+    experiment_type = Experiment
+    default_recipes = DEFAULT_RECIPES
+    quick_settings = {"training": QUICK_TRAIN}
+    quick_decoding = QUICK_DECODING
+
+    def build_model(self) -> str:
+        from loramcl.pretrained import whisper_base_files
+
+        whisper_base_files()  # the wheels are checked before any work
+        model = self.root / MODEL_FOLDER
+        self.stages.run("build model", model / "built.json", {"context_seconds": self.experiment.context_seconds},
+                        build_model, model, self.experiment.context_seconds)
+        return str(model)
+
+    def systems(self, values: dict[str, dict], budgets: list[int]) -> list[System]:
+        """MCL runs with beam B/K per hypothesis (greedy at B = K; + diverse MCL decoding if asked); the MLE run with
+        beam search, diverse beam search per λ and test-time augmentation per strength, at every budget."""
+        decoded = self.experiment.decoded_runs(list(values))
+        return systems_of(self.experiment, {run: self.hypotheses(values[run]) for run in decoded}, budgets)
+
+    def prepare_data(self, model: str, values: dict[str, dict]) -> None:
+        from loramcl.data.spoken_messages import write_spoken_splits
+
+        seconds = self.experiment.context_seconds
+        settings = SpokenSettings(**(self.experiment.data | (QUICK_DATA if self.quick else {})))
+        self.stages.run("speak data", self.data / "written.json", {**asdict(settings), "max_seconds": seconds},
+                        write_spoken_splits, self.data, settings, float(seconds))
+
+    def train(self, run: str, values: dict) -> None:
+        from loramcl.config import TrainConfig
+        from loramcl.file_io import sha256
+        from loramcl.recipe.files import method_of
+
+        method, config = method_of(values)
+        training = TrainConfig(**values.get("training", {}))
+        eval_examples = self.experiment.eval_examples if not self.quick else 2
+        settings = json.loads(json.dumps({
+            "model": values["model"], "mcl": config.to_dict(), "training": asdict(training),
+            "eval_examples": eval_examples, "context_seconds": self.experiment.context_seconds,
+            "data_sha256": {role: sha256(self.data / f"{role}.jsonl") for role in ("train", "validation")}}))
+        self.stages.train(f"train {run}", Path(values["out"]), settings, train_run, values["model"], values["out"],
+                          method, config, training, settings, self.data, eval_examples)
+
+    def decode(self, system: System, values: dict, arguments: dict, decode: DecodeConfig) -> None:
+        decode_run(values["model"], str(self.root / system.run), self.test, self.stages.predictions(system.name),
+                   arguments, decode.batch_size)
+
+    def report(self, systems: list[System], runs: list[str]) -> dict:
+        from loramcl.spoken_translation.report import build_report
+
+        stats = json.loads((self.data / "stats.json").read_text())
+        return build_report(self.root, self.experiment, systems, runs, stats, METRICS)
 
 
 def spoken_translation(out: str | None = None, recipes: str | None = None, quick: bool = False,
@@ -246,75 +271,12 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
         quick: a few messages, two training steps per run, the smallest budget: checks the whole pipeline (numbers
             meaningless).
         budgets: forward budgets to decode at (default: experiment.yaml's).
-        stop_after: "train": stop after training (e.g. to train the runs in separate processes with `runs`, then run
-            this command again to decode and report).
+        stop_after: "data" or "train": stop after that stage (e.g. to train the runs in separate processes with
+            `runs`, then run this command again to decode and report).
         runs: train only these runs (with stop_after train).
         threads: torch CPU threads (default: torch's choice).
     """
-    import torch
-
-    from loramcl.config import TrainConfig
-    from loramcl.data.spoken_messages import write_spoken_splits
-    from loramcl.file_io import sha256
-    from loramcl.pretrained import whisper_base_files
-    from loramcl.recipe.files import method_of, recipe_folder, run_names, run_values
-    from loramcl.recipe.stages import Stages
-    from loramcl.spoken_translation.report import build_report
-
-    require(stop_after in (None, "train"), f"stop_after must be train, got {stop_after!r}")
-    require(runs is None or stop_after == "train", "runs selects the runs to train: use it with stop_after: train")
-    if threads is not None:
-        torch.set_num_threads(threads)
-    folder = recipe_folder(recipes, DEFAULT_RECIPES, [EXPERIMENT, COMMON])
-    experiment = Experiment.read(folder / EXPERIMENT)
-    root = Path(out if out is not None else experiment.out)
-    chosen = chosen_budgets(budgets, experiment.budgets, quick)
-    whisper_base_files()  # the wheels are checked before any work
-    stages = Stages(root)
-
-    model = str(root / MODEL_FOLDER)
-    stages.run("build model", root / MODEL_FOLDER / "built.json", {"context_seconds": experiment.context_seconds},
-               build_model, root / MODEL_FOLDER, experiment.context_seconds)
-    data = root / "data"
-    settings = SpokenSettings(**(experiment.data | (QUICK_DATA if quick else {})))
-    stages.run("speak data", data / "written.json", {**asdict(settings), "max_seconds": experiment.context_seconds},
-               write_spoken_splits, data, settings, float(experiment.context_seconds))
-    stats = json.loads((data / "stats.json").read_text())
-
-    names = run_names(folder, reserved=(EXPERIMENT, COMMON))
-    require(not set(runs or []) - set(names), f"runs: no run file for {sorted(set(runs or []) - set(names))} (runs: "
-           f"{names})")
-    values = {run: run_values(folder, run, root, model, QUICK_TRAIN if quick else None, COMMON) for run in names}
-    data_sha256 = {role: sha256(data / f"{role}.jsonl") for role in ("train", "validation")}
-    eval_examples = experiment.eval_examples if not quick else 2
-    for run in names if runs is None else runs:  # retrained when its recipe or data changed, resumed if interrupted
-        method, config = method_of(values[run])
-        training = TrainConfig(**values[run].get("training", {}))
-        run_settings = json.loads(json.dumps({
-            "model": model, "mcl": config.to_dict(), "training": asdict(training), "eval_examples": eval_examples,
-            "context_seconds": experiment.context_seconds, "data_sha256": data_sha256}))
-        stages.train(f"train {run}", Path(values[run]["out"]), run_settings, train_run, model, values[run]["out"],
-                     method, config, training, run_settings, data, eval_examples)
-    if stop_after == "train":
-        return {"runs": {run: str(root / run) for run in (names if runs is None else runs)}}
-
-    hypotheses = {run: method_of(values[run])[1].to_dict().get("num_hypotheses", 1) for run in names}
-    compared = systems(experiment, hypotheses, chosen)
-    if quick:
-        compared = one_per_strategy(compared)
-    decode = DecodeConfig(**(experiment.decoding | (QUICK_DECODING if quick else {})))
-    test = data / "test.jsonl"
-    for system in compared:
-        arguments = system.decoding(experiment.candidates, hypotheses[system.run] == 1, decode)
-        stages.decode(system, arguments, decode.batch_size, test, decode_run, model, str(root / system.run), test,
-                      stages.predictions(system.name), arguments, decode.batch_size)
-
-    report = stages.timed("report", build_report, root, experiment, compared, names, stats, METRICS)
-    report["timing_s"] = stages.timings
-    (root / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    print((root / "report.md").read_text(encoding="utf-8"))
-    print(f"report: {root / 'report.md'} (+ report.json, figures/)")
-    return report
+    return runner.run_recipe(SpokenTranslation, out, recipes, quick, budgets, stop_after, runs, threads)
 
 
-__all__ = ["Experiment", "plain_generate", "spoken_translation", "systems"]
+__all__ = ["Experiment", "SpokenTranslation", "plain_generate", "spoken_translation"]

@@ -1,0 +1,66 @@
+"""The settings every task's experiment.yaml holds (where the outputs go, the K candidates, the forward budgets, which
+runs are decoded and how): one base that each task extends with its data and decoding settings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import ClassVar
+
+from loramcl.recipe.grid import DecodeConfig, check_budgets
+from loramcl.validate import require
+
+MCL_DECODINGS = ("beam", "diverse_beam")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Experiment:
+    """experiment.yaml: what a task command does with the runs of a recipe folder. Paths (``PATHS``) are relative to
+    that file, as those of the run files are to theirs."""
+
+    PATHS: ClassVar[tuple[str, ...]] = ("out",)
+    """The settings that are paths, made absolute when the file is read."""
+
+    out: str = "runs/recipe"
+    """Output folder."""
+
+    candidates: int = 2
+    """K candidates per input for every system (LoRA-MCL's K)."""
+
+    budgets: list[int] = field(default_factory=lambda: [2, 4])
+    """Forward budgets B (sequences advanced per decoding step and input): single models decode with beam B,
+    runs with K hypotheses with beam B/K each (greedy at B = K)."""
+
+    decoded: list[str] | None = None
+    """Runs whose candidates are decoded and scored (default: every run)."""
+
+    mcl_decodings: list[str] = field(default_factory=lambda: ["beam"])
+    """How runs with K hypotheses decode: 'beam' (greedy at B = K, beam B/K per hypothesis above; the paper's) and
+    'diverse_beam' (diverse MCL decoding: hypothesis k is group k of one diverse beam search)."""
+
+    decoding: dict = field(default_factory=dict)
+    """DecodeConfig settings (max_new_tokens, repetition_penalty, batch_size, diversity_penalty, seed)."""
+
+    def __post_init__(self) -> None:
+        check_budgets(self.candidates, self.budgets)
+        require(isinstance(self.mcl_decodings, list) and bool(self.mcl_decodings)
+                and set(self.mcl_decodings) <= set(MCL_DECODINGS),
+                f"mcl_decodings must be among {' and '.join(MCL_DECODINGS)}, got {self.mcl_decodings!r}")
+        names = isinstance(self.decoded, list) and all(isinstance(run, str) for run in self.decoded)
+        require(self.decoded is None or names, f"decoded must be a list of run names, got {self.decoded!r}")
+        DecodeConfig(**self.decoding)
+
+    def decoded_runs(self, runs: Sequence[str], default: Sequence[str] | None = None) -> list[str]:
+        """The runs decoded: ``decoded`` (each must be one of ``runs``), or ``default`` (every run if None)."""
+        if self.decoded is None:
+            return list(runs if default is None else default)
+        unknown = sorted(set(self.decoded) - set(runs))
+        require(not unknown, f"decoded: no run file for {unknown} (runs: {sorted(runs)})")
+        return list(self.decoded)
+
+    @classmethod
+    def read(cls, path: Path) -> Experiment:
+        from loramcl.recipe.files import experiment_values
+
+        return cls(**experiment_values(path, [f.name for f in fields(cls)], paths=cls.PATHS))
