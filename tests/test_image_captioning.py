@@ -205,7 +205,7 @@ def write_tiny_recipe(tmp_path: Path) -> Path:
 
 def test_quick_recipe_runs_end_to_end_and_reuses_its_stages(tmp_path):
     """`loramcl image-captioning --quick` on the tiny model: data -> train MCL, MLE, MoE -> decode every system at
-    the smallest budget (MCL greedy and diverse MCL decoding; MLE and MoE beam and diverse beam, each with both λ) ->
+    the smallest budget (MCL greedy and diverse MCL decoding; MLE and MoE beam and diverse beam) ->
     evaluate -> report; a second call reuses every stage."""
     from loramcl.captioning.reproduce import image_captioning
     from loramcl.metrics.io import read_jsonl
@@ -213,9 +213,9 @@ def test_quick_recipe_runs_end_to_end_and_reuses_its_stages(tmp_path):
     recipes = write_tiny_recipe(tmp_path)
     out = tmp_path / "out"
     report = image_captioning(out=str(out), recipes=str(recipes), quick=True)
-    names = {"mcl-greedy-b3", "mcl-diversebeam0.8-b3", "mcl-diversebeam1-b3", "mle-beam-b3", "mle-diversebeam0.8-b3",
-             "mle-diversebeam1-b3", "moe-beam-b3",
-             "moe-diversebeam0.8-b3", "moe-diversebeam1-b3"}
+    # a quick run: the first system of each (run, strategy), so diverse beam search with the first λ
+    names = {"mcl-greedy-b3", "mcl-diversebeam0.8-b3", "mle-beam-b3", "mle-diversebeam0.8-b3", "moe-beam-b3",
+             "moe-diversebeam0.8-b3"}
     assert set(report["systems"]) == names
     test = read_jsonl(out / "data" / "test.jsonl", "references")
     assert [len(r["references"]) for r in test.values()] == [3, 2, 1]  # every reference of each image
@@ -228,7 +228,7 @@ def test_quick_recipe_runs_end_to_end_and_reuses_its_stages(tmp_path):
     assert json.loads((out / "mle" / "run.json").read_text())["train_examples"] == 6  # one per (image, reference)
     assert "CIDEr-D" in (out / "report.md").read_text() and (out / "figures" / "quality_diversity.png").is_file()
     again = image_captioning(out=str(out), recipes=str(recipes), quick=True)
-    assert set(again["timing_s"]) == {"evaluate and report", "runs"}  # nothing trained or decoded again
+    assert set(again["timing_s"]) == {"report", "runs"}  # nothing trained or decoded again
 
 
 def llava_v16_vicuna_7b_config():
@@ -256,10 +256,12 @@ def test_paper_scale_recipe_files_load_and_build_the_model_from_a_config(tmp_pat
     equal trainable count (App. H.2, H.5)."""
     from transformers import LlavaNextForConditionalGeneration
 
-    from loramcl.captioning.reproduce import COMMON, EXPERIMENT, Experiment, method_settings, run_values, systems_of
+    from loramcl.captioning.reproduce import Experiment, ImageCaptioning
     from loramcl.config import TrainConfig
     from loramcl.finetune import method_model
-    from loramcl.recipe.files import packaged_recipes, run_names
+    from loramcl.recipe.files import method_of, packaged_recipes, run_names, run_values
+    from loramcl.recipe.runner import COMMON, EXPERIMENT
+    from loramcl.recipe.stages import Stages
 
     folder = packaged_recipes() / "image_captioning" / recipe
     experiment = Experiment.read(folder / EXPERIMENT)
@@ -271,15 +273,16 @@ def test_paper_scale_recipe_files_load_and_build_the_model_from_a_config(tmp_pat
                                                                               "fr")
         assert Path(bilingual.translator).is_absolute()
     assert run_names(folder, reserved=(EXPERIMENT, COMMON)) == runs
-    values = {run: run_values(folder, run, tmp_path, quick=False) for run in runs}
+    values = {run: run_values(folder, run, tmp_path) for run in runs}
     training = TrainConfig(**values["mcl"]["training"])
     assert (training.learning_rate, training.scheduler, training.batch_size) == (learning_rate, "cosine", 8)
     assert training.warmup_steps == round(0.03 * training.steps) and values["mcl"]["dtype"] == "bfloat16"
-    assert {s.name for s in systems_of(experiment, values, [k])} >= {f"mcl-greedy-b{k}", f"mle-beam-b{k}",
-                                                                     f"mle-diversebeam0.8-b{k}"}
+    task = ImageCaptioning(folder, experiment, Stages(tmp_path / "out"), False, None, "cpu")
+    assert {s.name for s in task.systems(values, [k])} >= {f"mcl-greedy-b{k}", f"mle-beam-b{k}",
+                                                           f"mle-diversebeam0.8-b{k}"}
     trainable = {}
     for run in runs:
-        method, config = method_settings(values[run])
+        method, config = method_of(values[run])
         with torch.device("meta"):
             model = method_model(LlavaNextForConditionalGeneration(llava_v16_vicuna_7b_config()), method, config)
         assert len(model.layer_names) == 32 * 5

@@ -14,10 +14,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from loramcl.recipe.grid import DecodeConfig, System, check_budgets, chosen_budgets
+from loramcl.recipe import runner
+from loramcl.recipe.experiment import Experiment as RecipeExperiment
+from loramcl.recipe.grid import DecodeConfig, System
 from loramcl.validate import require, require_int
 
-EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
 DEFAULT_RECIPES = "image_captioning/textcaps"
 SINGLE_MODEL_DECODINGS = ("beam", "diverse_beam")
 # Quick: the same pipeline on a few images and one training step, at the smallest budget (numbers meaningless).
@@ -26,9 +27,11 @@ QUICK_TRAIN = {"steps": 1, "batch_size": 2, "logging_steps": 1, "warmup_steps": 
 QUICK_DECODING = {"max_new_tokens": 5, "batch_size": 3}
 
 
-@dataclass(frozen=True)
-class Experiment:
+@dataclass(frozen=True, kw_only=True)
+class Experiment(RecipeExperiment):
     """experiment.yaml: what `loramcl image-captioning` does with the runs of a recipe folder."""
+
+    PATHS = ("out", "textcaps", "images")
 
     textcaps: str
     """Folder holding TextCaps_0.1_{train,val,test}.json (relative paths: to this file's folder)."""
@@ -67,16 +70,6 @@ class Experiment:
     diversity_penalties: list[float] = field(default_factory=lambda: [0.8, 1.0])
     """λ of diverse beam search: one system per value (the paper: 0.8 and 1.0)."""
 
-    decoded: list[str] | None = None
-    """Runs whose candidates are decoded and scored (default: every run)."""
-
-    mcl_decodings: list[str] = field(default_factory=lambda: ["beam"])
-    """How runs with K hypotheses decode: 'beam' (greedy at B = K, beam B/K per hypothesis above; the paper) and
-    'diverse_beam' (diverse MCL decoding, hypothesis k being group k of one diverse beam search; one system per λ)."""
-
-    decoding: dict = field(default_factory=dict)
-    """DecodeConfig settings (max_new_tokens, repetition_penalty, batch_size, seed)."""
-
     metrics: str = "captioning"
     """`loramcl evaluate --metrics` presets or names (the 'captioning' preset: BLEU, METEOR, ROUGE-L, CIDEr-D, SPICE
     and SPIDEr where the SPICE jars are installed, sBERT, Div-n, mBLEU-4)."""
@@ -90,6 +83,7 @@ class Experiment:
     def __post_init__(self) -> None:
         from loramcl.data.textcaps import PER_IMAGE, SPLIT_FILES
 
+        super().__post_init__()
         for name in ("textcaps", "images"):
             require(isinstance(getattr(self, name), str) and getattr(self, name), f"{name} must be a folder path")
         for name in ("train_split", "test_split"):
@@ -101,11 +95,9 @@ class Experiment:
         require_int("max_caption_tokens", self.max_caption_tokens, minimum=2)
         if self.test_images is not None:
             require_int("test_images", self.test_images)
-        check_budgets(self.candidates, self.budgets)
         require(isinstance(self.diversity_penalties, list) and all(
             isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in self.diversity_penalties),
             f"diversity_penalties must be a list of numbers >= 0, got {self.diversity_penalties!r}")
-        DecodeConfig(**self.decoding)
         if self.bilingual is not None:
             self.bilingual_settings()
 
@@ -120,63 +112,17 @@ class Experiment:
 
     @classmethod
     def read(cls, path: Path) -> Experiment:
-        from loramcl.recipe.files import experiment_values, path_base
+        """experiment.yaml, the translator of `bilingual:` relative to it too."""
+        import dataclasses
 
-        values = experiment_values(path, list(cls.__dataclass_fields__), paths=("out", "textcaps", "images"))
-        bilingual = values.get("bilingual")
-        if isinstance(bilingual, dict) and isinstance(bilingual.get("translator"), str):  # relative as the others
-            translator = path_base(path) / Path(bilingual["translator"]).expanduser()
-            values["bilingual"] = {**bilingual, "translator": str(translator.resolve())}
-        return cls(**values)
+        from loramcl.recipe.files import path_base
 
-
-def run_values(folder: Path, run: str, root: Path, quick: bool) -> dict:
-    """The settings of one training run: common.yaml + <run>.yaml (paths relative to the file that gives them), its
-    output under ``root`` (``recipe.files.run_arguments``; the text `data:` section it adds is not read here)."""
-    from loramcl.recipe.files import run_arguments
-
-    values = run_arguments(folder, run, root, quick={"training": QUICK_TRAIN} if quick else None, common=COMMON)
-    require(isinstance(values.get("model"), str), f"{folder}: the runs need `model:` (a local LLaVA-NeXT folder)")
-    method = values.get("method", "mcl")
-    require(method in ("mcl", "moe", "multihead") and isinstance(values.get(method), dict),
-           f"{folder / (run + '.yaml')}: needs a `{method}:` block (method: {method})")
-    return values
-
-
-def method_settings(values: dict):
-    """(method, its configuration) of a run's settings."""
-    from loramcl.baselines.config import MoEConfig, MultiHeadConfig
-    from loramcl.config import MCLConfig
-
-    method = values.get("method", "mcl")
-    config = {"mcl": MCLConfig, "moe": MoEConfig, "multihead": MultiHeadConfig}[method].from_dict(values[method])
-    return method, config
-
-
-def candidates_per_run(values: dict) -> int:
-    """How many hypotheses a run's model decodes as (a LoRA-MoE model is one model: 1)."""
-    method = values.get("method", "mcl")
-    return 1 if method == "moe" else values[method]["num_hypotheses"]
-
-
-def systems_of(experiment: Experiment, values: dict[str, dict], budgets: list[int]) -> list[System]:
-    """Each decoded run x each decoding x each budget, at equal forward budget; one diverse beam search system per λ."""
-    from loramcl.recipe.grid import equal_budget_systems
-
-    decoded = experiment.decoded if experiment.decoded is not None else list(values)
-    unknown = [run for run in decoded if run not in values]
-    require(not unknown, f"decoded: no run file for {unknown} (runs: {sorted(values)})")
-    systems = []
-    for system in equal_budget_systems({run: candidates_per_run(values[run]) for run in decoded},
-                                       experiment.candidates, budgets, SINGLE_MODEL_DECODINGS,
-                                       experiment.mcl_decodings):
-        if system.strategy != "diverse_beam":
-            systems.append(system)
-            continue
-        for penalty in experiment.diversity_penalties:
-            name = system.name.replace("-diversebeam-", f"-diversebeam{penalty:g}-")
-            systems.append(System(name, system.run, system.strategy, system.budget, {"diversity_penalty": penalty}))
-    return systems
+        experiment = super().read(path)
+        bilingual = experiment.bilingual
+        if isinstance(bilingual, dict) and isinstance(bilingual.get("translator"), str):
+            translator = (path_base(path) / Path(bilingual["translator"]).expanduser()).resolve()
+            experiment = dataclasses.replace(experiment, bilingual={**bilingual, "translator": str(translator)})
+        return experiment
 
 
 def prepare_data(out: Path, experiment: Experiment, quick: bool, device: str = "cpu") -> dict:
@@ -234,6 +180,7 @@ def train_run(values: dict, data: Path, experiment: Experiment, settings: dict, 
     from loramcl.data.captioning import CaptionEncoder, collate_captions
     from loramcl.data.textcaps import CaptionTrainingSet
     from loramcl.finetune import fit, resumable_checkpoint
+    from loramcl.recipe.files import method_of
 
     if threads is not None:
         import torch
@@ -245,7 +192,7 @@ def train_run(values: dict, data: Path, experiment: Experiment, settings: dict, 
     train_set = CaptionTrainingSet(read_images(data / "train.jsonl"), experiment.per_image, training.seed, encoder)
     pad = processor.tokenizer.pad_token_id
     pad = processor.tokenizer.eos_token_id if pad is None else pad
-    method, config = method_settings(values)
+    method, config = method_of(values)
     last = resumable_checkpoint(values["out"], settings, resume=True)
     return fit(lambda: load_vlm(values["model"], values.get("dtype", "float32")), values["out"], config, training,
                settings, train_set, None, collator=lambda rows: collate_captions(rows, pad), processor=processor,
@@ -277,9 +224,91 @@ def caption(model: str, adapters: str, test: Path, out: Path, arguments: dict, b
     return str(out)
 
 
+class ImageCaptioning(runner.Task):
+    """LLaVA-NeXT captions on TextCaps: one run per run file, the test images' every reference caption scored."""
+
+    experiment_type = Experiment
+    default_recipes = DEFAULT_RECIPES
+    quick_settings = {"training": QUICK_TRAIN}
+    quick_decoding = QUICK_DECODING
+
+    def systems(self, values: dict[str, dict], budgets: list[int]) -> list[System]:
+        """Each decoded run x each decoding x each budget, at equal forward budget; one diverse beam search system
+        per λ."""
+        from loramcl.recipe.grid import equal_budget_systems
+
+        decoded = self.experiment.decoded_runs(list(values))
+        systems = []
+        for system in equal_budget_systems({run: self.hypotheses(values[run]) for run in decoded},
+                                           self.experiment.candidates, budgets, SINGLE_MODEL_DECODINGS,
+                                           self.experiment.mcl_decodings):
+            if system.strategy != "diverse_beam":
+                systems.append(system)
+                continue
+            for penalty in self.experiment.diversity_penalties:
+                name = system.name.replace("-diversebeam-", f"-diversebeam{penalty:g}-")
+                systems.append(System(name, system.run, system.strategy, system.budget,
+                                      {"diversity_penalty": penalty}))
+        return systems
+
+    def split_files(self) -> dict[str, Path]:
+        from loramcl.data.textcaps import SPLIT_FILES
+
+        experiment = self.experiment
+        return {split: Path(experiment.textcaps) / SPLIT_FILES[split]
+                for split in dict.fromkeys((experiment.train_split, experiment.test_split))}
+
+    def prepare_data(self, model: str, values: dict[str, dict]) -> None:
+        from loramcl.file_io import sha256
+
+        for path in self.split_files().values():  # the first thing a user of the paper-scale recipe meets
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} does not exist: the recipe {self.folder} reads TextCaps 0.1 and the "
+                                        "TextVQA images where its experiment.yaml says: download them there, or point "
+                                        "a copy at them (loramcl recipes copy image_captioning/textcaps DIR); this "
+                                        "task has no CPU recipe, its packaged ones are the paper's scale")
+        settings = asdict(self.experiment) | {"quick": self.quick, "files_sha256": {
+            split: sha256(path) for split, path in self.split_files().items()}}
+        for name in ("out", "decoded", "decoding", "budgets", "candidates", "diversity_penalties", "metrics",
+                     "mcl_decodings"):
+            settings.pop(name)  # decoding settings: not the data's
+        self.stages.run("prepare data", self.data / "prepare.json", settings, prepare_data, self.data,
+                        self.experiment, self.quick, self.device)
+
+    def train(self, run: str, values: dict) -> None:
+        from loramcl.config import TrainConfig
+        from loramcl.file_io import sha256
+        from loramcl.recipe.files import method_of
+
+        experiment = self.experiment
+        method, config = method_of(values)
+        settings = json.loads(json.dumps({
+            "model": values["model"], **({"mcl": config.to_dict()} if method == "mcl" else {
+                "method": method, method: config.to_dict()}),
+            "data": {"per_image": experiment.per_image, "instruction": experiment.instruction,
+                     "max_caption_tokens": experiment.max_caption_tokens},
+            "training": asdict(TrainConfig(**values.get("training", {}))), "dtype": values.get("dtype", "float32"),
+            "data_sha256": {"train": sha256(self.data / "train.jsonl")}}))
+        self.stages.train(f"train {run}", Path(values["out"]), settings, train_run, values, self.data, experiment,
+                          settings, self.threads)
+
+    def decode(self, system: System, values: dict, arguments: dict, decode: DecodeConfig) -> None:
+        caption(values["model"], str(self.root / system.run), self.test, self.stages.predictions(system.name),
+                arguments, decode.batch_size, self.experiment.instruction, values.get("dtype", "float32"),
+                self.device)
+
+    def decoding_settings(self) -> dict:
+        return {"instruction": self.experiment.instruction}
+
+    def report(self, systems: list[System], runs: list[str]) -> dict:
+        from loramcl.captioning.report import build_report
+
+        return build_report(self.root, self.experiment, systems, runs)
+
+
 def image_captioning(out: str | None = None, recipes: str | None = None, quick: bool = False,
-                     budgets: list[int] | None = None, stop_after: str | None = None, threads: int | None = None,
-                     device: str = "cpu") -> dict:
+                     budgets: list[int] | None = None, stop_after: str | None = None, runs: list[str] | None = None,
+                     threads: int | None = None, device: str = "cpu") -> dict:
     """Image captioning on TextCaps (paper §4.3, Table 3): train, decode at equal budget, score and report.
 
     Trains the runs of a recipe folder (LoRA-MLE, LoRA-MCL K = 3, LoRA-MoE), decodes K captions per image at equal
@@ -298,77 +327,11 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
         budgets: forward budgets to decode at (default: experiment.yaml's).
         stop_after: "data" or "train": stop after that stage (e.g. train under `accelerate launch` on several GPUs,
             then run this command again to decode and report).
+        runs: train only these runs (with stop_after train).
         threads: torch CPU threads (default: torch's choice).
         device: e.g. cpu or cuda.
     """
-    from loramcl.captioning.report import build_report
-    from loramcl.config import TrainConfig
-    from loramcl.data.textcaps import SPLIT_FILES
-    from loramcl.file_io import sha256
-    from loramcl.recipe.files import recipe_folder, run_names
-    from loramcl.recipe.stages import Stages
-    from loramcl.runs import run_record
-
-    require(stop_after in (None, "data", "train"), f"stop_after must be data or train, got {stop_after!r}")
-    folder = recipe_folder(recipes, DEFAULT_RECIPES, [EXPERIMENT, COMMON])
-    experiment = Experiment.read(folder / EXPERIMENT)
-    root = Path(out if out is not None else experiment.out)
-    stages = Stages(root)
-    chosen = chosen_budgets(budgets, experiment.budgets, quick)
-    runs = run_names(folder, reserved=(EXPERIMENT, COMMON))
-    values = {run: run_values(folder, run, root, quick) for run in runs}
-    systems = systems_of(experiment, values, chosen)
-    model = values[runs[0]]["model"]
-    for run, v in values.items():
-        require(v["model"] == model, f"run {run}: every run of a recipe folder trains the same model ({model})")
-
-    split_files = {split: Path(experiment.textcaps) / SPLIT_FILES[split]
-                   for split in dict.fromkeys((experiment.train_split, experiment.test_split))}
-    for path in split_files.values():  # the first thing a user of the packaged (paper-scale) default meets
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist: the recipe {folder} reads TextCaps 0.1 and the TextVQA "
-                                    "images where its experiment.yaml says: download them there, or point a copy at "
-                                    "them (loramcl recipes copy image_captioning/textcaps DIR); this task has no CPU "
-                                    "recipe, its packaged ones are the paper's scale")
-    data = root / "data"
-    data_settings = asdict(experiment) | {"quick": quick, "files_sha256": {
-        split: sha256(path) for split, path in split_files.items()}}
-    for name in ("out", "decoded", "decoding", "budgets", "candidates", "diversity_penalties", "metrics",
-                 "mcl_decodings"):
-        data_settings.pop(name)  # decoding settings: not the data's
-    stages.run("prepare data", data / "prepare.json", data_settings, prepare_data, data, experiment, quick, device)
-    if stop_after == "data":
-        return {"data": str(data)}
-
-    data_fields = {"per_image": experiment.per_image, "instruction": experiment.instruction,
-                   "max_caption_tokens": experiment.max_caption_tokens}
-    for run in runs:  # retrained when its recipe or its data changed, resumed when it was interrupted
-        v = values[run]
-        method, config = method_settings(v)
-        settings = json.loads(json.dumps({
-            "model": model, **({"mcl": config.to_dict()} if method == "mcl" else {"method": method,
-                                                                                  method: config.to_dict()}),
-            "data": data_fields, "training": asdict(TrainConfig(**v.get("training", {}))),
-            "dtype": v.get("dtype", "float32"), "data_sha256": {"train": sha256(data / "train.jsonl")}}))
-        stages.train(f"train {run}", Path(v["out"]), settings, train_run, v, data, experiment, settings, threads)
-    if stop_after == "train":
-        return {"runs": {run: str(root / run) for run in runs}}
-
-    decode = DecodeConfig(**(experiment.decoding | (QUICK_DECODING if quick else {})))
-    for system in systems:
-        v = values[system.run]
-        arguments = system.decoding(experiment.candidates, candidates_per_run(v) == 1, decode)
-        stages.decode(system, arguments, decode.batch_size, data / "test.jsonl", caption, model,
-                      str(root / system.run), data / "test.jsonl", stages.predictions(system.name), dict(arguments),
-                      decode.batch_size, experiment.instruction, v.get("dtype", "float32"), device,
-                      extra={"instruction": experiment.instruction})
-
-    report = stages.timed("evaluate and report", build_report, root, experiment, systems, runs)
-    report["timing_s"] = stages.timings | {"runs": {run: run_record(root / run)["seconds"] for run in runs}}
-    (root / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    print((root / "report.md").read_text(encoding="utf-8"))
-    print(f"report: {root / 'report.md'} (+ report.json, figures/)")
-    return report
+    return runner.run_recipe(ImageCaptioning, out, recipes, quick, budgets, stop_after, runs, threads, device)
 
 
-__all__ = ["Experiment", "image_captioning", "prepare_data", "systems_of", "caption"]
+__all__ = ["Experiment", "ImageCaptioning", "image_captioning", "prepare_data", "caption"]
