@@ -36,6 +36,14 @@ def test_quick_recipe_writes_every_output(quick):
         assert sum(scores) == pytest.approx(1.0) and 0 <= metrics["score_top1"] <= 1 and 0 <= metrics["score_ece"] <= 1
         assert metrics["mixture_nll"] >= metrics["oracle_nll"] - 1e-9  # min_k -log p_k <= -log sum_k p(k|c) p_k
     assert "mean_scores" not in report["systems"]["mle-beam-b2"]
+    references = sum(len(json.loads(line)["references"]) for line in (out / "data" / "test.jsonl").open())
+    assert set(report["likelihood"]) == set(RUNS)  # oracle NLL per run (paper Table 1) and the paper's winner
+    for run in ("mcl-relaxed", "mcl-annealed"):  # the hypothesis a reference is most likely under
+        row = report["likelihood"][run]
+        wins = row["likelihood_wins"]
+        assert set(wins["by_group"]) == {"fr", "de"} and wins["win_rate"] == pytest.approx(row["win_rate"])
+        assert wins["num_items"] == row["num_references"] == references  # every reference counted once
+        assert row["oracle_nll"] <= min(row["hypothesis_nll"])
     # equal trainable counts but for the scores head of the MCL runs: K x (SmolLM2's hidden size 576 + a bias)
     trainable = {run: report["runs"][run]["trainable_parameters"] for run in RUNS}
     assert trainable["mcl-relaxed"] == trainable["mcl-annealed"] == trainable["mle"] + 2 * (576 + 1)
@@ -45,6 +53,7 @@ def test_quick_recipe_writes_every_output(quick):
         assert (out / "figures" / path.rsplit("/", 1)[-1]).stat().st_size > 1000
     markdown = (out / "report.md").read_text()
     assert "paper Table 7" in markdown and "SVM test accuracy" in markdown and "Hypothesis scores" in markdown
+    assert "the paper's winner" in markdown
     assert json.loads((out / "report.json").read_text())["systems"].keys() == report["systems"].keys()
 
 

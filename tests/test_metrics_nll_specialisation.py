@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from loramcl.metrics import oracle, oracle_nll, win_rate_table, win_rates, winners
+from loramcl.metrics import likelihood_wins, oracle, oracle_nll, win_rate_table, win_rates, winners
 
 
 def test_oracle_nll_is_the_mean_over_references_of_the_best_hypothesis():
@@ -48,6 +48,19 @@ def test_oracle_reduction_and_winners():
     assert oracle({"m": scores[:, :1]}) == {"m": pytest.approx(0.4)}  # K = 1: the plain mean
     with pytest.raises(ValueError, match="NaN"):
         oracle(np.array([[np.nan, 1.0]]))
+
+
+def test_likelihood_wins_give_each_reference_to_its_most_likely_hypothesis():
+    """The paper's winner (Table 7): the hypothesis with the lowest NLL of the reference, each reference counted."""
+    nll = [np.array([[0.4, 2.0], [3.0, 0.2]]),  # item 0: a French reference won by h0, a German one by h1
+           np.array([[1.0, 0.9], [2.0, 2.0], [0.1, 0.3]])]  # item 1: French -> h1, German (tie) -> h0, French -> h0
+    groups = [["fr", "de"], ["fr", "de", "fr"]]
+    out = likelihood_wins(nll, groups)
+    assert out["num_items"] == 5 and out["tie_rate"] == pytest.approx(0.2)
+    assert out["by_group"]["fr"]["win_rate"] == pytest.approx([2 / 3, 1 / 3])
+    assert out["by_group"]["de"]["win_rate"] == pytest.approx([0.5, 0.5])
+    assert out["win_rate"] == pytest.approx([0.6, 0.4])
+    assert "by_group" not in likelihood_wins(nll) and oracle_nll(np.concatenate(nll))["win_rate"] == out["win_rate"]
 
 
 def test_win_rates_per_group():

@@ -221,7 +221,8 @@ def test_plain_generate_returns_the_k_best_beams_not_one_beam_k_times():
 @NEEDS_WHISPER_AND_ESPEAK
 def test_quick_end_to_end_on_whisper_base_then_every_stage_reused(tmp_path):
     """Speech (espeak-ng) -> Whisper-base from its wheels, context cut -> train LoRA-MCL K = 2 and LoRA-MLE rank 2r
-    -> decode (MCL greedy; MLE beam, diverse beam, SpecAugment TTA) -> evaluate -> report; again: all reused."""
+    -> decode (MCL greedy; MLE beam, diverse beam, SpecAugment TTA) -> NLL of the references -> evaluate -> report;
+    again: all reused."""
     from loramcl.spoken_translation.reproduce import spoken_translation
 
     out = tmp_path / "st"
@@ -242,7 +243,15 @@ def test_quick_end_to_end_on_whisper_base_then_every_stage_reused(tmp_path):
     for result in report["systems"].values():
         assert {"sacrebleu", "chrf", "mbleu4"} <= set(result["metrics"])
         assert set(result["mode_wins"]["by_group"]) == {"en", "fr"}
+    for run, k in (("mcl", 2), ("mle", 1)):  # NLL of every reference in its mode, under every hypothesis
+        nll = [json.loads(line) for line in (out / "nll" / f"{run}.jsonl").read_text().splitlines()]
+        assert [len(row["nll"]) for row in nll] == [len(r["references"]) for r in test]
+        assert all(len(v) == k and min(v) > 0 for row in nll for v in row["nll"])
+        likelihood = report["likelihood"][run]
+        assert likelihood["oracle_nll"] <= min(likelihood["hypothesis_nll"])
+    assert set(report["likelihood"]["mcl"]["likelihood_wins"]["by_group"]) == {"en", "fr"}
     text = (out / "report.md").read_text()
+    assert "the paper's winner" in text
     assert "| mcl | 2 | 8 | annealed τ0=1, ρ=0.97 |" in text and "| mle | 1 | 16 | MLE |" in text
     again = spoken_translation(out=str(out), quick=True)
     assert set(again["timing_s"]) == {"report", "runs"}

@@ -9,7 +9,16 @@ from pathlib import Path
 import numpy as np
 
 from loramcl.data.gettext_pairs import LANGUAGES
-from loramcl.recipe.report import inline, percent, runs_table, wins_table, written_report
+from loramcl.recipe.report import (
+    inline,
+    likelihood_lines,
+    percent,
+    runs_likelihood,
+    runs_table,
+    wins_table,
+    written_report,
+)
+from loramcl.validate import require
 
 IDENTIFIER_EXAMPLES = 3000  # per language, from the training split
 EXAMPLES_SHOWN = 6
@@ -71,6 +80,10 @@ def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> 
         if scores is not None:
             results[system.name]["mean_scores"] = scores.mean(axis=0)
 
+    groups = [[lang for lang in LANGUAGES for _ in r[lang]] for r in test]  # the language of each reference
+    require(all(r["references"] == [t for lang in LANGUAGES for t in r[lang]] for r in test),
+            f"{root / 'data' / 'test.jsonl'}: each item's references must be its {' then '.join(LANGUAGES)} ones")
+    likelihood = runs_likelihood(root, runs, [r["id"] for r in test], references, groups)
     figures = {"curves": training_curves({run: root / run for run in runs}, root / "figures" / "training.png")}
     probes = {}
     for name in probed:
@@ -91,7 +104,8 @@ def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> 
 
     examples = [{"source": r["source"], "fr": r["fr"][0], "de": r["de"][0],
                  **{name: outputs[name][i] for name in probed}} for i, r in enumerate(test[:EXAMPLES_SHOWN])]
-    return written_report(root, {"identifier": identifier_accuracy, "systems": results, "probes": probes,
+    return written_report(root, {"identifier": identifier_accuracy, "systems": results, "likelihood": likelihood,
+                                 "probes": probes,
                                      "runs": run_info, "figures": figures, "examples": examples,
                                      "num_test_items": len(test)}, markdown)
 
@@ -139,6 +153,7 @@ def markdown(report: dict) -> str:
               "(sentence chrF) wins; ties go to h0.", "",
               *wins_table(systems, "language_wins", LANGUAGES,
                           "| system | reference | h0 | h1 | ties (both languages) |")]
+    lines += ["", *likelihood_lines(report["likelihood"], LANGUAGES, "reference language")]
 
     identified = report["identifier"]["per_language"]
     per_language = ", ".join(f"{lang}: {percent(v['accuracy'])}%" for lang, v in identified.items())

@@ -18,7 +18,7 @@ from loramcl.metrics.diversity import div_n, mbleu
 from loramcl.metrics.nll import oracle_nll
 from loramcl.metrics.oracle import candidate_scores, oracle, uses_corpus_statistics, winners
 from loramcl.metrics.quality import bleu, cider_d, meteor, rouge_l, sbert_sim, spice, spider
-from loramcl.metrics.specialisation import win_rate_table, win_rates
+from loramcl.metrics.specialisation import likelihood_wins, win_rate_table, win_rates
 from loramcl.metrics.suite import METRICS, PRESETS, evaluate_candidates, markdown_report, resolve_metrics
 from loramcl.metrics.text import ptb_tokenize
 from loramcl.metrics.translation import (
@@ -35,6 +35,7 @@ __all__ = [
     "candidate_scores", "oracle", "winners", "uses_corpus_statistics",
     "div_n", "mbleu", "loo_bleu", "pairwise_bleu", "references_covered", "bleu_plus_one", "sacrebleu_sentence",
     "chrf_sentence", "oracle_nll",
-    "win_rates", "win_rate_table", "evaluate_candidates", "markdown_report", "resolve_metrics", "METRICS", "PRESETS",
+    "win_rates", "likelihood_wins", "win_rate_table", "evaluate_candidates", "markdown_report", "resolve_metrics",
+    "METRICS", "PRESETS",
     "ptb_tokenize",
 ]

@@ -44,6 +44,15 @@ def win_rates(
     return result
 
 
+def likelihood_wins(nll: Sequence[np.ndarray], groups: Sequence[Sequence[str]] | None = None) -> dict[str, object]:
+    """Win rate of each hypothesis as the paper defines the winner (Table 7): each test reference is won by the
+    hypothesis under which it is most likely (lowest NLL). ``nll``: per item, [R_i, K] NLL of its references (as
+    ``metrics.io.load_nll`` reads them); ``groups``: per item, one label per reference (e.g. its language). Every
+    reference counts once: ``win_rates`` over the references."""
+    labels = None if groups is None else [label for item in groups for label in item]
+    return win_rates(np.concatenate([np.asarray(n, dtype=float) for n in nll]), labels, higher_is_better=False)
+
+
 def win_rate_table(result: dict, metric: str = "") -> str:
     """Markdown table: one row per group (and 'all'), one column per hypothesis, winning share in %."""
     num_hypotheses = len(result["win_rate"])

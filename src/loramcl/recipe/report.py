@@ -41,6 +41,39 @@ def wins_table(systems: dict, key: str, groups: Sequence[str], header: str) -> l
     return lines
 
 
+def runs_likelihood(root: Path, runs: Sequence[str], ids: list, references: list[list[str]],
+                    groups: list[list[str]]) -> dict:
+    """Per run scored by the NLL stage (root/nll/<run>.jsonl): the oracle NLL of the test references
+    (``metrics.oracle_nll``, paper Table 1) and, per reference group (``groups``: per item, a label per reference),
+    which hypothesis each reference is most likely under (``metrics.likelihood_wins``: the paper's winner)."""
+    from loramcl.metrics import likelihood_wins, oracle_nll
+    from loramcl.metrics.io import load_nll
+
+    result = {}
+    for run in runs:
+        nll = load_nll(root / "nll" / f"{run}.jsonl", ids, references)
+        result[run] = {**oracle_nll(nll), "likelihood_wins": likelihood_wins(nll, groups)}
+    return result
+
+
+def likelihood_lines(likelihood: dict, groups: Sequence[str], group: str) -> list[str]:
+    """Markdown section of ``runs_likelihood``: a row per run, its oracle NLL and who wins each reference group."""
+    lines = ["## Likelihood of the test references (paper Table 1) and the paper's winner (Table 7)", "",
+             "Oracle NLL: each reference's NLL (nats per target token) under the hypothesis that gives it the lowest "
+             "(K = 1: the plain test NLL); best single: the best hypothesis's own mean. Won by: for the references of "
+             f"each {group}, the share each hypothesis gives the lowest NLL (h0 / h1 / ...; the paper's definition of "
+             "the winner; ties go to h0).", "",
+             "| run | K | oracle NLL | oracle PPL | best single | "
+             + " | ".join(f"won by ({g})" for g in groups) + " |",
+             "|---|---:|---:|---:|---:|" + "---|" * len(groups)]
+    for run, row in likelihood.items():
+        k, wins = len(row["hypothesis_nll"]), row["likelihood_wins"]["by_group"]
+        won = [" / ".join(percent(w) for w in wins[g]["win_rate"]) if k > 1 and g in wins else "–" for g in groups]
+        lines.append(f"| {run} | {k} | {row['oracle_nll']:.3f} | {row['oracle_ppl']:.2f} | "
+                     f"{min(row['hypothesis_nll']):.3f} | " + " | ".join(won) + " |")
+    return lines
+
+
 def written_report(root: Path, report: dict, markdown: Callable[[dict], str]) -> dict:
     """``report`` made JSON-ready (``metrics.io.to_jsonable``), its markdown written to root/report.md."""
     from loramcl.metrics.io import to_jsonable

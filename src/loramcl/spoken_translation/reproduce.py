@@ -119,25 +119,30 @@ def audio_features(model: str, rows: list[dict]):
     return features, lengths
 
 
-def encoded_examples(model: str, rows: list[dict], batch_size: int = 16) -> list[dict]:
-    """One training row per message: the frozen encoder's states of its clip ([positions, d], computed once here)
-    and Whisper's labels of its target in its mode."""
+def encoder_states(model: str, rows: list[dict], batch_size: int = 16) -> list:
+    """The frozen encoder's states of each row's clip ([positions, d]), computed once."""
     import torch
+
+    from loramcl.loading import load_model
+
+    encoder = load_model(model).get_encoder()
+    states = []
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            states += list(encoder(audio_features(model, rows[start:start + batch_size])[0]).last_hidden_state)
+    return states
+
+
+def encoded_examples(model: str, rows: list[dict]) -> list[dict]:
+    """One training row per message: the frozen encoder's states of its clip and Whisper's labels of its target in
+    its mode."""
     from transformers import AutoTokenizer
 
     from loramcl.data.spoken_messages import WhisperTargets
-    from loramcl.loading import load_model
 
     targets = WhisperTargets(AutoTokenizer.from_pretrained(model))
-    encoder = load_model(model).get_encoder()
-    examples = []
-    with torch.no_grad():
-        for start in range(0, len(rows), batch_size):
-            chunk = rows[start:start + batch_size]
-            states = encoder(audio_features(model, chunk)[0]).last_hidden_state  # [b, positions, d]
-            examples += [{"encoder_states": s, "labels": targets.labels(r["target"], r["mode"])}
-                         for s, r in zip(states, chunk, strict=True)]
-    return examples
+    return [{"encoder_states": s, "labels": targets.labels(r["target"], r["mode"])}
+            for s, r in zip(encoder_states(model, rows), rows, strict=True)]
 
 
 def train_run(model: str, out: str, method: str, config, training, settings: dict, data: Path,
@@ -158,6 +163,31 @@ def train_run(model: str, out: str, method: str, config, training, settings: dic
 
 
 # ---- decoding ------------------------------------------------------------------------------------------------
+
+
+def score_references(model: str, adapters: str, test: Path, out: Path, batch_size: int) -> Path:
+    """The mean NLL per target token (the mode's language and task tokens, the text, the end: what training
+    scores) of every reference of every test message under every hypothesis of a run, on the encoder's states of
+    its clip: {"id", "nll": [[K] per reference]} per message, what `loramcl evaluate --nll` reads."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from loramcl.data.spoken_messages import WhisperTargets, collate_encoded
+    from loramcl.loading import load_model
+
+    targets = WhisperTargets(AutoTokenizer.from_pretrained(model))
+    scorer = load_model(model, adapters)
+    rows = read_rows(test)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f, torch.no_grad():
+        for row, states in zip(rows, encoder_states(model, rows), strict=True):
+            examples = [{"encoder_states": states, "labels": targets.labels(text, mode)}
+                        for text, mode in zip(row["references"], row["reference_modes"], strict=True)]
+            nll = [scorer(**collate_encoded(examples[i:i + batch_size])).nll.float()
+                   for i in range(0, len(examples), batch_size)]  # each [b, K]
+            f.write(json.dumps({"id": row["id"], "nll": torch.cat(nll).tolist()}) + "\n")
+    return out
+
 
 
 def decode_run(model: str, adapters: str, test: Path, out: Path, arguments: dict, batch_size: int) -> Path:
@@ -244,6 +274,12 @@ class SpokenTranslation(runner.Task):
     def decode(self, system: System, values: dict, arguments: dict, decode: DecodeConfig) -> None:
         decode_run(values["model"], str(self.root / system.run), self.test, self.stages.predictions(system.name),
                    arguments, decode.batch_size)
+
+    def scored_runs(self, runs: list[str], systems: list[System]) -> list[str]:
+        return list(dict.fromkeys(system.run for system in systems))
+
+    def score(self, run: str, values: dict, decode: DecodeConfig, out: Path) -> None:
+        score_references(values["model"], str(self.root / run), self.test, out, decode.batch_size)
 
     def report(self, systems: list[System], runs: list[str]) -> dict:
         from loramcl.spoken_translation.report import build_report
