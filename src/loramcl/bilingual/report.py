@@ -9,15 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from loramcl.data.gettext_pairs import LANGUAGES
-from loramcl.recipe.report import (
-    inline,
-    likelihood_lines,
-    percent,
-    runs_likelihood,
-    runs_table,
-    wins_table,
-    written_report,
-)
+from loramcl.recipe.report import inline, nll_section, percent, runs_nll, runs_table, wins_table, written_report
 from loramcl.validate import require
 
 IDENTIFIER_EXAMPLES = 3000  # per language, from the training split
@@ -83,7 +75,7 @@ def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> 
     groups = [[lang for lang in LANGUAGES for _ in r[lang]] for r in test]  # the language of each reference
     require(all(r["references"] == [t for lang in LANGUAGES for t in r[lang]] for r in test),
             f"{root / 'data' / 'test.jsonl'}: each item's references must be its {' then '.join(LANGUAGES)} ones")
-    likelihood = runs_likelihood(root, runs, [r["id"] for r in test], references, groups)
+    likelihood = runs_nll(root, runs, [r["id"] for r in test], references, groups)
     figures = {"curves": training_curves({run: root / run for run in runs}, root / "figures" / "training.png")}
     probes = {}
     for name in probed:
@@ -153,7 +145,7 @@ def markdown(report: dict) -> str:
               "(sentence chrF) wins; ties go to h0.", "",
               *wins_table(systems, "language_wins", LANGUAGES,
                           "| system | reference | h0 | h1 | ties (both languages) |")]
-    lines += ["", *likelihood_lines(report["likelihood"], LANGUAGES, "reference language")]
+    lines += ["", *nll_section(report["likelihood"], LANGUAGES, "reference language")]
 
     identified = report["identifier"]["per_language"]
     per_language = ", ".join(f"{lang}: {percent(v['accuracy'])}%" for lang, v in identified.items())

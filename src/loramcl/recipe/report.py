@@ -41,7 +41,7 @@ def wins_table(systems: dict, key: str, groups: Sequence[str], header: str) -> l
     return lines
 
 
-def runs_likelihood(root: Path, runs: Sequence[str], ids: list, references: list[list[str]],
+def runs_nll(root: Path, runs: Sequence[str], ids: list, references: list[list[str]],
                     groups: list[list[str]]) -> dict:
     """Per run scored by the NLL stage (root/nll/<run>.jsonl): the oracle NLL of the test references
     (``metrics.oracle_nll``, paper Table 1) and, per reference group (``groups``: per item, a label per reference),
@@ -56,8 +56,8 @@ def runs_likelihood(root: Path, runs: Sequence[str], ids: list, references: list
     return result
 
 
-def likelihood_lines(likelihood: dict, groups: Sequence[str], group: str) -> list[str]:
-    """Markdown section of ``runs_likelihood``: a row per run, its oracle NLL and who wins each reference group."""
+def nll_section(likelihood: dict, groups: Sequence[str], group: str) -> list[str]:
+    """Markdown section of ``runs_nll``: a row per run, its oracle NLL and who wins each reference group."""
     lines = ["## Likelihood of the test references (paper Table 1) and the paper's winner (Table 7)", "",
              "Oracle NLL: each reference's NLL (nats per target token) under the hypothesis that gives it the lowest "
              "(K = 1: the plain test NLL); best single: the best hypothesis's own mean. Won by: for the references of "

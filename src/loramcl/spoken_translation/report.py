@@ -9,15 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from loramcl.data.spoken_messages import MODES, read_rows
-from loramcl.recipe.report import (
-    inline,
-    likelihood_lines,
-    percent,
-    runs_likelihood,
-    runs_table,
-    wins_table,
-    written_report,
-)
+from loramcl.recipe.report import inline, nll_section, percent, runs_nll, runs_table, wins_table, written_report
 
 IDENTIFIER_EXAMPLES = 2000  # per language, from the training split
 EXAMPLES_SHOWN = 8
@@ -66,7 +58,7 @@ def build_report(root: Path, experiment, systems, runs, stats: dict, metrics: st
         results[system.name] = {"system": system.to_dict(), "metrics": evaluation["metrics"],
                                 "mode_wins": language_wins(candidates, by_mode, MODES), "languages": shares,
                                 "language_tokens": [{t: n / len(test) for t, n in d.items()} for d in declared]}
-    likelihood = runs_likelihood(root, runs, [r["id"] for r in test], references, [r["reference_modes"] for r in test])
+    likelihood = runs_nll(root, runs, [r["id"] for r in test], references, [r["reference_modes"] for r in test])
     curves = training_curves({run: root / run for run in runs}, root / "figures" / "training.png")
     shown = [s.name for s in systems if s.budget == min(x.budget for x in systems)]
     examples = [{"source": r["source"], "fr": r["fr"][0], **{name: outputs[name][i] for name in shown}}
@@ -104,7 +96,7 @@ def markdown(report: dict) -> str:
               "For each test message and each mode, the candidate closest (sentence chrF) to that mode's references "
               "wins; ties go to candidate 0 (for an MCL run candidate k is hypothesis k; for MLE, beam or group rank).",
               "", *wins_table(systems, "mode_wins", MODES, "| system | mode | k=0 | k=1 | ties |")]
-    lines += ["", *likelihood_lines(report["likelihood"], MODES, "mode")]
+    lines += ["", *nll_section(report["likelihood"], MODES, "mode")]
     identified = report["identifier"]["per_language"]
     accuracy = ", ".join(f"{lang}: {percent(v['accuracy'])}%" for lang, v in identified.items())
     lines += ["", "## Mode of each candidate", "",

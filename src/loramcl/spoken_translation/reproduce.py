@@ -226,7 +226,8 @@ def decode_run(model: str, adapters: str, test: Path, out: Path, arguments: dict
 
 
 class SpokenTranslation(runner.Task):
-    """Whisper-base on espeak-ng speech of gettext messages: transcript or French translation, never indicated."""
+    """Whisper-base on espeak-ng speech of gettext messages, its target the transcript or the French translation,
+    never indicated; the frozen encoder's states computed once per clip for training and scoring."""
 
     experiment_type = Experiment
     default_recipes = DEFAULT_RECIPES
