@@ -205,7 +205,7 @@ def write_tiny_recipe(tmp_path: Path) -> Path:
 
 def test_quick_recipe_runs_end_to_end_and_reuses_its_stages(tmp_path):
     """`loramcl image-captioning --quick` on the tiny model: data -> train MCL, MLE, MoE -> decode every system at
-    the smallest budget (MCL greedy and diverse MCL decoding; MLE and MoE beam and diverse beam) ->
+    the smallest budget (MCL beam 1 per hypothesis and diverse MCL decoding; MLE and MoE beam and diverse beam) ->
     evaluate -> report; a second call reuses every stage."""
     from loramcl.captioning.reproduce import image_captioning
     from loramcl.metrics.io import read_jsonl
@@ -214,12 +214,12 @@ def test_quick_recipe_runs_end_to_end_and_reuses_its_stages(tmp_path):
     out = tmp_path / "out"
     report = image_captioning(out=str(out), recipes=str(recipes), quick=True)
     # a quick run: the first system of each (run, strategy), so diverse beam search with the first λ
-    names = {"mcl-greedy-b3", "mcl-diversebeam0.8-b3", "mle-beam-b3", "mle-diversebeam0.8-b3", "moe-beam-b3",
+    names = {"mcl-beam-b3", "mcl-diversebeam0.8-b3", "mle-beam-b3", "mle-diversebeam0.8-b3", "moe-beam-b3",
              "moe-diversebeam0.8-b3"}
     assert set(report["systems"]) == names
     test = read_jsonl(out / "data" / "test.jsonl", "references")
     assert [len(r["references"]) for r in test.values()] == [3, 2, 1]  # every reference of each image
-    mcl = read_jsonl(out / "predictions" / "mcl-greedy-b3.jsonl", "candidates")
+    mcl = read_jsonl(out / "predictions" / "mcl-beam-b3.jsonl", "candidates")
     assert list(mcl) == list(test) and all(r["hypotheses"] == [0, 1, 2] for r in mcl.values())
     for name in names:
         predictions = read_jsonl(out / "predictions" / f"{name}.jsonl", "candidates")

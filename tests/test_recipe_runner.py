@@ -83,6 +83,9 @@ def test_a_training_stage_is_skipped_when_finished_and_restarts_from_stale_check
     (System("mle-topp", "mle", "sample", 2, {"top_p": 0.95}), True, {"num_sequences": 2, "top_p": 0.95}),
     (System("mcl-beam-b4", "mcl", "beam", 4), False, {"num_beams": 2}),  # 2 beams x 2 hypotheses = 4
     (System("mcl-greedy-b2", "mcl", "greedy", 2), False, {}),  # 1 x 2 = 2
+    # beam 1 per hypothesis through beam search (diverse MCL decoding, λ = 0): the penalty on log-probabilities
+    (System("mcl-beam-b2", "mcl", "beam", 2), False, {"strategy": "diverse_beam", "num_beams": 1,
+                                                      "diversity_penalty": 0.0}),
     (System("mcl-dbs-b4", "mcl", "diverse_beam", 4), False, {"num_beams": 2, "diversity_penalty": 0.8}),
     (System("mcl-dbs-b2", "mcl", "diverse_beam", 2, {"diversity_penalty": 0.5}), False,
      {"num_beams": 1, "diversity_penalty": 0.5}),
@@ -132,14 +135,18 @@ def test_run_files_and_the_systems_at_equal_budget(tmp_path):
     systems = equal_budget_systems({"mle": 1, "mcl": 3}, candidates=3, budgets=[3, 6])
     assert [(s.name, s.strategy, s.budget) for s in systems] == [
         ("mle-beam-b3", "beam", 3), ("mle-diversebeam-b3", "diverse_beam", 3), ("mle-beam-b6", "beam", 6),
-        ("mle-diversebeam-b6", "diverse_beam", 6), ("mcl-greedy-b3", "greedy", 3), ("mcl-beam-b6", "beam", 6)]
+        ("mle-diversebeam-b6", "diverse_beam", 6), ("mcl-beam-b3", "beam", 3), ("mcl-beam-b6", "beam", 6)]
     # each system's decoding gives the same forward budget: MLE beam 6 returning 3, MCL beam 2 per hypothesis
     assert systems[2].decoding(3, True, DECODE)["num_beams"] == 6
     assert systems[5].decoding(3, False, DECODE)["num_beams"] == 2
-    diverse = equal_budget_systems({"mcl": 3}, 3, [3, 6], mcl_strategies=("beam", "diverse_beam"))
-    assert [s.name for s in diverse] == ["mcl-greedy-b3", "mcl-diversebeam-b3", "mcl-beam-b6", "mcl-diversebeam-b6"]
-    assert diverse[3].decoding(3, False, DECODE) == {**systems[5].decoding(3, False, DECODE),
+    assert systems[4].decoding(3, False, DECODE)["num_beams"] == 1  # beam 1 per hypothesis at B = K
+    diverse = equal_budget_systems({"mcl": 3}, 3, [3, 6], mcl_strategies=("beam", "greedy", "diverse_beam"))
+    assert [s.name for s in diverse] == ["mcl-beam-b3", "mcl-greedy-b3", "mcl-diversebeam-b3", "mcl-beam-b6",
+                                         "mcl-diversebeam-b6"]  # greedy (the paper's protocol) at B = K only
+    assert diverse[4].decoding(3, False, DECODE) == {**systems[5].decoding(3, False, DECODE),
                                                      "strategy": "diverse_beam", "diversity_penalty": 0.8}
+    with pytest.raises(ValueError, match="mcl_strategies must be among beam, greedy, diverse_beam"):
+        equal_budget_systems({"mcl": 3}, 3, [3], mcl_strategies=("sample",))
     with pytest.raises(ValueError, match="run moe2 has K = 2 hypotheses: a system gives 3 candidates"):
         equal_budget_systems({"moe2": 2}, candidates=3, budgets=[3])
     with pytest.raises(ValueError, match="budget 4 is not a multiple of the 3 candidates"):

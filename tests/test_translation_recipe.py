@@ -48,7 +48,7 @@ def test_paper_scale_recipe_files_load_and_build_a_model(tmp_path):
     assert names == ["mle-r16-beam-b3", "mle-r16-diversebeam-b3", "mle-r16-beam-b6", "mle-r16-diversebeam-b6",
                      "mle-r16-beam-b9", "mle-r16-diversebeam-b9", "mle-r48-beam-b3", "mle-r48-diversebeam-b3",
                      "mle-r48-beam-b6", "mle-r48-diversebeam-b6", "mle-r48-beam-b9", "mle-r48-diversebeam-b9",
-                     "mcl-greedy-b3", "mcl-beam-b6", "mcl-beam-b9"]
+                     "mcl-beam-b3", "mcl-greedy-b3", "mcl-beam-b6", "mcl-beam-b9"]
 
 
 def test_experiment_settings_are_checked(tmp_path):
@@ -71,7 +71,8 @@ def quick(tmp_path_factory, smollm2_folder):
 def test_quick_recipe_writes_every_output(quick):
     out, report = quick
     assert set(report["systems"]) == {"mle-r8-beam-b3", "mle-r8-diversebeam-b3", "mle-r24-beam-b3",
-                                      "mle-r24-diversebeam-b3", "mcl-k3-greedy-b3", "mcl-k3-diversebeam-b3"}
+                                      "mle-r24-diversebeam-b3", "mcl-k3-beam-b3", "mcl-k3-greedy-b3",
+                                      "mcl-k3-diversebeam-b3"}
     for name, result in report["systems"].items():
         metrics = result["metrics"]
         for metric in ("loo_bleu", "pairwise_bleu", "sacrebleu", "chrf", "oracle_nll"):

@@ -78,7 +78,8 @@ def method_label(record: dict) -> str:
 
 
 def decoding_label(system: System) -> str:
-    """The decoding of a system (Fig. 3 colours): MCL greedy is beam search with one beam per hypothesis."""
+    """The decoding of a system (Fig. 3 colours): an MCL run's beam and greedy decoding are beam search with one beam
+    per hypothesis at B = K (greedy: with the repetition penalty on the logits)."""
     options = system.options
     if system.strategy == "diverse_beam":  # an MCL run's: diverse MCL decoding at the recipe's λ
         return f"diverse beam λ={options['diversity_penalty']:g}" if "diversity_penalty" in options else \
@@ -87,4 +88,4 @@ def decoding_label(system: System) -> str:
         return "TTA φ=({:g}, {:g})".format(*options["tta_strength"])
     if system.strategy == "sample":
         return "sampling " + ", ".join(f"{key}={value:g}" for key, value in options.items())
-    return "beam search"
+    return "greedy (penalty on logits)" if system.strategy == "greedy" else "beam search"

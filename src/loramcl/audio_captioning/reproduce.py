@@ -96,7 +96,7 @@ class Experiment(RecipeExperiment):
     """K candidates per clip for every system (the paper: 5)."""
 
     budgets: list[int] = field(default_factory=lambda: [5, 10])
-    """Forward budgets B: MLE beam B and diverse beam (K groups), MCL beam B/K per hypothesis (greedy at B = K),
+    """Forward budgets B: MLE beam B and diverse beam (K groups), MCL beam B/K per hypothesis,
     test-time augmentation beam B/K per augmented input; sampling at B = K only."""
 
     diversity_penalties: list[float] = field(default_factory=lambda: [0.8, 1.0])

@@ -87,8 +87,9 @@ def bilingual(out: str | None = None, quick: bool = False, budgets: list[int] | 
             finished stage is reused only when they are the same.
         quick: a few examples and training steps, the smallest budget: checks the whole pipeline in a few minutes
             (numbers meaningless).
-        budgets: forward budgets to decode at (default [2, 4]): 2 is MLE beam 2 / DBS vs MCL greedy, 4 is MLE beam 4
-            / DBS vs MCL beam 2 per hypothesis; on 2 CPU cores each budget-4 system takes about 10 minutes.
+        budgets: forward budgets to decode at (default [2, 4]): 2 is MLE beam 2 / DBS vs MCL beam 1 per hypothesis
+            (and greedy), 4 is MLE beam 4 / DBS vs MCL beam 2; on 2 CPU cores each budget-4 system takes about 10
+            minutes.
         recipes: folder with experiment.yaml, common.yaml, mle.yaml, mcl-relaxed.yaml, mcl-annealed.yaml (default:
             the packaged bilingual recipe; `loramcl recipes copy bilingual DIR` writes a copy to edit).
         locale_dir: where the gettext catalogs are (<language>/LC_MESSAGES/*.mo; default: experiment.yaml's).

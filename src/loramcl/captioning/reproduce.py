@@ -65,7 +65,7 @@ class Experiment(RecipeExperiment):
 
     budgets: list[int] = field(default_factory=lambda: [3, 6])
     """Forward budgets B (the paper: 3 and 6): single models decode with beam B and diverse beam search (K groups),
-    runs with K hypotheses with beam B/K each (greedy at B = K)."""
+    runs with K hypotheses with beam B/K each."""
 
     diversity_penalties: list[float] = field(default_factory=lambda: [0.8, 1.0])
     """λ of diverse beam search: one system per value (the paper: 0.8 and 1.0)."""

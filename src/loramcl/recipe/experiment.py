@@ -8,10 +8,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
-from loramcl.recipe.grid import DecodeConfig, check_budgets
+from loramcl.recipe.grid import MCL_DECODINGS, DecodeConfig, check_budgets
 from loramcl.validate import require
-
-MCL_DECODINGS = ("beam", "diverse_beam")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,14 +28,16 @@ class Experiment:
 
     budgets: list[int] = field(default_factory=lambda: [2, 4])
     """Forward budgets B (sequences advanced per decoding step and input): single models decode with beam B,
-    runs with K hypotheses with beam B/K each (greedy at B = K)."""
+    runs with K hypotheses with beam B/K each."""
 
     decoded: list[str] | None = None
     """Runs whose candidates are decoded and scored (default: every run)."""
 
-    mcl_decodings: list[str] = field(default_factory=lambda: ["beam"])
-    """How runs with K hypotheses decode: 'beam' (greedy at B = K, beam B/K per hypothesis above; the paper's) and
-    'diverse_beam' (diverse MCL decoding: hypothesis k is group k of one diverse beam search)."""
+    mcl_decodings: list[str] = field(default_factory=lambda: ["beam", "greedy"])
+    """How runs with K hypotheses decode: 'beam' (beam B/K per hypothesis; at B = K one beam through beam search, so
+    the repetition penalty acts on log-probabilities as in the single models' beam search: equal footing), 'greedy'
+    (at B = K: the paper's protocol, the penalty on the logits; docs/decoding.md) and 'diverse_beam' (diverse MCL
+    decoding: hypothesis k is group k of one diverse beam search)."""
 
     decoding: dict = field(default_factory=dict)
     """DecodeConfig settings (max_new_tokens, repetition_penalty, batch_size, diversity_penalty, seed)."""
@@ -46,7 +46,7 @@ class Experiment:
         check_budgets(self.candidates, self.budgets)
         require(isinstance(self.mcl_decodings, list) and bool(self.mcl_decodings)
                 and set(self.mcl_decodings) <= set(MCL_DECODINGS),
-                f"mcl_decodings must be among {' and '.join(MCL_DECODINGS)}, got {self.mcl_decodings!r}")
+                f"mcl_decodings must be among {', '.join(MCL_DECODINGS)}, got {self.mcl_decodings!r}")
         names = isinstance(self.decoded, list) and all(isinstance(run, str) for run in self.decoded)
         require(self.decoded is None or names, f"decoded must be a list of run names, got {self.decoded!r}")
         DecodeConfig(**self.decoding)

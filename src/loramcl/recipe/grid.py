@@ -12,6 +12,7 @@ from loramcl.validate import require, require_int, require_real
 
 SINGLE_MODEL_STRATEGIES = ("beam", "diverse_beam", "sample", "tta")
 MCL_STRATEGIES = ("greedy", "beam", "sample", "diverse_beam")
+MCL_DECODINGS = ("beam", "greedy", "diverse_beam")  # an experiment's MCL decodings with a forward budget
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,11 @@ class System:
                 arguments["num_beams"] = budget.mcl_num_beams
             if strategy == "diverse_beam":  # diverse MCL decoding: the groups are the K hypotheses
                 arguments["diversity_penalty"] = decode.diversity_penalty
+            if strategy == "beam" and budget.mcl_num_beams == 1:
+                # beam 1 per hypothesis through beam search (diverse MCL decoding with λ = 0: the groups independent),
+                # which applies the repetition penalty to log-probabilities as the single models' beam search does;
+                # transformers' num_beams=1 would decode greedily, the penalty on the logits (docs/decoding.md)
+                arguments |= {"strategy": "diverse_beam", "diversity_penalty": 0.0}
         if strategy in ("greedy", "sample"):
             per_candidate = budget.mcl_num_beams if not single_model else budget.budget // k
             require(per_candidate == 1, f"system {self.name}: {strategy} advances one sequence per candidate, so its "
@@ -103,9 +109,9 @@ class System:
 def systems_of(experiment, hypotheses: dict[str, int], budgets: list[int]) -> list[System]:
     """The systems of a recipe whose experiment gives ``candidates`` (K), ``mcl_decodings``, ``diversity_penalties``,
     ``tta`` (strengths) and ``sampling`` (settings), as the audio tasks' do: every decoded run (``hypotheses``: run ->
-    its K) at every budget: MCL runs with beam B/K per hypothesis (greedy at B = K); single models (LoRA-MLE, LoRA-MoE)
-    with beam search, diverse beam search per λ and test-time augmentation per strength (beam B/K per augmented
-    input); every run with each sampling setting at B = K (paper Tables 8-9)."""
+    its K) at every budget: MCL runs with each of ``mcl_decodings`` (``equal_budget_systems``); single models
+    (LoRA-MLE, LoRA-MoE) with beam search, diverse beam search per λ and test-time augmentation per strength (beam
+    B/K per augmented input); every run with each sampling setting at B = K (paper Tables 8-9)."""
     k = experiment.candidates
     mcl = {run: n for run, n in hypotheses.items() if n > 1}
     single = [run for run, n in hypotheses.items() if n == 1]
@@ -152,9 +158,11 @@ def equal_budget_systems(hypotheses: dict[str, int], candidates: int, budgets: S
                          mcl_strategies: Sequence[str] = ("beam",)) -> list[System]:
     """Every run decoded at every budget B, named '<run>-<strategy>-b<B>': a run with one hypothesis (a single model)
     with each of ``single_model_strategies``; a run with K = ``candidates`` hypotheses with each of ``mcl_strategies``:
-    'beam' is greedy at B = K and beam B/K per hypothesis above, 'diverse_beam' diverse MCL decoding with B/K beams
-    per hypothesis. ``hypotheses``: {run: its number of hypotheses}."""
-    require(set(mcl_strategies) <= {"beam", "diverse_beam"}, f"mcl_strategies must be among beam and diverse_beam "
+    'beam' is beam B/K per hypothesis (at B = K one beam through beam search, the repetition penalty on the scale of
+    the single models' beam search: equal footing), 'greedy' greedy decoding at B = K only (the paper's protocol,
+    the penalty on the logits), 'diverse_beam' diverse MCL decoding with B/K beams per hypothesis.
+    ``hypotheses``: {run: its number of hypotheses}."""
+    require(set(mcl_strategies) <= set(MCL_DECODINGS), f"mcl_strategies must be among {', '.join(MCL_DECODINGS)} "
            f"(the decodings with a forward budget), got {list(mcl_strategies)}")
     systems = []
     for run, num_hypotheses in hypotheses.items():
@@ -163,7 +171,7 @@ def equal_budget_systems(hypotheses: dict[str, int], candidates: int, budgets: S
         for budget in budgets:
             require(budget % candidates == 0, f"budget {budget} is not a multiple of the {candidates} candidates")
             strategies = single_model_strategies if num_hypotheses == 1 else [
-                "greedy" if s == "beam" and budget == candidates else s for s in mcl_strategies]
+                s for s in mcl_strategies if s != "greedy" or budget == candidates]
             systems += [System(f"{run}-{s.replace('_', '')}-b{budget}", run, s, budget) for s in strategies]
     return systems
 

@@ -244,7 +244,7 @@ class SpokenTranslation(runner.Task):
         return str(model)
 
     def systems(self, values: dict[str, dict], budgets: list[int]) -> list[System]:
-        """MCL runs with beam B/K per hypothesis (greedy at B = K; + diverse MCL decoding if asked); the MLE run with
+        """MCL runs with each of mcl_decodings (``recipe.grid.equal_budget_systems``); the MLE run with
         beam search, diverse beam search per λ and test-time augmentation per strength, at every budget."""
         decoded = self.experiment.decoded_runs(list(values))
         return systems_of(self.experiment, {run: self.hypotheses(values[run]) for run in decoded}, budgets)

@@ -16,7 +16,7 @@ COLUMNS = (Column("loo_bleu", "Loo-BLEU ↑", ".2f"), Column("pairwise_bleu", "P
            Column("refs_covered", "#refs covered ↑", ".2f"), Column("sacrebleu", "oracle BLEU ↑", ".2f"),
            Column("chrf", "oracle chrF ↑", ".2f"), Column("distinct", "K distinct ↑", ".2f"),
            Column("oracle_nll", "oracle NLL ↓", ".3f"))
-DECODING_NAMES = {"greedy": "beam search", "beam": "beam search", "diverse_beam": "diverse beam search"}
+DECODING_NAMES = {"greedy": "greedy (penalty on logits)", "beam": "beam search", "diverse_beam": "diverse beam search"}
 # Features that could tell German candidates apart (formal address, hyphenated compounds, sentence punctuation).
 FEATURES = {
     "formal 'Sie'": re.compile(r"\b(Sie|Ihnen|Ihre[nmrs]?)\b"),

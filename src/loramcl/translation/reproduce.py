@@ -55,7 +55,7 @@ class Experiment(TextExperiment):
 
     budgets: list[int] = field(default_factory=lambda: [3, 6, 9])
     """Forward budgets B: single models decode with beam B (and diverse beam search, K groups of B/K), MCL runs with
-    K hypotheses with beam B/K each (greedy at B = K)."""
+    K hypotheses with beam B/K each."""
 
     bleu_tokenize: str = "13a"
     """sacrebleu tokenizer of every BLEU ('13a' as the paper; 'none' for Moses-tokenized references as fairseq's
