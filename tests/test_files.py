@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -284,3 +285,29 @@ def test_the_base_fingerprint_survives_a_bfloat16_round_trip_sees_a_sampled_chan
     assert base_fingerprint(changed) != base_fingerprint(model)
     with torch.device("meta"):
         assert base_fingerprint(build_model("gpt2")) is None  # nothing recorded, nothing checked
+
+
+def test_a_run_saved_by_an_earlier_version_loads_and_gives_the_same_outputs(tmp_path):
+    """tests/fixtures/saved_run: a tiny Llama and its K = 2 adapters as loramcl wrote them before MCLModel was split
+    into modules (issue 25), with the NLL and last-position logits that version computed. Loaded now, the model
+    gives the same numbers, and saving it again writes the same tensors and settings."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    saved = Path(__file__).parent / "fixtures" / "saved_run"
+    expected = json.loads((saved / "expected.json").read_text())
+    mcl = load_mcl_model(AutoModelForCausalLM.from_pretrained(saved / "base"), saved / "adapters", strict=True)
+    ids = torch.tensor(expected["input_ids"])
+    with torch.no_grad():
+        assert torch.allclose(mcl(input_ids=ids, labels=ids).nll[0], torch.tensor(expected["nll"]), atol=1e-5)
+        for k, logits in enumerate(expected["last_logits"]):
+            with mcl.use_hypotheses(k):
+                assert torch.allclose(mcl.base_model(input_ids=ids).logits[0, -1], torch.tensor(logits), atol=1e-5)
+    mcl.save_pretrained(tmp_path)
+    before, after = load_file(saved / "adapters" / "mcl_adapters.safetensors"), load_file(
+        tmp_path / "mcl_adapters.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[key], after[key]) for key in before)
+    written, earlier = (json.loads((f / "mcl_config.json").read_text()) for f in (tmp_path, saved / "adapters"))
+    assert written.pop("base_model_name_or_path") == str(saved / "base")  # loaded from there now
+    assert earlier.pop("base_model_name_or_path") is None  # built in memory when the fixture was written
+    assert written == earlier  # the format, the settings, the layer names, the checksum, the base fingerprint
