@@ -221,15 +221,16 @@ def test_plain_generate_returns_the_k_best_beams_not_one_beam_k_times():
 @NEEDS_WHISPER_AND_ESPEAK
 def test_quick_end_to_end_on_whisper_base_then_every_stage_reused(tmp_path):
     """Speech (espeak-ng) -> Whisper-base from its wheels, context cut -> train LoRA-MCL K = 2 and LoRA-MLE rank 2r
-    -> decode (MCL greedy; MLE beam, diverse beam, SpecAugment TTA) -> NLL of the references -> evaluate -> report;
-    again: all reused."""
+    -> decode (MCL beam 1 and greedy; MLE beam, diverse beam, SpecAugment TTA; both sampling) -> NLL of the
+    references -> evaluate -> report; again: all reused."""
     from loramcl.spoken_translation.reproduce import spoken_translation
 
     out = tmp_path / "st"
     report = spoken_translation(out=str(out), quick=True)
     assert set(report["runs"]) == {"mcl", "mle"}
     assert report["runs"]["mcl"]["trainable_parameters"] == report["runs"]["mle"]["trainable_parameters"]
-    assert {s["system"]["strategy"] for s in report["systems"].values()} == {"greedy", "beam", "diverse_beam", "tta"}
+    strategies = {s["system"]["strategy"] for s in report["systems"].values()}
+    assert strategies == {"greedy", "beam", "diverse_beam", "tta", "sample"}
     test = [json.loads(line) for line in (out / "data" / "test.jsonl").read_text().splitlines()]
     assert len(test) == 4 and all(row["seconds"] <= 6 for row in test)
     wave = subprocess.run(["file", test[0]["audio"]], capture_output=True, text=True).stdout

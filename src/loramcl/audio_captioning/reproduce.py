@@ -23,7 +23,7 @@ from loramcl.data.audio_captions import CAPTIONS_PER_CLIP, LAYOUTS, MISSING_AUDI
 from loramcl.data.audio_prompts import DEFAULT_INSTRUCTION
 from loramcl.recipe import runner
 from loramcl.recipe.experiment import Experiment as RecipeExperiment
-from loramcl.recipe.grid import DecodeConfig, System, check_tta, systems_of
+from loramcl.recipe.grid import DecodeConfig, System, check_sampling, check_tta, systems_of
 from loramcl.validate import require, require_int, require_real
 
 DEFAULT_RECIPES = "audio_captioning/tiny"
@@ -135,7 +135,7 @@ class Experiment(RecipeExperiment):
         require_real("warmup_ratio", self.warmup_ratio, low=0.0, high=1.0, high_open=True)
         for penalty in self.diversity_penalties:
             require_real("diversity_penalties", penalty, low=0.0)
-        require(all(isinstance(s, dict) and s for s in self.sampling), "sampling: a list of non-empty mappings")
+        check_sampling(self.sampling)
         check_tta(self.tta)
 
     def split(self, role: str) -> str:

@@ -142,6 +142,12 @@ def check_tta(strengths: list) -> None:
                f"tta: each strength is [time fraction, frequency fraction] in [0, 1], got {strength!r}")
 
 
+def check_sampling(settings: list) -> None:
+    """Sampling systems: a list of non-empty mappings of ``generate_hypotheses`` arguments (e.g. {"top_p": 0.95})."""
+    require(isinstance(settings, list) and all(isinstance(s, dict) and s for s in settings),
+            f"sampling: a list of non-empty mappings, got {settings!r}")
+
+
 def check_budgets(candidates: int, budgets: list[int]) -> None:
     """An experiment's K candidates per input (>= 2) and its forward budgets: a non-empty list of multiples of K
     (B/K beams per hypothesis)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 from loramcl.data.spoken_messages import SpokenSettings, read_rows
 from loramcl.recipe import runner
 from loramcl.recipe.experiment import Experiment as RecipeExperiment
-from loramcl.recipe.grid import DecodeConfig, System, check_tta, systems_of
+from loramcl.recipe.grid import DecodeConfig, System, check_sampling, check_tta, systems_of
 from loramcl.validate import require, require_int
 
 DEFAULT_RECIPES = "spoken_translation"
@@ -59,7 +59,9 @@ class Experiment(RecipeExperiment):
     eval_examples: int = 32
     """Validation messages scored during training."""
 
-    sampling: list = field(default_factory=list)  # read by recipe.grid.systems_of: no sampling systems here
+    sampling: list[dict] = field(default_factory=list)
+    """Sampling systems of every run at B = K, one per entry of generate_hypotheses arguments (e.g. {"top_p": 0.95};
+    paper Tables 8-9)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -67,7 +69,7 @@ class Experiment(RecipeExperiment):
         require(isinstance(self.context_seconds, int) and 1 <= self.context_seconds <= 30,
                f"context_seconds must be an integer in 1..30, got {self.context_seconds!r}")
         check_tta(self.tta)
-        require(not self.sampling, "sampling systems are not part of this recipe")
+        check_sampling(self.sampling)
         require_int("eval_examples", self.eval_examples, minimum=0)
 
 
