@@ -12,6 +12,7 @@ import inspect
 import math
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType
@@ -48,6 +49,48 @@ def scoring_block(batch: int, num_hypotheses: int) -> int:
     """Examples per block of two-pass WTA's scoring pass: about as many rows per block (K*n) as the winners' pass
     has (B), so that the scoring pass, which keeps no activations, peaks below the winners' forward + backward."""
     return max(1, -(-batch // num_hypotheses))  # ceil(B / K)
+
+
+class CollapseWatch:
+    """The share of the examples each hypothesis won over the last ``window`` optimizer steps, from the win counts of
+    each training log; a warning (once) when one has won less than ``share`` of them."""
+
+    def __init__(self, window: int, share: float) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"collapse_window must be a number of steps >= 1, got {window!r}")
+        if not 0.0 <= share < 1.0:
+            raise ValueError(f"collapse_share must be in [0, 1), got {share!r}")
+        self.window, self.share = window, share
+        self._recent: collections.deque = collections.deque()  # (first step, last step, wins [K]) per log
+        self._since_step = 0
+        self._warned = False
+
+    def observe(self, step: int, wins: torch.Tensor, loss: Callable[[], str]) -> str | None:
+        """Record the wins [K] of the training steps up to ``step``; the warning to give, once, or None. ``loss``:
+        the training loss's name, named in the warning."""
+        self._recent.append((self._since_step, step, wins))
+        self._since_step = step
+        while self._recent and self._recent[0][1] <= step - self.window:
+            self._recent.popleft()  # entirely before the window
+        if self._warned or len(wins) < 2 or not self._recent:
+            return None
+        first = self._recent[0][0]
+        if step - first < self.window:
+            return None  # the window is not covered yet
+        recent = torch.stack([w for _, _, w in self._recent]).sum(dim=0).double()  # [K]
+        if recent.sum() == 0:
+            return None
+        shares = recent / recent.sum()
+        idle = [k for k, share in enumerate(shares.tolist()) if share < self.share]
+        if not idle:
+            return None
+        self._warned = True
+        named = ", ".join(f"h{k} ({100 * shares[k]:.1f}%)" for k in idle)
+        return (f"hypothesis collapse: {named} won less than {100 * self.share:g}% of the examples over steps "
+                f"{first}-{step} (loss={loss()!r}); a hypothesis that never wins gets no gradient under vanilla WTA "
+                "and stays where it is. Remedies: relaxed WTA (MCLConfig(loss='relaxed', epsilon=0.05)), annealed "
+                "MCL (loss='annealed'), random tie-breaking at initialisation (tie_break='random'), or fewer "
+                "hypotheses than the data has modes.")
 
 
 class MCLTrainer(Trainer):
@@ -94,10 +137,7 @@ class MCLTrainer(Trainer):
                 and not isinstance(scoring_examples_per_block, bool) and scoring_examples_per_block >= 1):
             raise ValueError(f"scoring_examples_per_block must be 'auto', None or a number of examples >= 1, got "
                              f"{scoring_examples_per_block!r}")
-        if isinstance(collapse_window, bool) or not isinstance(collapse_window, int) or collapse_window < 1:
-            raise ValueError(f"collapse_window must be a number of steps >= 1, got {collapse_window!r}")
-        if not 0.0 <= collapse_share < 1.0:
-            raise ValueError(f"collapse_share must be in [0, 1), got {collapse_share!r}")
+        self._collapse = CollapseWatch(collapse_window, collapse_share)  # checks them
         if scoring_learning_rate is not None and not (math.isfinite(scoring_learning_rate)
                                                       and scoring_learning_rate > 0):
             raise ValueError(f"scoring_learning_rate must be a finite number > 0, got {scoring_learning_rate!r}")
@@ -106,10 +146,6 @@ class MCLTrainer(Trainer):
         self.two_pass_wta = two_pass_wta
         self.scoring_examples_per_block = scoring_examples_per_block
         self.scoring_learning_rate = scoring_learning_rate
-        self.collapse_window, self.collapse_share = collapse_window, collapse_share
-        self._recent_wins: collections.deque = collections.deque()  # (first step, last step, wins [K]) per log
-        self._wins_since_step = 0
-        self._collapse_warned = False
         self._staging_dir: str | None = None  # while a checkpoint is being written: where Trainer must write it
         self._push_when_published = False
         super().__init__(model, *args, **kwargs)
@@ -283,35 +319,11 @@ class MCLTrainer(Trainer):
         return self.accelerator.clip_grad_norm_(hypotheses, self.args.max_grad_norm)
 
     def _watch_for_collapse(self, wins: torch.Tensor) -> None:
-        """Warn once when a hypothesis has won less than ``collapse_share`` of the examples over the last
-        ``collapse_window`` optimizer steps: under vanilla WTA it then gets no gradient and never recovers."""
-        step = self.state.global_step
-        self._recent_wins.append((self._wins_since_step, step, wins))
-        self._wins_since_step = step
-        while self._recent_wins and self._recent_wins[0][1] <= step - self.collapse_window:
-            self._recent_wins.popleft()  # entirely before the window
-        if self._collapse_warned or len(wins) < 2 or not self._recent_wins:
-            return
-        first = self._recent_wins[0][0]
-        if step - first < self.collapse_window:
-            return  # the window is not covered yet
-        recent = torch.stack([w for _, _, w in self._recent_wins]).sum(dim=0).double()  # [K]
-        if recent.sum() == 0:
-            return
-        shares = recent / recent.sum()
-        idle = [k for k, share in enumerate(shares.tolist()) if share < self.collapse_share]
-        if not idle:
-            return
-        self._collapse_warned = True
-        if self.is_world_process_zero():
-            loss = self._mcl_model().mcl_config.loss
-            named = ", ".join(f"h{k} ({100 * shares[k]:.1f}%)" for k in idle)
-            warnings.warn(
-                f"hypothesis collapse: {named} won less than {100 * self.collapse_share:g}% of the examples over "
-                f"steps {first}-{step} (loss={loss!r}); a hypothesis that never wins gets no gradient under vanilla "
-                "WTA and stays where it is. Remedies: relaxed WTA (MCLConfig(loss='relaxed', epsilon=0.05)), "
-                "annealed MCL (loss='annealed'), random tie-breaking at initialisation (tie_break='random'), or "
-                "fewer hypotheses than the data has modes.", stacklevel=2)
+        """Warn once (``CollapseWatch``) when a hypothesis has stopped winning: under vanilla WTA it then gets no
+        gradient and never recovers."""
+        message = self._collapse.observe(self.state.global_step, wins, lambda: self._mcl_model().mcl_config.loss)
+        if message is not None and self.is_world_process_zero():
+            warnings.warn(message, stacklevel=2)
 
     # ---- inputs, files ----------------------------------------------------------------------------------
 
