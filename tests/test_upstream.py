@@ -13,6 +13,7 @@ from transformers import TrainingArguments
 from loramcl import MCLTrainer
 from loramcl.context import check_context_read, is_shared_context, share_context
 from loramcl.generation import generate_hypotheses
+from loramcl.trainer import PRIVATE_TRAINER_CALLS, PRIVATE_TRAINER_OVERRIDES
 from loramcl.upstream import CACHE_ARGUMENTS, UpstreamChanged, cache_argument, given_cache
 
 
@@ -117,12 +118,11 @@ def test_diverse_beam_search_refuses_a_cache_it_cannot_find():
     _reorder_cache(mcl.base_model, {"use_cache": False}, torch.arange(2))  # nothing to reorder
 
 
-def test_the_private_trainer_overrides_are_listed_and_checked(tmp_path, monkeypatch):
+def test_the_private_trainer_overrides_are_listed_and_checked():
     import re
     from pathlib import Path
 
     from loramcl import trainer
-    from loramcl.trainer import PRIVATE_TRAINER_CALLS, PRIVATE_TRAINER_OVERRIDES
 
     overridden = {name for name in MCLTrainer.__dict__ if name.startswith("_") and not name.startswith("__")
                   and hasattr(transformers.Trainer, name)}
@@ -131,8 +131,12 @@ def test_the_private_trainer_overrides_are_listed_and_checked(tmp_path, monkeypa
     called = {name for name in re.findall(r"(?:self|super\(\))\.(_[a-z]\w*)\(", source)
               if name not in MCLTrainer.__dict__ and callable(getattr(transformers.Trainer, name, None))}
     assert called | overridden == set(PRIVATE_TRAINER_CALLS) | set(PRIVATE_TRAINER_OVERRIDES)
+
+
+@pytest.mark.parametrize("name", PRIVATE_TRAINER_OVERRIDES + PRIVATE_TRAINER_CALLS)
+def test_a_trainer_without_a_private_method_we_rely_on_is_refused(tmp_path, monkeypatch, name):
     mcl, _, _ = _decoder()
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no")
-    monkeypatch.delattr(transformers.Trainer, "_save_checkpoint")
-    with pytest.raises(UpstreamChanged, match=r"Trainer has no _save_checkpoint, which MCLTrainer overrides"):
+    monkeypatch.delattr(transformers.Trainer, name)
+    with pytest.raises(UpstreamChanged, match=rf"Trainer has no {name}, which MCLTrainer overrides or calls"):
         MCLTrainer(mcl, args=args)

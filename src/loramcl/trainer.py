@@ -9,23 +9,26 @@ from __future__ import annotations
 
 import collections
 import inspect
-import json
 import math
 import os
-import re
-import shutil
 import warnings
-import zipfile
+from collections.abc import Callable
 
-import safetensors
 import torch
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 from torch import nn
 from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from loramcl.adapter_files import CONFIG_NAME, WEIGHTS_NAME, read_adapters
+from loramcl.checkpoints import (
+    checkpoint_step,
+    checkpoint_to_resume,
+    publish,
+    remove_staging_leftovers,
+    rotate_checkpoints,
+    staging_folder,
+)
 from loramcl.losses import temperature_at
 from loramcl.losses import winners as loss_winners
 from loramcl.model import MCLModel
@@ -33,83 +36,61 @@ from loramcl.nll import IGNORE_INDEX, examples_without_targets
 from loramcl.upstream import check_trainer_methods
 
 TRAINING_ARGS_NAME = "training_args.json"  # TrainingArguments.to_dict(), tokens masked; never read back
-CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
-# A checkpoint is written into STAGING_PREFIX + "checkpoint-N"/checkpoint-N, then renamed next to the others. The
-# name matches neither Trainer's `checkpoint-*` glob (rotation) nor its resume pattern.
-STAGING_PREFIX = "incomplete-"
-# Private Trainer methods MCLTrainer overrides, and those it calls (docs/architecture.md, "What we rely on in
-# transformers and PEFT"): checked to exist when a trainer is built, and by a test to be complete.
+# Private Trainer methods MCLTrainer overrides, each where no public hook or callback event computes the same (the
+# comment on each says why), and those it calls (docs/architecture.md, "What we rely on in transformers and PEFT"):
+# checked to exist when a trainer is built, and by a test to be complete.
 PRIVATE_TRAINER_OVERRIDES = ("_build_accelerator_args", "_clip_grad_norm", "_set_signature_columns_if_needed", "_save",
                              "_get_output_dir", "_save_checkpoint", "_push_from_checkpoint", "_init_training_state",
                              "_load_from_checkpoint", "_load_best_model")
 PRIVATE_TRAINER_CALLS = ("_has_mixed_mesh_grads", "_prepare_inputs")
 
 
-def checkpoint_problem(folder: str | os.PathLike, read_weights: bool = True) -> str | None:
-    """Why the Trainer checkpoint ``folder`` cannot be resumed from (a file missing, unreadable, cut short or
-    damaged), or None when it is whole.
-
-    read_weights: read the adapters in full as loading will (checksum, shapes, finite values: ``read_adapters``).
-        False reads headers only (the JSON files, the safetensors header, the end of each torch zip file): enough to
-        tell a write cut short, and cheap enough to look at every checkpoint when rotating.
-    """
-    path = os.path.join(folder, TRAINER_STATE_NAME)
-    if not os.path.isfile(path):
-        return f"no {TRAINER_STATE_NAME}"
-    try:
-        with open(path, encoding="utf-8") as f:
-            json.load(f)
-    except ValueError as error:  # JSON or UTF-8
-        return f"{TRAINER_STATE_NAME} is not valid JSON ({error})"
-    try:
-        if read_weights:
-            read_adapters(folder)
-        else:
-            with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as f:
-                json.load(f)
-            with safetensors.safe_open(os.path.join(folder, WEIGHTS_NAME), framework="pt"):
-                pass
-    except (OSError, ValueError, safetensors.SafetensorError) as error:  # ValueError: JSON, UTF-8, checksum
-        return str(error)
-    for name in sorted(os.listdir(folder)):  # optimizer, scheduler, scaler, RNG states (torch.save zip archives)
-        if name.endswith((".pt", ".pth")) and not zipfile.is_zipfile(os.path.join(folder, name)):
-            return f"{name} is cut short or damaged"
-    return None
-
-
-def _checkpoints_by_step(folder: str) -> list[tuple[int, str]]:
-    """[(N, folder/checkpoint-N)] of the checkpoint folders in ``folder``, highest N first."""
-    if not os.path.isdir(folder):
-        return []
-    found = [(int(match[1]), os.path.join(folder, name)) for name in os.listdir(folder)
-             if (match := CHECKPOINT_NAME.match(name)) and os.path.isdir(os.path.join(folder, name))]
-    return sorted(found, reverse=True)
-
-
-def _fsync(path: str) -> None:
-    try:
-        descriptor = os.open(path, os.O_RDONLY)
-    except OSError:  # a folder cannot be opened on some systems (Windows): nothing to flush there
-        return
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _fsync_tree(folder: str) -> None:
-    """Flush every file and folder under ``folder`` to disk, so that after a power cut the renamed folder is not
-    an empty shell (a killed process alone loses nothing it wrote)."""
-    for root, _, files in os.walk(folder):
-        for name in files:
-            _fsync(os.path.join(root, name))
-        _fsync(root)
-
-
 def scoring_block(batch: int, num_hypotheses: int) -> int:
     """Examples per block of two-pass WTA's scoring pass: about as many rows per block (K*n) as the winners' pass
     has (B), so that the scoring pass, which keeps no activations, peaks below the winners' forward + backward."""
     return max(1, -(-batch // num_hypotheses))  # ceil(B / K)
+
+
+class CollapseWatch:
+    """The share of the examples each hypothesis won over the last ``window`` optimizer steps, from the win counts of
+    each training log; a warning (once) when one has won less than ``share`` of them."""
+
+    def __init__(self, window: int, share: float) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"collapse_window must be a number of steps >= 1, got {window!r}")
+        if not 0.0 <= share < 1.0:
+            raise ValueError(f"collapse_share must be in [0, 1), got {share!r}")
+        self.window, self.share = window, share
+        self._recent: collections.deque = collections.deque()  # (first step, last step, wins [K]) per log
+        self._since_step = 0
+        self._warned = False
+
+    def observe(self, step: int, wins: torch.Tensor, loss: Callable[[], str]) -> str | None:
+        """Record the wins [K] of the training steps up to ``step``; the warning to give, once, or None. ``loss``:
+        the training loss's name, named in the warning."""
+        self._recent.append((self._since_step, step, wins))
+        self._since_step = step
+        while self._recent and self._recent[0][1] <= step - self.window:
+            self._recent.popleft()  # entirely before the window
+        if self._warned or len(wins) < 2 or not self._recent:
+            return None
+        first = self._recent[0][0]
+        if step - first < self.window:
+            return None  # the window is not covered yet
+        recent = torch.stack([w for _, _, w in self._recent]).sum(dim=0).double()  # [K]
+        if recent.sum() == 0:
+            return None
+        shares = recent / recent.sum()
+        idle = [k for k, share in enumerate(shares.tolist()) if share < self.share]
+        if not idle:
+            return None
+        self._warned = True
+        named = ", ".join(f"h{k} ({100 * shares[k]:.1f}%)" for k in idle)
+        return (f"hypothesis collapse: {named} won less than {100 * self.share:g}% of the examples over steps "
+                f"{first}-{step} (loss={loss()!r}); a hypothesis that never wins gets no gradient under vanilla WTA "
+                "and stays where it is. Remedies: relaxed WTA (MCLConfig(loss='relaxed', epsilon=0.05)), annealed "
+                "MCL (loss='annealed'), random tie-breaking at initialisation (tie_break='random'), or fewer "
+                "hypotheses than the data has modes.")
 
 
 class MCLTrainer(Trainer):
@@ -156,10 +137,7 @@ class MCLTrainer(Trainer):
                 and not isinstance(scoring_examples_per_block, bool) and scoring_examples_per_block >= 1):
             raise ValueError(f"scoring_examples_per_block must be 'auto', None or a number of examples >= 1, got "
                              f"{scoring_examples_per_block!r}")
-        if isinstance(collapse_window, bool) or not isinstance(collapse_window, int) or collapse_window < 1:
-            raise ValueError(f"collapse_window must be a number of steps >= 1, got {collapse_window!r}")
-        if not 0.0 <= collapse_share < 1.0:
-            raise ValueError(f"collapse_share must be in [0, 1), got {collapse_share!r}")
+        self._collapse = CollapseWatch(collapse_window, collapse_share)  # checks them
         if scoring_learning_rate is not None and not (math.isfinite(scoring_learning_rate)
                                                       and scoring_learning_rate > 0):
             raise ValueError(f"scoring_learning_rate must be a finite number > 0, got {scoring_learning_rate!r}")
@@ -168,10 +146,6 @@ class MCLTrainer(Trainer):
         self.two_pass_wta = two_pass_wta
         self.scoring_examples_per_block = scoring_examples_per_block
         self.scoring_learning_rate = scoring_learning_rate
-        self.collapse_window, self.collapse_share = collapse_window, collapse_share
-        self._recent_wins: collections.deque = collections.deque()  # (first step, last step, wins [K]) per log
-        self._wins_since_step = 0
-        self._collapse_warned = False
         self._staging_dir: str | None = None  # while a checkpoint is being written: where Trainer must write it
         self._push_when_published = False
         super().__init__(model, *args, **kwargs)
@@ -189,6 +163,7 @@ class MCLTrainer(Trainer):
         self._eval_mixture: list[torch.Tensor] = []  # [B] per batch, with hypothesis scores
 
     def _build_accelerator_args(self, **kwargs) -> dict:
+        # The public route, ddp_find_unused_parameters=False, would alter the caller's arguments and training_args.json.
         accelerator_args = super()._build_accelerator_args(**kwargs)
         if self.args.ddp_find_unused_parameters is None:
             # Every adapter tensor takes part in every MCL forward (all routings index the stacked tensors), so DDP
@@ -236,7 +211,8 @@ class MCLTrainer(Trainer):
               ignore_keys_for_eval: list[str] | None = None):
         self._check_targets(self.train_dataset, "train_dataset")
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
-            resume_from_checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)  # a whole one, or None
+            resume_from_checkpoint = self._same_on_every_rank(checkpoint_to_resume(  # a whole one, or None
+                resume_from_checkpoint, self.args.output_dir, say=self.is_world_process_zero()))
         self.resumed_from = resume_from_checkpoint  # the checkpoint actually resumed (None: from the beginning)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
                              ignore_keys_for_eval=ignore_keys_for_eval)
@@ -332,6 +308,7 @@ class MCLTrainer(Trainer):
         shrink the hypotheses' step (with them separate, the hypotheses train bit-identically with and without
         scores). The returned (logged) norm is the hypotheses'. Under DeepSpeed or FSDP, whose clipping spans the
         whole model, Trainer's own clipping applies."""
+        # Trainer clips all gradients by one norm before on_pre_optimizer_step: no callback can clip the head apart.
         head = self._mcl_model().scoring_head
         if head is None or self.accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP) \
                 or self._has_mixed_mesh_grads(model):
@@ -342,39 +319,16 @@ class MCLTrainer(Trainer):
         return self.accelerator.clip_grad_norm_(hypotheses, self.args.max_grad_norm)
 
     def _watch_for_collapse(self, wins: torch.Tensor) -> None:
-        """Warn once when a hypothesis has won less than ``collapse_share`` of the examples over the last
-        ``collapse_window`` optimizer steps: under vanilla WTA it then gets no gradient and never recovers."""
-        step = self.state.global_step
-        self._recent_wins.append((self._wins_since_step, step, wins))
-        self._wins_since_step = step
-        while self._recent_wins and self._recent_wins[0][1] <= step - self.collapse_window:
-            self._recent_wins.popleft()  # entirely before the window
-        if self._collapse_warned or len(wins) < 2 or not self._recent_wins:
-            return
-        first = self._recent_wins[0][0]
-        if step - first < self.collapse_window:
-            return  # the window is not covered yet
-        recent = torch.stack([w for _, _, w in self._recent_wins]).sum(dim=0).double()  # [K]
-        if recent.sum() == 0:
-            return
-        shares = recent / recent.sum()
-        idle = [k for k, share in enumerate(shares.tolist()) if share < self.collapse_share]
-        if not idle:
-            return
-        self._collapse_warned = True
-        if self.is_world_process_zero():
-            loss = self._mcl_model().mcl_config.loss
-            named = ", ".join(f"h{k} ({100 * shares[k]:.1f}%)" for k in idle)
-            warnings.warn(
-                f"hypothesis collapse: {named} won less than {100 * self.collapse_share:g}% of the examples over "
-                f"steps {first}-{step} (loss={loss!r}); a hypothesis that never wins gets no gradient under vanilla "
-                "WTA and stays where it is. Remedies: relaxed WTA (MCLConfig(loss='relaxed', epsilon=0.05)), "
-                "annealed MCL (loss='annealed'), random tie-breaking at initialisation (tie_break='random'), or "
-                "fewer hypotheses than the data has modes.", stacklevel=2)
+        """Warn once (``CollapseWatch``) when a hypothesis has stopped winning: under vanilla WTA it then gets no
+        gradient and never recovers."""
+        message = self._collapse.observe(self.state.global_step, wins, lambda: self._mcl_model().mcl_config.loss)
+        if message is not None and self.is_world_process_zero():
+            warnings.warn(message, stacklevel=2)
 
     # ---- inputs, files ----------------------------------------------------------------------------------
 
     def _set_signature_columns_if_needed(self) -> None:
+        # Trainer reads MCLModel.forward's (**inputs); no setting names the columns to keep (False keeps them all).
         if self._signature_columns is None:  # the base model's inputs, not MCLModel.forward's **inputs
             base = self._mcl_model().base_model
             self._signature_columns = list(inspect.signature(base.forward).parameters)
@@ -387,6 +341,7 @@ class MCLTrainer(Trainer):
             "fp16, or check the inputs of the base model.")
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        # save_model gathers the state dict (DeepSpeed, FSDP) and hands it here: the one place to write our files.
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
@@ -401,16 +356,16 @@ class MCLTrainer(Trainer):
     # ---- checkpoints: written whole or not at all, resumed from the newest whole one ------------------------
 
     def _get_output_dir(self, trial) -> str:
+        # No public setting redirects Trainer's checkpoint write: while one is written, its staging folder.
         return self._staging_dir if self._staging_dir is not None else super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model: nn.Module, trial) -> None:
+        # Trainer writes checkpoint-N in place and rotates before on_save: no callback event comes before the write.
         run_dir = self._get_output_dir(trial)
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        staging = os.path.join(run_dir, STAGING_PREFIX + name)
-        if self.args.should_save:  # what writes killed earlier left behind
-            for leftover in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
-                if leftover.startswith(STAGING_PREFIX + PREFIX_CHECKPOINT_DIR):
-                    shutil.rmtree(os.path.join(run_dir, leftover), ignore_errors=True)
+        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        staging = staging_folder(checkpoint)
+        if self.args.should_save:
+            remove_staging_leftovers(run_dir)  # what writes killed earlier left behind
         self.accelerator.wait_for_everyone()  # no rank writes its RNG state into a folder being removed
         self._staging_dir = staging  # Trainer writes staging/checkpoint-N (and rotates inside staging: a no-op)
         try:
@@ -418,51 +373,29 @@ class MCLTrainer(Trainer):
         finally:
             self._staging_dir = None
         self.accelerator.wait_for_everyone()  # every rank's files (RNG states, shards) are in the folder
-        staged, checkpoint = os.path.join(staging, name), os.path.join(run_dir, name)
+        staged = os.path.join(staging, os.path.basename(checkpoint))
         if self.state.best_model_checkpoint == staged:  # Trainer recorded the staging path (on every rank)
             self.state.best_model_checkpoint = checkpoint
             if self.args.should_save:
                 self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
         if self.args.should_save:
-            self._publish(staged, checkpoint)
-            shutil.rmtree(staging, ignore_errors=True)
-            self._rotate_checkpoints_keeping(run_dir, checkpoint)
+            publish(checkpoint)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, keep=(checkpoint, self.state.best_model_checkpoint))
         self.accelerator.wait_for_everyone()  # on_save callbacks of every rank see the published checkpoint
         if self._push_when_published:
             self._push_when_published = False
             super()._push_from_checkpoint(checkpoint)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        if self._staging_dir is not None:  # called by Trainer during the write: push the folder once renamed
+        # Trainer pushes from inside its checkpoint write, before the folder is published: pushed once renamed.
+        if self._staging_dir is not None:
             self._push_when_published = True
             return
         super()._push_from_checkpoint(checkpoint_folder)
 
-    def _publish(self, staged: str, checkpoint: str) -> None:
-        """Rename the whole ``staged`` folder to ``checkpoint`` (one rename on the same file system)."""
-        _fsync_tree(staged)
-        if os.path.isdir(checkpoint):  # the same step of an earlier, abandoned run: replaced as a whole
-            os.replace(checkpoint, os.path.join(os.path.dirname(staged), "replaced"))
-        os.replace(staged, checkpoint)
-        _fsync(os.path.dirname(checkpoint))  # the rename itself
-
-    def _rotate_checkpoints_keeping(self, run_dir: str, newest: str) -> None:
-        """``save_total_limit`` as Trainer applies it (oldest first, by modification time), except that the
-        checkpoint just written and the best one are always kept, and damaged checkpoints are deleted first: an
-        older or skewed folder must never push out the one a resume needs."""
-        limit = self.args.save_total_limit
-        if limit is None or limit <= 0:
-            return
-        kept = {os.path.abspath(path) for path in (newest, self.state.best_model_checkpoint)
-                if path is not None and os.path.isdir(path)}
-        others = [path for path in sort_checkpoints(run_dir, use_mtime=True) if os.path.abspath(path) not in kept]
-        whole = [path for path in others if checkpoint_problem(path, read_weights=False) is None]
-        excess = len(whole) - max(limit - len(kept), 0)
-        for path in [path for path in others if path not in whole] + whole[:max(excess, 0)]:
-            shutil.rmtree(path, ignore_errors=True)
-
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
                              trial) -> tuple[int, int]:
+        # No callback event can skip the loop's first step (on_train_begin's stop is read only after a step).
         epochs_trained, batches_to_skip = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
         if resume_from_checkpoint is not None and self.state.global_step >= max_steps:
@@ -471,57 +404,22 @@ class MCLTrainer(Trainer):
             return num_train_epochs, 0
         return epochs_trained, batches_to_skip
 
-    def _checkpoint_to_resume(self, request: str | os.PathLike | bool) -> str | None:
-        """The whole checkpoint to resume from for ``train(resume_from_checkpoint=request)``, or None to start from
-        the beginning. Every rank looks; the ranks must agree (they resume the same step or none)."""
-        say = self.is_world_process_zero()
-        chosen = folder = before = None
-        if request is True:
-            folder = self.args.output_dir
-        else:
-            path = os.fspath(request)
-            if not os.path.isdir(path):
-                raise FileNotFoundError(f"resume_from_checkpoint={path!r} is not a folder; pass a checkpoint-N folder "
-                                        "written by the trainer, or True for the newest one in output_dir")
-            problem = checkpoint_problem(path)
-            if problem is None:
-                chosen = path
-            elif (match := CHECKPOINT_NAME.match(os.path.basename(os.path.normpath(path)))) is None:
-                raise ValueError(f"cannot resume from {path}: {problem}")
-            else:
-                if say:
-                    warnings.warn(f"checkpoint {path} is incomplete ({problem}); resuming from the newest whole "
-                                  "checkpoint before it", stacklevel=3)
-                folder, before = os.path.dirname(os.path.normpath(path)), int(match[1])
-        if folder is not None:
-            for step, candidate in _checkpoints_by_step(folder):
-                if before is not None and step >= before:
-                    continue
-                problem = checkpoint_problem(candidate)
-                if problem is None:
-                    chosen = candidate
-                    break
-                if say:
-                    warnings.warn(f"skipping the incomplete checkpoint {candidate} ({problem}); trying an earlier "
-                                  "one", stacklevel=3)
-            if chosen is None and say:
-                warnings.warn(f"no whole checkpoint to resume from in {folder}: training starts from the beginning",
-                              stacklevel=3)
-        step = -1
-        if chosen is not None:
-            with open(os.path.join(chosen, TRAINER_STATE_NAME), encoding="utf-8") as f:
-                step = int(json.load(f)["global_step"])
+    def _same_on_every_rank(self, checkpoint: str | None) -> str | None:
+        """``checkpoint``, once every rank has chosen the same step to resume from (they resume the same or none)."""
+        step = -1 if checkpoint is None else checkpoint_step(checkpoint)
         steps = self.accelerator.gather(torch.tensor([step], device=self.args.device))  # [world size]
         if (steps != step).any():
             raise RuntimeError(f"the ranks found different checkpoints to resume from (global steps {steps.tolist()}, "
                                "-1 = none): every rank must see the same files")
-        return chosen
+        return checkpoint
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # Trainer loads only its own weight files; ours are mcl_adapters.safetensors, checked as load_adapters does.
         mcl = self.accelerator.unwrap_model(model if model is not None else self.model)
         mcl.load_adapters(resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
+        # As _load_from_checkpoint, for load_best_model_at_end (before the on_train_end callbacks see the model).
         self._mcl_model().load_adapters(self.state.best_model_checkpoint)
 
 
