@@ -75,7 +75,7 @@ def bilingual(out: str = "runs/bilingual", quick: bool = False, budgets: list[in
     from loramcl.config import DataConfig, MCLConfig, TrainConfig
     from loramcl.data.gettext_pairs import BuildSettings, build_dataset
     from loramcl.finetune import PEFT_FOLDER, nll, run_settings, train
-    from loramcl.generation.cli import generate
+    from loramcl.generation.predictions import generate
     from loramcl.pretrained import convert_smollm2
     from loramcl.recipe.files import recipe_folder
     from loramcl.recipe.stages import Stages

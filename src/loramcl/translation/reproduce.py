@@ -229,7 +229,7 @@ def translation(out: str | None = None, recipes: str | None = None, quick: bool 
     from loramcl.config import DataConfig, MCLConfig, TrainConfig
     from loramcl.file_io import sha256
     from loramcl.finetune import PEFT_FOLDER, nll, run_settings, train
-    from loramcl.generation.cli import generate
+    from loramcl.generation.predictions import generate
     from loramcl.recipe.files import recipe_folder, run_arguments, run_names
     from loramcl.recipe.stages import Stages
     from loramcl.runs import file_stamp, run_record, run_stamp
