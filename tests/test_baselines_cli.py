@@ -14,7 +14,7 @@ from loramcl.baselines.moe import MoEModel
 from loramcl.baselines.multihead import MultiHeadModel
 from loramcl.cli import main
 from loramcl.finetune import nll, train
-from loramcl.generation.cli import generate
+from loramcl.generation.predictions import generate
 from loramcl.recipe.files import packaged_recipes
 
 

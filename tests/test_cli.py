@@ -165,8 +165,8 @@ def test_every_command_summary_is_a_whole_sentence():
 
 
 def test_the_strategy_choices_are_the_decoders():
-    from loramcl.generation.cli import STRATEGIES
     from loramcl.generation.decoding import BASELINE_STRATEGIES, MCL_STRATEGIES
+    from loramcl.generation.predictions import STRATEGIES
 
     assert set(STRATEGIES) == set(MCL_STRATEGIES + BASELINE_STRATEGIES)
 

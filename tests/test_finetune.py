@@ -228,7 +228,7 @@ def test_decoding_takes_the_prompt_format_of_the_training_run(folders, tmp_path,
     otherwise, which contradicting the record is a warning; the PEFT export of a K = 1 run reads OUT/run.json."""
     import shutil
 
-    from loramcl.generation.cli import generate
+    from loramcl.generation.predictions import generate
     from loramcl.inputs import PromptFormatWarning, prompt_format
 
     base = tmp_path / "base"

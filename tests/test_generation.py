@@ -124,7 +124,7 @@ def test_log_prob_is_the_raw_model_likelihood_of_the_candidate():
 def test_teacher_forced_rescoring_equals_the_step_log_probs(name):
     """Diverse beam search keeps no step logits, so its log-probs come from one teacher-forced forward
     (``_rescore``): on beam-search outputs it must give the step logits' value, left padding and EOS included."""
-    from loramcl.generation import decoding
+    from loramcl.generation import candidates, decoding
 
     mcl, inputs = mcl_case(name)
     settings = dict(strategy="beam", num_beams=3, num_sequences=2, hypotheses=[1], max_new_tokens=NEW_TOKENS,
@@ -133,7 +133,7 @@ def test_teacher_forced_rescoring_equals_the_step_log_probs(name):
     batch = decoding._prepare_inputs(mcl, None, inputs)
     kwargs = decoding._generate_kwargs(mcl, None, "beam", 3, NEW_TOKENS, 1.0, 1.0, 0, 1.0, 1.0, True,
                                        {"pad_token_id": 0, "eos_token_id": 7})
-    decoder = decoding._Decoder(mcl, None, kwargs, seed=None, log_probs=True, routing=1)
+    decoder = candidates.Decoder(mcl, None, kwargs, seed=None, log_probs=True, routing=1)
     with decoder._routed():
         output = mcl.generate(**batch, **kwargs, num_return_sequences=2)
         generated = output.beam_indices >= 0  # [N, L]

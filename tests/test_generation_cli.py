@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from loramcl import MCLConfig, get_mcl_model, load_mcl_model
 from loramcl.generation import generate_hypotheses
-from loramcl.generation.cli import generate
+from loramcl.generation.predictions import generate
 
 PROMPTS = ["w5 w6 w7", "w9", "w10 w11 w12 w13 w14"]
 

@@ -206,7 +206,7 @@ def test_the_commands_write_and_read_scores_and_the_mixture_nll(tmp_path):
 
     from loramcl import DataConfig, TrainConfig
     from loramcl.finetune import nll, train
-    from loramcl.generation.cli import generate
+    from loramcl.generation.predictions import generate
     from loramcl.metrics.cli import evaluate
 
     write_base_and_training_pairs(tmp_path)

@@ -14,8 +14,8 @@ _EXPORTS = {
     "MCLModel": "loramcl.model", "MCLOutput": "loramcl.model", "get_mcl_model": "loramcl.model",
     "load_mcl_model": "loramcl.model",
     "MCLTrainer": "loramcl.trainer",
-    "generate_hypotheses": "loramcl.generation.decoding", "equal_budget": "loramcl.generation.decoding",
-    "EqualBudget": "loramcl.generation.decoding", "Candidate": "loramcl.generation.decoding",
+    "generate_hypotheses": "loramcl.generation.decoding", "equal_budget": "loramcl.generation.budget",
+    "EqualBudget": "loramcl.generation.budget", "Candidate": "loramcl.generation.candidates",
     "mcl_loss": "loramcl.losses", "wta_weights": "loramcl.losses", "relaxed_weights": "loramcl.losses",
     "annealed_weights": "loramcl.losses", "temperature_at": "loramcl.losses",
 }

@@ -25,7 +25,7 @@ def commands() -> dict:
     from loramcl.bilingual.reproduce import bilingual
     from loramcl.captioning.reproduce import image_captioning
     from loramcl.finetune import nll, train
-    from loramcl.generation.cli import generate
+    from loramcl.generation.predictions import generate
     from loramcl.markov.reproduce import markov
     from loramcl.metrics.cli import evaluate, plot_tradeoff
     from loramcl.pretrained import convert_smollm2_command, convert_whisper_base_command

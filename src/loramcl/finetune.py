@@ -20,17 +20,14 @@ from loramcl.baselines.config import MoEConfig, MultiHeadConfig
 from loramcl.config import DataConfig, MCLConfig, TrainConfig
 from loramcl.file_io import sha256
 from loramcl.inputs import (
-    DTYPES,
     MCL_CONFIG,
     PEFT_FOLDER,
     RUN_RECORD,
     Dtype,
     LocalPath,
     ModelPath,
-    check_adapters_folder,
-    check_choice,
     check_file,
-    check_model_folder,
+    check_model_options,
     is_encoder_decoder,
     prompt_format,
 )
@@ -137,8 +134,7 @@ def train(
     from loramcl.data.prompts import PairDataset, collate, encode_pairs, pad_token_id
 
     # Mistakes in the files, their fields and the model folder are reported before torch loads (seconds).
-    check_choice("dtype", dtype, DTYPES)
-    check_model_folder(model)
+    check_model_options(model, dtype)
     train_pairs = training_pairs(data.train_file, data, "training file")
     eval_pairs = training_pairs(data.validation_file, data, "validation file") if data.validation_file else None
     encoder_decoder = is_encoder_decoder(model)
@@ -368,11 +364,9 @@ def nll(
     """
     from loramcl.data.prompts import collate, encode_pairs, pad_token_id, read_pairs
 
-    check_choice("dtype", dtype, DTYPES)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    check_model_folder(model)
-    check_adapters_folder(adapters)
+    check_model_options(model, dtype, adapters)
     if not (Path(adapters) / MCL_CONFIG).is_file():
         raise ValueError(f"{adapters} is not an MCL adapters folder: `loramcl nll` scores the K hypotheses of an "
                          "MCL (or K = 1 MLE) run of `loramcl train`")

@@ -112,6 +112,15 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
+def check_model_options(model: str, dtype: str, adapters: str | None = None) -> None:
+    """The options of a command that loads a model: ``dtype`` one of ``DTYPES``, the model folder, and the adapters
+    folder when one is given."""
+    check_choice("dtype", dtype, DTYPES)
+    check_model_folder(model)
+    if adapters is not None:
+        check_adapters_folder(adapters)
+
+
 def training_record(adapters: str | None) -> tuple[Path, dict] | None:
     """(path, settings) of the `loramcl train` run that wrote ``adapters``: its run.json beside them, or one folder
     up for the PEFT export of a K = 1 run (OUT/peft). None for adapters without a run record."""

@@ -9,8 +9,9 @@ Data flow of one MCL forward (labels given, all K hypotheses):
   -> nll [B, K] (scoring) -> loss (losses).
 
 ``MCLModel`` is this module's forward and routing, with its other responsibilities in their own modules:
-the K copies' hooks (``loramcl.copies.BatchCopies``), generation (``loramcl.generation.hypotheses``), the files
-(``loramcl.adapter_files``) and PEFT interoperability (``loramcl.peft_interop``).
+the K copies' hooks (``loramcl.copies.BatchCopies``), the forward's memory devices (``loramcl.forward_memory``),
+generation (``loramcl.generation.hypotheses``), the files (``loramcl.adapter_files``), PEFT interoperability
+(``loramcl.peft_interop``) and activation checkpointing (``loramcl.activation_checkpointing``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.utils import ModelOutput
 
+from loramcl.activation_checkpointing import ActivationCheckpointing
 from loramcl.adapter_files import (
     SCORING_PREFIX,
     AdapterFiles,
@@ -42,15 +44,14 @@ from loramcl.config import MCLConfig
 from loramcl.context import check_context_read, check_split_inputs, is_shared_context, share_context, split_context
 from loramcl.copies import (
     BatchCopies,
-    ExamplesNotSeparable,
     RowsPerExampleUnknown,
     batch_size_of,
     find_branches,
     find_expansion_module,
     find_shared_modules,
-    select_examples,
 )
 from loramcl.fingerprint import base_fingerprint, check_base_weights
+from loramcl.forward_memory import ForwardMemory
 from loramcl.generation.hypotheses import HypothesisGeneration
 from loramcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting, MCLLoraLinear, linear_features
 from loramcl.losses import mcl_loss
@@ -110,7 +111,8 @@ class _PendingForward:
     label_states: torch.Tensor | None = None
 
 
-class MCLModel(BatchCopies, HypothesisGeneration, AdapterFiles, PeftInterop, nn.Module):
+class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, PeftInterop, ActivationCheckpointing,
+               nn.Module):
     """A frozen transformers model with K LoRA hypotheses. Build it with ``get_mcl_model``."""
 
     # Our loss is a mean over examples: let Trainer divide it for gradient accumulation.
@@ -244,31 +246,6 @@ class MCLModel(BatchCopies, HypothesisGeneration, AdapterFiles, PeftInterop, nn.
     def _adapter_device(self) -> torch.device:
         return next(iter(self.base_model.get_submodule(self.layer_names[0]).adapter_tensors().values())).device
 
-
-
-    def _keep_label_positions(self, module: nn.Module, args: tuple):
-        """Give the LM head only the hidden states that predict a label: [rows, T, d] -> [N, d]."""
-        hidden = args[0]
-        if self._generation_context is not None and not self._generation_context:
-            # the prefill of a generate: the last position is the last context position of every row
-            self._generation_context.append(hidden[:, -1].detach())  # [rows, d]
-        positions = self._pending.logit_positions
-        if positions is None:
-            return None
-        self._pending.logit_positions = None
-        if tuple(hidden.shape[:2]) != tuple(positions.shape):
-            raise RuntimeError(
-                f"the output layer received hidden states of shape {tuple(hidden.shape)} but the labels give "
-                f"{tuple(positions.shape)} (rows, positions); labels must be aligned with the sequence the model "
-                "processes (e.g. image/audio tokens already expanded in input_ids, as current processors do).")
-        if self._pending.context_positions is not None:
-            rows = torch.arange(hidden.shape[0], device=hidden.device)
-            self._pending.context_states = hidden[rows, self._pending.context_positions].detach()  # [rows, d]
-        if self._pending.chunked:
-            self._pending.label_states = hidden[positions]  # [N, d]
-            return (self._pending.label_states[:1], *args[1:])  # the probe row
-        return (hidden[positions], *args[1:])
-
     # ---- forward ----------------------------------------------------------------------------------------
 
     def forward(self, labels: torch.Tensor | None = None, hypotheses: int | torch.Tensor | None = None,
@@ -322,18 +299,6 @@ class MCLModel(BatchCopies, HypothesisGeneration, AdapterFiles, PeftInterop, nn.
                 return MCLOutput(loss=nll.mean(), nll=nll)
         return self._forward_nll(inputs, targets, positions, stacked, examples_per_block)
 
-    def _check_examples_per_block(self, examples_per_block, labels: torch.Tensor | None, hypotheses) -> None:
-        if isinstance(examples_per_block, bool) or not isinstance(examples_per_block, int) or examples_per_block < 1:
-            raise ValueError(f"examples_per_block must be a number of examples >= 1 or None, got "
-                             f"{examples_per_block!r}")
-        if labels is None or hypotheses is not None or self._adapters_disabled:
-            raise ValueError("examples_per_block cuts the forward of all K hypotheses with labels (hypotheses=None, "
-                             "adapters enabled) into blocks of examples; leave it out here")
-        if torch.is_grad_enabled():
-            raise ValueError("examples_per_block lowers the peak memory of a forward without gradient (two-pass "
-                             "WTA's scoring pass); with gradients every block's activations stay alive until the "
-                             "backward, so blocks save nothing: run it under torch.no_grad(), or leave it out")
-
     def _forward_nll(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, stacked: bool,
                      examples_per_block: int | None = None) -> MCLOutput:
         """nll of every example under the routing already set: [B, K] (stacked, with the loss) or [B]; stacked, the
@@ -359,23 +324,6 @@ class MCLModel(BatchCopies, HypothesisGeneration, AdapterFiles, PeftInterop, nn.
         mixture = mixture_nll(log_scores.detach(), nll.detach(), positions.sum(dim=1))  # [B]
         return MCLOutput(loss=loss + self.mcl_config.scoring_weight * scoring_loss, nll=nll, weights=weights,
                          log_scores=log_scores.detach(), mixture_nll=mixture, scoring_loss=scoring_loss)
-
-    def _example_blocks(self, inputs: dict, batch: int, examples_per_block: int | None
-                        ) -> list[tuple[slice, dict]]:
-        """(examples, their inputs) of each block; the whole batch where it is one block or cannot be cut."""
-        if examples_per_block is None or examples_per_block >= batch:
-            return [(slice(None), inputs)]
-        blocks = [slice(start, start + examples_per_block) for start in range(0, batch, examples_per_block)]
-        try:
-            return [(block, select_examples(inputs, block, batch)) for block in blocks]
-        except ExamplesNotSeparable as error:
-            if not self._whole_batch_warned:
-                self._whole_batch_warned = True
-                warnings.warn(f"{error}: the forward of all K hypotheses runs the batch whole, not "
-                              f"{examples_per_block} example{'s' if examples_per_block > 1 else ''} at a time (the "
-                              "same result, a higher peak memory); examples_per_block=None (MCLTrainer: "
-                              "scoring_examples_per_block=None) asks for the whole batch", stacklevel=5)
-            return [(slice(None), inputs)]
 
     def _nll_of_rows(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, stacked: bool
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -488,54 +436,6 @@ class MCLModel(BatchCopies, HypothesisGeneration, AdapterFiles, PeftInterop, nn.
         finally:
             self._pending = _PendingForward()
 
-    # ---- logits in chunks (MCLConfig.logits_chunk_size) --------------------------------------------------------
-
-    def _logits_in_chunks(self) -> bool:
-        """Whether this forward computes the vocabulary logits and their cross-entropy chunk by chunk: asked for, an
-        output layer that is found and frozen (its weight would get no gradient), and no transformation of the
-        logits that ``_logits_of`` fails to reproduce."""
-        if self.mcl_config.logits_chunk_size is None or self._output_layer_name is None or self._unchunkable:
-            return False
-        layer = self.base_model.get_submodule(self._output_layer_name)
-        return not any(param.requires_grad for param in layer.parameters())
-
-    def _logits_of(self):
-        """hidden states at label positions [n, d] -> the logits [n, V] the model returns for them: its output layer,
-        then what transformers' models apply after it: BART-family ``final_logits_bias`` (added), Gemma-family
-        ``final_logit_softcapping`` (cap * tanh(logits / cap)), in their own order of operations."""
-        base = self.base_model
-        layer = base.get_submodule(self._output_layer_name)
-        bias = getattr(base, "final_logits_bias", None)  # [1, V]
-        text_config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-        cap = getattr(text_config, "final_logit_softcapping", None)
-
-        def logits_of(states: torch.Tensor) -> torch.Tensor:
-            logits = layer(states)  # [n, V]
-            if torch.is_tensor(bias):
-                logits = logits + bias.to(logits.device)
-            if cap is not None:
-                logits = torch.tanh(logits / cap) * cap
-            return logits
-
-        return logits_of
-
-    def _reproduces_logits(self, logits_of, label_states: torch.Tensor, probe: torch.Tensor) -> bool:
-        """Whether ``logits_of`` gives exactly the logits the model returned for the probe row (the first label
-        position); if not, warn once and compute the full logits from now on (any other post-processing of the
-        logits, e.g. Cohere's logit_scale or Granite's logits_scaling, is the model's own)."""
-        with torch.no_grad():
-            ours = logits_of(label_states[:1])  # [1, V]
-        # NaN where the model's logits are NaN too (a diverged step is the NaN guard's business, not a different model)
-        if probe.numel() == ours.numel() and torch.allclose(probe.detach().reshape(ours.shape).to(ours.dtype), ours,
-                                                            rtol=0, atol=0, equal_nan=True):
-            return True
-        self._unchunkable = (f"{type(self.base_model).__name__} transforms the output of its output layer in a way "
-                             "loramcl does not reproduce")
-        warnings.warn(f"{self._unchunkable}: its logits are computed whole ([N label tokens, V]), not in chunks of "
-                      f"MCLConfig.logits_chunk_size={self.mcl_config.logits_chunk_size}. Please report this model "
-                      "class to loramcl.", stacklevel=4)
-        return False
-
     def _check_hooks_ran(self) -> None:
         if self._pending.expand_batch is not None:
             raise RuntimeError(
@@ -551,39 +451,10 @@ class MCLModel(BatchCopies, HypothesisGeneration, AdapterFiles, PeftInterop, nn.
         hidden_size = output_layer.weight.shape[1]  # nn.Linear's weight is [V, d]
         return HypothesisScores(self.num_hypotheses, hidden_size, device=self._adapter_device())
 
-
     def _check_usable(self) -> None:
         if self._detached:
             raise RuntimeError(f"this MCLModel's adapters were {self._detached}; use the returned base model, or "
                                "load the adapters again with load_mcl_model")
-
-
-    # ---- training helpers -------------------------------------------------------------------------------
-
-    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None, **kwargs) -> None:
-        """Activation checkpointing in the base model (what Trainer calls for ``activation_checkpointing=True``;
-        ``kwargs`` such as ``every_n_layers`` go to the base model). The frozen embeddings then must emit
-        grad-requiring outputs so that reentrant checkpointing still reaches the adapters (as PEFT does)."""
-        base = self.base_model
-        if hasattr(base, "activation_checkpointing_enable"):
-            base.activation_checkpointing_enable(activation_checkpointing_kwargs=activation_checkpointing_kwargs,
-                                                 **kwargs)
-        else:  # transformers releases before the rename
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=activation_checkpointing_kwargs)
-        base.enable_input_require_grads()
-
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs) -> None:
-        """The former name of ``activation_checkpointing_enable``."""
-        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
-
-    def activation_checkpointing_disable(self) -> None:
-        base = self.base_model
-        getattr(base, "activation_checkpointing_disable", base.gradient_checkpointing_disable)()
-
-    @property
-    def is_activation_checkpointing(self) -> bool:
-        return any(getattr(m, "gradient_checkpointing", False) is True for m in self.base_model.modules())
-
 
 
 def decoder_input_ids_from_labels(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:

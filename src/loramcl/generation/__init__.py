@@ -6,11 +6,13 @@
     outs[i][k].text, outs[i][k].log_prob   # candidate k of input i
 
 - ``decoding``: ``generate_hypotheses`` (all K hypotheses of an ``MCLModel`` in one batched ``generate``, or a
-  single model's beam search / diverse beam search / sampling / test-time augmentation), ``equal_budget``
-  (beam sizes at an equal forward budget, paper §4.1), ``Candidate``.
+  single model's beam search / diverse beam search / sampling / test-time augmentation): its checks and inputs.
+- ``candidates``: each strategy's ``generate`` call and its output as ``Candidate``s (text, token ids, log-prob).
+- ``budget``: ``equal_budget``, beam sizes at an equal forward budget (paper §4.1).
+- ``hypotheses``: ``MCLModel.generate`` (the chosen hypotheses, the context computed once).
 - ``diverse_beam``: diverse (group) beam search, gone from transformers' core since 4.57.
 - ``augment``: SpecAugment time/frequency masking of audio features, for test-time augmentation.
-- ``cli``: ``loramcl generate``.
+- ``predictions``: a predictions file from a prompts file (``generate``, `loramcl generate`), one line of it.
 
 The names load on first use, so that ``loramcl --help`` does not import torch.
 """
@@ -18,8 +20,8 @@ The names load on first use, so that ``loramcl --help`` does not import torch.
 from loramcl._lazy import lazy_exports
 
 _EXPORTS = {
-    "generate_hypotheses": "loramcl.generation.decoding", "equal_budget": "loramcl.generation.decoding",
-    "EqualBudget": "loramcl.generation.decoding", "Candidate": "loramcl.generation.decoding",
+    "generate_hypotheses": "loramcl.generation.decoding", "equal_budget": "loramcl.generation.budget",
+    "EqualBudget": "loramcl.generation.budget", "Candidate": "loramcl.generation.candidates",
     "tokenize_prompts": "loramcl.generation.decoding",
     "generate_diverse_beam": "loramcl.generation.diverse_beam",
     "spec_augment": "loramcl.generation.augment",

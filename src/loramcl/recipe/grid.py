@@ -68,7 +68,7 @@ class System:
     def decoding(self, num_candidates: int, single_model: bool, decode: DecodeConfig) -> dict:
         """The ``generate_hypotheses`` arguments of this system for K = ``num_candidates`` candidates per input,
         from a single model (``single_model``) or from an MCL model with K hypotheses."""
-        from loramcl.generation.decoding import equal_budget
+        from loramcl.generation.budget import equal_budget
 
         k, strategy = num_candidates, self.strategy
         budget = equal_budget(self.budget, k)

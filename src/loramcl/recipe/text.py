@@ -1,5 +1,5 @@
 """The text tasks' part of a recipe run (translation, bilingual): each run is a `loramcl train --config` file trained
-by ``finetune.train`` on data/{train,validation}.jsonl, decoded by ``generation.cli.generate`` at equal forward
+by ``finetune.train`` on data/{train,validation}.jsonl, decoded by ``generation.predictions.generate`` at equal forward
 budget and scored by ``finetune.nll`` (the NLL of every test reference under every hypothesis: paper Table 1)."""
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class TextTask(runner.Task):
 
     def decode(self, system: System, values: dict, arguments: dict, decode: DecodeConfig) -> None:
         from loramcl.finetune import PEFT_FOLDER
-        from loramcl.generation.cli import generate
+        from loramcl.generation.predictions import generate
 
         single = self.hypotheses(values) == 1
         generate(model=values["model"], input=str(self.test), out=str(self.stages.predictions(system.name)),

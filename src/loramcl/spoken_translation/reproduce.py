@@ -199,7 +199,8 @@ def decode_run(model: str, adapters: str, test: Path, out: Path, arguments: dict
 
     from loramcl.data.spoken_messages import WhisperTargets
     from loramcl.generation.augment import tta_augment
-    from loramcl.generation.decoding import generate_hypotheses, prediction_record
+    from loramcl.generation.decoding import generate_hypotheses
+    from loramcl.generation.predictions import prediction_record
     from loramcl.loading import load_model
 
     arguments = dict(arguments)

@@ -1,6 +1,9 @@
-"""`loramcl generate`: the function's signature and docstring are its CLI (jsonargparse).
+"""A predictions file: the K candidates of every prompt of a JSONL file, one line per prompt as `loramcl evaluate`
+reads them. ``generate`` writes one (it is `loramcl generate`: its signature and docstring are the CLI, jsonargparse;
+the recipes call it as a function); ``prediction_record`` is one line, for recipes that decode inputs of their own
+(images, audio).
 
-torch and transformers load inside the function, so `loramcl --help` stays fast.
+torch and transformers load inside ``generate``, so `loramcl --help` stays fast.
 """
 
 from __future__ import annotations
@@ -9,20 +12,11 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, get_args
 
-from loramcl.inputs import (
-    DTYPES,
-    Dtype,
-    LocalPath,
-    ModelPath,
-    check_adapters_folder,
-    check_choice,
-    check_file,
-    check_model_folder,
-    prompt_format,
-)
+from loramcl.inputs import Dtype, LocalPath, ModelPath, check_choice, check_file, check_model_options, prompt_format
 from loramcl.metrics.io import read_jsonl
 
 # generate_hypotheses' strategies (decoding.MCL_STRATEGIES + BASELINE_STRATEGIES, not imported: torch)
@@ -112,15 +106,12 @@ def generate(
 
     # Mistakes in the options, the files and the folders are reported before torch loads (seconds).
     check_choice("strategy", strategy, STRATEGIES)
-    check_choice("dtype", dtype, DTYPES)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    check_model_folder(model)
-    if adapters is not None:
-        check_adapters_folder(adapters)
+    check_model_options(model, dtype, adapters)
     if tokenizer is not None and not os.path.isdir(tokenizer):
         raise FileNotFoundError(f"tokenizer folder {tokenizer} does not exist")
-    ids, prompts = _read_prompts(input, prompt_key)
+    ids, prompts = read_prompts(input, prompt_key)
     chat_template = prompt_format(adapters, chat_template)
 
     from tqdm import tqdm
@@ -128,7 +119,6 @@ def generate(
 
     from loramcl.generation.decoding import generate_hypotheses, tokenize_prompts
     from loramcl.loading import load_model
-    from loramcl.model import MCLModel
 
     decoder = load_model(model, adapters, dtype, device, strict=strict)
     tok = AutoTokenizer.from_pretrained(tokenizer or model)
@@ -136,7 +126,6 @@ def generate(
 
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    is_mcl = isinstance(decoder, MCLModel)
     bar = tqdm(total=len(prompts), unit="prompt", desc="generate", file=sys.stderr, disable=not progress,
                dynamic_ncols=True)
     with bar, out_path.open("w", encoding="utf-8") as f:
@@ -152,12 +141,7 @@ def generate(
                 typical_p=typical_p, seed=seed + b, num_beam_groups=num_beam_groups,
                 diversity_penalty=diversity_penalty, augment=augment_fn, sort_by_score=sort_by_score)
             for item_id, candidates in zip(ids[start:start + batch_size], outs, strict=True):
-                record = {"id": item_id, "candidates": [c.text for c in candidates],
-                          "log_probs": [c.log_prob for c in candidates]}
-                if is_mcl and candidates[0].hypothesis is not None:
-                    record["hypotheses"] = [c.hypothesis for c in candidates]
-                if candidates[0].score is not None:
-                    record["scores"] = [c.score for c in candidates]
+                record = prediction_record(item_id, candidates, strip=False, scores=True)
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
             bar.update(len(chunk))
     per_prompt = len(outs[0])
@@ -165,7 +149,21 @@ def generate(
     return str(out_path)
 
 
-def _read_prompts(path: str, prompt_key: str) -> tuple[list, list[str]]:
+def prediction_record(item_id, candidates: Sequence, strip: bool = True, scores: bool = False) -> dict:
+    """One line of a predictions file as `loramcl evaluate` reads it, from an input's ``Candidate``s: {"id",
+    "candidates", "log_probs"} (+ "hypotheses" for an MCL model's candidates; + "scores", p(k | c), with ``scores``
+    for a model with hypothesis scores). ``strip``: the texts without surrounding white space."""
+    record = {"id": item_id, "candidates": [c.text.strip() if strip else c.text for c in candidates],
+              "log_probs": [c.log_prob for c in candidates]}
+    if candidates and candidates[0].hypothesis is not None:
+        record["hypotheses"] = [c.hypothesis for c in candidates]
+    if scores and candidates and candidates[0].score is not None:
+        record["scores"] = [c.score for c in candidates]
+    return record
+
+
+def read_prompts(path: str, prompt_key: str) -> tuple[list, list[str]]:
+    """(ids, prompts) of a JSONL file of prompts: each line's "id" (else its index) and its ``prompt_key`` text."""
     check_file(path, "input file")
     records = read_jsonl(path, prompt_key, number_missing_ids=True, hint=" (choose the field with --prompt_key)")
     for record in records.values():
