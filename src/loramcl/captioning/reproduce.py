@@ -4,21 +4,28 @@ train -> decode -> evaluate -> report, every stage reused when its outputs exist
 A recipe folder holds `experiment.yaml` (what this command does: the TextCaps files and images, the K candidates, the
 forward budgets, which runs are decoded), `common.yaml` and one file per training run (the model, `mcl:` or `method:
 moe` with `moe:`, `training:`, `dtype:`); the runs train on the LLaVA-NeXT conversation of `loramcl.data.captioning`.
-The packaged recipe image_captioning/textcaps is the paper's scale (LLaVA-1.6-Vicuna-7B on TextCaps); its files say
-how to launch the training on several GPUs. Adding a run (another K, a baseline) is adding a file.
+Adding a run (another K, a baseline) is adding a file. Three ship inside the package (`loramcl recipes`):
+
+- image_captioning/tiny (the default): a tiny random LLaVA-NeXT on a generated set in the TextCaps layout, on the
+  CPU: the whole pipeline in seconds (its numbers mean nothing);
+- image_captioning/textcaps and textcaps-bilingual (`--recipes textcaps`): the paper's scale (LLaVA-1.6-Vicuna-7B on
+  TextCaps); their files say how to launch the training on several GPUs.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from loramcl.recipe.grid import DecodeConfig, System, check_budgets, chosen_budgets
 from loramcl.validate import require, require_int
 
 EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
-DEFAULT_RECIPES = "image_captioning/textcaps"
+DEFAULT_RECIPES = "image_captioning/tiny"
+TINY_MODEL_FOLDER, SYNTHETIC_FOLDER = "tiny-llava-next", "synthetic-textcaps"
+# Images per split of the generated set (five captions each; the test split has none, as TextCaps').
+SYNTHETIC_IMAGES = {"train": 24, "val": 6, "test": 3}
 SINGLE_MODEL_DECODINGS = ("beam", "diverse_beam")
 # Quick: the same pipeline on a few images and one training step, at the smallest budget (numbers meaningless).
 QUICK_DATA = {"train": 8, "test": 3}
@@ -30,12 +37,22 @@ QUICK_DECODING = {"max_new_tokens": 5, "batch_size": 3}
 class Experiment:
     """experiment.yaml: what `loramcl image-captioning` does with the runs of a recipe folder."""
 
-    textcaps: str
-    """Folder holding TextCaps_0.1_{train,val,test}.json (relative paths: to this file's folder)."""
+    textcaps: str | None = None
+    """Folder holding TextCaps_0.1_{train,val,test}.json (relative paths: to this file's folder; None: synthetic
+    must be true)."""
 
-    images: str
+    images: str | None = None
     """Folder of the images: <images>/<image_path> or <images>/<file name> (TextVQA's train_images/); relative
-    paths: to this file's folder."""
+    paths: to this file's folder (None with synthetic: <textcaps>/images)."""
+
+    synthetic: bool = False
+    """Write a small generated set (coloured shapes, five captions each naming colour and shape) in the TextCaps 0.1
+    layout into `textcaps` (default <out>/synthetic-textcaps) and read it as the official one: the CPU
+    demonstration."""
+
+    packaged_model: str | None = None
+    """'tiny-random': build a tiny random LLaVA-NeXT into <out>/tiny-llava-next and train on it (the CPU
+    demonstration); None: the runs' `model` is a local folder (LLaVA-1.6-Vicuna-7B)."""
 
     out: str = "runs/image-captioning"
     """Output folder (relative paths: to this file's folder, as every path of a recipe file)."""
@@ -91,7 +108,11 @@ class Experiment:
         from loramcl.data.textcaps import PER_IMAGE, SPLIT_FILES
 
         for name in ("textcaps", "images"):
-            require(isinstance(getattr(self, name), str) and getattr(self, name), f"{name} must be a folder path")
+            value = getattr(self, name)
+            require((self.synthetic and value is None) or (isinstance(value, str) and bool(value)),
+                    f"{name} must be a folder path (or set synthetic: true)")
+        require(isinstance(self.synthetic, bool), "synthetic must be true or false")
+        require(self.packaged_model in (None, "tiny-random"), "packaged_model must be tiny-random or null")
         for name in ("train_split", "test_split"):
             require(getattr(self, name) in SPLIT_FILES, f"{name} must be one of {sorted(SPLIT_FILES)}, got "
                    f"{getattr(self, name)!r}")
@@ -130,12 +151,14 @@ class Experiment:
         return cls(**values)
 
 
-def run_values(folder: Path, run: str, root: Path, quick: bool) -> dict:
+def run_values(folder: Path, run: str, root: Path, quick: bool, model: str | None = None) -> dict:
     """The settings of one training run: common.yaml + <run>.yaml (paths relative to the file that gives them), its
-    output under ``root`` (``recipe.files.run_arguments``; the text `data:` section it adds is not read here)."""
+    output under ``root``, ``model`` when given (``recipe.files.run_arguments``; the text `data:` section it adds is
+    not read here)."""
     from loramcl.recipe.files import run_arguments
 
-    values = run_arguments(folder, run, root, quick={"training": QUICK_TRAIN} if quick else None, common=COMMON)
+    values = run_arguments(folder, run, root, model, quick={"training": QUICK_TRAIN} if quick else None,
+                           common=COMMON)
     require(isinstance(values.get("model"), str), f"{folder}: the runs need `model:` (a local LLaVA-NeXT folder)")
     method = values.get("method", "mcl")
     require(method in ("mcl", "moe", "multihead") and isinstance(values.get(method), dict),
@@ -292,7 +315,8 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
     Args:
         out: output folder (default: experiment.yaml's `out`).
         recipes: recipe folder with experiment.yaml, common.yaml and one file per run, or a packaged recipe's name
-            (default: textcaps, the paper's scale; textcaps-bilingual; `loramcl recipes` lists them).
+            (default: tiny, a tiny random LLaVA-NeXT on generated images, on the CPU in seconds; textcaps and
+            textcaps-bilingual are the paper's scale; `loramcl recipes` lists them).
         quick: a few images, one training step per run, the smallest budget: checks the whole pipeline (numbers
             meaningless).
         budgets: forward budgets to decode at (default: experiment.yaml's).
@@ -303,7 +327,7 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
     """
     from loramcl.captioning.report import build_report
     from loramcl.config import TrainConfig
-    from loramcl.data.textcaps import SPLIT_FILES
+    from loramcl.data.textcaps import SPLIT_FILES, SYNTHETIC_WORDS, write_synthetic_textcaps
     from loramcl.file_io import sha256
     from loramcl.recipe.files import recipe_folder, run_names
     from loramcl.recipe.stages import Stages
@@ -315,26 +339,38 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
     root = Path(out if out is not None else experiment.out)
     stages = Stages(root)
     chosen = chosen_budgets(budgets, experiment.budgets, quick)
+    model = None
+    if experiment.packaged_model == "tiny-random":
+        from loramcl.pretrained import tiny_llava_next
+
+        model = str(root / TINY_MODEL_FOLDER)
+        stages.run("build model", root / TINY_MODEL_FOLDER / "built.json", {"words": SYNTHETIC_WORDS},
+                   tiny_llava_next, model, SYNTHETIC_WORDS)
     runs = run_names(folder, reserved=(EXPERIMENT, COMMON))
-    values = {run: run_values(folder, run, root, quick) for run in runs}
+    values = {run: run_values(folder, run, root, quick, model) for run in runs}
     systems = systems_of(experiment, values, chosen)
     model = values[runs[0]]["model"]
     for run, v in values.items():
         require(v["model"] == model, f"run {run}: every run of a recipe folder trains the same model ({model})")
 
+    if experiment.synthetic:  # then read as the official files are
+        textcaps = Path(experiment.textcaps or root / SYNTHETIC_FOLDER)
+        stages.run("write synthetic data", textcaps / "written.json", {"images": SYNTHETIC_IMAGES},
+                   write_synthetic_textcaps, textcaps, SYNTHETIC_IMAGES)
+        experiment = replace(experiment, textcaps=str(textcaps), images=experiment.images or str(textcaps / "images"))
     split_files = {split: Path(experiment.textcaps) / SPLIT_FILES[split]
                    for split in dict.fromkeys((experiment.train_split, experiment.test_split))}
-    for path in split_files.values():  # the first thing a user of the packaged (paper-scale) default meets
+    for path in split_files.values():  # the first thing a user of a paper-scale recipe meets without its data
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist: the recipe {folder} reads TextCaps 0.1 and the TextVQA "
                                     "images where its experiment.yaml says: download them there, or point a copy at "
-                                    "them (loramcl recipes copy image_captioning/textcaps DIR); this task has no CPU "
-                                    "recipe, its packaged ones are the paper's scale")
+                                    "them (loramcl recipes copy image_captioning/textcaps DIR); the CPU recipe is the "
+                                    "default: loramcl image-captioning without --recipes")
     data = root / "data"
     data_settings = asdict(experiment) | {"quick": quick, "files_sha256": {
         split: sha256(path) for split, path in split_files.items()}}
     for name in ("out", "decoded", "decoding", "budgets", "candidates", "diversity_penalties", "metrics",
-                 "mcl_decodings"):
+                 "mcl_decodings", "packaged_model"):
         data_settings.pop(name)  # decoding settings: not the data's
     stages.run("prepare data", data / "prepare.json", data_settings, prepare_data, data, experiment, quick, device)
     if stop_after == "data":
