@@ -174,61 +174,47 @@ def test_an_anyres_batch_of_different_sizes_scores_as_each_example_alone(tmp_pat
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
 
 
-LM_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|up_proj|down_proj)"
-
-
-def write_tiny_recipe(tmp_path: Path) -> Path:
-    """A tiny random LLaVA-NeXT and its processor saved as a model folder, TextCaps-layout files, and a recipe folder
-    (experiment.yaml, common.yaml, one file per run: LoRA-MCL K = 3, LoRA-MLE, LoRA-MoE) using them."""
-    import yaml
-    from tiny_models import build_model, llava_next_processor
-
-    write_textcaps(tmp_path / "textcaps")
-    build_model("llava_next").save_pretrained(tmp_path / "model")
-    llava_next_processor().save_pretrained(tmp_path / "model")
-    recipes = tmp_path / "recipes"
-    recipes.mkdir()
-    files = {
-        "experiment.yaml": {"textcaps": "../textcaps", "images": "../textcaps/images", "budgets": [3, 6],
-                            "metrics": "bleu4,cider_d,div2,mbleu4", "decoding": {"max_new_tokens": 5},
-                            "mcl_decodings": ["beam", "diverse_beam"]},
-        "common.yaml": {"model": "../model", "training": {"learning_rate": 1e-3}},
-        "mcl.yaml": {"mcl": {"num_hypotheses": 3, "r": 2, "alpha": 8, "target_modules": LM_TARGETS,
-                             "loss": "relaxed", "epsilon": 0.1}},
-        "mle.yaml": {"mcl": {"num_hypotheses": 1, "r": 6, "alpha": 24, "target_modules": LM_TARGETS}},
-        "moe.yaml": {"method": "moe", "moe": {"num_experts": 3, "r": 2, "alpha": 8, "target_modules": LM_TARGETS}},
-    }
-    for name, content in files.items():
-        (recipes / name).write_text(yaml.safe_dump(content))
-    return recipes
-
-
-def test_quick_recipe_runs_end_to_end_and_reuses_its_stages(tmp_path):
-    """`loramcl image-captioning --quick` on the tiny model: data -> train MCL, MLE, MoE -> decode every system at
-    the smallest budget (MCL beam 1 per hypothesis and diverse MCL decoding; MLE and MoE beam and diverse beam) ->
-    evaluate -> report; a second call reuses every stage."""
-    from loramcl.captioning.reproduce import image_captioning
+def test_quick_default_recipe_runs_end_to_end_from_an_empty_folder_and_reuses_its_stages(tmp_path, monkeypatch):
+    """`loramcl image-captioning --quick true` and nothing else, in an empty folder: the packaged CPU recipe
+    (image_captioning/tiny) builds a tiny random LLaVA-NeXT, writes a generated set in the TextCaps 0.1 layout and
+    reads it with the official reader -> train MCL, MLE, MoE -> decode at the smallest budget (MCL beam 1 per
+    hypothesis, greedy and diverse MCL decoding; MLE and MoE beam and diverse beam) -> evaluate -> report, all under
+    ./runs; a second call reuses every stage."""
+    from loramcl.cli import DEBUG_ENV, main
+    from loramcl.data.textcaps import SYNTHETIC_WORDS, read_textcaps
     from loramcl.metrics.io import read_jsonl
 
-    recipes = write_tiny_recipe(tmp_path)
-    out = tmp_path / "out"
-    report = image_captioning(out=str(out), recipes=str(recipes), quick=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(DEBUG_ENV, "1")  # a failure shows its traceback
+    main(["image-captioning", "--quick", "true"])
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"]
+    out = tmp_path / "runs" / "image-captioning-tiny"
+    report = json.loads((out / "report.json").read_text())
+    synthetic = out / "synthetic-textcaps"
+    assert {p.name for p in synthetic.glob("TextCaps_0.1_*.json")} == {"TextCaps_0.1_train.json",
+                                                                       "TextCaps_0.1_val.json",
+                                                                       "TextCaps_0.1_test.json"}
+    train = read_textcaps(synthetic / "TextCaps_0.1_train.json", synthetic / "images")
+    assert len(train) == 24 and all(len(image.references) == 5 for image in train)
+    assert {w for image in train for r in image.references for w in r.split()} == set(SYNTHETIC_WORDS)
+    assert read_textcaps(synthetic / "TextCaps_0.1_test.json", synthetic / "images")[0].references == []
     # a quick run: the first system of each (run, strategy), so diverse beam search with the first λ
-    names = {"mcl-beam-b3", "mcl-diversebeam0.8-b3", "mle-beam-b3", "mle-diversebeam0.8-b3", "moe-beam-b3",
-             "moe-diversebeam0.8-b3"}
+    names = {"mcl-beam-b3", "mcl-greedy-b3", "mcl-diversebeam0.8-b3", "mle-beam-b3", "mle-diversebeam0.8-b3",
+             "moe-beam-b3", "moe-diversebeam0.8-b3"}
     assert set(report["systems"]) == names
     test = read_jsonl(out / "data" / "test.jsonl", "references")
-    assert [len(r["references"]) for r in test.values()] == [3, 2, 1]  # every reference of each image
-    mcl = read_jsonl(out / "predictions" / "mcl-beam-b3.jsonl", "candidates")
+    assert len(test) == 3 and all(len(r["references"]) == 5 for r in test.values())  # every reference of each image
+    mcl = read_jsonl(out / "predictions" / "mcl-greedy-b3.jsonl", "candidates")
     assert list(mcl) == list(test) and all(r["hypotheses"] == [0, 1, 2] for r in mcl.values())
     for name in names:
         predictions = read_jsonl(out / "predictions" / f"{name}.jsonl", "candidates")
         assert all(len(r["candidates"]) == 3 for r in predictions.values())
         assert {"cider_d", "bleu4", "mbleu4", "div2"} <= set(report["systems"][name]["metrics"])
-    assert json.loads((out / "mle" / "run.json").read_text())["train_examples"] == 6  # one per (image, reference)
+    assert json.loads((out / "mle" / "run.json").read_text())["train_examples"] == 40  # one per (image, reference)
     assert "CIDEr-D" in (out / "report.md").read_text() and (out / "figures" / "quality_diversity.png").is_file()
-    again = image_captioning(out=str(out), recipes=str(recipes), quick=True)
-    assert set(again["timing_s"]) == {"report", "runs"}  # nothing trained or decoded again
+    main(["image-captioning", "--quick", "true"])
+    again = json.loads((out / "report.json").read_text())
+    assert set(again["timing_s"]) == {"report", "runs"}  # nothing built, trained or decoded again
 
 
 def llava_v16_vicuna_7b_config():

@@ -227,7 +227,9 @@ def test_a_copied_recipe_names_the_places_the_packaged_one_does(tmp_path, monkey
     project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
     project.mkdir(), elsewhere.mkdir()
     monkeypatch.chdir(project)
-    copy = copy_recipe(recipe_id.split("/")[-1], "mine")  # a name no other task uses is enough
+    name = recipe_id.split("/")[-1]
+    shared = sum(other.split("/")[-1] == name for other in RECIPES) > 1  # `tiny`: audio and image captioning
+    copy = copy_recipe(recipe_id if shared else name, "mine")  # a name no other task uses is enough
     assert capsys.readouterr().out.endswith(f"run it: loramcl {command_of(recipe_id)} --recipes mine\n")
     source = packaged_recipes() / recipe_id
     names = sorted(p.name for p in source.glob("*.yaml"))
@@ -258,6 +260,9 @@ def test_copy_refuses_an_unknown_recipe_and_a_folder_in_use(tmp_path, monkeypatc
     with pytest.raises(ValueError, match=r"no packaged recipe 'audio_captioning/tyni' \(did you mean "
                                          r"audio_captioning/tiny\?\); the recipes are audio_captioning/audiocaps"):
         copy_recipe("audio_captioning/tyni", "mine")
+    with pytest.raises(ValueError, match="recipe 'tiny' is ambiguous: give one of audio_captioning/tiny, "
+                                         "image_captioning/tiny"):
+        copy_recipe("tiny", "mine")
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="used exists and is not empty: give a new or empty folder for the copy "

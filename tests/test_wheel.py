@@ -74,7 +74,8 @@ def test_the_sdist_and_the_wheel_hold_the_recipes_and_the_licence(wheel_venv):
 
 def test_the_installed_wheel_runs_from_an_empty_folder(wheel_venv, tmp_path):
     """From an empty folder: the version, the recipe list, a command's help, the packaged tiny audio recipe end to end
-    (--quick), and a copy of it run with --recipes <copy>."""
+    (--quick), the packaged tiny image recipe up to its data (its model built, its TextCaps-layout set written and
+    read), and a copy of the audio recipe run with --recipes <copy>."""
     venv, loramcl, _, _ = wheel_venv
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import loramcl; print(loramcl.__file__)"],
                            cwd=tmp_path, capture_output=True, text=True, env=_clean_env(), check=True).stdout
@@ -87,9 +88,14 @@ def test_the_installed_wheel_runs_from_an_empty_folder(wheel_venv, tmp_path):
     report = _run(loramcl, ["audio-captioning", "--quick", "true", "--out", "quick"], tmp_path, timeout=600)
     assert (tmp_path / "quick" / "report.md").is_file() and "report:" in report
 
+    # the packaged CPU image recipe's model and generated TextCaps-layout set, built and read from the empty folder
+    _run(loramcl, ["image-captioning", "--quick", "true", "--out", "image", "--stop_after", "data"], tmp_path)
+    assert (tmp_path / "image" / "tiny-llava-next" / "config.json").is_file()
+    assert len((tmp_path / "image" / "data" / "test.jsonl").read_text().splitlines()) == 3
+
     copied = _run(loramcl, ["recipes", "copy", "audio_captioning/tiny", "mine"], tmp_path)
     assert copied.endswith("run it: loramcl audio-captioning --recipes mine\n")
     _run(loramcl, ["audio-captioning", "--recipes", "mine", "--quick", "true", "--out", "copy",
                    "--stop_after", "data"], tmp_path)
     assert (tmp_path / "copy" / "data").is_dir()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy", "mine", "quick"]  # nothing written elsewhere
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy", "image", "mine", "quick"]  # nothing written elsewhere

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 import transformers as tf
 
+from loramcl.pretrained import tiny_llava_next_config, tiny_llava_next_processor
+
 VOCAB = 97
 IMAGE_TOKEN = AUDIO_TOKEN = 90  # inside the vocabulary, never drawn as an ordinary token (< 80)
 
@@ -182,13 +184,8 @@ def build_model(name: str) -> torch.nn.Module:
             audio_config=dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=48,
                               num_mel_bins=16, max_source_positions=50),
             text_config=dict(model_type="qwen2", **_llama_text()), audio_token_index=AUDIO_TOKEN))
-    if name == "llava_next":
-        return tf.LlavaNextForConditionalGeneration(tf.LlavaNextConfig(
-            vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48,
-                               num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=4,
-                               projection_dim=32),
-            text_config=dict(model_type="llama", **_llama_text()), image_token_index=IMAGE_TOKEN,
-            image_grid_pinpoints=[[16, 16], [16, 32]], vision_feature_layer=-1))
+    if name == "llava_next":  # the architecture `loramcl image-captioning`'s CPU recipe builds
+        return tf.LlavaNextForConditionalGeneration(tiny_llava_next_config(VOCAB, IMAGE_TOKEN))
     raise KeyError(name)
 
 
@@ -313,38 +310,14 @@ def word_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
-# A Vicuna-v1-like conversation as LLaVA-1.6-Vicuna's chat template writes it: "USER: <image>\n<instruction>
-# ASSISTANT: <caption></s>" (newline as a space: the tiny tokenizer splits on whitespace).
-LLAVA_CHAT_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
-    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<image> {% else %}{{ item['text'] }}"
-    "{% endif %}{% endfor %}{% if message['role'] == 'user' %} {% else %}{{ eos_token }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
-CAPTION_WORDS = ("USER ASSISTANT : . , Please carefully observe the image and come up with a caption for "
-                 "sign that says stop red blue green bottle of beer on table book called cover black white man "
-                 "woman holding phone screen shows number street store front open close car license plate "
-                 "reads label brand name coffee cup wall clock time is in at near two three big small yellow "
-                 "written text shirt poster").split()
+# Caption words of the tiny LLaVA-NeXT processor (the chat template's words come with it).
+CAPTION_WORDS = ("sign that says stop red blue green bottle of beer on table book called cover black white man woman "
+                 "holding phone screen shows number street store front open close car license plate reads label brand "
+                 "name coffee cup wall clock time is in at near two three big small yellow written text shirt poster"
+                 ).split()
 
 
 def llava_next_processor():
-    """A LlavaNextProcessor built offline for ``build_model('llava_next')``: CLIP-like image processor with 16x16
-    crops and the model's anyres grid, a word-level tokenizer whose '<image>' is the model's image token, and
-    LLAVA_CHAT_TEMPLATE."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    words = list(dict.fromkeys(CAPTION_WORDS))
-    assert len(words) <= IMAGE_TOKEN - 3, len(words)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {w: 3 + i for i, w in enumerate(words)} | {"<image>": IMAGE_TOKEN}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token=","))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()  # words and punctuation apart
-    backend.decoder = decoders.WordPiece()
-    backend.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
-    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
-                                           eos_token="</s>", extra_special_tokens={"image_token": "<image>"})
-    image_processor = tf.LlavaNextImageProcessorPil(
-        size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
-        image_grid_pinpoints=[[16, 16], [16, 32]])
-    return tf.LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=4,
-                                 vision_feature_select_strategy="default", chat_template=LLAVA_CHAT_TEMPLATE,
-                                 num_additional_image_tokens=1)
+    """The LlavaNextProcessor of ``build_model('llava_next')`` (``pretrained.tiny_llava_next_processor``): its
+    '<image>' is the model's image token."""
+    return tiny_llava_next_processor(CAPTION_WORDS, image_token_id=IMAGE_TOKEN)

@@ -4,8 +4,12 @@ train -> decode -> evaluate -> report, every stage reused when its outputs exist
 A recipe folder holds `experiment.yaml` (what this command does: the TextCaps files and images, the K candidates, the
 forward budgets, which runs are decoded), `common.yaml` and one file per training run (the model, `mcl:` or `method:
 moe` with `moe:`, `training:`, `dtype:`); the runs train on the LLaVA-NeXT conversation of `loramcl.data.captioning`.
-The packaged recipe image_captioning/textcaps is the paper's scale (LLaVA-1.6-Vicuna-7B on TextCaps); its files say
-how to launch the training on several GPUs. Adding a run (another K, a baseline) is adding a file.
+Adding a run (another K, a baseline) is adding a file. Three ship inside the package (`loramcl recipes`):
+
+- image_captioning/tiny (the default): a tiny random LLaVA-NeXT on a generated set in the TextCaps layout, on the
+  CPU: the whole pipeline in seconds (its numbers mean nothing);
+- image_captioning/textcaps and textcaps-bilingual (`--recipes textcaps`): the paper's scale (LLaVA-1.6-Vicuna-7B on
+  TextCaps); their files say how to launch the training on several GPUs.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from loramcl.recipe.experiment import Experiment as RecipeExperiment
 from loramcl.recipe.grid import DecodeConfig, System
 from loramcl.validate import require, require_int
 
-DEFAULT_RECIPES = "image_captioning/textcaps"
+DEFAULT_RECIPES = "image_captioning/tiny"
+TINY_MODEL_FOLDER, SYNTHETIC_FOLDER = "tiny-llava-next", "synthetic-textcaps"
+# Images per split of the generated set (five captions each; the test split has none, as TextCaps').
+SYNTHETIC_IMAGES = {"train": 24, "val": 6, "test": 3}
 SINGLE_MODEL_DECODINGS = ("beam", "diverse_beam")
 # Quick: the same pipeline on a few images and one training step, at the smallest budget (numbers meaningless).
 QUICK_DATA = {"train": 8, "test": 3}
@@ -33,12 +40,22 @@ class Experiment(RecipeExperiment):
 
     PATHS = ("out", "textcaps", "images")
 
-    textcaps: str
-    """Folder holding TextCaps_0.1_{train,val,test}.json (relative paths: to this file's folder)."""
+    textcaps: str | None = None
+    """Folder holding TextCaps_0.1_{train,val,test}.json (relative paths: to this file's folder; None: synthetic
+    must be true)."""
 
-    images: str
+    images: str | None = None
     """Folder of the images: <images>/<image_path> or <images>/<file name> (TextVQA's train_images/); relative
-    paths: to this file's folder."""
+    paths: to this file's folder (None with synthetic: <textcaps>/images)."""
+
+    synthetic: bool = False
+    """Write a small generated set (coloured shapes, five captions each naming colour and shape) in the TextCaps 0.1
+    layout into `textcaps` (default <out>/synthetic-textcaps) and read it as the official one: the CPU
+    demonstration."""
+
+    packaged_model: str | None = None
+    """'tiny-random': build a tiny random LLaVA-NeXT into <out>/tiny-llava-next and train on it (the CPU
+    demonstration); None: the runs' `model` is a local folder (LLaVA-1.6-Vicuna-7B)."""
 
     out: str = "runs/image-captioning"
     """Output folder (relative paths: to this file's folder, as every path of a recipe file)."""
@@ -85,7 +102,11 @@ class Experiment(RecipeExperiment):
 
         super().__post_init__()
         for name in ("textcaps", "images"):
-            require(isinstance(getattr(self, name), str) and getattr(self, name), f"{name} must be a folder path")
+            value = getattr(self, name)
+            require((self.synthetic and value is None) or (isinstance(value, str) and bool(value)),
+                    f"{name} must be a folder path (or set synthetic: true)")
+        require(isinstance(self.synthetic, bool), "synthetic must be true or false")
+        require(self.packaged_model in (None, "tiny-random"), "packaged_model must be tiny-random or null")
         for name in ("train_split", "test_split"):
             require(getattr(self, name) in SPLIT_FILES, f"{name} must be one of {sorted(SPLIT_FILES)}, got "
                    f"{getattr(self, name)!r}")
@@ -233,6 +254,17 @@ class ImageCaptioning(runner.Task):
     quick_settings = {"training": QUICK_TRAIN}
     quick_decoding = QUICK_DECODING
 
+    def build_model(self) -> str | None:
+        if self.experiment.packaged_model != "tiny-random":
+            return None
+        from loramcl.data.textcaps import SYNTHETIC_WORDS
+        from loramcl.pretrained import tiny_llava_next
+
+        model = self.root / TINY_MODEL_FOLDER
+        self.stages.run("build model", model / "built.json", {"words": SYNTHETIC_WORDS}, tiny_llava_next, str(model),
+                        SYNTHETIC_WORDS)
+        return str(model)
+
     def systems(self, values: dict[str, dict], budgets: list[int]) -> list[System]:
         """Each decoded run x each decoding x each budget, at equal forward budget; one diverse beam search system
         per λ."""
@@ -260,18 +292,28 @@ class ImageCaptioning(runner.Task):
                 for split in dict.fromkeys((experiment.train_split, experiment.test_split))}
 
     def prepare_data(self, model: str, values: dict[str, dict]) -> None:
+        import dataclasses
+
+        from loramcl.data.textcaps import write_synthetic_textcaps
         from loramcl.file_io import sha256
 
-        for path in self.split_files().values():  # the first thing a user of the paper-scale recipe meets
+        experiment = self.experiment
+        if experiment.synthetic:  # then read as the official files are
+            textcaps = Path(experiment.textcaps or self.root / SYNTHETIC_FOLDER)
+            self.stages.run("write synthetic data", textcaps / "written.json", {"images": SYNTHETIC_IMAGES},
+                            write_synthetic_textcaps, textcaps, SYNTHETIC_IMAGES)
+            self.experiment = dataclasses.replace(experiment, textcaps=str(textcaps),
+                                                  images=experiment.images or str(textcaps / "images"))
+        for path in self.split_files().values():  # the first thing a user of a paper-scale recipe meets
             if not path.is_file():
                 raise FileNotFoundError(f"{path} does not exist: the recipe {self.folder} reads TextCaps 0.1 and the "
                                         "TextVQA images where its experiment.yaml says: download them there, or point "
-                                        "a copy at them (loramcl recipes copy image_captioning/textcaps DIR); this "
-                                        "task has no CPU recipe, its packaged ones are the paper's scale")
+                                        "a copy at them (loramcl recipes copy image_captioning/textcaps DIR); the CPU "
+                                        "recipe is the default: loramcl image-captioning without --recipes")
         settings = asdict(self.experiment) | {"quick": self.quick, "files_sha256": {
             split: sha256(path) for split, path in self.split_files().items()}}
         for name in ("out", "decoded", "decoding", "budgets", "candidates", "diversity_penalties", "metrics",
-                     "mcl_decodings"):
+                     "mcl_decodings", "packaged_model"):
             settings.pop(name)  # decoding settings: not the data's
         self.stages.run("prepare data", self.data / "prepare.json", settings, prepare_data, self.data,
                         self.experiment, self.quick, self.device)
@@ -322,7 +364,8 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
     Args:
         out: output folder (default: experiment.yaml's `out`).
         recipes: recipe folder with experiment.yaml, common.yaml and one file per run, or a packaged recipe's name
-            (default: textcaps, the paper's scale; textcaps-bilingual; `loramcl recipes` lists them).
+            (default: tiny, a tiny random LLaVA-NeXT on generated images, on the CPU in seconds; textcaps and
+            textcaps-bilingual are the paper's scale; `loramcl recipes` lists them).
         quick: a few images, one training step per run, the smallest budget: checks the whole pipeline (numbers
             meaningless).
         budgets: forward budgets to decode at (default: experiment.yaml's).

