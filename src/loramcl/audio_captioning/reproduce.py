@@ -325,14 +325,7 @@ class AudioCaptioning(runner.Task):
     quick_decoding = QUICK_DECODING
 
     def build_model(self) -> str | None:
-        if self.experiment.packaged_model != "tiny-random":
-            return None
-        from loramcl.pretrained import tiny_qwen2_audio
-
-        model = self.root / TINY_MODEL_FOLDER
-        self.stages.run("build model", model / "built.json", {"words": SYNTHETIC_WORDS}, tiny_qwen2_audio, str(model),
-                        SYNTHETIC_WORDS)
-        return str(model)
+        return self.tiny_model(TINY_MODEL_FOLDER, "tiny_qwen2_audio", SYNTHETIC_WORDS)
 
     def check(self, model: str, values: dict[str, dict]) -> None:
         from loramcl.inputs import check_model_folder

@@ -249,21 +249,15 @@ def caption(model: str, adapters: str, test: Path, out: Path, arguments: dict, b
 class ImageCaptioning(runner.Task):
     """LLaVA-NeXT captions on TextCaps: one run per run file, the test images' every reference caption scored."""
 
-    experiment_type = Experiment
-    default_recipes = DEFAULT_RECIPES
     quick_settings = {"training": QUICK_TRAIN}
     quick_decoding = QUICK_DECODING
+    experiment_type = Experiment
+    default_recipes = DEFAULT_RECIPES
 
     def build_model(self) -> str | None:
-        if self.experiment.packaged_model != "tiny-random":
-            return None
         from loramcl.data.textcaps import SYNTHETIC_WORDS
-        from loramcl.pretrained import tiny_llava_next
 
-        model = self.root / TINY_MODEL_FOLDER
-        self.stages.run("build model", model / "built.json", {"words": SYNTHETIC_WORDS}, tiny_llava_next, str(model),
-                        SYNTHETIC_WORDS)
-        return str(model)
+        return self.tiny_model(TINY_MODEL_FOLDER, "tiny_llava_next", SYNTHETIC_WORDS)
 
     def systems(self, values: dict[str, dict], budgets: list[int]) -> list[System]:
         """Each decoded run x each decoding x each budget, at equal forward budget; one diverse beam search system

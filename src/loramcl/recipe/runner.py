@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -44,6 +45,19 @@ class Task(ABC):
     def build_model(self) -> str | None:
         """The model folder this command builds or converts (e.g. a packaged model), or None: the run files name it."""
         return None
+
+    def tiny_model(self, folder: str, builder: str, words: Sequence[str]) -> str | None:
+        """With experiment.yaml's `packaged_model: tiny-random`: the tiny random model this command builds into
+        root/<folder> with ``loramcl.pretrained.<builder>(out, words)`` (its vocabulary: the synthetic data's
+        ``words``), once per vocabulary (the CPU recipes' model); else None (the run files name the model)."""
+        import importlib
+
+        if getattr(self.experiment, "packaged_model", None) != "tiny-random":
+            return None
+        model = self.root / folder
+        build = getattr(importlib.import_module("loramcl.pretrained"), builder)
+        self.stages.run("build model", model / "built.json", {"words": words}, build, str(model), words)
+        return str(model)
 
     def run_values(self, run: str, model: str | None) -> dict:
         """The settings of one run: common.yaml + <run>.yaml, its output at root/<run>, ``model`` when given, the
