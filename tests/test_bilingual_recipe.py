@@ -16,8 +16,9 @@ SYSTEMS = ("mle-beam-b2", "mle-diversebeam-b2", *(f"mcl-{loss}-{decoding}-b2" fo
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
+def quick(tmp_path_factory, smollm2_folder):
     out = tmp_path_factory.mktemp("bilingual")
+    (out / "SmolLM2-135M-Instruct").symlink_to(smollm2_folder)  # converted once per test session
     return out, bilingual(out=str(out), quick=True, threads=2)
 
 

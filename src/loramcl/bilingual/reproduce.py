@@ -21,9 +21,9 @@ from loramcl.validate import require
 
 # Quick: the same pipeline on a few examples and steps, to check it end to end in a few minutes.
 QUICK_DATA = {"validation": 8, "test": 12}
-QUICK_TRAIN = {"training": {"steps": 6, "batch_size": 4, "eval_every": 0, "logging_steps": 3, "warmup_steps": 0},
+QUICK_TRAIN = {"training": {"steps": 3, "batch_size": 4, "eval_every": 0, "logging_steps": 1, "warmup_steps": 0},
                "data": {"eval_examples": 8}}
-QUICK_DECODING = {"max_new_tokens": 12}
+QUICK_DECODING = {"max_new_tokens": 8}
 METRICS = "sacrebleu,chrf,mbleu4,div2"
 PROBED = ("mcl-relaxed-greedy-b2", "mcl-annealed-greedy-b2", "mle-diversebeam-b2", "mle-beam-b2")
 
