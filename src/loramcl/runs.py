@@ -23,7 +23,7 @@ def finished_run(out: str | Path, settings: dict) -> bool:
     return path.is_file() and not _differing(json.loads(path.read_text()).get("settings") or {}, settings)
 
 
-_CONFIGS = {"mcl": MCLConfig, "moe": MoEConfig, "multihead": MultiHeadConfig}
+METHOD_CONFIGS = {"mcl": MCLConfig, "moe": MoEConfig, "multihead": MultiHeadConfig}  # a run's method -> its settings
 # Fields that decide how a run is computed, not its adapters: a run resumed or compared with another value is the same
 _COMPUTATION_ONLY = {"mcl": ("logits_chunk_size",)}
 
@@ -35,8 +35,8 @@ def _as_configs(settings: dict) -> dict:
     result = dict(settings)
     for key, value in settings.items():
         try:
-            if key in _CONFIGS and isinstance(value, dict):
-                result[key] = _CONFIGS[key].from_dict(value).to_dict()
+            if key in METHOD_CONFIGS and isinstance(value, dict):
+                result[key] = METHOD_CONFIGS[key].from_dict(value).to_dict()
                 for name in _COMPUTATION_ONLY.get(key, ()):
                     del result[key][name]
             elif key in ("data", "training") and isinstance(value, dict):

@@ -97,9 +97,8 @@ def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> 
     examples = [{"source": r["source"], "fr": r["fr"][0], "de": r["de"][0],
                  **{name: outputs[name][i] for name in probed}} for i, r in enumerate(test[:EXAMPLES_SHOWN])]
     return written_report(root, {"identifier": identifier_accuracy, "systems": results, "likelihood": likelihood,
-                                 "probes": probes,
-                                     "runs": run_info, "figures": figures, "examples": examples,
-                                     "num_test_items": len(test)}, markdown)
+                                 "probes": probes, "runs": run_info, "figures": figures, "examples": examples,
+                                 "num_test_items": len(test)}, markdown)
 
 
 def markdown(report: dict) -> str:

@@ -27,7 +27,6 @@ DEFAULT_RECIPES = "image_captioning/tiny"
 TINY_MODEL_FOLDER, SYNTHETIC_FOLDER = "tiny-llava-next", "synthetic-textcaps"
 # Images per split of the generated set (five captions each; the test split has none, as TextCaps').
 SYNTHETIC_IMAGES = {"train": 24, "val": 6, "test": 3}
-SINGLE_MODEL_DECODINGS = ("beam", "diverse_beam")
 # Quick: the same pipeline on a few images and one training step, at the smallest budget (numbers meaningless).
 QUICK_DATA = {"train": 8, "test": 3}
 QUICK_TRAIN = {"steps": 1, "batch_size": 2, "logging_steps": 1, "warmup_steps": 0, "save_every": 0, "eval_every": 0}
@@ -267,8 +266,8 @@ class ImageCaptioning(runner.Task):
         decoded = self.experiment.decoded_runs(list(values))
         systems = []
         for system in equal_budget_systems({run: self.hypotheses(values[run]) for run in decoded},
-                                           self.experiment.candidates, budgets, SINGLE_MODEL_DECODINGS,
-                                           self.experiment.mcl_decodings):
+                                           self.experiment.candidates, budgets,
+                                           mcl_strategies=self.experiment.mcl_decodings):
             if system.strategy != "diverse_beam":
                 systems.append(system)
                 continue

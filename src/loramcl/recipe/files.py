@@ -149,14 +149,12 @@ def run_arguments(folder: Path, run: str, root: Path, model: str | None = None, 
 def method_of(values: dict) -> tuple[str, object]:
     """(method, its configuration object) of a run's settings: LoRA-MCL (K = 1: LoRA-MLE), LoRA-MoE or multi-head
     MCL."""
-    from loramcl.baselines.config import MoEConfig, MultiHeadConfig
-    from loramcl.config import MCLConfig
+    from loramcl.runs import METHOD_CONFIGS
 
-    configs = {"mcl": MCLConfig, "moe": MoEConfig, "multihead": MultiHeadConfig}
     method = values.get("method", "mcl")
-    require(method in configs, f"method must be one of {sorted(configs)}, got {method!r}")
+    require(method in METHOD_CONFIGS, f"method must be one of {sorted(METHOD_CONFIGS)}, got {method!r}")
     require(isinstance(values.get(method), dict), f"method {method} needs its `{method}:` block")
-    return method, configs[method].from_dict(values[method])
+    return method, METHOD_CONFIGS[method].from_dict(values[method])
 
 
 def num_hypotheses(values: dict) -> int:

@@ -42,7 +42,7 @@ def wins_table(systems: dict, key: str, groups: Sequence[str], header: str) -> l
 
 
 def runs_nll(root: Path, runs: Sequence[str], ids: list, references: list[list[str]],
-                    groups: list[list[str]]) -> dict:
+             groups: list[list[str]]) -> dict:
     """Per run scored by the NLL stage (root/nll/<run>.jsonl): the oracle NLL of the test references
     (``metrics.oracle_nll``, paper Table 1) and, per reference group (``groups``: per item, a label per reference),
     which hypothesis each reference is most likely under (``metrics.likelihood_wins``: the paper's winner)."""

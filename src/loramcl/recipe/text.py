@@ -14,7 +14,6 @@ from loramcl.recipe.grid import DecodeConfig, System, equal_budget_systems
 from loramcl.validate import require
 
 SMOLLM2_FOLDER = "SmolLM2-135M-Instruct"
-SINGLE_MODEL_DECODINGS = ("beam", "diverse_beam")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,8 +72,8 @@ class TextTask(runner.Task):
         k = self.experiment.candidates
         hypotheses = {run: self.hypotheses(v) for run, v in values.items()}
         decoded = self.experiment.decoded_runs(list(values), [run for run, n in hypotheses.items() if n in (1, k)])
-        return equal_budget_systems({run: hypotheses[run] for run in decoded}, k, budgets, SINGLE_MODEL_DECODINGS,
-                                    self.experiment.mcl_decodings)
+        return equal_budget_systems({run: hypotheses[run] for run in decoded}, k, budgets,
+                                    mcl_strategies=self.experiment.mcl_decodings)
 
     def table(self, runs: list[str]) -> list[str]:
         return list(self.experiment.nll_table) if self.experiment.nll_table is not None else list(runs)

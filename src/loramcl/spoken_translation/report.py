@@ -64,9 +64,8 @@ def build_report(root: Path, experiment, systems, runs, stats: dict, metrics: st
     examples = [{"source": r["source"], "fr": r["fr"][0], **{name: outputs[name][i] for name in shown}}
                 for i, r in enumerate(test[:EXAMPLES_SHOWN])]
     return written_report(root, {"data": stats, "identifier": identifier_accuracy, "runs": records, "systems": results,
-                                 "likelihood": likelihood,
-                                     "examples": examples, "figures": {"training": curves}, "num_test_items": len(test),
-                                     "context_seconds": experiment.context_seconds}, markdown)
+                                 "likelihood": likelihood, "examples": examples, "figures": {"training": curves},
+                                 "num_test_items": len(test), "context_seconds": experiment.context_seconds}, markdown)
 
 
 def markdown(report: dict) -> str:
