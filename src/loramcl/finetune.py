@@ -222,7 +222,7 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
         head trained (``load_mcl_model(..., fit_scores=True)``). Returns the run record (run.json).
     """
     import torch
-    from transformers import PrinterCallback, ProgressCallback, TrainingArguments, set_seed
+    from transformers import PrinterCallback, ProgressCallback, set_seed
 
     from loramcl.trainer import MCLTrainer
 
@@ -238,17 +238,7 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     mcl_model.train()
     evaluating = eval_set is not None and training.eval_every > 0
     saving = training.save_every > 0
-    args = TrainingArguments(
-        output_dir=str(checkpoints), max_steps=training.steps, per_device_train_batch_size=training.batch_size,
-        per_device_eval_batch_size=training.batch_size, learning_rate=training.learning_rate,
-        weight_decay=training.weight_decay, adam_beta2=training.adam_beta2, max_grad_norm=training.max_grad_norm,
-        warmup_steps=training.warmup_steps, logging_steps=training.logging_steps,
-        lr_scheduler_type="cosine_with_min_lr" if training.min_learning_rate else training.scheduler,
-        lr_scheduler_kwargs={"min_lr": training.min_learning_rate} if training.min_learning_rate else {},
-        eval_strategy="steps" if evaluating else "no", eval_steps=training.eval_every if evaluating else None,
-        save_strategy="steps" if saving else "no", save_steps=training.save_every if saving else None,
-        save_total_limit=training.keep_checkpoints, report_to=[], use_cpu=not torch.cuda.is_available(),
-        seed=training.seed, data_seed=training.seed, remove_unused_columns=False, disable_tqdm=False)
+    args = training_arguments(training, str(checkpoints), evaluating)
     trainer = MCLTrainer(mcl_model, args=args, train_dataset=train_set, eval_dataset=eval_set,
                          data_collator=collator, scoring_learning_rate=training.scoring_learning_rate)
     trainer.remove_callback(PrinterCallback)
@@ -280,6 +270,28 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")
     print(f"trained {trainable:,} of {total:,} parameters in {seconds:.0f} s: {out_dir}")
     return run
+
+
+def training_arguments(training: TrainConfig, output_dir: str, evaluating: bool, **overrides):
+    """transformers ``TrainingArguments`` of a ``TrainConfig`` (validation every ``eval_every`` steps when
+    ``evaluating``, a checkpoint every ``save_every``, the CPU when no GPU is seen); ``overrides`` replace any of them
+    (e.g. another evaluation batch size)."""
+    import torch
+    from transformers import TrainingArguments
+
+    saving = training.save_every > 0
+    values = dict(
+        output_dir=output_dir, max_steps=training.steps, per_device_train_batch_size=training.batch_size,
+        per_device_eval_batch_size=training.batch_size, learning_rate=training.learning_rate,
+        weight_decay=training.weight_decay, adam_beta2=training.adam_beta2, max_grad_norm=training.max_grad_norm,
+        warmup_steps=training.warmup_steps, logging_steps=training.logging_steps,
+        lr_scheduler_type="cosine_with_min_lr" if training.min_learning_rate else training.scheduler,
+        lr_scheduler_kwargs={"min_lr": training.min_learning_rate} if training.min_learning_rate else {},
+        eval_strategy="steps" if evaluating else "no", eval_steps=training.eval_every if evaluating else None,
+        save_strategy="steps" if saving else "no", save_steps=training.save_every if saving else None,
+        save_total_limit=training.keep_checkpoints, report_to=[], use_cpu=not torch.cuda.is_available(),
+        seed=training.seed, data_seed=training.seed, remove_unused_columns=False, disable_tqdm=False)
+    return TrainingArguments(**(values | overrides))
 
 
 def training_pairs(path: str, data: DataConfig, what: str) -> tuple[list[str], list[str]]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -30,10 +29,8 @@ def systems(settings) -> dict[str, dict]:
     """name -> how to build it. LoRA-MLE has rank K*r (LoRA-MCL's trainable count); LoRA-MoE has E = K experts of
     rank r (the same, plus its routers); multi-head MCL duplicates the toy model's LM head (tied to the embeddings
     in the base, untied copies here)."""
-    k, loss = settings.hypotheses, {"loss": settings.loss, "epsilon": settings.epsilon,
-                                    "temperature0": settings.temperature0,
-                                    "temperature_decay": settings.temperature_decay,
-                                    "temperature_min": settings.temperature_min}
+    k, loss = settings.hypotheses, {name: value for name, value in settings.loss_options().items()
+                                    if name not in ("tie_break", "scoring")}
     return {
         "LoRA-MLE": {"kind": "mcl", "num_hypotheses": 1, "r": k * settings.rank},
         "LoRA-MCL": {"kind": "mcl", "num_hypotheses": k, "r": settings.rank, **loss},
@@ -169,11 +166,11 @@ def compare(out: str = "runs/baselines-markov", preset: str = "fig2", seeds: int
     mixture = preset_mixture(chains_name)
     # validation every 50 steps, not 10: only the final numbers are compared here, and validation costs a third of
     # the run at every 10
-    settings = replace(RunSettings(), **overrides, eval_every=50)
+    settings = RunSettings().with_values(**overrides, eval_every=50)
     if quick:
-        settings, seeds, prompts = replace(settings, steps=20, eval_every=10, eval_sequences=64), 1, 32
+        settings, seeds, prompts = settings.with_values(steps=20, eval_every=10, eval_sequences=64), 1, 32
     if steps is not None:
-        settings = replace(settings, steps=steps)
+        settings = settings.with_values(steps=steps)
     if threads is not None:
         torch.set_num_threads(threads)
     os.makedirs(out, exist_ok=True)

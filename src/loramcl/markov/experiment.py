@@ -8,22 +8,30 @@ matrix each hypothesis has learned.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 import torch
-from transformers import GPTNeoConfig, GPTNeoForCausalLM, PrinterCallback, TrainerCallback, TrainingArguments
+from transformers import GPTNeoConfig, GPTNeoForCausalLM, PrinterCallback, TrainerCallback
 
-from loramcl.config import MCLConfig
+from loramcl.config import MCLConfig, TrainConfig
+from loramcl.finetune import training_arguments
 from loramcl.markov.chains import MarkovMixture
 from loramcl.markov.theory import optimal_nll
 from loramcl.model import MCLModel, get_mcl_model
 from loramcl.trainer import MCLTrainer
-from loramcl.validate import require_int, require_real
+from loramcl.validate import require, require_int, require_real
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 TOY_MAX_POSITIONS = 1024  # positions of the toy model: the longest sequence it reads
 EVAL_SEED_OFFSET = 10_000  # validation sequences never share a seed with training sequences
+
+
+# The paper's optimisation (App. D): AdamW (betas 0.9, 0.95), lr 1e-4, weight decay 1e-3, cosine schedule without
+# warm-up, 500 steps of 128 sequences; no checkpoints; validation every 10 steps.
+PAPER_TRAINING = TrainConfig(steps=500, batch_size=128, learning_rate=1e-4, weight_decay=1e-3, adam_beta2=0.95,
+                             warmup_steps=0, scheduler="cosine", eval_every=10, save_every=0)
+TRAINING_FIELDS = frozenset(f.name for f in fields(TrainConfig))
 
 
 @dataclass
@@ -39,14 +47,7 @@ class RunSettings:
     temperature_min: float = 1e-3  # vanilla WTA below this temperature
     tie_break: str = "lowest"  # MCL: who wins an exact tie (every sequence at initialisation): lowest k or random
     scoring: bool = False  # MCL: hypothesis scores p(k | c) (issue 17), checked against the chain's posterior
-    scoring_learning_rate: float | None = None  # their head's learning rate (None: learning_rate)
-    steps: int = 500
-    batch_size: int = 128
-    learning_rate: float = 1e-4
-    weight_decay: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    scheduler: str = "cosine"
-    eval_every: int = 10
+    training: TrainConfig = PAPER_TRAINING  # optimisation and validation schedule (a log line per validation)
     eval_sequences: int = 1000
     hidden_size: int = 64
     layers: int = 2
@@ -57,15 +58,28 @@ class RunSettings:
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
-        for name in ("hypotheses", "rank", "steps", "batch_size", "eval_every", "eval_sequences", "hidden_size",
-                     "layers", "heads", "window"):
+        for name in ("hypotheses", "rank", "eval_sequences", "hidden_size", "layers", "heads", "window"):
             require_int(name, getattr(self, name))
-        for name in ("learning_rate", "temperature0", "initializer_range"):
+        for name in ("temperature0", "initializer_range"):
             require_real(name, getattr(self, name), low=0.0, low_open=True)
         require_real("epsilon", self.epsilon, low=0.0, high=1.0)
-        require_real("weight_decay", self.weight_decay, low=0.0)
         require_real("temperature_decay", self.temperature_decay, low=0.0, high=1.0, low_open=True)
         require_real("temperature_min", self.temperature_min, low=0.0)
+        require(self.training.eval_every > 0, f"eval_every must be >= 1 (the validation curve), got "
+               f"{self.training.eval_every}")
+
+    def with_values(self, **values) -> RunSettings:
+        """These settings with ``values`` replaced; TrainConfig's names (steps, learning_rate, eval_every, ...) go to
+        ``training``."""
+        training = {name: value for name, value in values.items() if name in TRAINING_FIELDS}
+        rest = {name: value for name, value in values.items() if name not in TRAINING_FIELDS}
+        return replace(self, **rest, training=replace(self.training, **training))
+
+    def loss_options(self) -> dict:
+        """The MCLConfig options of an MCL run's loss."""
+        return {"loss": self.loss, "epsilon": self.epsilon, "temperature0": self.temperature0,
+                "temperature_decay": self.temperature_decay, "temperature_min": self.temperature_min,
+                "tie_break": self.tie_break, "scoring": self.scoring}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -220,34 +234,27 @@ def train_run(name: str, mixture: MarkovMixture, settings: RunSettings, seed: in
     if model is None:
         k = 1 if name == "mle" else settings.hypotheses
         rank = settings.rank * settings.hypotheses if name == "mle" else settings.rank
-        loss = {"loss": settings.loss, "epsilon": settings.epsilon, "temperature0": settings.temperature0,
-                "temperature_decay": settings.temperature_decay, "temperature_min": settings.temperature_min,
-                "tie_break": settings.tie_break, "scoring": settings.scoring}
         config = MCLConfig(num_hypotheses=k, r=rank, alpha=rank, dropout=0.0, target_modules=TARGETS,
-                           **(loss if k > 1 else {}))
+                           **(settings.loss_options() if k > 1 else {}))
         model = get_mcl_model(toy_model(settings, mixture.num_states, seed), config)
     k = model.num_hypotheses
-    train_x, _ = mixture.sample(settings.steps * settings.batch_size, seed)
+    training = settings.training
+    train_x, _ = mixture.sample(training.steps * training.batch_size, seed)
     eval_x, _ = mixture.sample(settings.eval_sequences, seed + EVAL_SEED_OFFSET)
-    args = TrainingArguments(
-        output_dir=out, max_steps=settings.steps, per_device_train_batch_size=settings.batch_size,
-        per_device_eval_batch_size=settings.eval_sequences, learning_rate=settings.learning_rate,
-        weight_decay=settings.weight_decay, adam_beta1=settings.betas[0], adam_beta2=settings.betas[1],
-        lr_scheduler_type=settings.scheduler, warmup_steps=0, eval_strategy="steps",
-        eval_steps=settings.eval_every, logging_steps=settings.eval_every, save_strategy="no", report_to=[],
-        use_cpu=not torch.cuda.is_available(), seed=seed, data_seed=seed, disable_tqdm=True,
-        dataloader_drop_last=True)
+    args = training_arguments(training, out, evaluating=True, per_device_eval_batch_size=settings.eval_sequences,
+                              logging_steps=training.eval_every, seed=seed, data_seed=seed,
+                              remove_unused_columns=True, disable_tqdm=True, dataloader_drop_last=True)
     trainer = MCLTrainer(model, args=args, train_dataset=SequenceDataset(train_x),
-                         eval_dataset=SequenceDataset(eval_x), scoring_learning_rate=settings.scoring_learning_rate)
+                         eval_dataset=SequenceDataset(eval_x), scoring_learning_rate=training.scoring_learning_rate)
     trainer.remove_callback(PrinterCallback)
     if show_progress:
-        trainer.add_callback(_Progress(f"{name.upper()} K={k} seed {seed}", settings.steps))
+        trainer.add_callback(_Progress(f"{name.upper()} K={k} seed {seed}", training.steps))
     started = time.perf_counter()
     initial = trainer.evaluate()  # the step-0 point of the curve
     trainer.train()
     evaluations = [log for log in trainer.state.log_history if "eval_loss" in log and log["step"] > 0]
-    if evaluations[-1]["step"] != settings.steps:  # Trainer evaluates the last step only when eval_every divides it
-        evaluations.append({**trainer.evaluate(), "step": settings.steps})
+    if evaluations[-1]["step"] != training.steps:  # Trainer evaluates the last step only when eval_every divides it
+        evaluations.append({**trainer.evaluate(), "step": training.steps})
     seconds = time.perf_counter() - started
     final = evaluations[-1]
     history = [(0, initial["eval_loss"])] + [(log["step"], log["eval_loss"]) for log in evaluations]

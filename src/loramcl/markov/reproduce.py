@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import replace
 
 from loramcl.inputs import LocalPath
 from loramcl.markov.chains import MarkovMixture, preset_mixture
@@ -91,17 +90,17 @@ def markov(out: LocalPath = "runs/markov", preset: str = "fig2", chains: LocalPa
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     chains_name, overrides, note = PRESETS[preset]
     mixture = MarkovMixture.from_json(chains) if chains else preset_mixture(chains_name)
-    settings = replace(RunSettings(), **overrides)
+    settings = RunSettings().with_values(**overrides)
     if chains:
-        settings = replace(settings, hypotheses=mixture.num_chains)
+        settings = settings.with_values(hypotheses=mixture.num_chains)
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"seeds must be an integer >= 1, got {seeds!r}")
     if quick:
-        settings, seeds = replace(settings, **QUICK), 1
+        settings, seeds = settings.with_values(**QUICK), 1
     given = {"hypotheses": hypotheses, "steps": steps, "loss": loss, "epsilon": epsilon, "temperature0": temperature0,
              "temperature_decay": temperature_decay, "learning_rate": learning_rate,
              "initializer_range": initializer_range, "tie_break": tie_break, "scoring": scoring}
-    settings = replace(settings, **{k: v for k, v in given.items() if v is not None})
+    settings = settings.with_values(**{k: v for k, v in given.items() if v is not None})
     if settings.hypotheses < 2:
         raise ValueError(f"hypotheses must be at least 2 for LoRA-MCL, got {settings.hypotheses}")
     settings.check_fits(mixture)
