@@ -270,3 +270,42 @@ def test_copy_refuses_an_unknown_recipe_and_a_folder_in_use(tmp_path, monkeypatc
         copy_recipe("bilingual", "used")
     (tmp_path / "empty").mkdir()
     assert copy_recipe("bilingual", "empty") == tmp_path / "empty"
+
+
+def _task(root, experiment, scores: bool, quick: bool = False):
+    from loramcl.recipe import runner
+
+    class Toy(runner.Task):
+        experiment_type, default_recipes, scores_references = type(experiment), "none", scores
+        systems = prepare_data = train = decode = report = None
+
+    return Toy(None, experiment, Stages(root), quick, None, "cpu")
+
+
+def test_the_nll_table_decides_which_runs_are_trained_and_scored(tmp_path):
+    """A task that scores its references trains its decoded runs, then those of the NLL table (a quick run: the
+    decoded ones only), and scores the table's runs in its order (default: every trained run); another task trains
+    every run, scores none and refuses an NLL table before any work."""
+    from loramcl.recipe.experiment import Experiment
+    from loramcl.recipe.runner import run_recipe
+
+    systems = [System("a-beam-b2", "a", "beam", 2)]
+    table = Experiment(nll_table=["b", "a"])
+    assert _task(tmp_path, table, True).trained_runs(["a", "b", "c"], systems) == ["a", "b"]
+    assert _task(tmp_path, table, True, quick=True).trained_runs(["a", "b", "c"], systems) == ["a"]
+    assert _task(tmp_path, table, True).scored_runs(["a", "b"], systems) == ["b", "a"]
+    assert _task(tmp_path, table, True, quick=True).scored_runs(["a"], systems) == ["a"]
+    assert _task(tmp_path, Experiment(), True).trained_runs(["a", "b"], systems) == ["a", "b"]
+    assert _task(tmp_path, Experiment(), True).scored_runs(["a", "b"], systems) == ["a", "b"]
+    assert _task(tmp_path, table, False).trained_runs(["a", "b", "c"], systems) == ["a", "b", "c"]
+    assert _task(tmp_path, table, False).scored_runs(["a", "b"], systems) == []
+    with pytest.raises(ValueError, match=r"nll_table: no run file for \['x'\] \(runs: \['a'\]\)"):
+        Experiment(nll_table=["x"]).table_runs(["a"])
+    with pytest.raises(ValueError, match="nll_table must be a list of run names"):
+        Experiment(nll_table="a")
+    (tmp_path / "experiment.yaml").write_text("nll_table: [a]\n")
+    (tmp_path / "common.yaml").write_text(f"model: {tmp_path}\n")
+    (tmp_path / "a.yaml").write_text("{}\n")
+    toy = type(_task(tmp_path, Experiment(), False))  # its hooks are never reached
+    with pytest.raises(ValueError, match="nll_table: Toy scores no test reference"):
+        run_recipe(toy, out=str(tmp_path / "out"), recipes=str(tmp_path))

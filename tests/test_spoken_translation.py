@@ -21,6 +21,7 @@ from loramcl.data.spoken_messages import (
     WhisperTargets,
     check_voices,
     collate_encoded,
+    message_targets,
     speak,
     speakable,
     spoken_splits,
@@ -81,6 +82,22 @@ def test_splits_are_seeded_leak_free_with_one_random_mode_per_example(tmp_path):
     assert len(voices) > 50 and all(140 <= s <= 185 and 35 <= p <= 65 for _, s, p in voices)
     other = spoken_splits(SpokenSettings(locale_dir=settings.locale_dir, train=1000, validation=20, test=30, seed=1))
     assert [r["mode"] for r in other["train"]] != [r["mode"] for r in splits["train"]]
+
+
+def test_a_training_message_gives_both_modes_or_its_drawn_one():
+    """"both" (the recipe's default): the transcript and the most used French translation of the same clip, so the
+    clip never tells the mode; "drawn": the one mode drawn for the message."""
+    from loramcl.spoken_translation.reproduce import Experiment
+
+    row = {"source": "Open the file", "fr": ["Ouvrir le fichier", "Ouvre le fichier"], "mode": "fr",
+           "target": "Ouvrir le fichier"}
+    assert message_targets(row, "both") == [("Open the file", "en"), ("Ouvrir le fichier", "fr")]
+    assert message_targets(row, "drawn") == [("Ouvrir le fichier", "fr")]
+    with pytest.raises(ValueError, match="train_modes must be one of"):
+        message_targets(row, "all")
+    assert Experiment().train_modes == "both"
+    with pytest.raises(ValueError, match="train_modes must be one of both, drawn; got 'each'"):
+        Experiment(train_modes="each")
 
 
 def test_settings_and_too_few_messages_are_clear_errors(tmp_path):
@@ -252,7 +269,8 @@ def test_quick_end_to_end_on_whisper_base_then_every_stage_reused(tmp_path):
         assert likelihood["oracle_nll"] <= min(likelihood["hypothesis_nll"])
     assert set(report["likelihood"]["mcl"]["likelihood_wins"]["by_group"]) == {"en", "fr"}
     text = (out / "report.md").read_text()
-    assert "the paper's winner" in text
+    assert "the paper's winner" in text and "(figures/tradeoff.png)" in text
+    assert (out / "figures" / "tradeoff.png").stat().st_size > 10_000  # quality against diversity, every system
     assert "| mcl | 2 | 8 | annealed τ0=1, ρ=0.97 |" in text and "| mle | 1 | 16 | MLE |" in text
     again = spoken_translation(out=str(out), quick=True)
     assert set(again["timing_s"]) == {"report", "runs"}

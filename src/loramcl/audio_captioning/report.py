@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loramcl.recipe.grid import System
-from loramcl.recipe.report import Column, loss_name, metrics_table, percent, runs_table, training_curves
+from loramcl.recipe.report import Column, metrics_table, percent, runs_table, tradeoff_figure, training_curves
 
 COLUMNS = (Column("spider", "SPIDEr"), Column("cider_d", "CIDEr-D"), Column("meteor", "METEOR"),
            Column("sbert_sim", "sBERT"), Column("bleu4", "BLEU-4"), Column("rouge_l", "ROUGE-L"),
@@ -20,7 +20,6 @@ COLUMNS = (Column("spider", "SPIDEr"), Column("cider_d", "CIDEr-D"), Column("met
 def build_report(root: Path, experiment, systems: Sequence[System], runs: Sequence[str]) -> dict:
     """report.md and figures/ from the evaluations in eval/ and the runs' records; returns the report's data."""
     from loramcl.metrics.io import read_report
-    from loramcl.metrics.plot import tradeoff_plot
     from loramcl.runs import run_record
 
     evaluations = {s.name: read_report(root / "eval" / f"{s.name}.json") for s in systems}
@@ -37,10 +36,7 @@ def build_report(root: Path, experiment, systems: Sequence[System], runs: Sequen
     figures = root / "figures"
     curves = training_curves({run: root / run for run in trained}, figures / "training.png")
     quality = "spider" if all("spider" in r["metrics"] for r in results.values()) else "cider_d"
-    tradeoff = tradeoff_plot(list(evaluations.values()), x="mbleu4", y=quality, out=figures / "tradeoff.png",
-                             labels=[f"B={s.budget}" for s in systems],
-                             methods=[method_label(records[s.run]) for s in systems],
-                             decodings=[decoding_label(s) for s in systems])
+    tradeoff = tradeoff_figure(evaluations, systems, records, "mbleu4", quality, figures / "tradeoff.png")
 
     lines = [f"# Audio captioning: {experiment.layout}{' (synthetic)' if experiment.synthetic else ''}", "",
              f"K = {experiment.candidates} candidates per clip for every system; budget B = sequences advanced per "
@@ -66,26 +62,3 @@ def build_report(root: Path, experiment, systems: Sequence[System], runs: Sequen
     return {"data": stats, "runs": records, "systems": results, "figures": {"training": str(curves),
                                                                               "tradeoff": str(tradeoff)}}
 
-
-def method_label(record: dict) -> str:
-    """The paper's name of a trained run (Fig. 3 legend), from its run.json."""
-    settings = record["settings"]
-    method = settings.get("method", "mcl")
-    if method == "moe":
-        return "LoRA-MoE"
-    mcl = settings["mcl"]
-    return f"LoRA-MLE r={mcl['r']}" if mcl["num_hypotheses"] == 1 else f"LoRA-MCL ({loss_name(mcl)})"
-
-
-def decoding_label(system: System) -> str:
-    """The decoding of a system (Fig. 3 colours): an MCL run's beam and greedy decoding are beam search with one beam
-    per hypothesis at B = K (greedy: with the repetition penalty on the logits)."""
-    options = system.options
-    if system.strategy == "diverse_beam":  # an MCL run's: diverse MCL decoding at the recipe's λ
-        return f"diverse beam λ={options['diversity_penalty']:g}" if "diversity_penalty" in options else \
-            "diverse MCL decoding"
-    if system.strategy == "tta":
-        return "TTA φ=({:g}, {:g})".format(*options["tta_strength"])
-    if system.strategy == "sample":
-        return "sampling " + ", ".join(f"{key}={value:g}" for key, value in options.items())
-    return "greedy (penalty on logits)" if system.strategy == "greedy" else "beam search"

@@ -44,6 +44,7 @@ _SPEAKABLE = re.compile(r"[A-Za-z][A-Za-z'-]*(?:,? [A-Za-z][A-Za-z'-]*)*[.!?]?")
 # Whisper's task tokens after the mode's language token (no timestamps).
 WHISPER_TASK_TOKENS = ("<|transcribe|>", "<|notimestamps|>")
 WHISPER_LANGUAGE_TOKENS = {"en": "<|en|>", "fr": "<|fr|>"}
+TRAIN_MODES = ("both", "drawn")  # the targets of a training message (``message_targets``)
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,15 @@ def spoken_splits(settings: SpokenSettings) -> dict[str, list[dict]]:
                 rows.append(row)
         splits[name] = rows
     return splits
+
+
+def message_targets(row: dict, modes: str = "both") -> list[tuple[str, str]]:
+    """The (target, mode) training examples of a train or validation message: ``modes`` "drawn", its target in the
+    mode drawn for it by ``spoken_splits`` (one example, the same every epoch); "both", its transcript and its most
+    used French translation (two examples on the same clip, so the speech alone never tells the mode, as at test
+    time)."""
+    require(modes in TRAIN_MODES, f"train_modes must be one of {TRAIN_MODES}, got {modes!r}")
+    return [(row["target"], row["mode"])] if modes == "drawn" else [(row["source"], "en"), (row["fr"][0], "fr")]
 
 
 def espeak_path() -> str:
@@ -248,5 +258,5 @@ def collate_encoded(rows: list[dict]) -> dict:
     return {"encoder_outputs": (torch.stack([r["encoder_states"] for r in rows]),), "labels": labels}
 
 
-__all__ = ["MODES", "SpokenSettings", "WhisperTargets", "check_voices", "collate_encoded", "speak", "spoken_splits",
-           "write_spoken_splits"]
+__all__ = ["MODES", "TRAIN_MODES", "SpokenSettings", "WhisperTargets", "check_voices", "collate_encoded",
+           "message_targets", "speak", "spoken_splits", "write_spoken_splits"]

@@ -42,6 +42,10 @@ class Experiment:
     decoding: dict = field(default_factory=dict)
     """DecodeConfig settings (max_new_tokens, repetition_penalty, batch_size, diversity_penalty, seed)."""
 
+    nll_table: list[str] | None = None
+    """Runs of the oracle-NLL table (paper Table 1), in order, for a task that scores its test references (default:
+    every run); trained after the decoded runs, never decoded unless they are in ``decoded`` too."""
+
     def __post_init__(self) -> None:
         check_budgets(self.candidates, self.budgets)
         require(isinstance(self.mcl_decodings, list) and bool(self.mcl_decodings)
@@ -49,6 +53,8 @@ class Experiment:
                 f"mcl_decodings must be among {', '.join(MCL_DECODINGS)}, got {self.mcl_decodings!r}")
         names = isinstance(self.decoded, list) and all(isinstance(run, str) for run in self.decoded)
         require(self.decoded is None or names, f"decoded must be a list of run names, got {self.decoded!r}")
+        table = isinstance(self.nll_table, list) and all(isinstance(run, str) for run in self.nll_table)
+        require(self.nll_table is None or table, f"nll_table must be a list of run names, got {self.nll_table!r}")
         DecodeConfig(**self.decoding)
 
     def decoded_runs(self, runs: Sequence[str], default: Sequence[str] | None = None) -> list[str]:
@@ -58,6 +64,14 @@ class Experiment:
         unknown = sorted(set(self.decoded) - set(runs))
         require(not unknown, f"decoded: no run file for {unknown} (runs: {sorted(runs)})")
         return list(self.decoded)
+
+    def table_runs(self, runs: Sequence[str]) -> list[str]:
+        """The runs of the NLL table: ``nll_table`` (each must be one of ``runs``), or every run."""
+        if self.nll_table is None:
+            return list(runs)
+        unknown = sorted(set(self.nll_table) - set(runs))
+        require(not unknown, f"nll_table: no run file for {unknown} (runs: {sorted(runs)})")
+        return list(self.nll_table)
 
     @classmethod
     def read(cls, path: Path) -> Experiment:

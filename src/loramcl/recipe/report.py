@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from loramcl.recipe.grid import System
+
 
 @dataclass(frozen=True)
 class Column:
@@ -119,6 +121,43 @@ def metrics_table(results: dict[str, dict], columns: Sequence[Column]) -> list[s
         cells = [format(metrics[c.key], c.format) if metrics.get(c.key) is not None else "–" for c in columns]
         lines.append(f"| {name} | {result['system']['budget']} | " + " | ".join(cells) + " |")
     return lines
+
+
+def method_label(record: dict) -> str:
+    """The paper's name of a trained run (Fig. 3 legend), from its run.json."""
+    settings = record["settings"]
+    method = settings.get("method", "mcl")
+    if method == "moe":
+        return "LoRA-MoE"
+    mcl = settings["mcl"]
+    return f"LoRA-MLE r={mcl['r']}" if mcl["num_hypotheses"] == 1 else f"LoRA-MCL ({loss_name(mcl)})"
+
+
+def decoding_label(system: System) -> str:
+    """The decoding of a system (Fig. 3 colours): an MCL run's beam and greedy decoding are beam search with one beam
+    per hypothesis at B = K (greedy: with the repetition penalty on the logits)."""
+    options = system.options
+    if system.strategy == "diverse_beam":  # an MCL run's: diverse MCL decoding at the recipe's λ
+        return f"diverse beam λ={options['diversity_penalty']:g}" if "diversity_penalty" in options else \
+            "diverse MCL decoding"
+    if system.strategy == "tta":
+        return "TTA φ=({:g}, {:g})".format(*options["tta_strength"])
+    if system.strategy == "sample":
+        return "sampling " + ", ".join(f"{key}={value:g}" for key, value in options.items())
+    return "greedy (penalty on logits)" if system.strategy == "greedy" else "beam search"
+
+
+def tradeoff_figure(results: dict[str, dict], systems: Sequence[System], records: dict[str, dict], x: str, y: str,
+                    out: Path, title: str | None = None) -> Path:
+    """Quality ``y`` against diversity ``x`` of every system (paper Fig. 3-4; ``results[name]["metrics"]``): a marker
+    per method (``method_label`` of its run's record), a colour per decoding (``decoding_label``), each point
+    labelled with its budget."""
+    from loramcl.metrics.plot import tradeoff_plot
+
+    return tradeoff_plot([results[s.name] for s in systems], x=x, y=y, out=out, title=title,
+                         labels=[f"B={s.budget}" for s in systems],
+                         methods=[method_label(records[s.run]) for s in systems],
+                         decodings=[decoding_label(s) for s in systems])
 
 
 def training_curves(runs: dict[str, Path], out: Path) -> str:

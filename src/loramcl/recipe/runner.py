@@ -33,6 +33,10 @@ class Task(ABC):
     quick_decoding: ClassVar[dict] = {}
     """DecodeConfig settings of a quick run (fewer tokens)."""
 
+    scores_references: ClassVar[bool] = False
+    """Whether the task scores every test reference under every hypothesis of the runs of its NLL table
+    (``score``; experiment.yaml's ``nll_table``)."""
+
     def __init__(self, folder: Path, experiment: Experiment, stages: Stages, quick: bool, threads: int | None,
                  device: str) -> None:
         self.folder, self.experiment, self.stages = folder, experiment, stages
@@ -85,8 +89,12 @@ class Task(ABC):
         """The data stage(s): write ``self.test`` and what the runs train on under ``self.data``."""
 
     def trained_runs(self, runs: list[str], systems: list[System]) -> list[str]:
-        """The runs trained, in order (default: every run)."""
-        return runs
+        """The runs trained, in order: every run; for a task that scores its references, the decoded runs first, then
+        those of the NLL table (a quick run: the decoded runs only)."""
+        if not self.scores_references:
+            return runs
+        decoded = list(dict.fromkeys(system.run for system in systems))
+        return list(dict.fromkeys(decoded + ([] if self.quick else self.experiment.table_runs(runs))))
 
     @abstractmethod
     def train(self, run: str, values: dict) -> None:
@@ -102,8 +110,12 @@ class Task(ABC):
         return {}
 
     def scored_runs(self, runs: list[str], systems: list[System]) -> list[str]:
-        """The runs whose NLL of every test reference is computed (``score``); default none."""
-        return []
+        """The trained ``runs`` whose NLL of every test reference is computed (``score``): those of the NLL table, for
+        a task that scores its references."""
+        if not self.scores_references:
+            return []
+        table = self.experiment.nll_table
+        return list(runs) if table is None else [run for run in table if run in runs]
 
     def score(self, run: str, values: dict, decode: DecodeConfig, out: Path) -> None:
         """Write to ``out`` the NLL of every test reference under every hypothesis of ``run``."""
@@ -152,6 +164,10 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     model = values[names[0]]["model"]
     for run, v in values.items():
         require(v["model"] == model, f"run {run}: every run of a recipe folder trains the same model ({model})")
+    if task.scores_references:
+        experiment.table_runs(names)  # each run of the NLL table has its run file
+    else:
+        require(experiment.nll_table is None, f"nll_table: {task_type.__name__} scores no test reference")
     task.check(model, values)
     systems = task.systems(values, chosen)
     if quick:  # every decoding code path, with fewer decodes

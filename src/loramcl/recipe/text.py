@@ -18,14 +18,11 @@ SMOLLM2_FOLDER = "SmolLM2-135M-Instruct"
 
 @dataclass(frozen=True, kw_only=True)
 class TextExperiment(Experiment):
-    """experiment.yaml of a text task: the runs' model and the runs of the NLL table, beside the common settings."""
+    """experiment.yaml of a text task: the runs' model, beside the common settings."""
 
     packaged_model: str | None = None
     """'smollm2': convert the packaged SmolLM2-135M-Instruct into <out>/SmolLM2-135M-Instruct and train on it (the
     run files' `model`); None: the run files' `model` is a local folder."""
-
-    nll_table: list[str] | None = None
-    """Runs of the oracle-NLL table (paper Table 1), in order (default: every run)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -37,6 +34,7 @@ class TextTask(runner.Task):
     """A text task: prompts and references in data/*.jsonl, runs trained and decoded by the `loramcl` commands'
     library functions. A subclass gives its experiment, its data stage and its report."""
 
+    scores_references = True
     references_key: ClassVar[str] = "references"
     """The test file's field holding what the NLL table scores after each prompt."""
 
@@ -58,8 +56,6 @@ class TextTask(runner.Task):
         for run, v in values.items():
             require(self.run_chat_template(v) == self.chat_template, f"run {run}: every run of a recipe folder "
                    "trains with the same prompt format (data: chat_template)")
-        for run in self.experiment.nll_table or []:
-            require(run in values, f"nll_table: no run file {run}.yaml (runs: {sorted(values)})")
 
     @staticmethod
     def run_chat_template(values: dict) -> bool:
@@ -74,14 +70,6 @@ class TextTask(runner.Task):
         decoded = self.experiment.decoded_runs(list(values), [run for run, n in hypotheses.items() if n in (1, k)])
         return equal_budget_systems({run: hypotheses[run] for run in decoded}, k, budgets,
                                     mcl_strategies=self.experiment.mcl_decodings)
-
-    def table(self, runs: list[str]) -> list[str]:
-        return list(self.experiment.nll_table) if self.experiment.nll_table is not None else list(runs)
-
-    def trained_runs(self, runs: list[str], systems: list[System]) -> list[str]:
-        """The decoded runs first, then those of the NLL table (a quick run: the decoded runs only)."""
-        decoded = list(dict.fromkeys(system.run for system in systems))
-        return list(dict.fromkeys(decoded + ([] if self.quick else self.table(runs))))
 
     def train(self, run: str, values: dict) -> None:
         from loramcl.config import DataConfig, MCLConfig, TrainConfig
@@ -106,9 +94,6 @@ class TextTask(runner.Task):
                  adapters=str(self.root / system.run / (PEFT_FOLDER if single else "")), device=self.device,
                  batch_size=decode.batch_size, chat_template=self.chat_template,
                  dtype=values.get("dtype", "float32"), **arguments)
-
-    def scored_runs(self, runs: list[str], systems: list[System]) -> list[str]:
-        return [run for run in self.table(runs) if run in runs]
 
     def score(self, run: str, values: dict, decode: DecodeConfig, out: Path) -> None:
         from loramcl.finetune import nll

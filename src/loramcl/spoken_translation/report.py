@@ -9,7 +9,16 @@ from collections import Counter
 from pathlib import Path
 
 from loramcl.data.spoken_messages import MODES, read_rows
-from loramcl.recipe.report import inline, nll_section, percent, runs_nll, runs_table, wins_table, written_report
+from loramcl.recipe.report import (
+    inline,
+    nll_section,
+    percent,
+    runs_nll,
+    runs_table,
+    tradeoff_figure,
+    wins_table,
+    written_report,
+)
 
 IDENTIFIER_EXAMPLES = 2000  # per language, from the training split
 EXAMPLES_SHOWN = 8
@@ -29,9 +38,9 @@ def train_identifier(train: list[dict], test: list[dict], seed: int = 0):
     return identifier, evaluate_identifier(identifier, [t for t, _ in check], [m for _, m in check])
 
 
-def build_report(root: Path, experiment, systems, runs, stats: dict, metrics: str) -> dict:
-    """report.md and figures/ from the predictions, each system evaluated with ``metrics``; returns the report's
-    data."""
+def build_report(root: Path, experiment, systems, runs, scored: list[str], stats: dict, metrics: str) -> dict:
+    """report.md and figures/ from the predictions of ``systems`` (each evaluated with ``metrics``), the trained
+    ``runs`` and the NLL of the ``scored`` runs; returns the report's data."""
     from loramcl.analysis import language_shares, language_wins
     from loramcl.metrics import evaluate_candidates
     from loramcl.metrics.io import read_jsonl
@@ -58,13 +67,16 @@ def build_report(root: Path, experiment, systems, runs, stats: dict, metrics: st
         results[system.name] = {"system": system.to_dict(), "metrics": evaluation["metrics"],
                                 "mode_wins": language_wins(candidates, by_mode, MODES), "languages": shares,
                                 "language_tokens": [{t: n / len(test) for t, n in d.items()} for d in declared]}
-    likelihood = runs_nll(root, runs, [r["id"] for r in test], references, [r["reference_modes"] for r in test])
+    likelihood = runs_nll(root, scored, [r["id"] for r in test], references, [r["reference_modes"] for r in test])
     curves = training_curves({run: root / run for run in runs}, root / "figures" / "training.png")
+    tradeoff = tradeoff_figure(results, systems, records, "mbleu4", "chrf", root / "figures" / "tradeoff.png",
+                               title=f"Oracle chrF against mBLEU-4 (lower: more diverse), K = {experiment.candidates}")
     shown = [s.name for s in systems if s.budget == min(x.budget for x in systems)]
     examples = [{"source": r["source"], "fr": r["fr"][0], **{name: outputs[name][i] for name in shown}}
                 for i, r in enumerate(test[:EXAMPLES_SHOWN])]
+    figures = {"training": curves, "tradeoff": str(tradeoff)}
     return written_report(root, {"data": stats, "identifier": identifier_accuracy, "runs": records, "systems": results,
-                                 "likelihood": likelihood, "examples": examples, "figures": {"training": curves},
+                                 "likelihood": likelihood, "examples": examples, "figures": figures,
                                  "num_test_items": len(test), "context_seconds": experiment.context_seconds}, markdown)
 
 
@@ -116,5 +128,6 @@ def markdown(report: dict) -> str:
         for name, candidates in example.items():
             if name not in ("source", "fr"):
                 lines.append(f"  - {name}: " + " · ".join(f"{k}: {inline(c)}" for k, c in enumerate(candidates)))
-    lines += ["", f"![training curves]({Path(report['figures']['training']).name})", ""]
+    lines += ["", f"![training curves](figures/{Path(report['figures']['training']).name})",
+              f"![quality against diversity](figures/{Path(report['figures']['tradeoff']).name})", ""]
     return "\n".join(lines)

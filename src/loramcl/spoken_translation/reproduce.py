@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from loramcl.data.spoken_messages import SpokenSettings, read_rows
+from loramcl.data.spoken_messages import TRAIN_MODES, SpokenSettings, read_rows
+from loramcl.inputs import check_choice
 from loramcl.recipe import runner
 from loramcl.recipe.experiment import Experiment as RecipeExperiment
 from loramcl.recipe.grid import DecodeConfig, System, check_sampling, check_tta, systems_of
@@ -59,6 +60,12 @@ class Experiment(RecipeExperiment):
     eval_examples: int = 32
     """Validation messages scored during training."""
 
+    train_modes: str = "both"
+    """The targets of a training message: "both", its transcript and its most used French translation (two examples
+    on the same clip: the speech never tells the mode, as at test time); "drawn", the one mode drawn for it
+    (data.seed), which every epoch asks of the same clip, so the mode can be learnt from the clip itself
+    (docs/spoken_translation.md)."""
+
     sampling: list[dict] = field(default_factory=list)
     """Sampling systems of every run at B = K, one per entry of generate_hypotheses arguments (e.g. {"top_p": 0.95};
     paper Tables 8-9)."""
@@ -71,6 +78,7 @@ class Experiment(RecipeExperiment):
         check_tta(self.tta)
         check_sampling(self.sampling)
         require_int("eval_examples", self.eval_examples, minimum=0)
+        check_choice("train_modes", self.train_modes, TRAIN_MODES)
 
 
 # ---- model ---------------------------------------------------------------------------------------------------
@@ -135,30 +143,32 @@ def encoder_states(model: str, rows: list[dict], batch_size: int = 16) -> list:
     return states
 
 
-def encoded_examples(model: str, rows: list[dict]) -> list[dict]:
-    """One training row per message: the frozen encoder's states of its clip and Whisper's labels of its target in
-    its mode."""
+def encoded_examples(model: str, rows: list[dict], modes: str) -> list[dict]:
+    """The training examples of messages: the frozen encoder's states of a message's clip (computed once) and
+    Whisper's labels of each of its targets (``spoken_messages.message_targets``)."""
     from transformers import AutoTokenizer
 
-    from loramcl.data.spoken_messages import WhisperTargets
+    from loramcl.data.spoken_messages import WhisperTargets, message_targets
 
     targets = WhisperTargets(AutoTokenizer.from_pretrained(model))
-    return [{"encoder_states": s, "labels": targets.labels(r["target"], r["mode"])}
-            for s, r in zip(encoder_states(model, rows), rows, strict=True)]
+    return [{"encoder_states": states, "labels": targets.labels(text, mode)}
+            for states, row in zip(encoder_states(model, rows), rows, strict=True)
+            for text, mode in message_targets(row, modes)]
 
 
 def train_run(model: str, out: str, method: str, config, training, settings: dict, data: Path,
-              eval_examples: int) -> dict:
-    """Train one run with ``finetune.fit`` on precomputed encoder states (resuming from its checkpoints)."""
+              eval_examples: int, modes: str) -> dict:
+    """Train one run with ``finetune.fit`` on precomputed encoder states (resuming from its checkpoints); ``modes``:
+    the targets of a training message (``encoded_examples``). Validation keeps each message's drawn mode."""
     from transformers import AutoTokenizer
 
     from loramcl.data.spoken_messages import collate_encoded
     from loramcl.finetune import fit, resumable_checkpoint
     from loramcl.loading import load_model
 
-    train_set = encoded_examples(model, read_rows(data / "train.jsonl"))
+    train_set = encoded_examples(model, read_rows(data / "train.jsonl"), modes)
     validation = read_rows(data / "validation.jsonl")[:eval_examples]
-    eval_set = encoded_examples(model, validation) if validation else None
+    eval_set = encoded_examples(model, validation, "drawn") if validation else None
     return fit(lambda: load_model(model), out, config, training, settings, train_set, eval_set,
                collator=collate_encoded, processor=AutoTokenizer.from_pretrained(model),
                last_checkpoint=resumable_checkpoint(out, settings, True), method=method)
@@ -236,6 +246,7 @@ class SpokenTranslation(runner.Task):
     default_recipes = DEFAULT_RECIPES
     quick_settings = {"training": QUICK_TRAIN}
     quick_decoding = QUICK_DECODING
+    scores_references = True
 
     def build_model(self) -> str:
         from loramcl.pretrained import whisper_base_files
@@ -271,16 +282,14 @@ class SpokenTranslation(runner.Task):
         settings = json.loads(json.dumps({
             "model": values["model"], "mcl": config.to_dict(), "training": asdict(training),
             "eval_examples": eval_examples, "context_seconds": self.experiment.context_seconds,
+            "train_modes": self.experiment.train_modes,
             "data_sha256": {role: sha256(self.data / f"{role}.jsonl") for role in ("train", "validation")}}))
         self.stages.train(f"train {run}", Path(values["out"]), settings, train_run, values["model"], values["out"],
-                          method, config, training, settings, self.data, eval_examples)
+                          method, config, training, settings, self.data, eval_examples, self.experiment.train_modes)
 
     def decode(self, system: System, values: dict, arguments: dict, decode: DecodeConfig) -> None:
         decode_run(values["model"], str(self.root / system.run), self.test, self.stages.predictions(system.name),
                    arguments, decode.batch_size)
-
-    def scored_runs(self, runs: list[str], systems: list[System]) -> list[str]:
-        return list(dict.fromkeys(system.run for system in systems))
 
     def score(self, run: str, values: dict, decode: DecodeConfig, out: Path) -> None:
         score_references(values["model"], str(self.root / run), self.test, out, decode.batch_size)
@@ -289,7 +298,8 @@ class SpokenTranslation(runner.Task):
         from loramcl.spoken_translation.report import build_report
 
         stats = json.loads((self.data / "stats.json").read_text())
-        return build_report(self.root, self.experiment, systems, runs, stats, METRICS)
+        return build_report(self.root, self.experiment, systems, runs, self.scored_runs(runs, systems), stats,
+                            METRICS)
 
 
 def spoken_translation(out: str | None = None, recipes: str | None = None, quick: bool = False,
