@@ -20,9 +20,9 @@ from loramcl.recipe.text import TextExperiment, TextTask
 from loramcl.validate import require
 
 # Quick: the same pipeline on a few examples and steps, to check it end to end in a few minutes.
-QUICK_DATA = {"validation": 8, "test": 12}
+QUICK_DATA = {"validation": 4, "test": 6}
 QUICK_TRAIN = {"training": {"steps": 3, "batch_size": 4, "eval_every": 0, "logging_steps": 1, "warmup_steps": 0},
-               "data": {"eval_examples": 8}}
+               "data": {"eval_examples": 4}}
 QUICK_DECODING = {"max_new_tokens": 8}
 METRICS = "sacrebleu,chrf,mbleu4,div2"
 PROBED = ("mcl-relaxed-greedy-b2", "mcl-annealed-greedy-b2", "mle-diversebeam-b2", "mle-beam-b2")
