@@ -51,27 +51,28 @@ class Experiment:
         require(isinstance(self.mcl_decodings, list) and bool(self.mcl_decodings)
                 and set(self.mcl_decodings) <= set(MCL_DECODINGS),
                 f"mcl_decodings must be among {', '.join(MCL_DECODINGS)}, got {self.mcl_decodings!r}")
-        names = isinstance(self.decoded, list) and all(isinstance(run, str) for run in self.decoded)
-        require(self.decoded is None or names, f"decoded must be a list of run names, got {self.decoded!r}")
-        table = isinstance(self.nll_table, list) and all(isinstance(run, str) for run in self.nll_table)
-        require(self.nll_table is None or table, f"nll_table must be a list of run names, got {self.nll_table!r}")
+        for name in ("decoded", "nll_table"):
+            chosen = getattr(self, name)
+            names = isinstance(chosen, list) and all(isinstance(run, str) for run in chosen)
+            require(chosen is None or names, f"{name} must be a list of run names, got {chosen!r}")
         DecodeConfig(**self.decoding)
 
     def decoded_runs(self, runs: Sequence[str], default: Sequence[str] | None = None) -> list[str]:
         """The runs decoded: ``decoded`` (each must be one of ``runs``), or ``default`` (every run if None)."""
-        if self.decoded is None:
-            return list(runs if default is None else default)
-        unknown = sorted(set(self.decoded) - set(runs))
-        require(not unknown, f"decoded: no run file for {unknown} (runs: {sorted(runs)})")
-        return list(self.decoded)
+        return self._chosen_runs("decoded", runs, default)
 
     def table_runs(self, runs: Sequence[str]) -> list[str]:
         """The runs of the NLL table: ``nll_table`` (each must be one of ``runs``), or every run."""
-        if self.nll_table is None:
-            return list(runs)
-        unknown = sorted(set(self.nll_table) - set(runs))
-        require(not unknown, f"nll_table: no run file for {unknown} (runs: {sorted(runs)})")
-        return list(self.nll_table)
+        return self._chosen_runs("nll_table", runs)
+
+    def _chosen_runs(self, name: str, runs: Sequence[str], default: Sequence[str] | None = None) -> list[str]:
+        """The run names of setting ``name``, each one of ``runs``; when unset, ``default`` (every run if None)."""
+        chosen = getattr(self, name)
+        if chosen is None:
+            return list(runs if default is None else default)
+        unknown = sorted(set(chosen) - set(runs))
+        require(not unknown, f"{name}: no run file for {unknown} (runs: {sorted(runs)})")
+        return list(chosen)
 
     @classmethod
     def read(cls, path: Path) -> Experiment:
