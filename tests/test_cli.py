@@ -164,11 +164,20 @@ def test_every_command_summary_is_a_whole_sentence():
         assert len(lines) == 1 or not lines[1].strip(), f"{name}: the summary runs onto a second line"
 
 
-def test_the_strategy_choices_are_the_decoders():
-    from loramcl.generation.decoding import BASELINE_STRATEGIES, MCL_STRATEGIES
-    from loramcl.generation.predictions import STRATEGIES
+def test_generate_takes_every_decoding_option_as_a_flag(capsys):
+    """`loramcl generate`'s decoding flags are Decoding's fields (jsonargparse resolves ``**decoding`` through it),
+    each with its help and checked before torch loads."""
+    import dataclasses
 
-    assert set(STRATEGIES) == set(MCL_STRATEGIES + BASELINE_STRATEGIES)
+    from loramcl.generation.options import STRATEGIES, Decoding
+
+    code, out, _ = run_main(["generate", "--help"], capsys)
+    assert code == 0
+    for field in dataclasses.fields(Decoding):
+        assert f"--{field.name} " in out, field.name
+    assert all(strategy in out for strategy in STRATEGIES) and "forward budget B" in out
+    code, _, err = run_main(["generate", "--model", "m", "--input", "i", "--strategy", "beem"], capsys)
+    assert code == 2 and "beem" in err
 
 
 def test_convert_smollm2_command(tmp_path, monkeypatch, capsys):

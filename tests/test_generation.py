@@ -124,15 +124,13 @@ def test_log_prob_is_the_raw_model_likelihood_of_the_candidate():
 def test_teacher_forced_rescoring_equals_the_step_log_probs(name):
     """Diverse beam search keeps no step logits, so its log-probs come from one teacher-forced forward
     (``_rescore``): on beam-search outputs it must give the step logits' value, left padding and EOS included."""
-    from loramcl.generation import candidates, decoding
+    from loramcl.generation import Decoding, candidates, decoding
 
     mcl, inputs = mcl_case(name)
-    settings = dict(strategy="beam", num_beams=3, num_sequences=2, hypotheses=[1], max_new_tokens=NEW_TOKENS,
-                    pad_token_id=0, eos_token_id=7)
-    outs = generate_hypotheses(mcl, None, inputs, **settings)
+    beam = Decoding(strategy="beam", num_beams=3, num_sequences=2, hypotheses=[1], max_new_tokens=NEW_TOKENS)
+    outs = generate_hypotheses(mcl, None, inputs, decoding=beam, pad_token_id=0, eos_token_id=7)
     batch = decoding._prepare_inputs(mcl, None, inputs)
-    kwargs = decoding._generate_kwargs(mcl, None, "beam", 3, NEW_TOKENS, 1.0, 1.0, 0, 1.0, 1.0, True,
-                                       {"pad_token_id": 0, "eos_token_id": 7})
+    kwargs = decoding._generate_kwargs(mcl, None, beam, 3, True, {"pad_token_id": 0, "eos_token_id": 7})
     decoder = candidates.Decoder(mcl, None, kwargs, seed=None, log_probs=True, routing=1)
     with decoder._routed():
         output = mcl.generate(**batch, **kwargs, num_return_sequences=2)
@@ -492,6 +490,29 @@ def test_mcl_errors(mcl_and_plain, call, error, match):
     call = {"inputs": inputs, **call}
     with pytest.raises(error, match=match):
         generate_hypotheses(mcl, None, **call)
+
+
+def test_a_decoding_object_and_its_fields_as_keywords_decode_alike(mcl_and_plain):
+    """``decoding=Decoding(...)`` is the keywords' call; a keyword replaces that field of ``decoding``, and any other
+    keyword goes to transformers' generate."""
+    from loramcl.generation import Decoding
+
+    mcl, _, inputs = mcl_and_plain
+    beam = Decoding(strategy="beam", num_beams=2, max_new_tokens=NEW_TOKENS, repetition_penalty=1.3)
+    by_object = generate_hypotheses(mcl, None, inputs, decoding=beam, pad_token_id=0)
+    by_keywords = generate_hypotheses(mcl, None, inputs, strategy="beam", num_beams=2, max_new_tokens=NEW_TOKENS,
+                                      repetition_penalty=1.3, pad_token_id=0)
+    assert [[c.token_ids for c in row] for row in by_object] == [[c.token_ids for c in row] for row in by_keywords]
+    greedy = generate_hypotheses(mcl, None, inputs, decoding=beam, strategy="greedy", num_beams=None, pad_token_id=0,
+                                 min_new_tokens=NEW_TOKENS)
+    alone = decode_alone(mcl, inputs, 1, num_beams=1, do_sample=False, repetition_penalty=1.3,
+                         min_new_tokens=NEW_TOKENS)
+    assert [row[1].token_ids for row in greedy] == alone
+    assert all(len(c.token_ids) == NEW_TOKENS for row in greedy for c in row)  # min_new_tokens reached generate
+    with pytest.raises(ValueError, match="unknown strategy 'nucleus'"):
+        Decoding(strategy="nucleus")
+    with pytest.raises(TypeError, match="must be a loramcl.generation.Decoding"):
+        generate_hypotheses(mcl, None, inputs, decoding={"strategy": "beam"})
 
 
 def test_diverse_beam_on_a_one_hypothesis_mcl_model_is_the_single_model_baseline():

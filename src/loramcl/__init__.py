@@ -16,6 +16,7 @@ _EXPORTS = {
     "MCLTrainer": "loramcl.trainer",
     "generate_hypotheses": "loramcl.generation.decoding", "equal_budget": "loramcl.generation.budget",
     "EqualBudget": "loramcl.generation.budget", "Candidate": "loramcl.generation.candidates",
+    "Decoding": "loramcl.generation.options",
     "mcl_loss": "loramcl.losses", "wta_weights": "loramcl.losses", "relaxed_weights": "loramcl.losses",
     "annealed_weights": "loramcl.losses", "temperature_at": "loramcl.losses",
 }

@@ -8,6 +8,7 @@
 - ``decoding``: ``generate_hypotheses`` (all K hypotheses of an ``MCLModel`` in one batched ``generate``, or a
   single model's beam search / diverse beam search / sampling / test-time augmentation): its checks and inputs.
 - ``candidates``: each strategy's ``generate`` call and its output as ``Candidate``s (text, token ids, log-prob).
+- ``options``: ``Decoding``, the options of a decoding (strategy, beams, candidates, logits settings).
 - ``budget``: ``equal_budget``, beam sizes at an equal forward budget (paper §4.1).
 - ``hypotheses``: ``MCLModel.generate`` (the chosen hypotheses, the context computed once).
 - ``diverse_beam``: diverse (group) beam search, gone from transformers' core since 4.57.
@@ -22,7 +23,7 @@ from loramcl._lazy import lazy_exports
 _EXPORTS = {
     "generate_hypotheses": "loramcl.generation.decoding", "equal_budget": "loramcl.generation.budget",
     "EqualBudget": "loramcl.generation.budget", "Candidate": "loramcl.generation.candidates",
-    "tokenize_prompts": "loramcl.generation.decoding",
+    "tokenize_prompts": "loramcl.generation.decoding", "Decoding": "loramcl.generation.options",
     "generate_diverse_beam": "loramcl.generation.diverse_beam",
     "spec_augment": "loramcl.generation.augment",
 }

@@ -23,11 +23,10 @@ from torch import nn
 from loramcl.copies import batch_size_of
 from loramcl.generation.budget import beam_size
 from loramcl.generation.candidates import Candidate, Decoder, eos_ids, hf_model, is_encoder_decoder, text_tokenizer
+from loramcl.generation.options import BASELINE_STRATEGIES, MCL_STRATEGIES, Decoding, split_options
 from loramcl.model import MCLModel
 
-MCL_STRATEGIES = ("greedy", "beam", "sample", "diverse_beam")
-BASELINE_STRATEGIES = ("beam", "diverse_beam", "sample", "tta", "stochastic_router")
-# generate() arguments that the strategy sets; passing them in **generate_kwargs would contradict it.
+# generate() arguments that the strategy sets; passing them as other options would contradict it.
 _SET_BY_STRATEGY = frozenset({"num_beams", "do_sample", "num_return_sequences", "return_dict_in_generate",
                               "output_logits"})
 # Inputs whose K' copies we cannot make.
@@ -39,24 +38,11 @@ def generate_hypotheses(
     tokenizer=None,
     inputs: Sequence[str] | Mapping[str, torch.Tensor] | None = None,
     *,
-    strategy: str = "greedy",
-    num_beams: int | None = None,
-    budget: int | None = None,
-    num_sequences: int | None = None,
-    hypotheses: Sequence[int] | None = None,
-    max_new_tokens: int = 64,
-    repetition_penalty: float = 1.0,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    typical_p: float = 1.0,
-    seed: int | None = 0,
-    num_beam_groups: int | None = None,
-    diversity_penalty: float | None = None,
+    decoding: Decoding | None = None,
     augment: Callable[[dict, int], dict] | None = None,
     log_probs: bool = True,
     sort_by_score: bool = False,
-    **generate_kwargs,
+    **options,
 ) -> list[list[Candidate]]:
     """Decode K candidates per input: ``outs[i][k]`` is candidate k of input i (a ``Candidate``).
 
@@ -93,31 +79,21 @@ def generate_hypotheses(
         inputs: a non-empty list of prompt strings (tokenized here, left-padded for decoder-only models), or a
             processed batch (dict / BatchEncoding from a tokenizer or processor, e.g. with ``pixel_values`` or
             ``input_features``; decoder-only batches must be left-padded).
-        strategy: see above.
-        num_beams: beam size (per hypothesis for MCL, per context for TTA, per pass for 'stochastic_router', in
-            all for a single model's 'beam'/'diverse_beam').
-        budget: instead of ``num_beams``: a forward budget B, turned into beam sizes by ``equal_budget``
-            (MCL: B/K per hypothesis; 'beam'/'diverse_beam': B; 'tta', 'stochastic_router': B/K).
-        num_sequences: K for the single-model baselines (an MCL model gives one candidate per hypothesis).
-        hypotheses: MCL hypotheses to decode (default: all K, in order).
-        max_new_tokens, repetition_penalty: as in transformers' ``generate``.
-        temperature, top_k, top_p, typical_p: sampling only; the defaults (1.0, 0, 1.0, 1.0) are pure ancestral
-            sampling and override the model's ``generation_config``.
-        seed: seeds torch's RNG for sampling and augmentation inside a forked RNG state (the global state is
-            left as it was), so the same call with the same seed gives the same outputs. None: use the global RNG
-            (for 'stochastic_router': draw the seed from it).
-        num_beam_groups, diversity_penalty: 'diverse_beam' only (for an MCL model the groups are its hypotheses).
+        decoding: the options of the decoding (``loramcl.generation.Decoding``: strategy, num_beams or budget,
+            num_sequences, hypotheses, max_new_tokens, repetition_penalty, the sampling settings, seed,
+            num_beam_groups, diversity_penalty); its fields may also be given as keywords (they replace
+            ``decoding``'s), e.g. ``strategy="beam", num_beams=2``.
         augment: 'tta' only: ``augment(inputs, k) -> inputs``, called on the tokenized/processed batch.
         log_probs: compute ``Candidate.log_prob`` (keeps the raw logits of every step during generation).
         sort_by_score: MCL model with hypothesis scores: candidates of each input by decreasing p(k | c).
-        generate_kwargs: other arguments of transformers' ``generate`` (e.g. ``min_new_tokens``,
+        options: fields of ``Decoding``, and other arguments of transformers' ``generate`` (e.g. ``min_new_tokens``,
             ``length_penalty``, ``no_repeat_ngram_size``, ``eos_token_id``).
 
     Decoding runs in eval mode (dropout off) under ``torch.no_grad``; the model's mode is restored after.
     """
-    if strategy not in MCL_STRATEGIES + BASELINE_STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}: MCL models decode with {MCL_STRATEGIES}, single models "
-                         f"with {BASELINE_STRATEGIES}")
+    decoding, generate_kwargs = split_options(decoding, options)
+    strategy, num_beams, num_sequences = decoding.strategy, decoding.num_beams, decoding.num_sequences
+    num_beam_groups, diversity_penalty = decoding.num_beam_groups, decoding.diversity_penalty
     if strategy == "stochastic_router" and not hasattr(model, "stochastic_router"):
         raise ValueError("strategy 'stochastic_router' samples the experts of a LoRA-MoE model (loramcl.baselines."
                          f"get_moe_model); {type(model).__name__} has no router")
@@ -126,7 +102,7 @@ def generate_hypotheses(
         raise ValueError(f"{clashing} are set by generate_hypotheses: use its own arguments (strategy, num_beams, "
                          "num_sequences, num_beam_groups, diversity_penalty)")
     batch = _prepare_inputs(model, tokenizer, inputs)
-    selected = _selected_hypotheses(model, hypotheses)
+    selected = _selected_hypotheses(model, decoding.hypotheses)
     mcl_path = selected is not None and strategy in MCL_STRATEGIES and num_sequences in (None, len(selected))
     if selected is not None and not mcl_path and len(selected) != 1:
         if strategy in MCL_STRATEGIES:
@@ -146,7 +122,7 @@ def generate_hypotheses(
             raise ValueError(f"strategy {strategy!r} on a single model needs num_sequences=K (candidates per input)")
         if isinstance(num_sequences, bool) or not isinstance(num_sequences, int) or num_sequences < 1:
             raise ValueError(f"num_sequences must be an integer >= 1, got {num_sequences!r}")
-    num_beams = beam_size(strategy, num_beams, budget, copies, mcl_path)
+    num_beams = beam_size(strategy, num_beams, decoding.budget, copies, mcl_path)
     if strategy in ("beam", "diverse_beam") and not mcl_path and num_beams < num_sequences:
         raise ValueError(f"beam search returns at most num_beams sequences: num_beams={num_beams} < "
                          f"num_sequences={num_sequences}; use num_beams >= {num_sequences}")
@@ -155,9 +131,8 @@ def generate_hypotheses(
     if strategy != "tta" and augment is not None:
         raise ValueError("augment belongs to strategy='tta'")
 
-    kwargs = _generate_kwargs(model, tokenizer, strategy, num_beams, max_new_tokens, repetition_penalty,
-                              temperature, top_k, top_p, typical_p, log_probs, generate_kwargs)
-    decoder = Decoder(model, tokenizer, kwargs, seed, log_probs,
+    kwargs = _generate_kwargs(model, tokenizer, decoding, num_beams, log_probs, generate_kwargs)
+    decoder = Decoder(model, tokenizer, kwargs, decoding.seed, log_probs,
                        routing=selected[0] if selected is not None and not mcl_path else None)
     if sort_by_score:
         if not (mcl_path and getattr(model, "scoring_head", None) is not None
@@ -281,13 +256,14 @@ def _prepare_inputs(model: nn.Module, tokenizer, inputs) -> dict:
     return {name: place(value) for name, value in batch.items()}
 
 
-def _generate_kwargs(model, tokenizer, strategy, num_beams, max_new_tokens, repetition_penalty, temperature, top_k,
-                     top_p, typical_p, log_probs, extra) -> dict:
-    kwargs = {"max_new_tokens": max_new_tokens, "repetition_penalty": repetition_penalty, "num_beams": num_beams,
-              "do_sample": strategy == "sample", "return_dict_in_generate": True, "output_logits": log_probs,
+def _generate_kwargs(model, tokenizer, decoding: Decoding, num_beams: int, log_probs: bool, extra: dict) -> dict:
+    sample = decoding.strategy == "sample"
+    kwargs = {"max_new_tokens": decoding.max_new_tokens, "repetition_penalty": decoding.repetition_penalty,
+              "num_beams": num_beams, "do_sample": sample, "return_dict_in_generate": True, "output_logits": log_probs,
               **extra}
-    if strategy == "sample":
-        kwargs.update(temperature=temperature, top_k=top_k, top_p=top_p, typical_p=typical_p)
+    if sample:
+        kwargs.update(temperature=decoding.temperature, top_k=decoding.top_k, top_p=decoding.top_p,
+                      typical_p=decoding.typical_p)
     if "pad_token_id" not in kwargs:
         pad = getattr(text_tokenizer(tokenizer), "pad_token_id", None) if tokenizer is not None else None
         if pad is None:

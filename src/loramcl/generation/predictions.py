@@ -14,14 +14,10 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, get_args
 
-from loramcl.inputs import Dtype, LocalPath, ModelPath, check_choice, check_file, check_model_options, prompt_format
+from loramcl.generation.options import Decoding
+from loramcl.inputs import Dtype, LocalPath, ModelPath, check_file, check_model_options, prompt_format
 from loramcl.metrics.io import read_jsonl
-
-# generate_hypotheses' strategies (decoding.MCL_STRATEGIES + BASELINE_STRATEGIES, not imported: torch)
-Strategy = Literal["greedy", "beam", "sample", "diverse_beam", "tta", "stochastic_router"]
-STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
 
 def generate(
@@ -30,20 +26,6 @@ def generate(
     out: LocalPath = "preds.jsonl",
     adapters: LocalPath | None = None,
     tokenizer: LocalPath | None = None,
-    strategy: Strategy = "greedy",
-    num_beams: int | None = None,
-    budget: int | None = None,
-    num_sequences: int | None = None,
-    hypotheses: list[int] | None = None,
-    max_new_tokens: int = 64,
-    repetition_penalty: float = 1.0,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    typical_p: float = 1.0,
-    seed: int = 0,
-    num_beam_groups: int | None = None,
-    diversity_penalty: float | None = None,
     augment: str | None = None,
     batch_size: int = 8,
     prompt_key: str = "prompt",
@@ -53,6 +35,7 @@ def generate(
     progress: bool = True,
     sort_by_score: bool = False,
     strict: bool = False,
+    **decoding,
 ) -> str:
     """Decode K candidates per prompt of a JSONL file; write them as `loramcl evaluate` reads predictions.
 
@@ -70,26 +53,6 @@ def generate(
             a LoRA-MoE or multi-head MCL baseline), or a PEFT adapter folder (a LoRA-MLE baseline); none: the base
             model itself.
         tokenizer: tokenizer folder (default: the model folder).
-        strategy: MCL (and multi-head MCL): greedy, beam, sample, diverse_beam (diverse MCL decoding: hypothesis k
-            is group k of one diverse beam search, penalised by --diversity_penalty for the tokens the hypotheses
-            before it chose at the same step). Single model (LoRA-MLE, LoRA-MoE's MLE decoding): beam, diverse_beam,
-            sample, tta; LoRA-MoE also stochastic_router (K passes, each sampling one expert per layer and token from
-            the router).
-        num_beams: beams (MCL: per hypothesis; tta: per perturbed context; stochastic_router: per pass; a single
-            model's beam/diverse_beam: in all).
-        budget: instead of num_beams, a forward budget B: beam B for a single model, B/K per MCL hypothesis, tta
-            context or stochastic-router pass (paper §4.1).
-        num_sequences: K candidates per prompt for a single-model baseline.
-        hypotheses: MCL hypotheses to decode, e.g. [2, 0] (default: all, in order).
-        max_new_tokens: maximum generated tokens per candidate.
-        repetition_penalty: the paper decodes with 1.1.
-        temperature: sampling temperature.
-        top_k: sampling: keep the k most likely tokens (0: no limit).
-        top_p: sampling: nucleus mass (1.0: no limit).
-        typical_p: sampling: typical-decoding mass (1.0: no limit).
-        seed: sampling and augmentation seed; batch b uses seed + b.
-        num_beam_groups: diverse_beam of a single model: groups (default K); for MCL the groups are the hypotheses.
-        diversity_penalty: diverse_beam: λ of the Hamming diversity term (the paper: 0.8 or 1.0).
         augment: tta: "package.module:function", a function (inputs, k) -> perturbed inputs.
         batch_size: prompts per generate call (an MCL model decodes K x batch_size rows at once).
         prompt_key: field of the input lines holding the prompt.
@@ -101,11 +64,14 @@ def generate(
         progress: a progress bar (prompts decoded) on stderr.
         strict: refuse adapters saved on a base model with other weights (their recorded fingerprint differs from
             the model's); by default a warning.
+        decoding: the options of ``loramcl.generation.Decoding`` (strategy, num_beams or budget, num_sequences,
+            hypotheses, max_new_tokens, repetition_penalty, temperature, top_k, top_p, typical_p, seed,
+            num_beam_groups, diversity_penalty); seed + b seeds batch b.
     """
     from loramcl.data.prompts import prompt_text
 
     # Mistakes in the options, the files and the folders are reported before torch loads (seconds).
-    check_choice("strategy", strategy, STRATEGIES)
+    options = Decoding(**decoding)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     check_model_options(model, dtype, adapters)
@@ -134,18 +100,15 @@ def generate(
             # as training tokenized them (loramcl.data.prompts): the chat template writes its own special tokens
             texts = [prompt_text(tok, p, chat_template) for p in chunk]
             batch = tokenize_prompts(decoder, tok, texts, add_special_tokens=not chat_template)
-            outs = generate_hypotheses(
-                decoder, tok, batch, strategy=strategy, num_beams=num_beams, budget=budget,
-                num_sequences=num_sequences, hypotheses=hypotheses, max_new_tokens=max_new_tokens,
-                repetition_penalty=repetition_penalty, temperature=temperature, top_k=top_k, top_p=top_p,
-                typical_p=typical_p, seed=seed + b, num_beam_groups=num_beam_groups,
-                diversity_penalty=diversity_penalty, augment=augment_fn, sort_by_score=sort_by_score)
+            seed = None if options.seed is None else options.seed + b
+            outs = generate_hypotheses(decoder, tok, batch, decoding=options, seed=seed, augment=augment_fn,
+                                       sort_by_score=sort_by_score)
             for item_id, candidates in zip(ids[start:start + batch_size], outs, strict=True):
                 record = prediction_record(item_id, candidates, strip=False, scores=True)
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
             bar.update(len(chunk))
     per_prompt = len(outs[0])
-    print(f"{len(prompts)} prompts x {per_prompt} candidates ({strategy}): {out_path}")
+    print(f"{len(prompts)} prompts x {per_prompt} candidates ({options.strategy}): {out_path}")
     return str(out_path)
 
 

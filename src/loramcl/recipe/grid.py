@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from loramcl.generation.options import MCL_STRATEGIES
 from loramcl.validate import require, require_int, require_real
 
-SINGLE_MODEL_STRATEGIES = ("beam", "diverse_beam", "sample", "tta")
-MCL_STRATEGIES = ("greedy", "beam", "sample", "diverse_beam")
+SINGLE_MODEL_STRATEGIES = ("beam", "diverse_beam", "sample", "tta")  # the baselines a recipe compares
 MCL_DECODINGS = ("beam", "greedy", "diverse_beam")  # an experiment's MCL decodings with a forward budget
 
 
