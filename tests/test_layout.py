@@ -104,3 +104,17 @@ def test_imports_run_down_the_floors():
     upward = sorted((name, other) for name, imports in module_imports().items() for other in imports
                     if floor(other) < floor(name))
     assert upward == []
+
+
+def test_every_file_and_class_stays_readable_in_one_sitting():
+    """No module of the package over 600 lines, no class over 400 (issue 25): past that, a file holds more than one
+    purpose and should be split along its seams."""
+    too_long = []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        if text.count("\n") > 600:
+            too_long.append((str(path.relative_to(PACKAGE)), text.count("\n")))
+        too_long += [(f"{path.relative_to(PACKAGE)}:{node.name}", node.end_lineno - node.lineno + 1)
+                     for node in ast.walk(ast.parse(text))
+                     if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400]
+    assert too_long == []

@@ -41,7 +41,7 @@ def _absolute(value: str) -> LocalPath:
 
 def _model(value: str) -> ModelPath:
     path = _absolute(value)
-    if not os.path.exists(path) and _cached_hub_model(str(value)):
+    if not os.path.exists(path) and cached_hub_model(str(value)):
         return ModelPath(value)
     return ModelPath(path)
 
@@ -75,12 +75,13 @@ def check_model_folder(model: str) -> None:
         return
     if os.path.isfile(model):
         raise NotADirectoryError(f"model {model} is a file: give the folder of a transformers model")
-    if not _cached_hub_model(model):
+    if not cached_hub_model(model):
         raise FileNotFoundError(f"model folder {model} does not exist (a model is a local transformers folder; "
                                 "nothing is downloaded)")
 
 
-def _cached_hub_model(name: str) -> bool:
+def cached_hub_model(name: str) -> bool:
+    """Whether ``name`` is a hub id ("org/model") whose config.json is in the local Hugging Face cache."""
     if not _HUB_ID.fullmatch(name):
         return False
     from huggingface_hub import try_to_load_from_cache

@@ -30,15 +30,29 @@ _FORMAT_CODE = re.compile(r"%[-+ #0-9.*]*[a-zA-Z%]|%\(\w+\)|%\d|\{[^}]*\}|\$\{?\
 _PLUMBING = re.compile(r"[_&<>\\\t\n\r|]")
 
 
-@dataclass
-class BuildSettings:
+@dataclass(frozen=True)
+class CatalogSettings:
+    """Which English messages of the machine's gettext catalogs a task keeps, and the seed of its split (the base of
+    every gettext task's data settings)."""
+
     locale_dir: str = "/usr/share/locale"
-    min_chars: int = 15  # English message length bounds (characters)
+    """The catalogs: <language>/LC_MESSAGES/*.mo."""
+    min_chars: int = 15
+    """English message length bounds (characters)."""
     max_chars: int = 70
+    seed: int = 0
+    """Seeds the split (and what else the task draws)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_chars <= self.max_chars:
+            raise ValueError(f"need 0 < min_chars <= max_chars, got {self.min_chars}, {self.max_chars}")
+
+
+@dataclass(frozen=True)
+class BuildSettings(CatalogSettings):
     max_target_chars: int = 140  # a translation longer than this is dropped
     validation: int = 300  # English messages per split
     test: int = 500
-    seed: int = 0
 
 
 def read_catalogs(locale_dir: str | Path, language: str) -> dict[str, Counter]:

@@ -14,27 +14,23 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass
 
-from loramcl.data.gettext_pairs import normalise, read_catalogs, usable
+from loramcl.data.gettext_pairs import CatalogSettings, normalise, read_catalogs, usable
 
 
 @dataclass(frozen=True)
-class MultiReferenceSettings:
-    locale_dir: str = "/usr/share/locale"
+class MultiReferenceSettings(CatalogSettings):
+    min_chars: int = 8
     target_lang: str = "de"
-    min_chars: int = 8  # English message length bounds (characters)
-    max_chars: int = 70
     max_target_chars: int = 140  # a translation longer than this is dropped
     min_references: int = 2  # a test message needs this many distinct translations
     validation: int = 200  # single-reference messages held out for the validation loss
     max_test: int | None = None  # keep at most this many test messages (None: all)
     max_train: int | None = None  # keep at most this many training pairs (None: all)
-    seed: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.min_references < 2:
             raise ValueError(f"min_references must be >= 2 (a multi-reference set), got {self.min_references}")
-        if not 0 < self.min_chars <= self.max_chars:
-            raise ValueError(f"need 0 < min_chars <= max_chars, got {self.min_chars}, {self.max_chars}")
 
 
 def message_translations(settings: MultiReferenceSettings) -> dict[str, list[str]]:

@@ -31,6 +31,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from loramcl.data.gettext_pairs import CatalogSettings
 from loramcl.validate import require, require_int
 
 MODES = ("en", "fr")  # the English transcript, the French translation
@@ -48,19 +49,16 @@ TRAIN_MODES = ("both", "drawn")  # the targets of a training message (``message_
 
 
 @dataclass(frozen=True)
-class SpokenSettings:
-    """Which messages, how many per split, and how they are spoken."""
+class SpokenSettings(CatalogSettings):
+    """Which messages, how many per split, and how they are spoken (``seed`` also draws the mode of every example
+    and the voice settings)."""
 
-    locale_dir: str = "/usr/share/locale"
     min_chars: int = 12
-    """English message length bounds (characters)."""
     max_chars: int = 48
     train: int = 600
     """Messages per split (at most; fewer if the catalogs have fewer)."""
     validation: int = 32
     test: int = 120
-    seed: int = 0
-    """Seeds the split, the mode of every example and the voice settings."""
     voices: tuple[str, ...] = VOICES
     speed: tuple[int, int] = (140, 185)
     """espeak-ng words per minute, drawn uniformly in this range per message."""
@@ -68,8 +66,7 @@ class SpokenSettings:
     """espeak-ng pitch (0-99), drawn uniformly in this range per message."""
 
     def __post_init__(self) -> None:
-        require(0 < self.min_chars <= self.max_chars, f"need 0 < min_chars <= max_chars, got {self.min_chars}, "
-               f"{self.max_chars}")
+        super().__post_init__()
         for name in ("train", "validation", "test"):
             require_int(name, getattr(self, name), minimum=0 if name == "validation" else 1)
         require(bool(self.voices) and all(isinstance(v, str) and v for v in self.voices),

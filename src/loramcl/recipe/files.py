@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from loramcl.inputs import _cached_hub_model
+from loramcl.inputs import cached_hub_model
 from loramcl.validate import require
 
 # The path settings of a `loramcl train --config` file, relative to the file that gives them (as the CLI reads them).
@@ -120,7 +120,7 @@ def _absolute_paths(content: dict, folder: Path) -> dict:
         value = section.get(keys[-1]) if isinstance(section, dict) else None
         if isinstance(value, str) and value:
             path = os.path.abspath(folder / os.path.expanduser(value))
-            hub_model = keys == ("model",) and not os.path.exists(path) and _cached_hub_model(value)
+            hub_model = keys == ("model",) and not os.path.exists(path) and cached_hub_model(value)
             section[keys[-1]] = value if hub_model else path
     return content
 
