@@ -200,3 +200,17 @@ def test_a_reader_that_stops_early_is_not_an_error(workdir):
     err = listing.stderr.read().decode()
     assert listing.wait(timeout=120) == 0, err
     assert "error" not in err and "Traceback" not in err, err
+
+
+def test_a_bare_true_false_option_means_true(capsys):
+    """`--quick` alone (at the end, or before another option) is `--quick true`, as the issues and docs write it; a
+    value given stays the value."""
+    from loramcl.cli import _bare_booleans
+    from loramcl.generation.predictions import generate
+
+    assert _bare_booleans(["generate", "--strict", "--progress", "--model", "m", "--sort_by_score"], generate) == [
+        "generate", "--strict", "true", "--progress", "true", "--model", "m", "--sort_by_score", "true"]
+    assert _bare_booleans(["generate", "--strict", "false", "--model", "--progress"], generate)[1:4] == [
+        "--strict", "false", "--model"]  # --model is not a true/false option: jsonargparse says it lacks a value
+    code, _, err = run_main(["generate", "--model", "no/such/folder", "--input", "x.jsonl", "--strict"], capsys)
+    assert code == 1 and "model folder" in err and "expected one argument" not in err

@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     if command == "recipes" and args[-1] == "recipes":
         args.append("list")  # `loramcl recipes` alone lists them
     args = _packaged_configs(args)
+    if command is not None and callable(table[command]):
+        args = _bare_booleans(args, table[command])
     prefix = f"loramcl {command}" if command else "loramcl"
     show_warning = warnings.showwarning
 
@@ -181,23 +183,34 @@ def _suggestion(option: str, table: dict, command: str | None, prefix: str = "--
 
 
 def _option_names(function) -> list[str]:
-    """The options of a command: its parameters, and `section.field` for a dataclass-typed parameter."""
-    import dataclasses
+    """The options of a command as jsonargparse reads them off its signature: its parameters, `section.field` for a
+    dataclass-typed parameter (and the section itself), the fields a `**kwargs` is resolved to."""
+    from jsonargparse import ArgumentParser
+
+    try:
+        parser = ArgumentParser(exit_on_error=False)
+        parser.add_function_arguments(function)
+        keys = list(parser.get_defaults().keys())
+    except Exception:  # a signature jsonargparse cannot read: the suggestion is a convenience only
+        return []
+    return keys + sorted({key.split(".")[0] for key in keys if "." in key})
+
+
+def _bare_booleans(args: list[str], function) -> list[str]:
+    """``args`` with a true/false option of ``function`` given bare (`--quick`, followed by nothing or by another
+    option) written out as `--quick true`, which jsonargparse needs."""
     import inspect
     import typing
 
     try:
         hints = typing.get_type_hints(function)
-    except Exception:  # an annotation that does not resolve: the suggestion is a convenience only
-        hints = {}
-    names = []
-    for name in inspect.signature(function).parameters:
-        hint = hints.get(name)
-        if dataclasses.is_dataclass(hint):
-            names += [f"{name}.{field.name}" for field in dataclasses.fields(hint)]
-        names.append(name)
-    return names
-
-
-if __name__ == "__main__":
-    main()
+    except Exception:  # an annotation that does not resolve: the options stay as given
+        return args
+    flags = {f"--{name}" for name in inspect.signature(function).parameters
+             if hints.get(name) in (bool, bool | None)}
+    out = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        if arg in flags and (i + 1 == len(args) or args[i + 1].startswith("--")):
+            out.append("true")
+    return out
