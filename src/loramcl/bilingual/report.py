@@ -35,7 +35,10 @@ def train_identifier(train: list[dict], test: list[dict], seed: int = 0):
     return identifier, evaluate_identifier(identifier, check_texts, check_labels)
 
 
-def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> dict:
+def build_report(root: Path, systems, runs: list[str], scored: list[str], metrics: str,
+                 probed: tuple[str, ...]) -> dict:
+    """The report of the trained ``runs``, their decoded ``systems`` and the NLL of the test references under the
+    ``scored`` runs; returns the report's data."""
     from loramcl.analysis import embed, hypothesis_probe, language_shares, language_wins, pca_plot
     from loramcl.metrics import evaluate_candidates
     from loramcl.metrics.io import load_mixture_nll, load_nll, load_scores, read_jsonl
@@ -46,7 +49,6 @@ def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> 
     train = list(read_jsonl(root / "data" / "train.jsonl", "target").values())
     references = [r["references"] for r in test]
     identifier, identifier_accuracy = train_identifier(train, test)
-    runs = tuple(dict.fromkeys(s.run for s in systems))
     run_info = {run: run_record(root / run) for run in runs}
 
     results: dict[str, dict] = {}
@@ -75,7 +77,7 @@ def build_report(root: Path, systems, metrics: str, probed: tuple[str, ...]) -> 
     groups = [[lang for lang in LANGUAGES for _ in r[lang]] for r in test]  # the language of each reference
     require(all(r["references"] == [t for lang in LANGUAGES for t in r[lang]] for r in test),
             f"{root / 'data' / 'test.jsonl'}: each item's references must be its {' then '.join(LANGUAGES)} ones")
-    likelihood = runs_nll(root, runs, [r["id"] for r in test], references, groups)
+    likelihood = runs_nll(root, scored, [r["id"] for r in test], references, groups)
     figures = {"curves": training_curves({run: root / run for run in runs}, root / "figures" / "training.png")}
     probes = {}
     for name in probed:

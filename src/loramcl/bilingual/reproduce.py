@@ -3,10 +3,12 @@
 The paper's bilingual experiment (§4.3, App. H.5) on a real pretrained model and human translations, on the CPU:
 build the data from the machine's gettext catalogs, train LoRA-MLE and two LoRA-MCL runs (K = 2, relaxed and
 annealed, with hypothesis scores p(k | c)) from the packaged recipe bilingual/, decode every system at equal
-forward budgets (MCL also with diverse MCL decoding), score them (oracle sentence BLEU and chrF, mBLEU-4, oracle
-and mixture NLL, the scores' ranking and calibration), identify the language of every candidate, and probe the
-sentence embeddings for specialisation (PCA, linear SVM). Every stage skips work whose outputs exist with the same
-settings, so an interrupted run resumes and the report can be rebuilt alone (the shared runner, ``loramcl.recipe``).
+forward budgets (MCL also with diverse MCL decoding), score the test references under every run of the NLL table
+(K = 1, 2, 3 at equal trainable count, paper Table 1), score the candidates (oracle sentence BLEU and chrF,
+mBLEU-4, oracle and mixture NLL, the scores' ranking and calibration), identify the language of every candidate,
+and probe the sentence embeddings for specialisation (PCA, linear SVM). Every stage skips work whose outputs exist
+with the same settings, so an interrupted run resumes and the report can be rebuilt alone (the shared runner,
+``loramcl.recipe``).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class Bilingual(TextTask):
         from loramcl.bilingual.report import build_report
 
         probed = tuple(name for name in PROBED if name in {s.name for s in systems})
-        return build_report(self.root, systems, METRICS, probed)
+        return build_report(self.root, systems, runs, self.scored_runs(runs, systems), METRICS, probed)
 
 
 def bilingual(out: str | None = None, quick: bool = False, budgets: list[int] | None = None,
@@ -90,8 +92,9 @@ def bilingual(out: str | None = None, quick: bool = False, budgets: list[int] | 
         budgets: forward budgets to decode at (default [2, 4]): 2 is MLE beam 2 / DBS vs MCL beam 1 per hypothesis
             (and greedy), 4 is MLE beam 4 / DBS vs MCL beam 2; on 2 CPU cores each budget-4 system takes about 10
             minutes.
-        recipes: folder with experiment.yaml, common.yaml, mle.yaml, mcl-relaxed.yaml, mcl-annealed.yaml (default:
-            the packaged bilingual recipe; `loramcl recipes copy bilingual DIR` writes a copy to edit).
+        recipes: folder with experiment.yaml, common.yaml and the run files (the packaged bilingual recipe's: mle,
+            mcl-relaxed, mcl-annealed, decoded; mle-r24, mcl-k3, scored for the K = 1, 2, 3 NLL table; moe and
+            multihead, trained by hand; `loramcl recipes copy bilingual DIR` writes a copy to edit).
         locale_dir: where the gettext catalogs are (<language>/LC_MESSAGES/*.mo; default: experiment.yaml's).
         stop_after: "data" or "train": stop after that stage.
         runs: train only these runs (with stop_after train).
