@@ -214,3 +214,7 @@ def _bare_booleans(args: list[str], function) -> list[str]:
         if arg in flags and (i + 1 == len(args) or args[i + 1].startswith("--")):
             out.append("true")
     return out
+
+
+if __name__ == "__main__":
+    main()

@@ -38,7 +38,8 @@ class Decoding:
         hypotheses: MCL hypotheses to decode, e.g. [2, 0] (default: all, in order).
         max_new_tokens: maximum generated tokens per candidate.
         repetition_penalty: as in transformers' generate (the paper decodes with 1.1).
-        temperature: sampling temperature.
+        temperature: sampling temperature. The sampling settings act on 'sample' only; their defaults (1.0, 0,
+            1.0, 1.0) are pure ancestral sampling and override the model's generation_config.
         top_k: sampling: keep the k most likely tokens (0: no limit).
         top_p: sampling: nucleus mass (1.0: no limit).
         typical_p: sampling: typical-decoding mass (1.0: no limit).
