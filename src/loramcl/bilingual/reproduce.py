@@ -4,11 +4,11 @@ The paper's bilingual experiment (§4.3, App. H.5) on a real pretrained model an
 build the data from the machine's gettext catalogs, train LoRA-MLE and two LoRA-MCL runs (K = 2, relaxed and
 annealed, with hypothesis scores p(k | c)) from the packaged recipe bilingual/, decode every system at equal
 forward budgets (MCL also with diverse MCL decoding), score the test references under every run of the NLL table
-(K = 1, 2, 3 at equal trainable count, paper Table 1), score the candidates (oracle sentence BLEU and chrF,
-mBLEU-4, oracle and mixture NLL, the scores' ranking and calibration), identify the language of every candidate,
-and probe the sentence embeddings for specialisation (PCA, linear SVM). Every stage skips work whose outputs exist
-with the same settings, so an interrupted run resumes and the report can be rebuilt alone (the shared runner,
-``loramcl.recipe``).
+(paper Table 1: K = 1 and 2, and 3 when it names the K = 3 runs), score the candidates (oracle sentence BLEU and
+chrF, mBLEU-4, oracle and mixture NLL, the scores' ranking and calibration), identify the language of every
+candidate, and probe the sentence embeddings for specialisation (PCA, linear SVM). Every stage skips work whose
+outputs exist with the same settings, so an interrupted run resumes and the report can be rebuilt alone (the
+shared runner, ``loramcl.recipe``).
 """
 
 from __future__ import annotations
@@ -93,8 +93,9 @@ def bilingual(out: str | None = None, quick: bool = False, budgets: list[int] | 
             (and greedy), 4 is MLE beam 4 / DBS vs MCL beam 2; on 2 CPU cores each budget-4 system takes about 10
             minutes.
         recipes: folder with experiment.yaml, common.yaml and the run files (the packaged bilingual recipe's: mle,
-            mcl-relaxed, mcl-annealed, decoded; mle-r24, mcl-k3, scored for the K = 1, 2, 3 NLL table; moe and
-            multihead, trained by hand; `loramcl recipes copy bilingual DIR` writes a copy to edit).
+            mcl-relaxed, mcl-annealed, decoded; mle-r24, mcl-k3 for a K = 1, 2, 3 NLL table when experiment.yaml's
+            nll_table names them; moe and multihead, trained by hand; `loramcl recipes copy bilingual DIR` writes a
+            copy to edit).
         locale_dir: where the gettext catalogs are (<language>/LC_MESSAGES/*.mo; default: experiment.yaml's).
         stop_after: "data" or "train": stop after that stage.
         runs: train only these runs (with stop_after train).
