@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from loramcl.generation.options import MCL_STRATEGIES
+from loramcl.generation.options import BASELINE_STRATEGIES, MCL_STRATEGIES
 from loramcl.validate import require, require_int, require_real
 
-SINGLE_MODEL_STRATEGIES = ("beam", "diverse_beam", "sample", "tta")  # the baselines a recipe compares
+# the baselines a recipe compares: every single-model strategy but LoRA-MoE's stochastic router
+SINGLE_MODEL_STRATEGIES = tuple(s for s in BASELINE_STRATEGIES if s != "stochastic_router")
 MCL_DECODINGS = ("beam", "greedy", "diverse_beam")  # an experiment's MCL decodings with a forward budget
 
 
