@@ -214,3 +214,19 @@ def test_a_bare_true_false_option_means_true(capsys):
         "--strict", "false", "--model"]  # --model is not a true/false option: jsonargparse says it lacks a value
     code, _, err = run_main(["generate", "--model", "no/such/folder", "--input", "x.jsonl", "--strict"], capsys)
     assert code == 1 and "model folder" in err and "expected one argument" not in err
+
+
+def test_convert_smollm2_writes_the_tokenizer_alone(tmp_path, capsys, smollm2_folder):
+    """`loramcl convert-smollm2 --tokenizer_only`: SmolLM2's tokenizer and chat template without the 517 MB of
+    weights, the same token ids as the whole model's folder."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "smol-tokenizer"
+    main(["convert-smollm2", "--out", str(out), "--tokenizer_only"])
+    assert str(out) in capsys.readouterr().out
+    assert (out / "tokenizer.json").is_file() and not list(out.glob("*.safetensors"))
+    mine, whole = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(smollm2_folder)
+    messages = [{"role": "user", "content": "Translate: Open the file"}]
+    assert mine("Ouvrir le fichier ?").input_ids == whole("Ouvrir le fichier ?").input_ids
+    assert (mine.apply_chat_template(messages, tokenize=False)
+            == whole.apply_chat_template(messages, tokenize=False))

