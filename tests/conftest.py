@@ -3,6 +3,9 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Tiny models run fastest on one thread, and two threads slow down up to 100x when another process holds a core. Set
+# before torch loads, so that the commands the tests run in this process (and the processes they start) keep it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402
@@ -10,7 +13,6 @@ import torch  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
 logging.set_verbosity_error()
-# Tiny models run fastest on one thread, and two threads slow down up to 100x when another process holds a core.
 torch.set_num_threads(1)
 
 

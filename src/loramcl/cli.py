@@ -15,6 +15,8 @@ import re
 import sys
 import warnings
 
+from loramcl.threads import sleep_while_waiting
+
 DEBUG_ENV = "LORAMCL_DEBUG"
 EXIT_USAGE, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
 
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     args = [a for a in args if a != "--debug"]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    sleep_while_waiting()  # before torch loads: OpenMP reads it then
     from jsonargparse import CLI
 
     from loramcl import __version__

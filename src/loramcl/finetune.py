@@ -31,6 +31,7 @@ from loramcl.inputs import (
     is_encoder_decoder,
     prompt_format,
 )
+from loramcl.threads import use_threads
 from loramcl.runs import CHECKPOINTS, SETTINGS_NAME, run_stamp, stale_checkpoint_fields
 
 # No `if TYPE_CHECKING: import torch` here: jsonargparse runs such blocks to resolve the commands' annotations, which
@@ -125,7 +126,7 @@ def train(
         resume: continue from the newest checkpoint in `out` (an interrupted run resumes exactly where it stopped);
             refused if those checkpoints were trained with other settings. Without it, an `out` holding
             checkpoints is refused, so that no run is overwritten by mistake.
-        threads: torch CPU threads (default: torch's choice).
+        threads: torch CPU threads (default: the cores that are free when the command starts).
         dtype: the frozen model's dtype: float32, bfloat16 or float16 (adapters stay float32 by default).
         scores_for: a finished LoRA-MCL run (its `out`) whose hypothesis scores p(k | c) are to be learned: its
             hypotheses are loaded and stay frozen, and only a scoring head is trained (docs/scores.md); the run's
@@ -151,10 +152,7 @@ def train(
         config = method_config(method, mcl, moe, multihead)
         settings = run_settings(model, config, data, training, dtype, method)
     last = resumable_checkpoint(out, settings, resume)
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
+    use_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model)
     pad_id = pad_token_id(tokenizer)
 

@@ -424,7 +424,7 @@ def audio_captioning(out: str | None = None, recipes: str | None = None, quick: 
         stop_after: "data" or "train": stop after that stage (e.g. to train each run with `accelerate launch`, see
             the paper-scale common.yaml, then run this command again to decode and report).
         runs: train only these runs (with stop_after train; e.g. one run per `accelerate launch`).
-        threads: torch CPU threads (default: torch's choice).
+        threads: torch CPU threads (default: the cores that are free when the command starts).
         device: e.g. cpu or cuda.
     """
     return runner.run_recipe(AudioCaptioning, out, recipes, quick, budgets, stop_after, runs, threads, device)

@@ -99,7 +99,7 @@ def bilingual(out: str | None = None, quick: bool = False, budgets: list[int] | 
         locale_dir: where the gettext catalogs are (<language>/LC_MESSAGES/*.mo; default: experiment.yaml's).
         stop_after: "data" or "train": stop after that stage.
         runs: train only these runs (with stop_after train).
-        threads: torch CPU threads (default: torch's choice).
+        threads: torch CPU threads (default: the cores that are free when the command starts).
         device: e.g. cpu or cuda.
     """
     return runner.run_recipe(Bilingual, out, recipes, quick, budgets, stop_after, runs, threads, device,

@@ -201,11 +201,9 @@ def train_run(values: dict, data: Path, experiment: Experiment, settings: dict, 
     from loramcl.data.textcaps import CaptionTrainingSet
     from loramcl.finetune import fit, resumable_checkpoint
     from loramcl.recipe.files import method_of
+    from loramcl.threads import use_threads
 
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
+    use_threads(threads)
     processor = AutoProcessor.from_pretrained(values["model"])
     training = TrainConfig(**values.get("training", {}))
     encoder = CaptionEncoder(processor, experiment.instruction, experiment.max_caption_tokens)
@@ -365,7 +363,7 @@ def image_captioning(out: str | None = None, recipes: str | None = None, quick: 
         stop_after: "data" or "train": stop after that stage (e.g. train under `accelerate launch` on several GPUs,
             then run this command again to decode and report).
         runs: train only these runs (with stop_after train).
-        threads: torch CPU threads (default: torch's choice).
+        threads: torch CPU threads (default: the cores that are free when the command starts).
         device: e.g. cpu or cuda.
     """
     return runner.run_recipe(ImageCaptioning, out, recipes, quick, budgets, stop_after, runs, threads, device)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from loramcl.markov.chains import MarkovMixture, preset_mixture
+from loramcl.threads import use_threads
 
 PROMPT_TOKENS, NEW_TOKENS = 4, 12
 
@@ -144,7 +145,7 @@ def compare(out: str = "runs/baselines-markov", preset: str = "fig2", seeds: int
         steps: training steps (default: the preset's, 500).
         prompts: validation prompts decoded per system.
         quick: a short run for tests (20 steps, 64 validation sequences, 32 prompts).
-        threads: torch CPU threads.
+        threads: torch CPU threads (default: the cores that are free when the command starts).
     """
     from transformers.utils import logging
 
@@ -171,8 +172,7 @@ def compare(out: str = "runs/baselines-markov", preset: str = "fig2", seeds: int
         settings, seeds, prompts = settings.with_values(steps=20, eval_every=10, eval_sequences=64), 1, 32
     if steps is not None:
         settings = settings.with_values(steps=steps)
-    if threads is not None:
-        torch.set_num_threads(threads)
+    use_threads(threads)
     os.makedirs(out, exist_ok=True)
     th = theory(mixture, settings.hypotheses)
     pbar = average_transition(mixture)

@@ -8,6 +8,7 @@ import time
 
 from loramcl.inputs import LocalPath
 from loramcl.markov.chains import MarkovMixture, preset_mixture
+from loramcl.threads import check_threads, use_threads
 
 # name -> (chains, settings that differ from RunSettings' defaults (the paper's), why)
 PAPER_NOTE = ("The paper's settings (App. D): GPT-Neo toy model with transformers' default initialisation "
@@ -75,10 +76,10 @@ def markov(out: LocalPath = "runs/markov", preset: str = "fig2", chains: LocalPa
         scoring: MCL: learn hypothesis scores p(k|c) and report them against the chain's posterior (preset scores).
         skip_mle: Train LoRA-MCL only.
         quick: A short run for tests: 1 seed, 100 steps, validation on 500 sequences every 25 steps.
-        threads: torch CPU threads (None keeps torch's default, one per core; use 1 when other jobs share the
-            cores: this tiny model then runs many times slower with more threads than free cores).
+        threads: torch CPU threads (default: the cores that are free when the command starts; torch's own default,
+            one per core, runs this tiny model many times slower when another job holds a core).
     """
-    import torch
+    check_threads(threads)  # before the imports below take seconds
     from transformers.utils import logging
 
     from loramcl.markov.experiment import RunSettings, train_run
@@ -104,8 +105,7 @@ def markov(out: LocalPath = "runs/markov", preset: str = "fig2", chains: LocalPa
     if settings.hypotheses < 2:
         raise ValueError(f"hypotheses must be at least 2 for LoRA-MCL, got {settings.hypotheses}")
     settings.check_fits(mixture)
-    if threads is not None:
-        torch.set_num_threads(threads)
+    use_threads(threads)
     os.makedirs(out, exist_ok=True)
 
     started = time.perf_counter()

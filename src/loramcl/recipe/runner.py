@@ -13,6 +13,7 @@ from typing import ClassVar
 from loramcl.recipe.experiment import Experiment
 from loramcl.recipe.grid import DecodeConfig, System, chosen_budgets, one_per_strategy
 from loramcl.recipe.stages import Stages
+from loramcl.threads import use_threads
 from loramcl.validate import require
 
 EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
@@ -137,15 +138,12 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     experiment.yaml's where given (not None)."""
     import dataclasses
 
-    import torch
-
     from loramcl.recipe.files import recipe_folder, run_names
     from loramcl.runs import file_stamp, run_record, run_stamp
 
     require(stop_after in (None, *STOP_AFTER), f"stop_after must be one of {STOP_AFTER}, got {stop_after!r}")
     require(runs is None or stop_after == "train", "runs selects the runs to train: use it with stop_after: train")
-    if threads is not None:
-        torch.set_num_threads(threads)
+    threads = use_threads(threads)
     folder = recipe_folder(recipes, task_type.default_recipes, [EXPERIMENT, COMMON])
     experiment = task_type.experiment_type.read(folder / EXPERIMENT)
     given = {name: value for name, value in settings.items() if value is not None}

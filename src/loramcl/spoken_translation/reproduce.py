@@ -324,7 +324,7 @@ def spoken_translation(out: str | None = None, recipes: str | None = None, quick
         stop_after: "data" or "train": stop after that stage (e.g. to train the runs in separate processes with
             `runs`, then run this command again to decode and report).
         runs: train only these runs (with stop_after train).
-        threads: torch CPU threads (default: torch's choice).
+        threads: torch CPU threads (default: the cores that are free when the command starts).
     """
     return runner.run_recipe(SpokenTranslation, out, recipes, quick, budgets, stop_after, runs, threads)
 

@@ -206,7 +206,7 @@ def translation(out: str | None = None, recipes: str | None = None, quick: bool 
         stop_after: "data" or "train": stop after that stage (e.g. to train each run with `accelerate launch ...
             loramcl train` on several GPUs, then run this command again to decode and report).
         runs: train only these runs (with stop_after train).
-        threads: torch CPU threads (default: torch's choice).
+        threads: torch CPU threads (default: the cores that are free when the command starts).
         device: e.g. cpu or cuda.
     """
     return runner.run_recipe(Translation, out, recipes, quick, budgets, stop_after, runs, threads, device)

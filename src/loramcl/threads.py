@@ -1,0 +1,81 @@
+"""How many CPU threads torch runs on when a command is not told: the cores that are free when it starts.
+
+torch's own default is one OpenMP thread per core. When another job holds a core, every parallel region of a forward
+then waits for a thread that shares its core with that job, and by default the waiting threads spin: a small model
+runs many times slower than on one thread (docs/benchmarks.md, "CPU threads": measured on 2 cores). So a command that
+runs a model and gets no `--threads` measures how busy the cores it may use are (a quarter of a second, once) and takes
+the free ones, at least one and at most torch's default; and the command line asks OpenMP to let waiting threads sleep
+(`OMP_WAIT_POLICY=PASSIVE`, before torch loads) so that a job starting beside ours later costs less. An environment
+that sets OMP_NUM_THREADS or OMP_WAIT_POLICY keeps its own choice.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+THREADS_ENV = "OMP_NUM_THREADS"
+WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+MEASURE_SECONDS = 0.25
+# A core counts as free when at most this much of it is used by others (a desktop's or a CI runner's background).
+BUSY_TOLERANCE = 0.25
+
+
+def sleep_while_waiting() -> None:
+    """OpenMP threads that wait for work sleep instead of spinning, unless the environment chose. Only takes effect
+    before torch is imported (OpenMP reads it when it loads): the command line calls it first thing."""
+    os.environ.setdefault(WAIT_POLICY_ENV, "PASSIVE")
+
+
+def usable_cores() -> list[int]:
+    """The CPUs this process may run on (its affinity: a container's cpuset, `taskset`)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def free_cores(seconds: float = MEASURE_SECONDS) -> float:
+    """How many of the usable CPUs other processes leave free, measured over ``seconds`` (this process idles)."""
+    import psutil
+
+    cores = usable_cores()
+    per_core = psutil.cpu_percent(interval=seconds, percpu=True)
+    busy = sum(per_core[c] for c in cores if c < len(per_core)) / 100
+    return max(len(cores) - busy, 0.0)
+
+
+def default_threads() -> int:
+    """The free cores, rounded down unless nearly free, at least 1 and at most torch's own default (one thread per
+    physical core)."""
+    import psutil
+
+    cores = len(usable_cores())
+    physical = min(psutil.cpu_count(logical=False) or cores, cores)
+    return max(1, min(physical, math.floor(free_cores() + BUSY_TOLERANCE)))
+
+
+def check_threads(threads: int | None, option: str = "--threads") -> None:
+    """``threads`` is None or an integer >= 1 (checked before any work); more than the usable cores is a warning."""
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"{option} must be an integer >= 1 (torch CPU threads; leave it out to use the free "
+                         f"cores), got {threads!r}")
+    cores = len(usable_cores())
+    if threads > cores:
+        warnings.warn(f"{option} {threads} is more than the {cores} CPU cores this process may use: the extra threads "
+                      "share cores and slow every step down; leave it out to use the free cores", stacklevel=2)
+
+
+def use_threads(threads: int | None, option: str = "--threads") -> int:
+    """Set torch's CPU threads for a command: ``threads`` if given; else those of OMP_NUM_THREADS if it is set (torch
+    read it); else the cores free now (``default_threads``). Returns the number set."""
+    import torch
+
+    check_threads(threads, option)
+    if threads is None and os.environ.get(THREADS_ENV, "").strip():
+        return torch.get_num_threads()
+    chosen = threads if threads is not None else default_threads()
+    torch.set_num_threads(chosen)
+    return chosen
