@@ -38,8 +38,12 @@ def evaluate(
     """Score K candidates per item on quality (oracle) and diversity; write a JSON, a markdown table, per-item scores.
 
     Args:
-        predictions: JSONL, one line per item: {"id": ..., "candidates": [K strings]} (candidate k = hypothesis k).
-        references: JSONL, one line per item: {"id": ..., "references": [R strings]}; the ids must match.
+        predictions: JSONL, one line per item: {"id": ..., "candidates": [K strings]} (candidate k = hypothesis k),
+            as `loramcl generate` writes it.
+        references: JSONL, one line per item: {"id": ..., "references": [R_i strings] or one string}, e.g. the
+            test file given to `loramcl generate` and `loramcl nll`; R_i may differ between items. The ids must
+            match; "id" is optional in every file: a line without one is numbered by its position (0, 1, ...), as
+            `generate` and `nll` number it.
         metrics: presets ("captioning", "translation") and/or metric names, comma-separated (e.g. "bleu4,div2").
             A preset's metric whose tool is missing (SPICE and SPIDEr without the SPICE jars) is reported as not
             computed, with the reason; a metric named here whose tool is missing is an error.
@@ -56,7 +60,9 @@ def evaluate(
         bleu_tokenize: sacrebleu tokenizer for Loo-BLEU and Pairwise-BLEU (the paper: 13a).
         tokenize: PTB-tokenize before the COCO and diversity metrics (the paper's protocol).
     """
-    from loramcl.metrics.io import load_mixture_nll, load_nll, load_run, load_scores, to_jsonable, write_json
+    from loramcl.metrics.io import (
+        load_mixture_nll, load_nll, load_run, load_scores, shown_ids, to_jsonable, write_json,
+    )
     from loramcl.metrics.oracle import winners
     from loramcl.metrics.suite import METRICS, evaluate_candidates, markdown_report, unavailable_groups
 
@@ -88,6 +94,10 @@ def evaluate(
             f.write(json.dumps(to_jsonable(row)) + "\n")
 
     print(markdown)
+    if "loo_bleu" in report["notes"]:
+        single = [i for i, r in zip(ids, refs, strict=True) if len(r) < 2]
+        print(f"loramcl evaluate: note: loo_bleu is {report['notes']['loo_bleu']}; their ids: {shown_ids(single)}",
+              file=sys.stderr)
     for reason, names in unavailable_groups(report["unavailable"]).items():
         print(f"loramcl evaluate: not computed: {', '.join(names)}: {reason.split('. ')[0]} (the report says how to "
               f"set it up; --exclude {','.join(names)} leaves them out)", file=sys.stderr)

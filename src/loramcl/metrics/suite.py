@@ -130,7 +130,8 @@ def evaluate_candidates(
             text is tokenized already.
 
     Returns:
-        {"metrics": {name: value}, "unavailable": {name: reason}, "candidate_scores": {name: array [N, K]},
+        {"metrics": {name: value}, "unavailable": {name: reason}, "notes": {name: how it was computed, where it
+        differs from the definition's usual case}, "candidate_scores": {name: array [N, K]},
         "specialisation": {...}, "num_items", "num_candidates", "references_per_item", "timing_s": {step: seconds},
         "settings": {...}}.
     """
@@ -173,6 +174,13 @@ def evaluate_candidates(
             raise ValueError(f"{name} needs K >= 2 candidates per item")
     if ("cider_d" in names or "spider" in names) and len(candidates) < 2:
         raise ValueError("CIDEr-D (and SPIDEr) need at least 2 items (idf over the reference corpus)")
+    notes: dict[str, str] = {}
+    if "loo_bleu" in names:
+        single = len(candidates) - len(translation.loo_items(references))
+        if single:
+            notes["loo_bleu"] = (f"over the {len(candidates) - single} of {len(candidates)} items with >= 2 "
+                                 f"references; the {single} with one reference are left out (holding out their "
+                                 "only reference leaves nothing to score against)")
     if groups is not None and len(groups) != len(candidates):
         raise ValueError(f"{len(groups)} group labels for {len(candidates)} items: give one label per item")
     scored = [n for n in names if METRICS[n].kind == "oracle"]  # the candidate-level metrics
@@ -280,6 +288,7 @@ def evaluate_candidates(
     return {
         "metrics": values,
         "unavailable": unavailable,
+        "notes": notes,
         "likelihood": likelihood,
         "specialisation": specialisation,
         "candidate_scores": matrices,
@@ -313,6 +322,7 @@ def markdown_report(report: dict) -> str:
         lines.append(f"| {name} | {value:.4g} | {'↑' if metric.higher_is_better else '↓'} | {metric.what} |")
     for reason, names in unavailable_groups(report.get("unavailable") or {}).items():
         lines.append(f"| {', '.join(names)} | not computed | | {reason} |")
+    lines += [f"\n{name}: {note}." for name, note in (report.get("notes") or {}).items()]
     lines += ["", win_rate_table(report["specialisation"], report["specialisation"]["metric"])]
     if report.get("likelihood"):
         lik = report["likelihood"]
