@@ -112,8 +112,13 @@ def plot_tradeoff(
     out: LocalPath = "tradeoff.png",
     labels: list[str] | str | None = None,
     title: str | None = None,
+    methods: list[str] | str | None = None,
+    decodings: list[str] | str | None = None,
 ) -> str:
-    """Quality-diversity plot (paper Fig. 3 style): one marker per evaluated run, x = diversity, y = quality.
+    """Quality-diversity plot (paper Fig. 3-4 style): one labelled marker per run, x = diversity, y = quality.
+
+    The axes carry the metrics' names and better directions; labels cover no label and no marker; points at the
+    same place are drawn inside each other and named together.
 
     Args:
         runs: JSON reports written by `loramcl evaluate`: comma-separated and/or glob patterns
@@ -123,6 +128,10 @@ def plot_tradeoff(
         out: PNG file to write.
         labels: one label per run, comma-separated (default: each run's name).
         title: plot title (default: says which corner is better).
+        methods: one method per run (e.g. "LoRA-MCL K=3", "LoRA-MLE r=24"), comma-separated or a list: the
+            marker; give decodings too.
+        decodings: one decoding per run (e.g. "beam search"), comma-separated or a list (for names with commas):
+            the colour.
     """
     from loramcl.metrics.plot import tradeoff_plot_from_files
 
@@ -137,6 +146,7 @@ def plot_tradeoff(
             paths.append(pattern)
     if not paths:
         raise ValueError("no run given: --runs eval/a.json,eval/b.json (or a glob such as 'eval/*.json')")
-    path = tradeoff_plot_from_files(paths, x=x, y=y, out=out, labels=_split(labels) or None, title=title)
+    path = tradeoff_plot_from_files(paths, x=x, y=y, out=out, labels=_split(labels) or None, title=title,
+                                    methods=_split(methods) or None, decodings=_split(decodings) or None)
     print(f"plot ({len(paths)} runs, x={x}, y={y}): {path}")
     return str(path)

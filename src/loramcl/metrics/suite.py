@@ -22,30 +22,39 @@ class Metric:
     kind: str  # "oracle" (best of K vs references), "diversity" (among the K), "translation", "likelihood"
     higher_is_better: bool
     what: str  # one line for the report
+    name: str  # as a reader knows it (axis labels)
+    diversity: bool = False  # measures how different the K candidates are (its better direction: more diverse)
 
 
 METRICS: dict[str, Metric] = {
-    **{f"bleu{n}": Metric("oracle", True, f"oracle BLEU-{n} (pycocoevalcap, PTB tokens)") for n in range(1, 5)},
-    "meteor": Metric("oracle", True, "oracle METEOR 1.5 (pycocoevalcap jar)"),
-    "rouge_l": Metric("oracle", True, "oracle ROUGE-L (pycocoevalcap)"),
-    "cider_d": Metric("oracle", True, "oracle CIDEr-D (pycocoevalcap; idf over all references)"),
-    "spice": Metric("oracle", True, "oracle SPICE (SPICE 1.0 jar)"),
-    "spider": Metric("oracle", True, "oracle SPIDEr = (CIDEr-D + SPICE) / 2 per candidate"),
-    "sbert_sim": Metric("oracle", True, "oracle sBERT similarity (mean cosine to the references)"),
-    "sacrebleu": Metric("oracle", True, "oracle sentence BLEU (sacrebleu, raw text, 0-100)"),
-    "chrf": Metric("oracle", True, "oracle sentence chrF (sacrebleu, raw text, 0-100)"),
-    **{f"div{n}": Metric("diversity", True, f"Div-{n}: distinct / total {n}-grams among the K") for n in range(1, 5)},
-    **{f"mbleu{n}": Metric("diversity", False, f"mBLEU-{n}: BLEU-{n} of each candidate vs the K-1 others")
+    **{f"bleu{n}": Metric("oracle", True, f"oracle BLEU-{n} (pycocoevalcap, PTB tokens)", f"oracle BLEU-{n}")
        for n in range(1, 5)},
-    "loo_bleu": Metric("translation", True, "Leave-One-Out BLEU (sacrebleu, 0-100)"),
-    "pairwise_bleu": Metric("translation", False, "Pairwise-BLEU among the K (sacrebleu, 0-100)"),
+    "meteor": Metric("oracle", True, "oracle METEOR 1.5 (pycocoevalcap jar)", "oracle METEOR"),
+    "rouge_l": Metric("oracle", True, "oracle ROUGE-L (pycocoevalcap)", "oracle ROUGE-L"),
+    "cider_d": Metric("oracle", True, "oracle CIDEr-D (pycocoevalcap; idf over all references)", "oracle CIDEr-D"),
+    "spice": Metric("oracle", True, "oracle SPICE (SPICE 1.0 jar)", "oracle SPICE"),
+    "spider": Metric("oracle", True, "oracle SPIDEr = (CIDEr-D + SPICE) / 2 per candidate", "oracle SPIDEr"),
+    "sbert_sim": Metric("oracle", True, "oracle sBERT similarity (mean cosine to the references)",
+                        "oracle sBERT similarity"),
+    "sacrebleu": Metric("oracle", True, "oracle sentence BLEU (sacrebleu, raw text, 0-100)", "oracle sentence BLEU"),
+    "chrf": Metric("oracle", True, "oracle sentence chrF (sacrebleu, raw text, 0-100)", "oracle chrF"),
+    **{f"div{n}": Metric("diversity", True, f"Div-{n}: distinct / total {n}-grams among the K", f"Div-{n}", True)
+       for n in range(1, 5)},
+    **{f"mbleu{n}": Metric("diversity", False, f"mBLEU-{n}: BLEU-{n} of each candidate vs the K-1 others",
+                           f"mBLEU-{n}", True) for n in range(1, 5)},
+    "loo_bleu": Metric("translation", True, "Leave-One-Out BLEU (sacrebleu, 0-100)", "Loo-BLEU"),
+    "pairwise_bleu": Metric("translation", False, "Pairwise-BLEU among the K (sacrebleu, 0-100)", "Pairwise-BLEU",
+                            True),
     "refs_covered": Metric("translation", True, "#references covered: distinct references closest to a candidate, "
-                           "per item (score.py's sentence BLEU+1)"),
-    "oracle_nll": Metric("likelihood", False, "oracle NLL of the references (nats/token)"),
-    "oracle_ppl": Metric("likelihood", False, "oracle perplexity = exp(oracle NLL)"),
-    "mixture_nll": Metric("likelihood", False, "mixture NLL -log sum_k p(k|c) p_k(x|c) of the references (nats/token)"),
-    "score_top1": Metric("ranking", True, "share of items whose most probable candidate (p(k|c)) is the winner"),
-    "score_ece": Metric("ranking", False, "calibration error of p(k|c) against winning (10 bins)"),
+                           "per item (score.py's sentence BLEU+1)", "#references covered"),
+    "oracle_nll": Metric("likelihood", False, "oracle NLL of the references (nats/token)", "oracle NLL"),
+    "oracle_ppl": Metric("likelihood", False, "oracle perplexity = exp(oracle NLL)", "oracle perplexity"),
+    "mixture_nll": Metric("likelihood", False, "mixture NLL -log sum_k p(k|c) p_k(x|c) of the references (nats/token)",
+                          "mixture NLL"),
+    "score_top1": Metric("ranking", True, "share of items whose most probable candidate (p(k|c)) is the winner",
+                         "top-1 accuracy of p(k|c)"),
+    "score_ece": Metric("ranking", False, "calibration error of p(k|c) against winning (10 bins)",
+                        "calibration error of p(k|c)"),
 }
 FROM_FILES = ("oracle_nll", "oracle_ppl", "mixture_nll", "score_top1", "score_ece")  # not requested by name
 
