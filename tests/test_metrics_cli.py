@@ -100,11 +100,15 @@ def test_mismatched_and_duplicate_ids_are_named(tmp_path):
         load_run(dup, refs)
     bad = tmp_path / "b.jsonl"
     bad.write_text('{"id": 1, "candidates": ["a"]}\n{"id": 2, "cands": ["a"]}\n')
-    with pytest.raises(ValueError, match=r'b.jsonl:2 must be an object with "id" and "candidates"'):
+    with pytest.raises(ValueError, match=r'b.jsonl:2 must be an object with "candidates"; its fields are "id", '):
         load_run(str(bad), refs)
     not_a_list = write(tmp_path / "s.jsonl", [{"id": 1, "candidates": "a"}])
-    with pytest.raises(ValueError, match='"candidates" must be a list of strings; not so for ids 1'):
+    with pytest.raises(ValueError, match='"candidates" must be a non-empty list of strings; not so for ids 1'):
         load_run(not_a_list, write(tmp_path / "t.jsonl", [{"id": 1, "references": ["a"]}]))
+    with pytest.raises(ValueError, match='"references" must be a string or a non-empty list of strings; not so for '
+                                         "ids 1"):
+        load_run(write(tmp_path / "c.jsonl", [{"id": 1, "candidates": ["a"]}]),
+                 write(tmp_path / "e.jsonl", [{"id": 1, "references": []}]))
     plain_preds = write(tmp_path / "u.jsonl", [{"id": 1, "candidates": ["a"]}])
     plain_refs = write(tmp_path / "v.jsonl", [{"id": 1, "references": ["a"]}])
     with pytest.raises(ValueError, match="id 1 has no \"lang\" field"):
@@ -176,3 +180,46 @@ def test_a_byte_order_mark_at_the_start_of_a_file_is_accepted_and_elsewhere_name
     inside.write_bytes(lines[0] + b"\xef\xbb\xbf" + b"".join(lines[1:]))
     with pytest.raises(ValueError, match=r"inside.jsonl:2 starts with a byte-order mark \(U\+FEFF\), which only "):
         load_run(str(inside), REFS)
+
+
+def test_the_docs_pipeline_reads_one_test_file_without_ids(tmp_path, capsys):
+    """docs/cli.md's pipeline: `loramcl generate`, `loramcl nll` and `loramcl evaluate --metrics translation` read
+    the same test file, whose lines have no id (each numbered by its position, the same way by the three commands)
+    and 1 to 3 references, one of them given as a string."""
+    from conftest import wrapped_model
+    from tiny_models import word_tokenizer
+
+    from loramcl.cli import main
+    from loramcl.metrics import loo_bleu
+
+    mcl, base, _, _ = wrapped_model("llama", num_hypotheses=2)  # a tiny Llama, adapters made different
+    base.save_pretrained(tmp_path / "tiny")
+    word_tokenizer().save_pretrained(tmp_path / "tiny")
+    mcl.save_pretrained(tmp_path / "run")
+    test = write(tmp_path / "test.jsonl", [
+        {"prompt": "w5 w6 w7", "references": ["w8 w9 w10", "w8 w11", "w12 w9 w10"]},
+        {"prompt": "w9", "references": "w10 w11 w12"},
+        {"prompt": "w10 w11 w12", "references": ["w13 w14", "w15 w13 w14"]},
+    ])
+    model, run = ["--model", str(tmp_path / "tiny")], ["--adapters", str(tmp_path / "run")]
+    main(["generate", *model, *run, "--input", test, "--out", str(tmp_path / "preds.jsonl"), "--max_new_tokens", "4",
+          "--progress", "false"])
+    main(["nll", *model, *run, "--input", test, "--out", str(tmp_path / "nll.jsonl")])
+    capsys.readouterr()
+    main(["evaluate", "--predictions", str(tmp_path / "preds.jsonl"), "--references", test, "--nll",
+          str(tmp_path / "nll.jsonl"), "--metrics", "translation", "--out", str(tmp_path / "eval"), "--name", "mcl"])
+    report = json.loads((tmp_path / "eval" / "mcl.json").read_text())
+    assert list(report["metrics"]) == ["loo_bleu", "pairwise_bleu", "refs_covered", "oracle_nll", "oracle_ppl"]
+    assert report["num_items"] == 3 and report["references_per_item"] == {"min": 1, "max": 3, "mean": 2.0}
+    predictions = [json.loads(line) for line in (tmp_path / "preds.jsonl").read_text().splitlines()]
+    nll = [json.loads(line) for line in (tmp_path / "nll.jsonl").read_text().splitlines()]
+    assert [p["id"] for p in predictions] == [n["id"] for n in nll] == [0, 1, 2]
+    assert [len(n["nll"]) for n in nll] == [3, 1, 2]  # one row per reference, the string one included
+    # Loo-BLEU over the items with two references or more; the one with a single reference is named
+    expected = loo_bleu([predictions[0]["candidates"], predictions[2]["candidates"]],
+                        [["w8 w9 w10", "w8 w11", "w12 w9 w10"], ["w13 w14", "w15 w13 w14"]])["loo_bleu"]
+    assert report["metrics"]["loo_bleu"] == pytest.approx(expected)
+    assert report["notes"]["loo_bleu"].startswith("over the 2 of 3 items with >= 2 references")
+    assert capsys.readouterr().err.splitlines() == [
+        "loramcl evaluate: note: loo_bleu is over the 2 of 3 items with >= 2 references; the 1 with one reference "
+        "are left out (holding out their only reference leaves nothing to score against); their ids: 1"]

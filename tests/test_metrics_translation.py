@@ -13,6 +13,7 @@ from loramcl.metrics import (
     chrf_sentence,
     evaluate_candidates,
     loo_bleu,
+    markdown_report,
     pairwise_bleu,
     references_covered,
     sacrebleu_sentence,
@@ -56,11 +57,69 @@ def test_pairwise_bleu_pools_every_ordered_pair():
     assert pairwise_bleu(CANDIDATES)["pairwise_bleu"] == pytest.approx(expected)
 
 
-def test_loo_bleu_needs_the_same_r_of_at_least_two():
-    with pytest.raises(ValueError, match=r"same number R >= 2 of references, got R in \[1, 2\]"):
-        loo_bleu(CANDIDATES, [REFERENCES[0][:1], REFERENCES[1]])
-    with pytest.raises(ValueError, match="R >= 2"):
-        loo_bleu(CANDIDATES, [r[:1] for r in REFERENCES])
+# Varying R: candidates equal to reference X of item 0 (R = 2: X, W) and to Y of item 1 (R = 3: Y, Y, Z), no word in
+# common with W. Round t holds out reference t mod R_i: item 1 always keeps a Y (its 8 words match), item 0 keeps X
+# only in round 1. Rounds 0 and 2: half of every n-gram order matches (8/16, 6/12, 4/8, 2/4), equal lengths: BLEU
+# 50; round 1: 100. Loo-BLEU = (50 + 100 + 50) / 3. Other generalisations give other numbers: score.py's zip (the
+# first R_min = 2 references of every item) 75, an item with fewer references keeping all of them in the rounds
+# past its count 83.3, rounds balanced over lcm(2, 3) = 6 75.
+X, W, Y, Z = "the cat sat down", "a dog ran off", "it rains in paris", "snow falls on rome"
+UNEQUAL_CANDIDATES, UNEQUAL_REFERENCES = [[X, X], [Y, Y]], [[X, W], [Y, Y, Z]]
+
+
+def loo_from_statistics(candidates, references):
+    """Loo-BLEU by its definition, without padded reference streams: round t holds out reference t mod R_i of item
+    i; a round's corpus BLEU from the sum of sacrebleu's statistics of each item's candidates against the
+    references it keeps (corpus BLEU sums them)."""
+    bleu, rounds = sacrebleu.metrics.BLEU(), []
+    for t in range(max(len(r) for r in references)):
+        stats = np.zeros(10, dtype=int)
+        for cands, refs in zip(candidates, references, strict=True):
+            kept = [r for j, r in enumerate(refs) if j != t % len(refs)]
+            score = bleu.corpus_score(cands, [[r] * len(cands) for r in kept])
+            stats += [*score.counts, *score.totals, score.sys_len, score.ref_len]
+        counts, totals, sys_len, ref_len = stats[:4].tolist(), stats[4:8].tolist(), int(stats[8]), int(stats[9])
+        rounds.append(bleu.compute_bleu(counts, totals, sys_len, ref_len).score)
+    return rounds
+
+
+def test_loo_bleu_with_a_varying_number_of_references_holds_out_reference_t_mod_r():
+    assert loo_from_statistics(UNEQUAL_CANDIDATES, UNEQUAL_REFERENCES) == pytest.approx([50, 100, 50])
+    assert loo_bleu(UNEQUAL_CANDIDATES, UNEQUAL_REFERENCES)["loo_bleu"] == pytest.approx(200 / 3)
+
+
+def test_loo_bleu_with_varying_r_on_real_sentences():
+    # the German fixture with one item's third reference removed; with equal R the definition is score.py's
+    assert np.mean(loo_from_statistics(GERMAN_CANDIDATES, GERMAN_REFERENCES)) == pytest.approx(
+        fairseq_loo(GERMAN_CANDIDATES, GERMAN_REFERENCES, "13a"))
+    fewer = [refs[:2] if i == 1 else refs for i, refs in enumerate(GERMAN_REFERENCES)]
+    value = loo_bleu(GERMAN_CANDIDATES, fewer)["loo_bleu"]
+    assert value == pytest.approx(np.mean(loo_from_statistics(GERMAN_CANDIDATES, fewer)))
+    assert value != pytest.approx(fairseq_loo(GERMAN_CANDIDATES, fewer, "13a"))  # score.py: 2 references each
+
+
+def test_items_with_one_reference_are_left_out_of_loo_bleu_and_said_so():
+    candidates = [*UNEQUAL_CANDIDATES, ["Ungültiges Argument.", "Argument"]]
+    references = [*UNEQUAL_REFERENCES, ["Ungültiges Argument."]]
+    assert loo_bleu(candidates, references)["loo_bleu"] == pytest.approx(200 / 3)
+    report = evaluate_candidates(candidates, references, metrics="translation")
+    assert report["metrics"]["loo_bleu"] == pytest.approx(200 / 3)
+    assert report["notes"]["loo_bleu"].startswith("over the 2 of 3 items with >= 2 references; the 1 with one ")
+    assert "loo_bleu: over the 2 of 3 items" in markdown_report(report)
+    assert evaluate_candidates(CANDIDATES, REFERENCES, metrics="translation")["notes"] == {}
+    with pytest.raises(ValueError, match=r"needs items with >= 2 references, and every item here has one: leave it "
+                                         r"out \(--exclude loo_bleu\)"):
+        evaluate_candidates(CANDIDATES, [r[:1] for r in REFERENCES], metrics="translation")
+    one_each = evaluate_candidates(CANDIDATES, [r[:1] for r in REFERENCES], metrics="translation",
+                                   exclude="loo_bleu")
+    assert one_each["metrics"]["refs_covered"] == 1  # min(K, R_i) = 1
+
+
+def test_references_covered_with_a_varying_number_of_references():
+    refs = [["Datei öffnen"], ["Datei öffnen", "Öffne die Datei", "Datei wird geöffnet"]]
+    cands = [["Datei öffnen", "Öffne die Datei"], ["Öffne die Datei", "Datei wird geöffnet"]]
+    covered = references_covered(cands, refs)
+    assert covered["refs_covered_per_item"] == [1, 2] and covered["refs_covered"] == 1.5
 
 
 def test_sacrebleu_sentence_is_a_k1_oracle_of_sacrebleu():

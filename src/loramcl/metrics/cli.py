@@ -38,8 +38,12 @@ def evaluate(
     """Score K candidates per item on quality (oracle) and diversity; write a JSON, a markdown table, per-item scores.
 
     Args:
-        predictions: JSONL, one line per item: {"id": ..., "candidates": [K strings]} (candidate k = hypothesis k).
-        references: JSONL, one line per item: {"id": ..., "references": [R strings]}; the ids must match.
+        predictions: JSONL, one line per item: {"id": ..., "candidates": [K strings]} (candidate k = hypothesis k),
+            as `loramcl generate` writes it.
+        references: JSONL, one line per item: {"id": ..., "references": [R_i strings] or one string}, e.g. the
+            test file given to `loramcl generate` and `loramcl nll`; R_i may differ between items. The ids must
+            match; "id" is optional in every file: a line without one is numbered by its position (0, 1, ...), as
+            `generate` and `nll` number it.
         metrics: presets ("captioning", "translation") and/or metric names, comma-separated (e.g. "bleu4,div2").
             A preset's metric whose tool is missing (SPICE and SPIDEr without the SPICE jars) is reported as not
             computed, with the reason; a metric named here whose tool is missing is an error.
@@ -56,7 +60,9 @@ def evaluate(
         bleu_tokenize: sacrebleu tokenizer for Loo-BLEU and Pairwise-BLEU (the paper: 13a).
         tokenize: PTB-tokenize before the COCO and diversity metrics (the paper's protocol).
     """
-    from loramcl.metrics.io import load_mixture_nll, load_nll, load_run, load_scores, to_jsonable, write_json
+    from loramcl.metrics.io import (
+        load_mixture_nll, load_nll, load_run, load_scores, shown_ids, to_jsonable, write_json,
+    )
     from loramcl.metrics.oracle import winners
     from loramcl.metrics.suite import METRICS, evaluate_candidates, markdown_report, unavailable_groups
 
@@ -88,6 +94,10 @@ def evaluate(
             f.write(json.dumps(to_jsonable(row)) + "\n")
 
     print(markdown)
+    if "loo_bleu" in report["notes"]:
+        single = [i for i, r in zip(ids, refs, strict=True) if len(r) < 2]
+        print(f"loramcl evaluate: note: loo_bleu is {report['notes']['loo_bleu']}; their ids: {shown_ids(single)}",
+              file=sys.stderr)
     for reason, names in unavailable_groups(report["unavailable"]).items():
         print(f"loramcl evaluate: not computed: {', '.join(names)}: {reason.split('. ')[0]} (the report says how to "
               f"set it up; --exclude {','.join(names)} leaves them out)", file=sys.stderr)
@@ -102,8 +112,13 @@ def plot_tradeoff(
     out: LocalPath = "tradeoff.png",
     labels: list[str] | str | None = None,
     title: str | None = None,
+    methods: list[str] | str | None = None,
+    decodings: list[str] | str | None = None,
 ) -> str:
-    """Quality-diversity plot (paper Fig. 3 style): one marker per evaluated run, x = diversity, y = quality.
+    """Quality-diversity plot (paper Fig. 3-4 style): one labelled marker per run, x = diversity, y = quality.
+
+    The axes carry the metrics' names and better directions; labels cover no label and no marker; points at the
+    same place are drawn inside each other and named together.
 
     Args:
         runs: JSON reports written by `loramcl evaluate`: comma-separated and/or glob patterns
@@ -113,6 +128,10 @@ def plot_tradeoff(
         out: PNG file to write.
         labels: one label per run, comma-separated (default: each run's name).
         title: plot title (default: says which corner is better).
+        methods: one method per run (e.g. "LoRA-MCL K=3", "LoRA-MLE r=24"), comma-separated or a list: the
+            marker; give decodings too.
+        decodings: one decoding per run (e.g. "beam search"), comma-separated or a list (for names with commas):
+            the colour.
     """
     from loramcl.metrics.plot import tradeoff_plot_from_files
 
@@ -127,6 +146,7 @@ def plot_tradeoff(
             paths.append(pattern)
     if not paths:
         raise ValueError("no run given: --runs eval/a.json,eval/b.json (or a glob such as 'eval/*.json')")
-    path = tradeoff_plot_from_files(paths, x=x, y=y, out=out, labels=_split(labels) or None, title=title)
+    path = tradeoff_plot_from_files(paths, x=x, y=y, out=out, labels=_split(labels) or None, title=title,
+                                    methods=_split(methods) or None, decodings=_split(decodings) or None)
     print(f"plot ({len(paths)} runs, x={x}, y={y}): {path}")
     return str(path)

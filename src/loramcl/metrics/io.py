@@ -1,8 +1,12 @@
 """Files of `loramcl evaluate`: predictions / references JSONL in, a JSON + a markdown report out.
 
-    preds.jsonl  {"id": ..., "candidates": [K strings]}        one line per item
-    refs.jsonl   {"id": ..., "references": [R strings], ...}   other fields (e.g. "lang") may name groups
+    preds.jsonl  {"id": ..., "candidates": [K strings]}          one line per item
+    refs.jsonl   {"id": ..., "references": [R_i strings] or one string, ...}   other fields (e.g. "lang") may
+                                                                  name groups, e.g. the test file of `generate`
     nll.jsonl    {"id": ..., "nll": [[K floats] per reference]}  optional, for the oracle NLL
+
+"id" is optional in each: a line without one is numbered by its position among the file's records (0, 1, ...),
+as `loramcl generate` and `loramcl nll` number the lines of the test file they read, so the three files align.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def read_jsonl(path: str | Path, field: str, number_missing_ids: bool = False, h
             records[record["id"]] = record
     duplicated = [i for i, n in Counter(ids).items() if n > 1]
     if duplicated:
-        raise ValueError(f"{path} has duplicate ids (each item once): {_names(duplicated)}")
+        raise ValueError(f"{path} has duplicate ids (each item once): {shown_ids(duplicated)}")
     if not records:
         raise ValueError(f"{path} has no record")
     return records
@@ -78,7 +82,7 @@ def read_utf8(path: str | Path) -> str:
                          "the file as UTF-8") from None
 
 
-def _names(ids: list) -> str:
+def shown_ids(ids: list) -> str:
     shown = ", ".join(repr(i) for i in ids[:10])
     return shown + (f" ... ({len(ids)} in all)" if len(ids) > 10 else "")
 
@@ -90,9 +94,9 @@ def align(predictions: dict[object, dict], references: dict[object, dict], what=
     if only_pred or only_ref:
         message = []
         if only_pred:
-            message.append(f"ids in {what[0]} but not in {what[1]}: {_names(only_pred)}")
+            message.append(f"ids in {what[0]} but not in {what[1]}: {shown_ids(only_pred)}")
         if only_ref:
-            message.append(f"ids in {what[1]} but not in {what[0]}: {_names(only_ref)}")
+            message.append(f"ids in {what[1]} but not in {what[0]}: {shown_ids(only_ref)}")
         hint = ""
         if {str(i) for i in only_pred} & {str(i) for i in only_ref}:
             hint = ' (some differ only in type, e.g. 1 vs "1": use the same JSON type in both files)'
@@ -102,16 +106,18 @@ def align(predictions: dict[object, dict], references: dict[object, dict], what=
 
 def load_run(predictions_path: str | Path, references_path: str | Path, group_key: str | None = None):
     """(ids, candidates [N][K], references [N][R], groups [N] or None) from the two JSONL files."""
-    predictions = read_jsonl(predictions_path, "candidates")
-    references = read_jsonl(references_path, "references")
+    predictions = read_jsonl(predictions_path, "candidates", number_missing_ids=True)
+    references = read_jsonl(references_path, "references", number_missing_ids=True)
     ids = align(predictions, references)
     candidates = [predictions[i]["candidates"] for i in ids]
     refs = [references[i]["references"] for i in ids]
-    for name, rows in (("candidates", candidates), ("references", refs)):
+    refs = [[row] if isinstance(row, str) else row for row in refs]  # one reference, as `loramcl nll` reads it
+    for name, rows, allowed in (("candidates", candidates, "a non-empty list of strings"),
+                                ("references", refs, "a string or a non-empty list of strings")):
         bad = [i for i, row in zip(ids, rows, strict=True)
-               if not isinstance(row, list) or not all(isinstance(t, str) for t in row)]
+               if not isinstance(row, list) or not row or not all(isinstance(t, str) for t in row)]
         if bad:
-            raise ValueError(f'"{name}" must be a list of strings; not so for ids {_names(bad)}')
+            raise ValueError(f'"{name}" must be {allowed}; not so for ids {shown_ids(bad)}')
     groups = None
     if group_key:
         def label(i):
@@ -131,7 +137,7 @@ def load_nll(path: str | Path, ids: list, references: list[list[str]] | None = N
     ``check_nll_columns``), finite and >= 0 (a mean NLL is never negative). Errors name the file and the item."""
     from loramcl.metrics.nll import check_nll_columns
 
-    records = read_jsonl(path, "nll")
+    records = read_jsonl(path, "nll", number_missing_ids=True)
     align(records, {i: None for i in ids}, what=("the NLL file", "the predictions"))
     arrays = []
     for n, item in enumerate(ids):
@@ -163,13 +169,13 @@ def load_scores(path: str | Path, ids: list, candidates: list[list[str]]) -> np.
     """The [N, K] p(k | c) of the candidates from a predictions file's "scores" (written for models with hypothesis
     scores), or None when no line has them. Checked: every line or none, one probability per candidate, each item's
     summing to 1. Errors name the file and the item."""
-    records = read_jsonl(path, "candidates")
+    records = read_jsonl(path, "candidates", number_missing_ids=True)
     present = [i for i in ids if "scores" in records[i]]
     if not present:
         return None
     if len(present) != len(ids):
         missing = [i for i in ids if "scores" not in records[i]]
-        raise ValueError(f'{path}: "scores" on some lines but not on ids {_names(missing)}: write the predictions '
+        raise ValueError(f'{path}: "scores" on some lines but not on ids {shown_ids(missing)}: write the predictions '
                          "of one model in one file")
     rows = []
     for n, item in enumerate(ids):
@@ -186,7 +192,7 @@ def load_scores(path: str | Path, ids: list, candidates: list[list[str]]) -> np.
 def load_mixture_nll(path: str | Path, ids: list, references: list[list[str]]) -> list[np.ndarray] | None:
     """Per-item [R_i] mixture NLLs from an NLL file's "mixture_nll" (models with hypothesis scores), or None when
     no line has them; one finite, non-negative value per reference."""
-    records = read_jsonl(path, "nll")
+    records = read_jsonl(path, "nll", number_missing_ids=True)
     if not any("mixture_nll" in records[i] for i in ids):
         return None
     values = []

@@ -22,30 +22,39 @@ class Metric:
     kind: str  # "oracle" (best of K vs references), "diversity" (among the K), "translation", "likelihood"
     higher_is_better: bool
     what: str  # one line for the report
+    name: str  # as a reader knows it (axis labels)
+    diversity: bool = False  # measures how different the K candidates are (its better direction: more diverse)
 
 
 METRICS: dict[str, Metric] = {
-    **{f"bleu{n}": Metric("oracle", True, f"oracle BLEU-{n} (pycocoevalcap, PTB tokens)") for n in range(1, 5)},
-    "meteor": Metric("oracle", True, "oracle METEOR 1.5 (pycocoevalcap jar)"),
-    "rouge_l": Metric("oracle", True, "oracle ROUGE-L (pycocoevalcap)"),
-    "cider_d": Metric("oracle", True, "oracle CIDEr-D (pycocoevalcap; idf over all references)"),
-    "spice": Metric("oracle", True, "oracle SPICE (SPICE 1.0 jar)"),
-    "spider": Metric("oracle", True, "oracle SPIDEr = (CIDEr-D + SPICE) / 2 per candidate"),
-    "sbert_sim": Metric("oracle", True, "oracle sBERT similarity (mean cosine to the references)"),
-    "sacrebleu": Metric("oracle", True, "oracle sentence BLEU (sacrebleu, raw text, 0-100)"),
-    "chrf": Metric("oracle", True, "oracle sentence chrF (sacrebleu, raw text, 0-100)"),
-    **{f"div{n}": Metric("diversity", True, f"Div-{n}: distinct / total {n}-grams among the K") for n in range(1, 5)},
-    **{f"mbleu{n}": Metric("diversity", False, f"mBLEU-{n}: BLEU-{n} of each candidate vs the K-1 others")
+    **{f"bleu{n}": Metric("oracle", True, f"oracle BLEU-{n} (pycocoevalcap, PTB tokens)", f"oracle BLEU-{n}")
        for n in range(1, 5)},
-    "loo_bleu": Metric("translation", True, "Leave-One-Out BLEU (sacrebleu, 0-100)"),
-    "pairwise_bleu": Metric("translation", False, "Pairwise-BLEU among the K (sacrebleu, 0-100)"),
+    "meteor": Metric("oracle", True, "oracle METEOR 1.5 (pycocoevalcap jar)", "oracle METEOR"),
+    "rouge_l": Metric("oracle", True, "oracle ROUGE-L (pycocoevalcap)", "oracle ROUGE-L"),
+    "cider_d": Metric("oracle", True, "oracle CIDEr-D (pycocoevalcap; idf over all references)", "oracle CIDEr-D"),
+    "spice": Metric("oracle", True, "oracle SPICE (SPICE 1.0 jar)", "oracle SPICE"),
+    "spider": Metric("oracle", True, "oracle SPIDEr = (CIDEr-D + SPICE) / 2 per candidate", "oracle SPIDEr"),
+    "sbert_sim": Metric("oracle", True, "oracle sBERT similarity (mean cosine to the references)",
+                        "oracle sBERT similarity"),
+    "sacrebleu": Metric("oracle", True, "oracle sentence BLEU (sacrebleu, raw text, 0-100)", "oracle sentence BLEU"),
+    "chrf": Metric("oracle", True, "oracle sentence chrF (sacrebleu, raw text, 0-100)", "oracle chrF"),
+    **{f"div{n}": Metric("diversity", True, f"Div-{n}: distinct / total {n}-grams among the K", f"Div-{n}", True)
+       for n in range(1, 5)},
+    **{f"mbleu{n}": Metric("diversity", False, f"mBLEU-{n}: BLEU-{n} of each candidate vs the K-1 others",
+                           f"mBLEU-{n}", True) for n in range(1, 5)},
+    "loo_bleu": Metric("translation", True, "Leave-One-Out BLEU (sacrebleu, 0-100)", "Loo-BLEU"),
+    "pairwise_bleu": Metric("translation", False, "Pairwise-BLEU among the K (sacrebleu, 0-100)", "Pairwise-BLEU",
+                            True),
     "refs_covered": Metric("translation", True, "#references covered: distinct references closest to a candidate, "
-                           "per item (score.py's sentence BLEU+1)"),
-    "oracle_nll": Metric("likelihood", False, "oracle NLL of the references (nats/token)"),
-    "oracle_ppl": Metric("likelihood", False, "oracle perplexity = exp(oracle NLL)"),
-    "mixture_nll": Metric("likelihood", False, "mixture NLL -log sum_k p(k|c) p_k(x|c) of the references (nats/token)"),
-    "score_top1": Metric("ranking", True, "share of items whose most probable candidate (p(k|c)) is the winner"),
-    "score_ece": Metric("ranking", False, "calibration error of p(k|c) against winning (10 bins)"),
+                           "per item (score.py's sentence BLEU+1)", "#references covered"),
+    "oracle_nll": Metric("likelihood", False, "oracle NLL of the references (nats/token)", "oracle NLL"),
+    "oracle_ppl": Metric("likelihood", False, "oracle perplexity = exp(oracle NLL)", "oracle perplexity"),
+    "mixture_nll": Metric("likelihood", False, "mixture NLL -log sum_k p(k|c) p_k(x|c) of the references (nats/token)",
+                          "mixture NLL"),
+    "score_top1": Metric("ranking", True, "share of items whose most probable candidate (p(k|c)) is the winner",
+                         "top-1 accuracy of p(k|c)"),
+    "score_ece": Metric("ranking", False, "calibration error of p(k|c) against winning (10 bins)",
+                        "calibration error of p(k|c)"),
 }
 FROM_FILES = ("oracle_nll", "oracle_ppl", "mixture_nll", "score_top1", "score_ece")  # not requested by name
 
@@ -130,7 +139,8 @@ def evaluate_candidates(
             text is tokenized already.
 
     Returns:
-        {"metrics": {name: value}, "unavailable": {name: reason}, "candidate_scores": {name: array [N, K]},
+        {"metrics": {name: value}, "unavailable": {name: reason}, "notes": {name: how it was computed, where it
+        differs from the definition's usual case}, "candidate_scores": {name: array [N, K]},
         "specialisation": {...}, "num_items", "num_candidates", "references_per_item", "timing_s": {step: seconds},
         "settings": {...}}.
     """
@@ -173,6 +183,13 @@ def evaluate_candidates(
             raise ValueError(f"{name} needs K >= 2 candidates per item")
     if ("cider_d" in names or "spider" in names) and len(candidates) < 2:
         raise ValueError("CIDEr-D (and SPIDEr) need at least 2 items (idf over the reference corpus)")
+    notes: dict[str, str] = {}
+    if "loo_bleu" in names:
+        single = len(candidates) - len(translation.loo_items(references))
+        if single:
+            notes["loo_bleu"] = (f"over the {len(candidates) - single} of {len(candidates)} items with >= 2 "
+                                 f"references; the {single} with one reference are left out (holding out their "
+                                 "only reference leaves nothing to score against)")
     if groups is not None and len(groups) != len(candidates):
         raise ValueError(f"{len(groups)} group labels for {len(candidates)} items: give one label per item")
     scored = [n for n in names if METRICS[n].kind == "oracle"]  # the candidate-level metrics
@@ -280,6 +297,7 @@ def evaluate_candidates(
     return {
         "metrics": values,
         "unavailable": unavailable,
+        "notes": notes,
         "likelihood": likelihood,
         "specialisation": specialisation,
         "candidate_scores": matrices,
@@ -313,6 +331,7 @@ def markdown_report(report: dict) -> str:
         lines.append(f"| {name} | {value:.4g} | {'↑' if metric.higher_is_better else '↓'} | {metric.what} |")
     for reason, names in unavailable_groups(report.get("unavailable") or {}).items():
         lines.append(f"| {', '.join(names)} | not computed | | {reason} |")
+    lines += [f"\n{name}: {note}." for name, note in (report.get("notes") or {}).items()]
     lines += ["", win_rate_table(report["specialisation"], report["specialisation"]["metric"])]
     if report.get("likelihood"):
         lik = report["likelihood"]

@@ -5,7 +5,8 @@ corpus-level BLEU over pooled (hypothesis, reference) pairs, in sacrebleu's 0-10
 smoothing); #references covered ranks references with score.py's smoothed sentence BLEU (`bleu_plus_one`). The
 tokenization is sacrebleu's 13a, as the paper states (fairseq's script passes pre-tokenized text with
 tokenize='none'; give `tokenize="none"` to reproduce that on tokenized text). Inputs are raw (detokenized)
-strings: `candidates: list[list[str]]` (N x K), `references: list[list[str]]` (N x R).
+strings: `candidates: list[list[str]]` (N x K), `references: list[list[str]]` (N x R_i: the number of
+references may vary from item to item; score.py needs the same R, see ``loo_bleu``).
 """
 
 from __future__ import annotations
@@ -24,25 +25,40 @@ def _corpus_bleu(hypotheses: list[str], reference_streams: list[list[str]], toke
     return float(BLEU(tokenize=tokenize).corpus_score(hypotheses, reference_streams).score)
 
 
+def loo_items(references: Sequence[Sequence[str]]) -> list[int]:
+    """Positions of the items Loo-BLEU scores: those with R_i >= 2 references (holding out the only reference of
+    an item would leave none to score its candidates against). A clear error when no item has two."""
+    items = [i for i, refs in enumerate(references) if len(refs) >= 2]
+    if not items:
+        raise ValueError("Loo-BLEU holds out one reference of an item at a time, so it needs items with >= 2 "
+                         "references, and every item here has one: leave it out (--exclude loo_bleu); "
+                         "Pairwise-BLEU and #references covered are still defined")
+    return items
+
+
 def loo_bleu(
     candidates: Sequence[Sequence[str]], references: Sequence[Sequence[str]], tokenize: str = "13a"
 ) -> dict[str, float]:
-    """Leave-One-Out BLEU (higher = better): for each r, corpus BLEU of all N*K candidates against the other R-1
-    references of their item; mean over r. Every item needs the same number R >= 2 of references (the R
-    reference streams are held out one at a time)."""
+    """Leave-One-Out BLEU (higher = better): in round t = 0 .. R_max - 1 every item holds out its reference
+    t mod R_i, and one corpus BLEU scores all candidates against the other R_i - 1 references of their item; the
+    mean over the rounds. With the same R for every item, round t holds out reference stream t: Shen et al.'s
+    protocol and fairseq score.py's numbers exactly. With different R_i every candidate is still scored against
+    all but one of its item's references in every round (an item with R_i < R_max wraps around, so its references
+    are held out floor(R_max / R_i) or ceil(R_max / R_i) times). Items with one reference are left out
+    (``loo_items``)."""
     num_candidates = check_candidate_sets(candidates)
     check_pairs([c[0] for c in candidates], references)
-    counts = sorted({len(r) for r in references})
-    if len(counts) > 1 or counts[0] < 2:
-        raise ValueError(
-            "Loo-BLEU holds out one of R reference streams at a time: every item needs the same number R >= 2 of "
-            f"references, got R in {counts}"
-        )
-    num_references = counts[0]
-    hypotheses = [c for cands in candidates for c in cands]  # item-major, row i*K + k
-    # stream r: item i's r-th reference, repeated for its K candidates
-    streams = [[refs[r] for refs in references for _ in range(num_candidates)] for r in range(num_references)]
-    scores = [_corpus_bleu(hypotheses, streams[:r] + streams[r + 1 :], tokenize) for r in range(num_references)]
+    items = loo_items(references)
+    rounds = max(len(references[i]) for i in items)
+    hypotheses = [c for i in items for c in candidates[i]]  # item-major, K per item
+    scores = []
+    for t in range(rounds):
+        kept = [[r for j, r in enumerate(references[i]) if j != t % len(references[i])] for i in items]
+        # R_max - 1 streams, each entry repeated for the item's K candidates; None where an item has fewer
+        # references (sacrebleu's convention for a varying number of references)
+        streams = [[refs[s] if s < len(refs) else None for refs in kept for _ in range(num_candidates)]
+                   for s in range(rounds - 1)]
+        scores.append(_corpus_bleu(hypotheses, streams, tokenize))
     return {"loo_bleu": float(np.mean(scores))}
 
 
