@@ -71,7 +71,7 @@ def test_bad_method_combinations_say_what_to_change(folders, tmp_path):
     with pytest.raises(ValueError, match="method 'moe' needs its configuration: --moe"):
         _train(folders, tmp_path / "a", method="moe")
     with pytest.raises(ValueError, match="--mcl.\\* configures method 'mcl' but method is 'moe'"):
-        _train(folders, tmp_path / "b", method="moe", moe=MoEConfig(), mcl=MCLConfig())
+        _train(folders, tmp_path / "b", method="moe", moe=MoEConfig(), mcl=MCLConfig(num_hypotheses=3))
     with pytest.raises(ValueError, match="--moe.\\* configures method 'moe' but method is 'mcl'"):
         _train(folders, tmp_path / "c", moe=MoEConfig())
     with pytest.raises(ValueError, match="method must be one of"):
@@ -93,6 +93,6 @@ def test_baseline_recipes_select_their_method():
     for method, config_class in (("moe", MoEConfig), ("multihead", MultiHeadConfig)):
         values = parser.instantiate_classes(parser.parse_args(
             ["--config", str(recipes / "common.yaml"), "--config", str(recipes / f"{method}.yaml")]))
-        assert values.method == method and isinstance(values[method], config_class) and values.mcl is None
+        assert values.method == method and isinstance(values[method], config_class) and values.mcl == MCLConfig()
     with pytest.raises(ArgumentError, match="lora-moe"):  # an unknown method is refused by the parser itself
         parser.parse_args(["--config", str(recipes / "common.yaml"), "--method", "lora-moe"])

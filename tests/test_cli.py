@@ -230,3 +230,59 @@ def test_convert_smollm2_writes_the_tokenizer_alone(tmp_path, capsys, smollm2_fo
     assert mine("Ouvrir le fichier ?").input_ids == whole("Ouvrir le fichier ?").input_ids
     assert (mine.apply_chat_template(messages, tokenize=False)
             == whole.apply_chat_template(messages, tokenize=False))
+
+
+def option_helps(text: str) -> dict[str, str]:
+    """{option: its help text} of a `--help` output (argparse's layout: an option line, two spaces or more, the help,
+    which may start on the next line; its continuation lines indented further)."""
+    helps, current = {}, None
+    for line in text.splitlines():
+        if match := re.match(r"  (-\S.*?)(?:\s{2,}(\S.*))?$", line):
+            current = match[1].split()[0].rstrip(",")
+            helps[current] = match[2] or ""
+        elif current and line.startswith("    ") and line.strip():
+            helps[current] = f"{helps[current]} {line.strip()}".strip()
+        else:
+            current = None
+    return helps
+
+
+@pytest.mark.parametrize("command", [*[c for c in commands() if c != "recipes"], "recipes copy",
+                                     "train --moe.help", "train --multihead.help"])
+def test_every_option_of_every_command_has_its_help(command, capsys):
+    """Each option's help says what it is, not only its type and default: the nested options (`--data.*`,
+    `--training.*`, `--mcl.*`, a baseline's block) take their dataclass's field docstrings."""
+    code, out, _ = run_main([*command.split(), *([] if command.endswith(".help") else ["--help"])], capsys)
+    assert code == 0
+    helps = option_helps(out)
+    assert len(helps) > 2, out
+    bare = {option: text for option, text in helps.items() if re.fullmatch(r"(\((required, )?type: .*\))?", text)}
+    assert bare == {}
+    if command == "train":
+        assert "K, the number of hypotheses" in helps["--mcl.num_hypotheses"]
+        assert helps["--training.steps"].startswith("Optimizer steps.")
+        assert "--mcl.help" not in helps  # a section of options with defaults, listed here, not a class to name
+
+
+def test_the_hypotheses_need_no_option_and_another_method_refuses_changed_ones():
+    """`loramcl train` without --mcl.* trains MCLConfig()'s hypotheses; with --method moe or multihead an --mcl block
+    that changes them is refused (it would be ignored), one equal to the defaults (the command line always gives one)
+    is not."""
+    from loramcl.baselines import MoEConfig
+    from loramcl.config import MCLConfig
+    from loramcl.finetune import method_config, train
+
+    assert train.__defaults__[0] == MCLConfig()  # jsonargparse gives `--mcl.*` these defaults
+    assert method_config("mcl", None, None, None) == MCLConfig()
+    assert method_config("moe", MCLConfig(), MoEConfig(r=4), None) == MoEConfig(r=4)
+    with pytest.raises(ValueError, match=r"--mcl\.\* configures method 'mcl' but method is 'moe'"):
+        method_config("moe", MCLConfig(r=4), MoEConfig(), None)
+
+
+def test_a_bare_nested_true_false_option_means_true():
+    from loramcl.cli import _bare_booleans
+    from loramcl.finetune import train
+
+    assert _bare_booleans(["train", "--mcl.scoring", "--data.chat_template"], train) == [
+        "train", "--mcl.scoring", "true", "--data.chat_template", "true"]
+    assert _bare_booleans(["train", "--mcl.r", "--x"], train) == ["train", "--mcl.r", "--x"]

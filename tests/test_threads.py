@@ -67,7 +67,7 @@ def test_more_threads_than_cores_is_a_warning():
 def test_a_command_refuses_a_bad_thread_count_before_work(tmp_path, capsys):
     with pytest.raises(SystemExit) as stopped:
         main(["markov", "--out", str(tmp_path / "m"), "--threads", "0"])
-    assert stopped.value.code == 1
+    assert stopped.value.code == 2
     assert "error: --threads must be an integer >= 1" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
 

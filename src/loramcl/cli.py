@@ -9,15 +9,20 @@ docs/cli.md lists the usual mistakes and their messages.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import inspect
+import logging
 import os
 import re
 import sys
 import warnings
 
-from loramcl.threads import sleep_while_waiting
+from loramcl.threads import check_threads, sleep_while_waiting
 
 DEBUG_ENV = "LORAMCL_DEBUG"
+VERBOSITY_ENV = "LORAMCL_VERBOSITY"
+VERBOSITIES = ("debug", "info", "warning", "error")
 EXIT_USAGE, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
 
 
@@ -50,11 +55,14 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     sleep_while_waiting()  # before torch loads: OpenMP reads it then
-    from jsonargparse import CLI
+    from jsonargparse import CLI, set_parsing_settings
 
     from loramcl import __version__
-    from loramcl.inputs import BaseWeightsMismatch, PromptFormatWarning
 
+    # the dataclasses' field docstrings are the help of their options (--data.*, --training.*, --mcl.*, ...); read
+    # only for a help, since reading them takes a tenth of a second
+    set_parsing_settings(docstring_parse_attribute_docstrings=any(a in ("-h", "--help") or a.endswith(".help")
+                                                                   for a in args))
     table = commands()
     command = next((a for a in args if a in table), None)
     if command == "recipes" and args[-1] == "recipes":
@@ -63,23 +71,16 @@ def main(argv: list[str] | None = None) -> None:
     if command is not None and callable(table[command]):
         args = _bare_booleans(args, table[command])
     prefix = f"loramcl {command}" if command else "loramcl"
-    show_warning = warnings.showwarning
-
-    def one_line_warning(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, (PromptFormatWarning, BaseWeightsMismatch)):
-            print(f"{prefix}: warning: {message}", file=sys.stderr)
-        else:
-            show_warning(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = one_line_warning
     try:
-        # `loramcl recipes copy <task>/<name> <dir>` takes positional arguments; every other command takes options
-        CLI(table, args=args, as_positional=command == "recipes", exit_on_error=False,
-            version=f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})")
+        with _one_line_warnings(prefix), _library_log(prefix):
+            # `loramcl recipes copy <task>/<name> <dir>` takes positional arguments; every other command takes
+            # options, never abbreviated (argparse would take --training.step for --training.steps without a word)
+            CLI(table, args=args, as_positional=command == "recipes", exit_on_error=False, allow_abbrev=False,
+                parser_class=_parser_class(), version=f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})")
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"{prefix}: interrupted", file=sys.stderr)
+        say(f"{prefix}: interrupted{_how_to_continue(command, table)}")
         raise SystemExit(EXIT_INTERRUPTED) from None
     except BrokenPipeError:  # the reader of our output stopped (`loramcl recipes | head`): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
@@ -88,10 +89,129 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         usage = _is_usage_error(error)
-        print(f"{prefix}: error: {error_message(error, table, command)}", file=sys.stderr)
+        say(f"{prefix}: error: {error_message(error, table, command)}")
         raise SystemExit(EXIT_USAGE if usage else EXIT_FAILURE) from None
+
+
+def say(line: str, file=None) -> None:
+    """Print ``line`` on a line of its own (stderr by default), never after a progress bar's text: open tqdm bars are
+    cleared first and drawn again below it (tqdm's public ``external_write_mode``, as ``tqdm.write`` does)."""
+    file = sys.stderr if file is None else file
+    tqdm = sys.modules.get("tqdm")  # no bar can be open unless tqdm was imported; importing it here costs time
+    if tqdm is None or not hasattr(tqdm, "tqdm"):
+        print(line, file=file, flush=True)
+        return
+    with tqdm.tqdm.external_write_mode(file=file):
+        print(line, file=file, flush=True)
+
+
+def _how_to_continue(command: str | None, table: dict) -> str:
+    """What continues an interrupted command: `train` resumes from its newest checkpoint with --resume true; a task
+    command (one that takes --recipes: the recipe runner) reuses its finished stages and resumes its training."""
+    if command == "train":
+        return ("; the same command with --resume true continues it from its newest checkpoint (written every "
+                "--training.save_every steps)")
+    function = table.get(command)
+    if callable(function) and "recipes" in inspect.signature(function).parameters:
+        return ("; run the same command again to continue: its finished stages are reused and an interrupted "
+                "training resumes from its newest checkpoint")
+    return ""
+
+
+@contextlib.contextmanager
+def _one_line_warnings(prefix: str):
+    """Every warning shown while a command runs as one line, `loramcl <command>: warning: <message>`; one from
+    another package says its category and package (`... warning: FutureWarning from transformers: ...`)."""
+    shown = warnings.showwarning
+
+    def one_line(message, category, filename, lineno, file=None, line=None):
+        text = " ".join(str(message).split())
+        if not _is_ours(category, filename):
+            text = f"{category.__name__} from {_package_of(filename)}: {text}"
+        say(f"{prefix}: warning: {text}", file)
+
+    warnings.showwarning = one_line
+    try:
+        yield
     finally:
-        warnings.showwarning = show_warning
+        warnings.showwarning = shown
+
+
+def _is_ours(category: type, filename: str) -> bool:
+    """A warning of loramcl: of a category it defines, or a plain UserWarning raised from its code."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    return category.__module__.split(".")[0] == "loramcl" or (
+        category is UserWarning and os.path.abspath(filename).startswith(package))
+
+
+def _package_of(filename: str) -> str:
+    """The top-level package (or module) of the file ``filename``, read off the import path (e.g. transformers)."""
+    path = os.path.abspath(filename)
+    roots = sorted((os.path.abspath(p) + os.sep for p in sys.path if p), key=len, reverse=True)
+    root = next((r for r in roots if path.startswith(r)), None)
+    if root is None:
+        return os.path.basename(path)
+    return path[len(root):].split(os.sep)[0].removesuffix(".py")
+
+
+class _LogLines(logging.Handler):
+    """The `loramcl` logger's records while a command runs: information on stdout, where the command's own lines
+    go; warnings and errors on stderr as `loramcl <command>: warning: ...`."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.format(record)
+            if record.levelno >= logging.WARNING:
+                say(f"{self.prefix}: {record.levelname.lower()}: {' '.join(text.split())}")
+            else:
+                say(text, sys.stdout)
+        except Exception:
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _library_log(prefix: str):
+    """The library's `loramcl` logger shown while a command runs, at the level LORAMCL_VERBOSITY names (debug,
+    info: the default, warning, error), as TRANSFORMERS_VERBOSITY does for transformers' messages."""
+    name = os.environ.get(VERBOSITY_ENV, "info").strip().lower() or "info"
+    if name not in VERBOSITIES:
+        raise ValueError(f"{VERBOSITY_ENV} must be one of {', '.join(VERBOSITIES)}; got {name!r}")
+    logger = logging.getLogger("loramcl")
+    handler, saved = _LogLines(prefix), (logger.level, logger.propagate)
+    logger.addHandler(handler)
+    logger.setLevel(getattr(logging, name.upper()))
+    logger.propagate = False  # shown once, by this handler
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])  # through setLevel, which empties the loggers' cache of enabled levels
+        logger.propagate = saved[1]
+
+
+def _parser_class() -> type:
+    """jsonargparse's parser, checking after parsing what no option's type says: a count of CPU threads (--threads of
+    every command that takes it) is at least 1, refused before any work (torch would say "set_num_threads expects a
+    positive integer" after the imports, naming no option)."""
+    from argparse import ArgumentError
+
+    from jsonargparse import ArgumentParser
+
+    class Parser(ArgumentParser):
+        def parse_args(self, *args, **kwargs):
+            config = super().parse_args(*args, **kwargs)
+            command = config.get("subcommand")
+            try:
+                check_threads(config.get(f"{command}.threads") if isinstance(command, str) else None)
+            except ValueError as error:
+                raise ArgumentError(None, str(error)) from None
+            return config
+
+    return Parser
 
 
 def _packaged_configs(args: list[str]) -> list[str]:
@@ -168,6 +288,9 @@ def _usage_message(text: str, table: dict, command: str | None) -> str:
         return f"unknown option {match[1]} in a --config file{_suggestion(match[1], table, command, prefix='')}{see}"
     if match := re.match(r'Parser key "(.*?)": (.*)', text):
         key, problem = option(match[1]), match[2]
+        if nested := re.match(r"Option '(.*?)' is not accepted", problem):  # in a block typed `Config | None`
+            see = f"; see loramcl {command} --{match[1].removeprefix(f'{command}.')}.help" if command else ""
+            return f"unknown option {key}.{nested[1]}{_suggestion(f'{key}.{nested[1]}', table, command)}{see}"
         if literal := re.match(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", problem):
             choices = ", ".join(c.strip().strip("'\"") for c in literal[1].split(","))
             return f"{key} must be one of {choices}; got {literal[2]!r}"
@@ -187,7 +310,8 @@ def _suggestion(option: str, table: dict, command: str | None, prefix: str = "--
 
 def _option_names(function) -> list[str]:
     """The options of a command as jsonargparse reads them off its signature: its parameters, `section.field` for a
-    dataclass-typed parameter (and the section itself), the fields a `**kwargs` is resolved to."""
+    dataclass-typed parameter (also one typed `Config | None`) and the section itself, the fields a `**kwargs` is
+    resolved to."""
     from jsonargparse import ArgumentParser
 
     try:
@@ -196,13 +320,31 @@ def _option_names(function) -> list[str]:
         keys = list(parser.get_defaults().keys())
     except Exception:  # a signature jsonargparse cannot read: the suggestion is a convenience only
         return []
-    return keys + sorted({key.split(".")[0] for key in keys if "." in key})
+    keys += [f"{name}.{field}" for name, fields in _sections(function).items() for field in fields]
+    return list(dict.fromkeys(keys + sorted({key.split(".")[0] for key in keys if "." in key})))
+
+
+def _sections(function) -> dict[str, dict[str, object]]:
+    """{parameter: {field: its type}} for each parameter of ``function`` typed with a dataclass (or `Config | None`):
+    the `--parameter.field` options."""
+    import dataclasses
+    import typing
+
+    try:
+        hints = typing.get_type_hints(function)
+        sections = {}
+        for name, hint in hints.items():
+            config = next((t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t)), None)
+            if config is not None:
+                sections[name] = typing.get_type_hints(config)
+    except Exception:  # an annotation that does not resolve: no section is known
+        return {}
+    return sections
 
 
 def _bare_booleans(args: list[str], function) -> list[str]:
-    """``args`` with a true/false option of ``function`` given bare (`--quick`, followed by nothing or by another
-    option) written out as `--quick true`, which jsonargparse needs."""
-    import inspect
+    """``args`` with a true/false option of ``function`` given bare (`--quick`, `--mcl.scoring`, followed by nothing
+    or by another option) written out as `--quick true`, which jsonargparse needs."""
     import typing
 
     try:
@@ -211,6 +353,8 @@ def _bare_booleans(args: list[str], function) -> list[str]:
         return args
     flags = {f"--{name}" for name in inspect.signature(function).parameters
              if hints.get(name) in (bool, bool | None)}
+    flags |= {f"--{name}.{field}" for name, fields in _sections(function).items()
+              for field, hint in fields.items() if hint in (bool, bool | None)}
     out = []
     for i, arg in enumerate(args):
         out.append(arg)

@@ -10,6 +10,7 @@ their fields and the model folder are checked.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -38,6 +39,7 @@ from loramcl.runs import CHECKPOINTS, SETTINGS_NAME, run_stamp, stale_checkpoint
 # would import torch before every `loramcl train` / `nll` could check its files (tests/test_cli.py).
 METHODS = ("mcl", "moe", "multihead")  # LoRA-MCL (K = 1: LoRA-MLE), LoRA-MoE, multi-head MCL
 MethodConfig = MCLConfig | MoEConfig | MultiHeadConfig
+logger = logging.getLogger(__name__)  # a run's progress, which `loramcl <command>` shows (docs/cli.md)
 
 
 def run_settings(model: str, mcl: MethodConfig, data: DataConfig, training: TrainConfig, dtype: str,
@@ -54,11 +56,14 @@ def run_settings(model: str, mcl: MethodConfig, data: DataConfig, training: Trai
 
 def method_config(method: str, mcl: MCLConfig | None, moe: MoEConfig | None,
                   multihead: MultiHeadConfig | None) -> MethodConfig:
-    """The configuration of the trained method: its own block must be given, and no other method's."""
-    given = {"mcl": mcl, "moe": moe, "multihead": multihead}
+    """The configuration of the trained method: no other method's block may be given, and a baseline's own must be;
+    LoRA-MCL's defaults to MCLConfig() (the `--mcl` block of the command line always holds one: a block of other
+    values than those defaults, with another method, is refused)."""
+    given = {"mcl": mcl if mcl is not None else MCLConfig(), "moe": moe, "multihead": multihead}
     if method not in given:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    others = [name for name, config in given.items() if name != method and config is not None]
+    others = [name for name, config in given.items()
+              if name != method and config is not None and not (name == "mcl" and config == MCLConfig())]
     if others:
         raise ValueError(f"--{others[0]}.* configures method '{others[0]}' but method is '{method}': set --method "
                          f"{others[0]} (method: {others[0]} in a recipe), or remove the {others[0]} block")
@@ -87,7 +92,7 @@ def train(
     model: ModelPath,
     out: LocalPath,
     data: DataConfig,
-    mcl: MCLConfig | None = None,
+    mcl: MCLConfig = MCLConfig(),  # noqa: B008 (read, never changed: replace() makes the copies)
     training: TrainConfig = TrainConfig(),  # noqa: B008 (frozen, so sharing it is safe)
     method: Literal["mcl", "moe", "multihead"] = "mcl",
     moe: MoEConfig | None = None,
@@ -114,7 +119,8 @@ def train(
     Args:
         model: local folder of a causal or sequence-to-sequence LM (transformers format).
         out: output folder.
-        mcl: the hypotheses and loss (--mcl.num_hypotheses, --mcl.r, --mcl.loss, --mcl.epsilon, ...); method mcl.
+        mcl: the hypotheses and loss of method mcl (default: MCLConfig(), K = 2 hypotheses of rank 8 with vanilla
+            WTA on PEFT's default layers).
         data: the training pairs and their tokenization (--data.train_file, --data.validation_file, ...).
         training: optimisation, evaluation and checkpoint schedule (--training.steps, --training.learning_rate, ...).
         method: what is trained: mcl (LoRA-MCL, the --mcl block), moe (LoRA-MoE: E LoRA experts mixed by a per-token
@@ -171,7 +177,7 @@ def train(
 
 def _scored_run_config(run: str, method: str, mcl: MCLConfig | None) -> MCLConfig:
     """The MCLConfig of the finished LoRA-MCL run ``run``, with hypothesis scores on (``train(scores_for=run)``)."""
-    if method != "mcl" or mcl is not None:
+    if method != "mcl" or mcl not in (None, MCLConfig()):
         raise ValueError("scores_for learns the scores of a finished LoRA-MCL run with that run's own settings: "
                          "leave out --mcl.* and --method")
     record = Path(run) / MCL_CONFIG
@@ -241,18 +247,22 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
                          data_collator=collator, scoring_learning_rate=training.scoring_learning_rate)
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(_log_lines_callback(ProgressCallback))
+    progress = _log_lines_callback(ProgressCallback)()
+    trainer.add_callback(progress)
     if hasattr(train_set, "set_epoch"):  # e.g. one caption drawn per image and epoch (data.textcaps)
         trainer.add_callback(_epoch_callback(train_set))
     if saving:
         checkpoints.mkdir(parents=True, exist_ok=True)
         (checkpoints / SETTINGS_NAME).write_text(json.dumps(settings, indent=1) + "\n")
     if last_checkpoint is not None:
-        print(f"resuming from the newest whole checkpoint in {checkpoints}")
+        logger.info(f"resuming from the newest whole checkpoint in {checkpoints}")
     started = time.perf_counter()
-    trainer.train(resume_from_checkpoint=True if last_checkpoint is not None else None)  # the newest whole one
-    if eval_set is not None and not (evaluating and training.steps % training.eval_every == 0):
-        trainer.evaluate()  # the final validation point
+    try:
+        trainer.train(resume_from_checkpoint=True if last_checkpoint is not None else None)  # the newest whole one
+        if eval_set is not None and not (evaluating and training.steps % training.eval_every == 0):
+            trainer.evaluate()  # the final validation point
+    finally:  # a failure or an interruption leaves no bar open for its message to share a line with
+        progress.close_bars()
     seconds = time.perf_counter() - started
 
     mcl_model.save_pretrained(out_dir)
@@ -266,7 +276,7 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
            "threads": torch.get_num_threads(), "train_examples": len(train_set), "trainable_parameters": trainable,
            "total_parameters": total, "seconds": round(seconds, 1)}
     (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")
-    print(f"trained {trainable:,} of {total:,} parameters in {seconds:.0f} s: {out_dir}")
+    logger.info(f"trained {trainable:,} of {total:,} parameters in {seconds:.0f} s: {out_dir}")
     return run
 
 
@@ -321,6 +331,13 @@ def _log_lines_callback(progress_callback: type) -> type:
         def on_log(self, args, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and self.training_bar is not None and logs:
                 self.training_bar.write(log_line(state.global_step, logs))
+
+        def close_bars(self) -> None:
+            """Close the bars a training or evaluation that stopped midway left open (its end closes them)."""
+            for name in ("prediction_bar", "training_bar"):
+                if getattr(self, name, None) is not None:
+                    getattr(self, name).close()
+                    setattr(self, name, None)
 
     return LogLines
 

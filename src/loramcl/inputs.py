@@ -23,6 +23,8 @@ RUN_RECORD = "run.json"  # written last by `loramcl train` in its `out` folder
 PEFT_FOLDER = "peft"  # where a K = 1 run of `loramcl train` exports its adapter, inside `out`
 MCL_CONFIG = "mcl_config.json"  # loramcl.adapter_files.CONFIG_NAME (not imported: that module imports torch)
 PEFT_CONFIG = "adapter_config.json"
+# The packaged models' folder names (as the recipes name them) and the command that writes such a folder.
+PACKAGED_MODELS = {"SmolLM2-135M-Instruct": "convert-smollm2", "whisper-base": "convert-whisper-base"}
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
@@ -76,8 +78,10 @@ def check_model_folder(model: str) -> None:
     if os.path.isfile(model):
         raise NotADirectoryError(f"model {model} is a file: give the folder of a transformers model")
     if not cached_hub_model(model):
+        command = PACKAGED_MODELS.get(os.path.basename(os.path.normpath(model)))
+        writes = f": `loramcl {command} --out {model}` writes it" if command else ""
         raise FileNotFoundError(f"model folder {model} does not exist (a model is a local transformers folder; "
-                                "nothing is downloaded)")
+                                f"nothing is downloaded){writes}")
 
 
 def cached_hub_model(name: str) -> bool:

@@ -15,6 +15,7 @@ Adding a run (another K, a baseline) is adding a file. Three ship inside the pac
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,7 @@ SYNTHETIC_IMAGES = {"train": 24, "val": 6, "test": 3}
 QUICK_DATA = {"train": 8, "test": 3}
 QUICK_TRAIN = {"steps": 1, "batch_size": 2, "logging_steps": 1, "warmup_steps": 0, "save_every": 0, "eval_every": 0}
 QUICK_DECODING = {"max_new_tokens": 5, "batch_size": 3}
+logger = logging.getLogger(__name__)  # a stage's progress, which the command shows (docs/cli.md)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,7 +241,7 @@ def caption(model: str, adapters: str, test: Path, out: Path, arguments: dict, b
                                        seed=seed + b, **arguments)
             for image, candidates in zip(chunk, outs, strict=True):
                 f.write(json.dumps(prediction_record(image.image_id, candidates), ensure_ascii=False) + "\n")
-    print(f"{len(images)} images x {len(outs[0])} candidates ({arguments['strategy']}): {out}")
+    logger.info(f"{len(images)} images x {len(outs[0])} candidates ({arguments['strategy']}): {out}")
     return str(out)
 
 

@@ -46,6 +46,10 @@ class Experiment:
     """Runs of the oracle-NLL table (paper Table 1), in order, for a task that scores its test references (default:
     every run); trained after the decoded runs, never decoded unless they are in ``decoded`` too."""
 
+    sources: dict = field(default_factory=dict)
+    """Where each data file of ``data_files`` comes from, by the name of its setting (e.g. train_file: "ALMA's
+    human-written parallel data, ..."): said when the file is missing, since nothing is downloaded at run time."""
+
     def __post_init__(self) -> None:
         check_budgets(self.candidates, self.budgets)
         require(isinstance(self.mcl_decodings, list) and bool(self.mcl_decodings)
@@ -56,6 +60,13 @@ class Experiment:
             names = isinstance(chosen, list) and all(isinstance(run, str) for run in chosen)
             require(chosen is None or names, f"{name} must be a list of run names, got {chosen!r}")
         DecodeConfig(**self.decoding)
+        require(isinstance(self.sources, dict) and all(isinstance(v, str) for v in self.sources.values()),
+                f"sources must map a data file's setting to where the file comes from, got {self.sources!r}")
+
+    def data_files(self) -> dict[str, str]:
+        """The files the data stage reads, by the name of their setting: each must exist before any work starts
+        (default: none; a task whose experiment.yaml names its data files says which)."""
+        return {}
 
     def decoded_runs(self, runs: Sequence[str], default: Sequence[str] | None = None) -> list[str]:
         """The runs decoded: ``decoded`` (each must be one of ``runs``), or ``default`` (every run if None)."""

@@ -143,12 +143,13 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
 
     require(stop_after in (None, *STOP_AFTER), f"stop_after must be one of {STOP_AFTER}, got {stop_after!r}")
     require(runs is None or stop_after == "train", "runs selects the runs to train: use it with stop_after: train")
-    threads = use_threads(threads)
     folder = recipe_folder(recipes, task_type.default_recipes, [EXPERIMENT, COMMON])
     experiment = task_type.experiment_type.read(folder / EXPERIMENT)
     given = {name: value for name, value in settings.items() if value is not None}
     if given:
         experiment = dataclasses.replace(experiment, **given)
+    check_data_files(folder, experiment, task_type.default_recipes)  # before torch loads: a second, not ten
+    threads = use_threads(threads)
     stages = Stages(Path(out if out is not None else experiment.out))
     root = stages.root
     chosen = chosen_budgets(budgets, experiment.budgets, quick)
@@ -198,3 +199,28 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     print((root / "report.md").read_text(encoding="utf-8"))
     print(f"report: {root / 'report.md'} (+ report.json, figures/)")
     return report
+
+
+def check_data_files(folder: Path, experiment: Experiment, default_recipes: str) -> None:
+    """Before any work: each data file experiment.yaml names exists, else one line naming the first one missing, where
+    it comes from (experiment.yaml's ``sources``) and where to put it (nothing is downloaded at run time)."""
+    from loramcl.recipe.catalog import command_of
+    from loramcl.recipe.files import is_packaged, packaged_recipes
+
+    missing = [(name, path) for name, path in experiment.data_files().items() if not Path(path).is_file()]
+    if not missing:
+        return
+    name, path = missing[0]
+    others = f"; missing too: {', '.join(n for n, _ in missing[1:])}" if len(missing) > 1 else ""
+    source = experiment.sources.get(name)
+    if is_packaged(folder):
+        recipe = folder.resolve().relative_to(packaged_recipes().resolve()).as_posix()
+        elsewhere = (f"or point a copy of the recipe at it (loramcl recipes copy {recipe} DIR, then its {name} in "
+                     f"DIR/{EXPERIMENT})")
+        if recipe != default_recipes:
+            elsewhere += f"; the default recipe needs no download: loramcl {command_of(recipe)} without --recipes"
+    else:
+        elsewhere = f"or set {name} in {folder / EXPERIMENT} to where it is"
+    raise FileNotFoundError(f"{path} does not exist: the recipe {folder} reads it as its {name}"
+                            f"{f', {source}' if source else ''}{others}; nothing is downloaded at run time: put it "
+                            f"there, {elsewhere}")

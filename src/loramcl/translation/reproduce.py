@@ -78,6 +78,12 @@ class Experiment(TextExperiment):
             require(isinstance(self.files, dict) and self.files.get("train_file") and self.files.get("test_file"),
                    "data: files needs files: {train_file: ..., test_file: ...}")
 
+    def data_files(self) -> dict[str, str]:
+        """The `files:` that ``prepare_data`` reads (data: files)."""
+        if self.data != "files":
+            return {}
+        return {name: path for name, path in self.files.items() if name.endswith("_file") and path}
+
     @classmethod
     def read(cls, path: Path) -> Experiment:
         """experiment.yaml, its `files:` paths relative to it too."""
