@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     from jsonargparse import CLI
 
     from loramcl import __version__
-    from loramcl.inputs import BaseWeightsMismatch, PromptFormatWarning
+    from loramcl.inputs import AdapterFilesWarning, PromptFormatWarning
 
     table = commands()
     command = next((a for a in args if a in table), None)
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     show_warning = warnings.showwarning
 
     def one_line_warning(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, (PromptFormatWarning, BaseWeightsMismatch)):
+        if issubclass(category, (PromptFormatWarning, AdapterFilesWarning)):
             print(f"{prefix}: warning: {message}", file=sys.stderr)
         else:
             show_warning(message, category, filename, lineno, file, line)
