@@ -95,6 +95,26 @@ def test_an_edit_is_named_even_for_a_new_field_and_when_the_header_lost_the_save
         load_mcl_model(copy.deepcopy(pristine), folder)
 
 
+def test_the_baselines_settings_are_covered_the_same_way(tmp_path):
+    """LoRA-MoE and multi-head folders: an edited alpha / module is refused naming it; a training setting (the
+    router's initialisation) may be edited."""
+    from loramcl.baselines import MoEConfig, MultiHeadConfig, get_moe_model, get_multihead_model
+
+    base = build_model("llama")
+    get_moe_model(copy.deepcopy(base), MoEConfig(num_experts=2, r=4, alpha=8, target_modules=["q_proj"])) \
+        .save_pretrained(tmp_path / "moe")
+    get_multihead_model(copy.deepcopy(base), MultiHeadConfig(num_hypotheses=2, module="lm_head")) \
+        .save_pretrained(tmp_path / "multihead")
+    _edit_json(tmp_path / "moe", lambda meta: meta["moe_config"].update(router_std=0.5))
+    _silent_load(base, tmp_path / "moe")
+    _edit_json(tmp_path / "moe", lambda meta: meta["moe_config"].update(alpha=4))
+    with pytest.raises(ValueError, match=r"edited after save: moe_config\.alpha is 4, saved as 8"):
+        load_mcl_model(copy.deepcopy(base), tmp_path / "moe")
+    _edit_json(tmp_path / "multihead", lambda meta: meta["multihead_config"].update(dtype="base"))
+    with pytest.raises(ValueError, match=r'edited after save: multihead_config\.dtype is "base", saved as "float32"'):
+        load_mcl_model(copy.deepcopy(base), tmp_path / "multihead")
+
+
 def test_the_resume_path_refuses_adapters_of_other_output_settings(tmp_path):
     """MCLModel.load_adapters (the trainer's resume) compares every output setting with the model's, not only K, r
     and alpha: use_rslora used to load silently."""
@@ -272,3 +292,23 @@ def test_loramcl_generate_refuses_an_edited_folder_and_says_an_unverified_one(tm
     with pytest.raises(SystemExit):
         generate("strict.jsonl", "--strict", "true")
     assert "records no weights_sha256" in capsys.readouterr().err and not (tmp_path / "strict.jsonl").exists()
+
+
+def test_the_fault_injection_file_families_end_refused_or_said(tmp_path):
+    """benchmarks/fault_injection.py's file families, one trial of each random family: no trial loads silently with
+    other outputs, strict=True refuses whatever was said, and the training settings load silently."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from fault_files import file_table, file_trials
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        records = file_trials(tmp_path, trials=1, seed=0)
+    rows = {row["family"]: row for row in file_table(records)}
+    assert sum(row["silent, other outputs"] for row in rows.values()) == 0, records
+    assert all(r["strict_refused"] for r in records if r["outcome"] == "said")
+    assert rows["edited training settings (allowed)"]["silent, same outputs"] == len(
+        [r for r in records if r["family"] == "edited training settings (allowed)"]) > 0
+    assert rows["edited output settings"]["refused"] >= 10

@@ -7,8 +7,8 @@ order, are cut into blocks of ``BLOCK`` and each block is reduced to one exact i
 patterns times fixed weights (``_block_weights``); the SHA-256 of the names, shapes and block sums is the fingerprint.
 The block sums are exact in float64 (every term and partial sum is an integer below 2**53), so the order of the
 additions does not matter: the same weights give the same fingerprint on CPU and on a GPU, where it is computed in
-place, ``CHUNK`` values at a time (only the block sums, 1/4096 of the values, travel to the CPU). Any change of one
-value by more than bfloat16's rounding changes its block's sum, so one edited row or one edited embedding is seen.
+place, ``DEVICE_CHUNK`` values at a time (only the block sums, 1/4096 of the values, travel to the CPU). Any change
+of one value by more than bfloat16's rounding changes its block's sum, so one edited row or embedding is seen.
 The reduction is made to catch accidents, not forgery: edits crafted to keep every block's sum are possible.
 
 The bfloat16 rounding makes a float32 checkpoint and its bfloat16 copy (``torch_dtype=torch.bfloat16``) the same
@@ -37,7 +37,9 @@ from loramcl.inputs import AdapterFilesWarning, BaseWeightsMismatch
 FULL = "sha256-bf16-all"
 SAMPLE = "sha256-bf16-sample"  # the scheme of files saved before every value was covered
 BLOCK = 4096  # values per block sum: 4096 * 2**15 * 2**16 < 2**53, so every sum is an exact float64 integer
-CHUNK = 1 << 22  # values rounded and reduced at once (a multiple of BLOCK): 8 MB of bfloat16 and 32 MB of float64
+# Values rounded and reduced at once (multiples of BLOCK). On the CPU the 2 MB float64 buffer stays in cache (measured
+# 2.3x faster than 4M values at once); on a GPU larger chunks mean fewer kernels. The sums do not depend on it.
+CHUNK, DEVICE_CHUNK = 1 << 18, 1 << 24
 ROWS, COLUMNS = 8, 64  # the legacy sample
 _known: dict[int, str] = {}  # id(model) -> its fingerprint, while ``known_fingerprint`` holds it
 
@@ -56,13 +58,14 @@ def _block_sums(param: torch.Tensor, buffers: dict) -> torch.Tensor:
     """[ceil(numel / BLOCK)] float64 on CPU: the weighted sum of each block of ``param``'s bfloat16 bit patterns."""
     flat = param.detach().reshape(-1)
     device = flat.device
+    chunk = CHUNK if device.type == "cpu" else DEVICE_CHUNK
     if device not in buffers:  # reused for every parameter on this device: no allocation per chunk
-        buffers[device] = (torch.empty(CHUNK, dtype=torch.bfloat16, device=device),
-                           torch.empty(CHUNK, dtype=torch.float64, device=device), _block_weights(device))
+        buffers[device] = (torch.empty(chunk, dtype=torch.bfloat16, device=device),
+                           torch.empty(chunk, dtype=torch.float64, device=device), _block_weights(device))
     rounded, exact, weights = buffers[device]
     sums = []
-    for start in range(0, flat.numel(), CHUNK):
-        part = flat[start:start + CHUNK]
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start:start + chunk]
         n, whole = part.numel(), part.numel() // BLOCK * BLOCK
         rounded[:n].copy_(part)  # rounded to nearest bfloat16, as .to(torch.bfloat16)
         values = exact[:n]
