@@ -1,10 +1,31 @@
-"""Fault injection: kill MCLTrainer training with SIGKILL at random moments, rerun the same command, and compare the
-final adapters with an uninterrupted run.
+"""Fault injection: adapter folders damaged, edited or converted, and base models edited, then loaded; and training
+killed with SIGKILL at random moments, rerun with the same command, its final adapters compared with an
+uninterrupted run's.
 
-    python benchmarks/fault_injection.py --kills 48 --seed 0          # CPU, about 15 s per kill
+    python benchmarks/fault_injection.py --kills 48 --file-trials 24 --seed 0   # CPU, about 15 s per kill
+    python benchmarks/fault_injection.py --kills 0                              # the file families only (a minute)
 
-Every run is the same command, `fault_injection.py --child OUT`: it trains a tiny Llama (built here from a config,
-K=3, relaxed WTA, adapter dropout so that the restored RNG state matters) for 16 steps with a checkpoint every 2
+**Files** (in this process): a tiny Llama (the one below) with K=3 random adapters is saved, and each trial copies the
+folder, injects one fault, loads it with ``load_mcl_model`` and, when it loads, compares every hypothesis' logits on a
+fixed batch with the original's. A trial is *refused* (an error), *said* (it loads with an ``AdapterFilesWarning``,
+e.g. ``BaseWeightsMismatch``), or *silent*: then with the same outputs, or with other outputs, the failure this
+counts (it must be 0); it is loaded again with ``strict=True``, which must refuse whatever was said. The families:
+- damaged weights: one byte flipped in the data, 4 KB zeroed, the file truncated, header bytes overwritten
+  (``--file-trials`` random trials);
+- the same damages with ``weights_sha256`` deleted or null (random trials);
+- edited settings that change the outputs: every field of ``mcl_config`` that ``settings_sha256`` covers, and
+  ``weights_dtypes``; and one edit in a file without ``settings_sha256`` (as written by earlier versions);
+- edited training settings (dropout, loss, epsilon, temperatures, tie_break, scoring_weight, logits_chunk_size):
+  these may be edited, and must load silently with the same outputs;
+- tensors converted after save (float16, bfloat16, float64) with the checksum updated;
+- the base model edited outside the earlier fingerprint's sample: one row (+0.5) of a random base tensor, a row that
+  the sample of 8 evenly spaced rows missed (random trials);
+- ``base_fingerprint`` deleted or null, on the right base and on another seed's.
+With ``PYTHONPATH`` pointing at another checkout's ``src``, the same trials measure that version (the table of
+docs/reliability.md has a "before" column made so).
+
+**Kills**: every run is the same command, `fault_injection.py --child OUT`: it trains a tiny Llama (built here from a
+config, K=3, relaxed WTA, adapter dropout so that the restored RNG state matters) for 16 steps with a checkpoint every 2
 steps, keeping the last 2 (`save_total_limit`), calling `train(resume_from_checkpoint=True)` whether or not OUT
 holds checkpoints, and writes its final adapters to OUT/final.safetensors. No manual step exists between a kill
 and the rerun.
@@ -30,6 +51,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from fault_files import file_trials, print_file_table
 
 STEPS, SAVE_EVERY, KEEP = 16, 2, 2
 
@@ -159,48 +182,67 @@ def trial(out: Path, rng: random.Random, in_write: bool, training: float, longes
     return record
 
 
+def kill_trials(root: Path, kills: int, rng: random.Random) -> list[dict]:
+    reference, training, longest_write = uninterrupted(root)
+    print(f"uninterrupted: 2 runs, identical adapters; training phase {training:.2f} s, "
+          f"longest checkpoint write {longest_write * 1000:.1f} ms")
+    records = []
+    for i in range(kills):
+        out = root / f"trial-{i}"
+        out.mkdir()
+        record = trial(out, rng, in_write=i % 2 == 1, training=training, longest_write=longest_write)
+        final = out / "final.safetensors"
+        record["identical"] = record["resumed"] and final.exists() and adapters_equal(reference, final)
+        records.append(record)
+        print(f"kill {i + 1:3d}: aimed at {record['aimed_at']:<26} half-written checkpoint left: "
+              f"{'yes' if record['left_a_half_written_checkpoint'] else 'no ':<3}  resumed at step "
+              f"{record['resumed_at_step']}  identical: {record['identical']}", flush=True)
+    return records
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kills", type=int, default=48, help="number of trials, each with one SIGKILL")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
+    parser.add_argument("--kills", type=int, default=48, help="number of trials, each with one SIGKILL (0: none)")
+    parser.add_argument("--file-trials", type=int, default=24,
+                        help="trials of each random file family (damaged weights, base rows edited; 0: no file "
+                             "families)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments and of the file damages")
     parser.add_argument("--json", help="write every trial's record to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args.child)
-    if args.kills < 1:
-        parser.error("--kills must be at least 1")
+    if args.kills < 0 or args.file_trials < 0 or args.kills + args.file_trials == 0:
+        parser.error("--kills and --file-trials must be >= 0, and one of them at least 1")
     rng = random.Random(args.seed)
+    failures = 0
+    report: dict = {}
     with tempfile.TemporaryDirectory(prefix="fault-injection-") as tmp:
         root = Path(tmp)
-        reference, training, longest_write = uninterrupted(root)
-        print(f"uninterrupted: 2 runs, identical adapters; training phase {training:.2f} s, "
-              f"longest checkpoint write {longest_write * 1000:.1f} ms")
-        records = []
-        for i in range(args.kills):
-            out = root / f"trial-{i}"
-            out.mkdir()
-            record = trial(out, rng, in_write=i % 2 == 1, training=training, longest_write=longest_write)
-            final = out / "final.safetensors"
-            record["identical"] = record["resumed"] and final.exists() and adapters_equal(reference, final)
-            records.append(record)
-            print(f"kill {i + 1:3d}: aimed at {record['aimed_at']:<26} half-written checkpoint left: "
-                  f"{'yes' if record['left_a_half_written_checkpoint'] else 'no ':<3}  resumed at step "
-                  f"{record['resumed_at_step']}  identical: {record['identical']}", flush=True)
-    killed = [r for r in records if r["killed"]]
-    summary = {
-        "kills tried": len(killed),
-        "kills inside a checkpoint write (left a half-written incomplete-checkpoint-N/checkpoint-N)":
-            sum(r["left_a_half_written_checkpoint"] for r in killed),
-        "resumed with no manual step": sum(r["resumed"] for r in killed),
-        "identical adapters": sum(r["identical"] for r in killed),
-        "runs that ended before the kill (not counted)": len(records) - len(killed),
-    }
-    for key, value in summary.items():
-        print(f"{key}: {value}")
+        if args.file_trials:
+            (root / "files").mkdir()
+            files = file_trials(root / "files", args.file_trials, args.seed)
+            report["files"] = {"summary": print_file_table(files), "trials": files}
+            failures += sum(r["outcome"] == "silent, other outputs" or (r["outcome"] == "said" and
+                                                                        not r["strict_refused"]) for r in files)
+        records = kill_trials(root, args.kills, rng) if args.kills else []
+    if args.kills:
+        killed = [r for r in records if r["killed"]]
+        summary = {
+            "kills tried": len(killed),
+            "kills inside a checkpoint write (left a half-written incomplete-checkpoint-N/checkpoint-N)":
+                sum(r["left_a_half_written_checkpoint"] for r in killed),
+            "resumed with no manual step": sum(r["resumed"] for r in killed),
+            "identical adapters": sum(r["identical"] for r in killed),
+            "runs that ended before the kill (not counted)": len(records) - len(killed),
+        }
+        for key, value in summary.items():
+            print(f"{key}: {value}")
+        report["kills"] = {"summary": summary, "trials": records}
+        failures += len(killed) - summary["identical adapters"]
     if args.json:
-        Path(args.json).write_text(json.dumps({"summary": summary, "trials": records}, indent=1) + "\n")
-    if summary["identical adapters"] != len(killed):
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if failures:
         raise SystemExit(1)
 
 

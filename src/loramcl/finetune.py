@@ -387,7 +387,8 @@ def nll(
         dtype: float32, bfloat16 or float16.
         device: e.g. cpu, cuda.
         strict: refuse adapters saved on a base model with other weights (their recorded fingerprint differs from
-            the model's); by default a warning.
+            the model's), and adapter files that cannot be verified (no checksum, no fingerprint) or whose tensors
+            were converted after save; by default each is a warning.
     """
     from loramcl.data.prompts import collate, encode_pairs, pad_token_id, read_pairs
 

@@ -56,9 +56,16 @@ class PromptFormatWarning(UserWarning):
     """Decoding or scoring formats its prompts otherwise than the training run did."""
 
 
-class BaseWeightsMismatch(UserWarning):
-    """Adapters loaded onto a base model whose weights differ from those they were trained on (``loramcl.fingerprint``;
-    defined here, without torch, so that the command line can print it as one line)."""
+class AdapterFilesWarning(UserWarning):
+    """Adapter files that load but cannot be verified in full (no checksum of the weights or of the settings, no base
+    fingerprint) or whose tensors were converted after save (``loramcl.adapter_files``, ``loramcl.fingerprint``;
+    defined here, without torch, so that the command line can print it as one line). ``strict=True`` makes each an
+    error."""
+
+
+class BaseWeightsMismatch(AdapterFilesWarning):
+    """Adapters loaded onto a base model whose weights differ from those they were trained on
+    (``loramcl.fingerprint``)."""
 
 
 def check_file(path: str, what: str) -> None:

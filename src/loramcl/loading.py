@@ -12,7 +12,8 @@ def load_model(model: str, adapters: str | None = None, dtype: str = "float32", 
                strict: bool = False):
     """A local transformers model (causal, sequence-to-sequence, speech-to-text such as Whisper, or an audio/vision-
     language model such as Qwen2-Audio) in eval mode, with MCL adapters (an MCLModel), a PEFT adapter (a PeftModel)
-    or none. ``strict``: MCL adapters saved on other base weights are an error, not a warning."""
+    or none. ``strict``: MCL adapters saved on other base weights, or whose files cannot be verified, are an error,
+    not a warning."""
     import torch
     from transformers import (
         AutoConfig,

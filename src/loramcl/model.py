@@ -50,7 +50,7 @@ from loramcl.copies import (
     find_expansion_module,
     find_shared_modules,
 )
-from loramcl.fingerprint import base_fingerprint, check_base_weights
+from loramcl.fingerprint import base_fingerprint, check_base_weights, known_fingerprint
 from loramcl.forward_memory import ForwardMemory
 from loramcl.generation.hypotheses import HypothesisGeneration
 from loramcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting, MCLLoraLinear, linear_features
@@ -525,10 +525,12 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
     fit for the final hypotheses.
 
     Adapters saved on a base model of the same class but other weights (their ``base_fingerprint`` differs from
-    ``model``'s, see ``loramcl.fingerprint``) give a warning naming both; ``strict=True`` raises instead. Files saved
-    without a fingerprint load silently.
+    ``model``'s, see ``loramcl.fingerprint``) give a warning naming both; so do files that cannot be verified (no
+    checksum of the weights or of the settings, no fingerprint) and tensors converted after save
+    (``loramcl.adapter_files``). ``strict=True`` makes each of these an error. An edited setting that changes the
+    outputs (alpha, use_rslora, adapt_context, ...) is always an error.
     """
-    saved, tensors = read_adapter_files(path, verify)
+    saved, tensors = read_adapter_files(path, verify, strict)
     if isinstance(model, MCLModel):
         raise ValueError("this model already has MCL adapters: load onto the plain base model")
     if saved.get("base_model_class") not in (None, type(model).__name__):
@@ -548,8 +550,9 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
                         {name: linear_features(model.get_submodule(name)) for name in names})
     if config.scoring:
         check_scoring_fits(path, tensors, None, hidden_size=output_layer_of(model).weight.shape[1])
-    check_base_weights(path, saved, model, base_fingerprint(model), strict)  # shapes fit: are the values the same?
-    mcl = get_mcl_model(model, config)
+    fingerprint = check_base_weights(path, saved, model, strict)  # shapes fit: are the values the same?
+    with known_fingerprint(model, fingerprint):
+        mcl = get_mcl_model(model, config)
     with torch.no_grad():
         for name, layer in mcl.mcl_layers():
             layer.lora_A.copy_(tensors[f"{name}.lora_A"])

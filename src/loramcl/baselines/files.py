@@ -9,7 +9,7 @@ import os
 import torch
 
 from loramcl.adapter_files import CONFIG_NAME, WEIGHTS_NAME, read_adapter_files
-from loramcl.fingerprint import check_base_weights
+from loramcl.fingerprint import check_wrapped_base_weights
 from loramcl.model import MCLModel
 
 
@@ -74,12 +74,12 @@ class BaselineFiles:
         raise NotImplementedError
 
     def load_adapters(self, path, verify: bool = True, strict: bool = False) -> None:
-        saved, tensors = read_adapter_files(path, verify)
+        saved, tensors = read_adapter_files(path, verify, strict)
         ours = self._method_config()
         theirs = method_config(path, saved, self.method, type(ours))
         if self._structure(theirs) != self._structure(ours):
             raise ValueError(f"{path} holds a {self.method} model with {self._structure(theirs)}; this model has "
                              f"{self._structure(ours)}")
         check_tensors_fit(path, saved, tensors, self.layer_names, expected_shapes(self))
-        check_base_weights(path, saved, self.base_model, getattr(self, "_base_fingerprint", None), strict)
+        check_wrapped_base_weights(path, saved, self.base_model, getattr(self, "_base_fingerprint", None), strict)
         copy_tensors(self, tensors)

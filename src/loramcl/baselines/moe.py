@@ -27,7 +27,7 @@ from torch import nn
 
 from loramcl.baselines.config import MoEConfig
 from loramcl.baselines.files import BaselineFiles, check_tensors_fit, copy_tensors, method_config
-from loramcl.fingerprint import base_fingerprint, check_base_weights
+from loramcl.fingerprint import check_base_weights, known_fingerprint
 from loramcl.layers import DISABLED, HypothesisRouting, MCLLoraLinear, linear_features
 from loramcl.model import MCLModel, replace_modules
 from loramcl.peft_interop import target_layer_names
@@ -212,8 +212,8 @@ def load_from_files(model: nn.Module, path, saved: dict, tensors: dict[str, torc
         expected.update({f"{name}.lora_A": (e, d_in, r), f"{name}.lora_B": (e, r, d_out),
                          f"{name}.router": (d_in, e)})
     check_tensors_fit(path, saved, tensors, names, expected)
-    check_base_weights(path, saved, model, base_fingerprint(model), strict)
-    moe = get_moe_model(model, config)
+    with known_fingerprint(model, check_base_weights(path, saved, model, strict)):
+        moe = get_moe_model(model, config)
     copy_tensors(moe, tensors, is_trainable)
     return moe
 

@@ -27,7 +27,7 @@ from torch import nn
 from loramcl.baselines.config import MultiHeadConfig
 from loramcl.baselines.files import BaselineFiles, check_tensors_fit, copy_tensors, method_config
 from loramcl.copies import batch_size_of
-from loramcl.fingerprint import base_fingerprint, check_base_weights
+from loramcl.fingerprint import check_base_weights, known_fingerprint
 from loramcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting
 from loramcl.model import MCLModel, MCLOutput, replace_modules
 from loramcl.peft_interop import output_layer_of
@@ -269,8 +269,8 @@ def load_from_files(model: nn.Module, path, saved: dict, tensors: dict[str, torc
     expected = {f"{config.module}.heads.{name}": (config.num_hypotheses, *param.shape)
                 for name, param in module.named_parameters()}
     check_tensors_fit(path, saved, tensors, [config.module], expected)
-    check_base_weights(path, saved, model, base_fingerprint(model), strict)
-    mcl = get_multihead_model(model, dataclasses.replace(config, init="copy"))
+    with known_fingerprint(model, check_base_weights(path, saved, model, strict)):
+        mcl = get_multihead_model(model, dataclasses.replace(config, init="copy"))
     mcl.multihead_config = config
     copy_tensors(mcl, tensors, is_trainable)
     return mcl

@@ -63,7 +63,8 @@ def generate(
         sort_by_score: an MCL model with hypothesis scores: each prompt's candidates most probable first.
         progress: a progress bar (prompts decoded) on stderr.
         strict: refuse adapters saved on a base model with other weights (their recorded fingerprint differs from
-            the model's); by default a warning.
+            the model's), and adapter files that cannot be verified (no checksum, no fingerprint) or whose tensors
+            were converted after save; by default each is a warning.
         decoding: the options of ``loramcl.generation.Decoding`` (strategy, num_beams or budget, num_sequences,
             hypotheses, max_new_tokens, repetition_penalty, temperature, top_k, top_p, typical_p, seed,
             num_beam_groups, diversity_penalty); seed + b seeds batch b.
