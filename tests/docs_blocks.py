@@ -293,7 +293,8 @@ REGISTRY = {
             why=f"`...` bound to the recipe's model and data; {_STEPS}"),
     ("docs/baselines.md", "loramcl generate --model BASE --adapters runs/bilingual/moe --input prompts.jsonl "
                           "--strategy stochastic_router --num_sequences 2 --budget 4"):
-        Run(replace=(("BASE", "runs/bilingual/SmolLM2-135M-Instruct"),), outputs=("preds.jsonl",)),
+        Run(replace=(("BASE", "runs/bilingual/SmolLM2-135M-Instruct"),), outputs=("preds.jsonl",),
+            why="BASE: the model the MoE run trained on"),
     ("docs/baselines.md", "python -m loramcl.markov.compare --out runs/baselines-markov --seeds 3 --threads 1"):
         Module(append=("--quick", "true", "--seeds", "1", "--steps", "2", "--prompts", "4"),
                outputs=("runs/baselines-markov/report.json",),
@@ -405,7 +406,9 @@ REGISTRY = {
     ("docs/metrics.md", "loramcl evaluate ... --metrics captioning --exclude spice,spider"):
         Run(replace=_META, why="`...`: the files of the first line"),
     ("docs/metrics.md", "loramcl evaluate ... --group_key lang --nll nll.jsonl"):
-        Run(replace=_META, why="`...`: the files of the first line"),
+        Run(replace=(("...", _META[0][1] + "\x00--metrics\x00cider_d,mbleu4"),),
+            why="`...`: the files of the first line and two metrics (the captioning preset's METEOR JVM, about 7 s, "
+                "runs on the first and fourth lines)"),
     ("docs/metrics.md", "loramcl plot-tradeoff --runs eval/run_a.json,eval/run_b.json --x mbleu4 --y cider_d --out "
                         "tradeoff.png"): Run(outputs=("tradeoff.png",)),
     ("docs/metrics.md", "loramcl plot-tradeoff --runs eval/mt/*.json --x pairwise_bleu --y loo_bleu --out mt.png"):

@@ -1,21 +1,24 @@
-"""Docs run as written (issue 35): every fenced block of README.md and docs/*.md is named in REGISTRY below and
-exercised on tiny models, and a block the registry does not name (or an entry no block has) fails the suite.
+"""Docs run as written (issue 35): every fenced block of README.md and docs/*.md is named in the REGISTRY of
+tests/docs_blocks.py, which says how each line is exercised on tiny models, and a block the registry does not name (or an entry no block has) fails the suite.
 
 Each block runs in its own folder, a copy of one prepared per module (`base`), holding what the docs assume:
   models/SmolLM2-135M-Instruct   a tiny random LlamaForCausalLM with SmolLM2-135M-Instruct's own tokenizer and
                                  chat template (read from the packaged GGUF); `convert-smollm2`, `bilingual` and
                                  `translation` get this folder in place of the real model (the harness's one
-                                 replacement of a packaged model, tested for real in test_pretrained / the recipes)
+                                 replacement of a packaged model; the recipes' tests convert the real one:
+                                 tests/conftest.py smollm2_folder). Whisper-base is converted for real, once.
   train.jsonl, test.jsonl        prompt -> target pairs; prompts with their references, no "id" (as `generate` and
                                  `nll` read them)
   prompts.jsonl, preds.jsonl, refs.jsonl, nll.jsonl   small files in the formats of docs/metrics.md and decoding.md
   runs/bilingual, runs/translation   the tiny model and data/ as the first stages of `loramcl bilingual --quick` and
                                  `loramcl translation --quick` write them (bilingual's train.jsonl cut to 32 pairs)
   runs/mcl                       a K = 2 LoRA-MCL run of 2 steps (the docs' BASE / CKPT / MCL_RUN placeholders)
+  my_chains.json                 three 2-state chains (docs/markov.md's --chains file)
 `loramcl` lines run in-process through loramcl.cli.main. What the harness changes in a command is in its entry (`why`);
 long runs are cut short (training steps, `--quick true`, `--stop_after data` with `covered_by` naming the test that
 runs the rest), and a paper-scale command stops, as written, with its one-line message naming the missing model or
-data. Blocks that fail today because of the code, not the doc, are in EXPECTED (strict xfail).
+data. Without espeak-ng on the PATH, the spoken-translation lines must stop with its one-line message instead.
+Blocks that fail today because of the code, not the doc, are in EXPECTED (strict xfail, on the named error only).
 """
 
 from __future__ import annotations
@@ -62,6 +65,15 @@ def test_every_doc_block_is_registered_and_every_entry_is_a_doc_block():
         "; ".join(f"{f}: {i!r}" for f, i in stale)
     blocks = {(b.file, b.items()[0]) for b in BLOCKS}
     assert not set(EXPECTED) - blocks, f"EXPECTED names no block: {sorted(set(EXPECTED) - blocks)}"
+    assert not set(SETUP) - blocks, f"SETUP names no block: {sorted(set(SETUP) - blocks)}"
+
+
+def test_each_change_to_a_doc_command_says_why_and_names_tests_that_exist():
+    for (file, item), spec in REGISTRY.items():
+        changed = any(getattr(spec, name, None) for name in ("replace", "append", "parse_only", "fails", "subs"))
+        if changed or isinstance(spec, (Make, Check, Launch)):
+            assert spec.why, f"{file}: {item!r}: the registry changes or does not run it: say why"
+        _covered(getattr(spec, "covered_by", None))
 
 
 def test_code_blocks_say_their_language_and_output_blocks_hold_no_command():
@@ -288,7 +300,8 @@ def _launch(words, spec: Launch, what: str, folder) -> None:
     at = words.index("-m")
     assert words[at + 1] == "loramcl.cli", f"{what}: launches {words[at + 1]}, not loramcl.cli"
     launcher = launch_command_parser().parse_args(list(words[2:at + 2]) + ["--"])
-    assert launcher.module and launcher.num_processes == int(words[words.index("--num_processes") + 1])
+    assert launcher.module and launcher.training_script == "loramcl.cli"
+    assert launcher.num_processes == int(words[words.index("--num_processes") + 1])
     _run_cli(_apply(words[at + 2:], spec.run.replace, spec.run.append, what), spec.run, what, folder)
 
 
@@ -328,8 +341,7 @@ def exercise(block, folder, past_failure: bool = False) -> None:
         for value in values:
             words = expand(command.words, {**variables, **({loop_name: value} if loop_name else {})})
             if isinstance(spec, Run):
-                start = 1 if words[0].endswith("loramcl") else None
-                assert start, f"{what}: not a loramcl command"
+                assert words[0].endswith("loramcl"), f"{what}: not a loramcl command"
                 _run_cli(_apply(words[1:], spec.replace, spec.append, what), spec, what, folder)
             elif isinstance(spec, Module):
                 _module(words, spec, what, folder)
