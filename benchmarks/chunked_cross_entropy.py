@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from training_step import peak_mib, synchronize
+from common import peak_mib, synchronize
 
 from loramcl.nll import chunked_token_nll
 

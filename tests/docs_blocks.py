@@ -1,0 +1,538 @@
+"""The code blocks of README.md and docs/*.md, and how tests/test_docs_run.py exercises each of their lines.
+
+A block is a fenced block of a doc. Its items are what the registry of test_docs_run.py names: each command of a
+bash block (continuation lines joined, the trailing comment dropped, quoting undone), or the first line of any other
+block. The shell syntax the docs use (`R=runs/x`, `$R`, `for X in a b; do ... done`, `&&`) is read here, so that a
+registry entry is the doc's line itself.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ("README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")))
+
+
+@dataclass(frozen=True)
+class Command:
+    key: str            # the doc's line as the registry names it: its words, comment dropped, quoting undone
+    words: tuple        # the words, variables not yet expanded
+    line: str           # the doc's logical line, comment included (some checks read the comment)
+    loop: tuple = ()    # (variable, values) of the `for` loop around it
+
+
+@dataclass(frozen=True)
+class Block:
+    file: str
+    line: int           # of the opening fence
+    lang: str
+    text: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    @property
+    def first_line(self) -> str:
+        return next((ln.strip() for ln in self.text.splitlines() if ln.strip()), "")
+
+    def items(self) -> list[str]:
+        """What the registry must name: each command of a bash block (not `NAME=value`: the harness sets it), else the block's first line (a python
+        block's without its comment), its spaces collapsed."""
+        if self.lang == "bash":
+            return [c.key for c in self.commands() if not is_assignment(c.words)]
+        first = re.sub(r"\s+#.*$", "", self.first_line) if self.lang == "python" else self.first_line
+        return [" ".join(first.split())]
+
+    def commands(self) -> list[Command]:
+        """The commands of a bash block; `NAME=value` lines are commands too (the harness sets the variable)."""
+        commands, loop, pending = [], (), ""
+        for raw in self.text.splitlines():
+            if raw.rstrip().endswith("\\"):
+                pending += raw.rstrip()[:-1] + " "
+                continue
+            line, pending = (pending + raw).strip(), ""
+            words = tuple(shlex.split(line, comments=True))
+            if not words:
+                continue
+            if words[0] == "for" and words[2] == "in" and words[-1] == "do":  # for X in a b c; do
+                loop = (words[1], tuple(w.rstrip(";") for w in words[3:-1]))
+                continue
+            if words == ("done",):
+                loop = ()
+                continue
+            commands.append(Command(" ".join(words), words, line, loop))
+        return commands
+
+
+def extract_blocks(files=DOCS) -> list[Block]:
+    """Every fenced block of ``files`` (paths relative to the repository root), in order."""
+    blocks = []
+    for file in files:
+        lines = (ROOT / file).read_text(encoding="utf-8").splitlines()
+        i = 0
+        while i < len(lines):
+            opening = re.match(r"\s*(```+|~~~+)\s*(\S*)", lines[i])
+            if not opening:
+                i += 1
+                continue
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip().startswith(opening[1])), len(lines))
+            blocks.append(Block(file, i + 1, opening[2], "\n".join(lines[i + 1:end])))
+            i = end + 1
+    return blocks
+
+
+def expand(words, variables: dict) -> list[str]:
+    """``words`` with `$NAME` / `${NAME}` replaced from ``variables`` (an unknown one is an error, not empty)."""
+    def value(match):
+        name = match[1] or match[2]
+        if name not in variables:
+            raise KeyError(f"${name} is not set by the block")
+        return variables[name]
+
+    return [re.sub(r"\$(?:(\w+)|\{(\w+)\})", value, w) for w in words]
+
+
+def is_assignment(words) -> bool:
+    return len(words) == 1 and re.fullmatch(r"[A-Za-z_]\w*=\S*", words[0]) is not None
+
+
+# How an item is exercised. `why` says, in the registry, why a command is not run exactly as written.
+
+@dataclass(frozen=True)
+class Run:
+    """A `loramcl` command (or `.venv/bin/loramcl`), run in-process through loramcl.cli.main in the block's folder.
+
+    replace: (doc text, text run) pairs applied to the words (placeholders, absolute output folders); each must
+        occur. append: words added at the end (shortening: later options win). fails: a regex the last stderr
+        line must match, the exit status then non-zero (a paper-scale command without its model or data).
+    outputs: files the command must have written. covered_by: the test running the whole of what was cut short.
+    espeak: without espeak-ng on the PATH the command must stop with its one-line message instead.
+    """
+    replace: tuple = ()
+    append: tuple = ()
+    fails: str | None = None
+    outputs: tuple = ()
+    covered_by: str | None = None
+    espeak: bool = False
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Module:
+    """`python -m MODULE ...` or `.venv/bin/python SCRIPT ...`: run in-process with those argv (append/replace as
+    for Run), or, with parse_only, stopped once the script's argparse parser has read them (a benchmark: a
+    measurement run by hand)."""
+    replace: tuple = ()
+    append: tuple = ()
+    parse_only: bool = False
+    outputs: tuple = ()
+    covered_by: str | None = None
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """`accelerate launch ... -m loramcl.cli ARGS`: accelerate's own parser reads the launcher's options, and ARGS
+    run as `run` says (on CPU, a paper-scale command stops at its missing model or data)."""
+    run: Run
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Make:
+    """`make TARGET`: `make -n TARGET` in the repository (what it would run, without running it); each of
+    `shows` must be among the commands it prints (those commands are exercised by their own blocks)."""
+    shows: tuple = ()
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Check:
+    """A command not run here (it installs packages): ``check(line)`` verifies what the line names (files, pinned
+    versions); covered_by names the test that does it for real."""
+    check: object
+    covered_by: str | None = None
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Python:
+    """A python block, exec'd in the namespace NAMESPACES[namespace](workdir) of test_docs_run.py builds, after
+    ``subs`` ((doc text, text run) pairs binding the `...` placeholders; each must occur). ``past_failure``: more
+    pairs that step over the block's EXPECTED failure, so that a second test runs the lines after it."""
+    namespace: str
+    subs: tuple = ()
+    past_failure: tuple = ()
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Output:
+    """Not code: a sample output, a file layout, a diagram. Checked not to hold a command."""
+    what: str
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The block fails today for a reason in the code (issue 35): its test is pytest.mark.xfail(strict=True), and
+    only an error matching ``match`` counts as that failure (any other fails the test)."""
+    reason: str
+    match: str
+
+
+def pinned(line: str) -> None:
+    """A pip line's `name==version` pins are the lock's (constraints.txt, or the Makefile for the --no-deps wheels),
+    its `dist/loramcl-X...` files carry loramcl's version, and its `[extra]` is one of pyproject.toml's."""
+    import tomllib
+
+    import loramcl
+
+    lock = (ROOT / "constraints.txt").read_text() + (ROOT / "Makefile").read_text()
+    for name, version in re.findall(r"([A-Za-z][\w.-]*)==([\w.]+)", line):
+        assert re.search(rf"(?m){re.escape(name)}=={re.escape(version)}\b", lock), f"{name}=={version} is not the lock's"
+    for version in re.findall(r"dist/loramcl-([\d.]+?)(?:\.tar\.gz|-py3)", line):
+        assert version == loramcl.__version__, f"dist/loramcl-{version}: the version is {loramcl.__version__}"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra in re.findall(r"\.whl\[(\w+)\]", line):
+        assert extra in extras, f"no extra [{extra}] in pyproject.toml"
+    if "python -m build" in line:
+        assert any(re.match(r"build\b", d) for d in extras["dev"]), "`build` is not in the dev extra"
+
+
+_QUICK_DATA = ("--quick", "true", "--stop_after", "data")
+_CUT = ("the pipeline up to its data (options, recipe, model, data written and read back); covered_by runs the "
+        "rest end to end")
+_PAPER = "paper scale: on the CPU, without the model or data, it stops with one line naming what is missing"
+_STEPS = "training cut to 2 steps"
+_WHEEL = "tests/test_wheel.py::test_the_installed_wheel_runs_from_an_empty_folder"
+_AUDIO = "tests/test_audio_captioning_recipe.py::test_quick_end_to_end_then_every_stage_reused"
+_IMAGE = ("tests/test_image_captioning.py::"
+          "test_quick_default_recipe_runs_end_to_end_from_an_empty_folder_and_reuses_its_stages")
+_BILINGUAL = "tests/test_bilingual_recipe.py::test_quick_recipe_writes_every_output"
+_TRANSLATION = "tests/test_translation_recipe.py::test_quick_recipe_writes_every_output"
+_SPOKEN = "tests/test_spoken_translation.py::test_quick_end_to_end_on_whisper_base_then_every_stage_reused"
+_MARKOV = "tests/test_markov.py::test_quick_markov_command_writes_its_outputs_and_separates_mcl_from_mle"
+_BENCH = Module(parse_only=True, why="a benchmark is a measurement run by hand: its options are parsed by its own "
+                                     "parser, nothing is measured")
+_MISSING_MODEL = r"model folder .* does not exist \(a model is a local transformers folder; nothing is downloaded\)"
+_NO_TEXTCAPS = r"TextCaps_0\.1_train\.json does not exist: the recipe .* reads TextCaps 0\.1"
+_NO_ALMA = r"No such file or directory: '.*data/alma/human_written_data/deen/train\.de-en\.json'"
+
+
+def _markov(out: str, *replace, mle: bool = False) -> Run:
+    return Run(replace=replace, append=("--quick", "true", "--steps", "2", *(() if mle else ("--skip_mle", "true"))),
+               outputs=(f"{out}/report.json",), covered_by=_MARKOV,
+               why="cut to 1 seed of 2 training steps (`--quick true --steps 2`), LoRA-MLE trained by the first line "
+                   "only (`--skip_mle true` on the others)")
+
+
+def _bilingual_train(run: str, *append) -> Run:
+    return Run(append=(*append, "--training.steps", "2"), outputs=(f"runs/bilingual/{run}/mcl_config.json",),
+               why=_STEPS)
+
+
+_BASE = ("BASE", "models/SmolLM2-135M-Instruct")
+_META = (("...", "--predictions\x00preds.jsonl\x00--references\x00refs.jsonl"),)
+
+# (doc file, item) -> how it is exercised. An item is a command of a bash block, or the first line of another block.
+REGISTRY = {
+    ("README.md", "make main"): Make(shows=("loramcl markov --out runs/markov",),
+                                     why="sets up a venv, then runs docs/markov.md's first command (run there)"),
+    ("README.md", "make test"): Make(shows=("pytest",), why="the suite itself"),
+    ("README.md", "pip install build && python -m build"): Check(pinned, _WHEEL, "installs: the wheel test builds"),
+    ("README.md", "pip install -c constraints.txt torch==2.13.0"): Check(pinned, _WHEEL, "installs into the venv"),
+    ("README.md", "pip install -c constraints.txt dist/loramcl-0.1.0-py3-none-any.whl[all]"):
+        Check(pinned, _WHEEL, "installs: the wheel test installs the wheel into a fresh venv"),
+    ("README.md", "loramcl --version"): Run(),
+    ("README.md", "loramcl recipes"): Run(),
+    ("README.md", "loramcl audio-captioning --quick true --out /tmp/q"):
+        Run(replace=(("/tmp/q", "tmp/q"),), append=_QUICK_DATA[2:], outputs=("tmp/q/data",), covered_by=_AUDIO,
+            why=f"/tmp moved into the test's folder; {_CUT}"),
+    ("README.md", "loramcl image-captioning --quick true --out /tmp/qi"):
+        Run(replace=(("/tmp/qi", "tmp/qi"),), append=_QUICK_DATA[2:], outputs=("tmp/qi/data/test.jsonl",),
+            covered_by=_IMAGE, why=f"/tmp moved into the test's folder; {_CUT}"),
+    ("README.md", "loramcl recipes copy audio_captioning/clotho my-clotho"):
+        Run(outputs=("my-clotho/experiment.yaml",)),
+    ("README.md", "from loramcl import MCLConfig, MCLTrainer, get_mcl_model, load_mcl_model"): Python(
+        "use", subs=(("input_ids=..., attention_mask=..., labels=...", "**batch"),
+                     ("train_dataset=..., eval_dataset=...", "train_dataset=rows, eval_dataset=rows"),
+                     ('["a prompt", ...]', '["a prompt", "another prompt"]'),
+                     ("input_ids=..., labels=...", "input_ids=batch['input_ids'], labels=batch['labels']")),
+        past_failure=(("eval_dataset=rows)", "eval_dataset=rows, data_collator=collator)"),),
+        why="hf_model, training_args (2 steps), tokenizer, prompt, fresh_hf_model, i, k bound; the `...` to a batch "
+            "of tokenized pairs"),
+    ("README.md", "src/loramcl/"): Output("the package's layout"),
+    ("docs/architecture.md", "inputs [B, ...]"): Output("a diagram of the MCL forward"),
+    ("docs/audio_captioning.md", "loramcl audio-captioning --quick true --out /tmp/ac"):
+        Run(replace=(("/tmp/ac", "tmp/ac"),), append=_QUICK_DATA[2:], outputs=("tmp/ac/data",), covered_by=_AUDIO,
+            why=f"/tmp moved into the test's folder; {_CUT}"),
+    ("docs/audio_captioning.md", "loramcl audio-captioning"):
+        Run(append=_QUICK_DATA, outputs=("runs/audio-captioning-tiny/data",), covered_by=_AUDIO, why=_CUT),
+    ("docs/audio_captioning.md", "loramcl audio-captioning --recipes clotho --device cuda"):
+        Run(fails=_MISSING_MODEL, why=_PAPER),
+    ("docs/audio_captioning.md", "loramcl audio-captioning --recipes audiocaps --device cuda"):
+        Run(fails=_MISSING_MODEL, why=_PAPER),
+    ("docs/baselines.md", "from loramcl import MCLConfig, MCLTrainer, generate_hypotheses, load_mcl_model"): Python(
+        "baselines", subs=(("train_dataset=...", "train_dataset=rows"),),
+        past_failure=(("train_dataset=rows)", "train_dataset=rows, data_collator=collator)"),),
+        why="base, base2 (tiny SmolLM2), tok, prompts, training_args (2 steps) bound"),
+    ("docs/baselines.md", "loramcl train --config bilingual/common.yaml --config bilingual/moe.yaml"):
+        _bilingual_train("moe"),
+    ("docs/baselines.md", "loramcl train --config bilingual/common.yaml --config bilingual/multihead.yaml"):
+        _bilingual_train("multihead"),
+    ("docs/baselines.md", "loramcl train ... --method moe --moe.num_experts 2 --moe.r 8 --moe.target_modules "
+                          "[q_proj, v_proj]"):
+        Run(replace=(("...", "--config\x00bilingual/common.yaml\x00--out\x00runs/moe-cli"),),
+            append=("--training.steps", "2"), outputs=("runs/moe-cli/mcl_config.json",),
+            why=f"`...` bound to the recipe's model and data; {_STEPS}"),
+    ("docs/baselines.md", "loramcl generate --model BASE --adapters runs/bilingual/moe --input prompts.jsonl "
+                          "--strategy stochastic_router --num_sequences 2 --budget 4"):
+        Run(replace=(("BASE", "runs/bilingual/SmolLM2-135M-Instruct"),), outputs=("preds.jsonl",),
+            why="BASE: the model the MoE run trained on"),
+    ("docs/baselines.md", "python -m loramcl.markov.compare --out runs/baselines-markov --seeds 3 --threads 1"):
+        Module(append=("--quick", "true", "--seeds", "1", "--steps", "2", "--prompts", "4"),
+               outputs=("runs/baselines-markov/report.json",),
+               covered_by="tests/test_baselines_markov.py::test_quick_comparison_runs_end_to_end",
+               why="cut to 1 seed, 2 steps, 4 prompts"),
+    **{("docs/benchmarks.md", line): _BENCH for line in (
+        ".venv/bin/python benchmarks/suite.py --shape cpu-small --threads 1",
+        ".venv/bin/python benchmarks/suite.py --shape llama-1b --device cuda --dtype bfloat16",
+        ".venv/bin/python benchmarks/suite.py --shape llama-8b --device cuda --dtype bfloat16",
+        ".venv/bin/python benchmarks/suite.py --shape qwen2-audio --device cuda --dtype bfloat16",
+        ".venv/bin/python benchmarks/training_step.py --steps 5 --threads 1",
+        ".venv/bin/python benchmarks/training_step.py --steps 4 --threads 1 --vocab 32768 --only stacked loop "
+        "wta-one-pass wta-two-pass",
+        ".venv/bin/python benchmarks/chunked_cross_entropy.py --threads 1 --steps 5",
+        ".venv/bin/python benchmarks/training_step.py --steps 5 --threads 1 --only wta-two-pass wta-two-pass-blocks",
+        ".venv/bin/python benchmarks/training_step.py --steps 4 --threads 1 --vocab 32768 --only wta-two-pass "
+        "wta-two-pass-blocks",
+        ".venv/bin/python benchmarks/training_step.py --steps 10",
+        ".venv/bin/python benchmarks/training_step.py --steps 6 --seq 256 --batch 2",
+        ".venv/bin/python benchmarks/context_once.py --threads 1 --steps 5")},
+    ("docs/bilingual.md", "loramcl bilingual --out runs/bilingual"):
+        Run(append=_QUICK_DATA, outputs=("runs/bilingual/data/test.jsonl",), covered_by=_BILINGUAL, why=_CUT),
+    ("docs/bilingual.md", "loramcl bilingual --out /tmp/quick --quick true"):
+        Run(replace=(("/tmp/quick", "tmp/quick"),), append=_QUICK_DATA[2:], outputs=("tmp/quick/data/test.jsonl",),
+            covered_by=_BILINGUAL, why=f"/tmp moved into the test's folder; {_CUT}"),
+    ("docs/bilingual.md", "loramcl train --config bilingual/common.yaml --config bilingual/mcl-annealed.yaml"):
+        _bilingual_train("mcl-annealed"),
+    ("docs/bilingual.md", "loramcl generate --model runs/bilingual/SmolLM2-135M-Instruct --adapters "
+                          "runs/bilingual/mcl-annealed --input runs/bilingual/data/test.jsonl --strategy greedy "
+                          "--repetition_penalty 1.1 --max_new_tokens 48"): Run(outputs=("preds.jsonl",)),
+    ("docs/bilingual.md", "loramcl nll --model runs/bilingual/SmolLM2-135M-Instruct --adapters "
+                          "runs/bilingual/mcl-annealed --input runs/bilingual/data/test.jsonl"): Run(),
+    ("docs/bilingual.md", "loramcl evaluate --predictions preds.jsonl --references runs/bilingual/data/test.jsonl "
+                          "--metrics sacrebleu,chrf,mbleu4"): Run(outputs=("eval/preds.json",)),
+    ("docs/bilingual.md", "make setup"): Make(why="installs (dry run)"),
+    ("docs/bilingual.md", ".venv/bin/loramcl bilingual --out runs/bilingual --threads 2"):
+        Run(append=_QUICK_DATA, outputs=("runs/bilingual/data/test.jsonl",), covered_by=_BILINGUAL,
+            why=f"the venv's loramcl is this one; {_CUT}"),
+    ("docs/cli.md", "loramcl convert-smollm2 --out models/SmolLM2-135M-Instruct"):
+        Run(outputs=("models/SmolLM2-135M-Instruct/config.json",), covered_by=None,
+            why="the packaged model replaced by the tiny one (the conversion: tests/conftest.py smollm2_folder)"),
+    ("docs/cli.md", "loramcl convert-whisper-base --out models/whisper-base"):
+        Run(outputs=("models/whisper-base/config.json",), why="the real conversion, made once for the module"),
+    ("docs/cli.md", "loramcl train --model models/SmolLM2-135M-Instruct --out runs/mine --data.train_file "
+                    "train.jsonl --mcl.num_hypotheses 3 --mcl.target_modules [q_proj, v_proj] --training.steps 200"):
+        Run(append=("--training.steps", "2"), outputs=("runs/mine/mcl_config.json",), why=_STEPS),
+    ("docs/cli.md", "loramcl generate --model models/SmolLM2-135M-Instruct --adapters runs/mine --input test.jsonl "
+                    "--out preds.jsonl"): Run(outputs=("preds.jsonl",)),
+    ("docs/cli.md", "loramcl nll --model models/SmolLM2-135M-Instruct --adapters runs/mine --input test.jsonl "
+                    "--out nll.jsonl"): Run(outputs=("nll.jsonl",)),
+    ("docs/cli.md", "loramcl evaluate --predictions preds.jsonl --references test.jsonl --nll nll.jsonl "
+                    "--metrics translation"): Run(outputs=("eval/preds.json",)),
+    ("docs/cli.md", "loramcl recipes"): Run(),
+    ("docs/cli.md", "loramcl translation --recipes alma"): Run(fails=_NO_ALMA, why=_PAPER),
+    ("docs/cli.md", "loramcl recipes copy audio_captioning/clotho my-clotho"):
+        Run(outputs=("my-clotho/experiment.yaml",)),
+    ("docs/cli.md", "loramcl audio-captioning --recipes my-clotho"): Run(fails=_MISSING_MODEL, why=_PAPER),
+    ("docs/cli.md", "loramcl train --config bilingual/common.yaml --config bilingual/mle.yaml"):
+        _bilingual_train("mle"),
+    ("docs/decoding.md", "from loramcl.generation import generate_hypotheses, equal_budget"): Python(
+        "decoding", why="model (K = 3), tokenizer, i, k bound"),
+    ("docs/decoding.md", "loramcl generate --model BASE --adapters CKPT --input prompts.jsonl --out preds.jsonl "
+                         "--strategy beam --num_beams 2 --repetition_penalty 1.1"):
+        Run(replace=(_BASE, ("CKPT", "runs/mcl")), outputs=("preds.jsonl",), why="BASE, CKPT: the tiny model and run"),
+    ("docs/decoding.md", "from loramcl.generation import Decoding"): Python(
+        "decoding", why="model, tokenizer, prompts, generate_hypotheses bound"),
+    ("docs/decoding.md", 'outs = generate_hypotheses(mcl, tok, prompts, strategy="diverse_beam", budget=4, '
+                         'diversity_penalty=0.8)'): Python("diverse", why="mcl (K = 2), tok, prompts bound"),
+    ("docs/decoding.md", "loramcl generate --model BASE --adapters MCL_RUN --input prompts.jsonl --out preds.jsonl "
+                         "--strategy diverse_beam --budget 4 --diversity_penalty 0.8 --repetition_penalty 1.1"):
+        Run(replace=(_BASE, ("MCL_RUN", "runs/mcl")), outputs=("preds.jsonl",),
+            why="BASE, MCL_RUN: the tiny model and a K = 3 run"),
+    ("docs/decoding.md", 'outs = generate_hypotheses(moe, tok, prompts, strategy="beam", budget=6, '
+                         'num_sequences=3)'): Python("decoding", why="moe (LoRA-MoE, 3 experts), tok, prompts bound"),
+    ("docs/decoding.md", "budget = equal_budget(6, 3)"): Python("decoding", why="mcl (K = 3), mle, tok, prompts"),
+    ("docs/decoding.md", "from loramcl.generation import spec_augment"): Python(
+        "audio", why="mle: a tiny Qwen2-Audio, processor, batch: one clip's generation batch"),
+    ("docs/decoding.md", ".venv/bin/python benchmarks/generation_speed.py --repeats 7"): _BENCH,
+    ("docs/decoding.md", ".venv/bin/python benchmarks/generation_speed.py --threads 1 --repeats 9"): _BENCH,
+    ("docs/image_captioning.md", "loramcl image-captioning --quick true"):
+        Run(append=_QUICK_DATA[2:], outputs=("runs/image-captioning-tiny/data/test.jsonl",), covered_by=_IMAGE,
+            why=_CUT),
+    ("docs/image_captioning.md", "loramcl image-captioning"):
+        Run(append=_QUICK_DATA, outputs=("runs/image-captioning-tiny/data/test.jsonl",), covered_by=_IMAGE,
+            why=_CUT),
+    ("docs/image_captioning.md", "loramcl image-captioning --recipes textcaps --device cuda"):
+        Run(fails=_NO_TEXTCAPS, why=_PAPER),
+    ("docs/image_captioning.md", "loramcl image-captioning --recipes textcaps --stop_after data"):
+        Run(fails=_NO_TEXTCAPS, why=_PAPER),
+    ("docs/image_captioning.md", "accelerate launch --num_processes 8 -m loramcl.cli image-captioning --recipes "
+                                 "textcaps --stop_after train"): Launch(Run(fails=_NO_TEXTCAPS), why=_PAPER),
+    ("docs/image_captioning.md", "loramcl image-captioning --recipes <folder> --quick true"):
+        Run(replace=(("<folder>", "mine"),), append=_QUICK_DATA[2:], outputs=("runs/image-captioning-tiny/data",),
+            covered_by=_IMAGE, why=f"<folder>: a copy of the tiny recipe (`recipes copy`, made first); {_CUT}"),
+    ("docs/markov.md", "loramcl markov --out runs/markov"): _markov("runs/markov", mle=True),
+    ("docs/markov.md", "loramcl markov --preset fig6 --out runs/fig6"): _markov("runs/fig6"),
+    ("docs/markov.md", "loramcl markov --preset paper-fig2 --out runs/paper"): _markov("runs/paper"),
+    ("docs/markov.md", "loramcl markov --preset three --out runs/three"): _markov("runs/three"),
+    ("docs/markov.md", "loramcl markov --preset scores --out runs/scores"): _markov("runs/scores"),
+    ("docs/markov.md", "loramcl markov --chains my_chains.json --hypotheses 3 --out runs/mine"):
+        _markov("runs/mine"),
+    ("docs/markov.md", "loramcl markov --quick true --out /tmp/q"): _markov("tmp/q", ("/tmp/q", "tmp/q")),
+    ("docs/metrics.md", "loramcl evaluate --predictions preds.jsonl --references refs.jsonl --metrics captioning "
+                        "--out eval/ --name run_a"): Run(outputs=("eval/run_a.json",)),
+    ("docs/metrics.md", "loramcl evaluate --predictions preds.jsonl --references refs.jsonl --metrics translation "
+                        "--out eval/mt/"): Run(outputs=("eval/mt/preds.json",)),
+    ("docs/metrics.md", "loramcl evaluate ... --metrics bleu4,cider_d,div2,mbleu4"):
+        Run(replace=_META, why="`...`: the files of the first line"),
+    ("docs/metrics.md", "loramcl evaluate ... --metrics captioning --exclude spice,spider"):
+        Run(replace=_META, why="`...`: the files of the first line"),
+    ("docs/metrics.md", "loramcl evaluate ... --group_key lang --nll nll.jsonl"):
+        Run(replace=(("...", _META[0][1] + "\x00--metrics\x00cider_d,mbleu4"),),
+            why="`...`: the files of the first line and two metrics (the captioning preset's METEOR JVM, about 7 s, "
+                "runs on the first and fourth lines)"),
+    ("docs/metrics.md", "loramcl plot-tradeoff --runs eval/run_a.json,eval/run_b.json --x mbleu4 --y cider_d --out "
+                        "tradeoff.png"): Run(outputs=("tradeoff.png",)),
+    ("docs/metrics.md", "loramcl plot-tradeoff --runs eval/mt/*.json --x pairwise_bleu --y loo_bleu --out mt.png"):
+        Run(outputs=("mt.png",)),
+    ("docs/metrics.md", 'preds.jsonl {"id": "img1", "candidates": ["K strings", ...]} candidate k = hypothesis k'):
+        Output("the three files' formats"),
+    ("docs/metrics.md", "from loramcl.metrics import evaluate_candidates, candidate_scores, oracle, bleu, cider_d, "
+                        "mbleu, ptb_tokenize"): Python(
+        "metrics", why="candidates, references, langs, texts, cands_tok, refs_tok bound"),
+    ("docs/metrics.md", ".venv/bin/python benchmarks/metrics_speed.py"): _BENCH,
+    ("docs/reliability.md", ".venv/bin/python benchmarks/fault_injection.py --kills 48 --seed 0"): _BENCH,
+    ("docs/scores.md", "loramcl train --model BASE --scores_for runs/x/mcl --out runs/x/mcl-scores --data.train_file "
+                       "train.jsonl --training.steps 60 --training.scoring_learning_rate 2e-2"):
+        Run(replace=(_BASE,), append=("--training.steps", "2"), outputs=("runs/x/mcl-scores/mcl_config.json",),
+            why=f"BASE: the tiny model; runs/x/mcl: the module's K = 2 run, copied there first; {_STEPS}"),
+    ("docs/scores.md", "loramcl train --model $R/SmolLM2-135M-Instruct --scores_for $R/mcl-k3 --out "
+                       "$R/mcl-k3-scores-lr1e-3 --data.train_file $R/data/train.jsonl --data.max_length 96 "
+                       "--training.steps 60 --training.batch_size 8 --training.scoring_learning_rate 1e-3"):
+        Run(append=("--training.steps", "2"), outputs=("runs/translation/mcl-k3-scores-lr1e-3/mcl_config.json",),
+            why=f"$R/mcl-k3: trained first (translation/smollm2/mcl-k3.yaml, 2 steps); {_STEPS}"),
+    ("docs/scores.md", "loramcl nll --model $R/SmolLM2-135M-Instruct --adapters $R/mcl-k3-scores-lr1e-3 --input "
+                       "$R/data/test.jsonl --references_key targets --out nll.jsonl"): Run(outputs=("nll.jsonl",)),
+    ("docs/scores.md", "loramcl generate --model $R/SmolLM2-135M-Instruct --adapters $R/mcl-k3-scores-lr1e-3 "
+                       "--input $R/data/test.jsonl --strategy greedy --max_new_tokens 48 --repetition_penalty 1.1 "
+                       "--out greedy.jsonl"): Run(outputs=("greedy.jsonl",)),
+    ("docs/scores.md", "loramcl evaluate --predictions greedy.jsonl --references $R/data/test.jsonl --metrics "
+                       "[sacrebleu, chrf] --nll nll.jsonl --winner_metric chrf --tokenize false"):
+        Run(outputs=("eval/greedy.json",)),
+    ("docs/scores.md", "loramcl train --config bilingual/common.yaml --config bilingual/mle.yaml --training.steps 60"):
+        _bilingual_train("mle"),
+    ("docs/scores.md", "loramcl train --config bilingual/common.yaml --config bilingual/mcl-relaxed.yaml "
+                       "--mcl.scoring false --training.steps 60"): _bilingual_train("mcl-relaxed"),
+    ("docs/scores.md", "loramcl train --model $R/SmolLM2-135M-Instruct --scores_for $R/mcl-relaxed --out "
+                       "$R/mcl-relaxed-scores --data.train_file $R/data/train.jsonl --training.steps 40 "
+                       "--training.batch_size 8 --training.scoring_learning_rate 1e-3"):
+        Run(append=("--training.steps", "2"), outputs=("runs/bilingual/mcl-relaxed-scores/mcl_config.json",),
+            why=_STEPS),
+    ("docs/spoken_translation.md", "make setup"): Make(why="installs (dry run)"),
+    ("docs/spoken_translation.md", "loramcl spoken-translation --threads 1"):
+        Run(append=_QUICK_DATA, espeak=True, covered_by=_SPOKEN, why=_CUT),
+    ("docs/spoken_translation.md", "loramcl spoken-translation --quick true --out /tmp/q"):
+        Run(replace=(("/tmp/q", "tmp/q"),), append=_QUICK_DATA[2:], espeak=True, covered_by=_SPOKEN,
+            why=f"/tmp moved into the test's folder; {_CUT}"),
+    ("docs/spoken_translation.md", "loramcl spoken-translation --stop_after train --runs [mle]"):
+        Run(append=_QUICK_DATA[:2], espeak=True, covered_by=_SPOKEN, why="the quick settings (2 training steps)"),
+    ("docs/spoken_translation.md", "loramcl spoken-translation --budgets [2]"):
+        Run(append=_QUICK_DATA, espeak=True, covered_by=_SPOKEN, why=_CUT),
+    ("docs/translation.md", "loramcl translation"):
+        Run(append=_QUICK_DATA, outputs=("runs/translation/data/test.jsonl",), covered_by=_TRANSLATION, why=_CUT),
+    ("docs/translation.md", "loramcl translation --quick true --out /tmp/quick"):
+        Run(replace=(("/tmp/quick", "tmp/quick"),), append=_QUICK_DATA[2:], outputs=("tmp/quick/data/test.jsonl",),
+            covered_by=_TRANSLATION, why=f"/tmp moved into the test's folder; {_CUT}"),
+    ("docs/translation.md", "loramcl translation --recipes alma ..."):
+        Run(replace=(("...", ""),), fails=_NO_ALMA, why=f"`...` (the section's options) left out; {_PAPER}"),
+    ("docs/translation.md", "loramcl translation --out runs/translation --threads 1"):
+        Run(append=_QUICK_DATA, outputs=("runs/translation/data/test.jsonl",), covered_by=_TRANSLATION, why=_CUT),
+    ("docs/translation.md", "loramcl translation --out /work/runs-translation --recipes <folder with mle-r8, mle-r24, "
+                            "mcl-k3> --threads 1"):
+        Run(replace=(("/work/runs-translation", "runs-translation"), ("<folder\x00with\x00mle-r8,\x00mle-r24,\x00mcl-k3>",
+                                                                       "subset")),
+            append=_QUICK_DATA, outputs=("runs-translation/data/test.jsonl",), covered_by=_TRANSLATION,
+            why=f"/work moved into the test's folder; the folder: a copy of translation/smollm2 with those 3 runs "
+                f"(made first); {_CUT}"),
+    ("docs/translation.md", "loramcl translation --out /work/runs-translation --budgets [3] --threads 1"):
+        Run(replace=(("/work/runs-translation", "runs-translation"),), append=_QUICK_DATA,
+            outputs=("runs-translation/data/test.jsonl",), covered_by=_TRANSLATION,
+            why=f"/work moved into the test's folder; {_CUT}"),
+    ("docs/translation.md", "loramcl translation --out /work/runs-translation --budgets [3, 6] --threads 1"):
+        Run(replace=(("/work/runs-translation", "runs-translation"),), append=_QUICK_DATA,
+            outputs=("runs-translation/data/test.jsonl",), covered_by=_TRANSLATION,
+            why=f"/work moved into the test's folder; {_CUT}"),
+    ("docs/translation.md", "loramcl translation --recipes alma --stop_after data"): Run(fails=_NO_ALMA, why=_PAPER),
+    ("docs/translation.md", "accelerate launch --num_processes 8 -m loramcl.cli train --config "
+                            "translation/alma/common.yaml --config translation/alma/$RUN.yaml --resume true"):
+        Launch(Run(fails=_MISSING_MODEL), why=_PAPER),
+    ("docs/translation.md", "loramcl translation --recipes alma --device cuda"): Run(fails=_NO_ALMA, why=_PAPER),
+}
+
+def _subset(recipe) -> None:
+    """A copy of translation/smollm2 with the run files mle-r8, mle-r24 and mcl-k3 only (its NLL table too)."""
+    runs = ("mle-r8", "mle-r24", "mcl-k3")
+    for path in recipe.glob("m*.yaml"):
+        if path.stem not in runs:
+            path.unlink()
+    experiment = recipe / "experiment.yaml"
+    text, count = re.subn(r"(?m)^nll_table: .*$", f"nll_table: [{', '.join(runs)}]", experiment.read_text())
+    assert count == 1, "translation/smollm2/experiment.yaml has no nll_table line"
+    experiment.write_text(text)
+
+
+# Setup a block needs before its first line, beyond the module's folder: `loramcl` argv, or a function of the folder.
+SETUP = {
+    ("docs/scores.md", "loramcl train --model BASE --scores_for runs/x/mcl --out runs/x/mcl-scores --data.train_file "
+                       "train.jsonl --training.steps 60 --training.scoring_learning_rate 2e-2"): (
+        lambda folder: shutil.copytree(folder / "runs/mcl", folder / "runs/x/mcl"),),
+    ("docs/image_captioning.md", "loramcl image-captioning --quick true"): (
+        ["recipes", "copy", "image_captioning/tiny", "mine"],),
+    ("docs/scores.md", "loramcl train --model $R/SmolLM2-135M-Instruct --scores_for $R/mcl-k3 --out "
+                       "$R/mcl-k3-scores-lr1e-3 --data.train_file $R/data/train.jsonl --data.max_length 96 "
+                       "--training.steps 60 --training.batch_size 8 --training.scoring_learning_rate 1e-3"): (
+        ["train", "--config", "translation/smollm2/common.yaml", "--config", "translation/smollm2/mcl-k3.yaml",
+         "--training.steps", "2"],),
+    ("docs/metrics.md", "loramcl evaluate --predictions preds.jsonl --references refs.jsonl --metrics captioning "
+                        "--out eval/ --name run_a"): (
+        ["evaluate", "--predictions", "preds.jsonl", "--references", "refs.jsonl", "--metrics", "cider_d,mbleu4",
+         "--out", "eval/", "--name", "run_b"],),
+    ("docs/translation.md", "loramcl translation --out runs/translation --threads 1"): (
+        ["recipes", "copy", "translation/smollm2", "subset"], lambda folder: _subset(folder / "subset")),
+}
+
+# Blocks that fail today because of the code, not the doc (issue 35): strict xfail, keyed by the block's first item.
+_NO_COLLATOR = ("MCLTrainer without data_collator gets transformers' default_data_collator, which does not pad "
+                "tokenized pairs of different lengths")
+EXPECTED = {
+    ("docs/benchmarks.md", ".venv/bin/python benchmarks/training_step.py --steps 5 --threads 1"): Expected(
+        "benchmarks/chunked_cross_entropy.py (the block's third line) imports synchronize from training_step, which "
+        "moved to benchmarks/common.py: the script stops at its import",
+        r"cannot import name 'synchronize' from 'training_step'"),
+    ("README.md", "from loramcl import MCLConfig, MCLTrainer, get_mcl_model, load_mcl_model"): Expected(
+        f"`trainer.train()`: {_NO_COLLATOR}", r"expected sequence of length \d+ at dim 1 \(got \d+\)"),
+    ("docs/baselines.md", "from loramcl import MCLConfig, MCLTrainer, generate_hypotheses, load_mcl_model"): Expected(
+        f"`MCLTrainer(moe, ...).train()`: {_NO_COLLATOR}", r"expected sequence of length \d+ at dim 1 \(got \d+\)"),
+    ("docs/cli.md", "loramcl convert-smollm2 --out models/SmolLM2-135M-Instruct"): Expected(
+        "`loramcl evaluate --references test.jsonl` needs \"id\" in every line, where `generate` and `nll` read the same "
+        "test file without one (they number the lines)",
+        r'test\.jsonl:1 must be an object with "id" and "references"; its fields are "prompt", "references"'),
+}
