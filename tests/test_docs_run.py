@@ -24,6 +24,7 @@ Blocks that fail today because of the code, not the doc, are in EXPECTED (strict
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import runpy
@@ -152,7 +153,7 @@ def _patch_models(patch, tiny) -> None:
 
     convert_whisper_base, build_whisper = loramcl.pretrained.convert_whisper_base, spoken.build_model
 
-    def convert_smollm2(out):
+    def convert_smollm2(out, tokenizer_only=False):  # the tiny model holds the tokenizer too
         if not (out := Path(out)).joinpath("config.json").is_file():
             _link_copy(tiny, out)
         return out
@@ -259,6 +260,8 @@ def _module(words, spec: Module, what: str, folder) -> None:
     import argparse
 
     argv = _apply(words, spec.replace, spec.append, what)
+    while "=" in argv[0] and not argv[0].startswith("-"):  # `NAME=value script ...`: an environment for the script
+        argv = argv[1:]
     if argv[0].endswith("python") and argv[1] == "-m":
         target, args, run = argv[2], argv[3:], runpy.run_module
     else:
@@ -327,7 +330,8 @@ def exercise(block, folder, past_failure: bool = False) -> None:
         for old, new in spec.subs + (spec.past_failure if past_failure else ()):
             assert old in code, f"{block.name}: the registry binds {old!r}, which the block no longer has"
             code = code.replace(old, new)
-        exec(compile(code, block.name, "exec"), NAMESPACES[spec.namespace](folder))  # noqa: S102
+        with _logging_restored():  # a block may configure logging (docs/cli.md): not for the tests after it
+            exec(compile(code, block.name, "exec"), NAMESPACES[spec.namespace](folder))  # noqa: S102
         return
     variables = {}
     for command in block.commands():
@@ -461,6 +465,20 @@ def _audio(folder) -> dict:
                 batch=CaptionEncoder(processor).generation_batch([clip]), generate_hypotheses=generate_hypotheses)
 
 
+@contextlib.contextmanager
+def _logging_restored():
+    import logging
+
+    root, ours = logging.getLogger(), logging.getLogger("loramcl")
+    saved = (list(root.handlers), root.level, ours.level)
+    try:
+        yield
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        ours.setLevel(saved[2])
+
+
 def _metrics(folder) -> dict:
     candidates = [["a dog barks", "a cat sleeps"], ["two men talk", "a man talks"]]
     references = [["a dog is barking", "the dog barks loudly"], ["men are talking", "two men speak", "a talk"]]
@@ -468,5 +486,5 @@ def _metrics(folder) -> dict:
                 texts=["A dog, barking!", "Two men talk."], cands_tok=candidates, refs_tok=references)
 
 
-NAMESPACES = {"use": _use, "baselines": _baselines, "decoding": _decoding, "diverse": lambda f: _decoding(f, 2),
+NAMESPACES = {"plain": lambda folder: {}, "use": _use, "baselines": _baselines, "decoding": _decoding, "diverse": lambda f: _decoding(f, 2),
               "audio": _audio, "metrics": _metrics}
