@@ -6,7 +6,7 @@ import json
 import os
 import time
 
-from loramcl.inputs import LocalPath
+from loramcl.inputs import LocalPath, check_output, check_threads
 from loramcl.markov.chains import MarkovMixture, preset_mixture
 
 # name -> (chains, settings that differ from RunSettings' defaults (the paper's), why)
@@ -104,6 +104,8 @@ def markov(out: LocalPath = "runs/markov", preset: str = "fig2", chains: LocalPa
     if settings.hypotheses < 2:
         raise ValueError(f"hypotheses must be at least 2 for LoRA-MCL, got {settings.hypotheses}")
     settings.check_fits(mixture)
+    check_output(out, folder=True)
+    check_threads(threads)
     if threads is not None:
         torch.set_num_threads(threads)
     os.makedirs(out, exist_ok=True)

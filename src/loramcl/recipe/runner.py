@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
+from loramcl.inputs import check_device, check_output, check_threads
 from loramcl.recipe.experiment import Experiment
 from loramcl.recipe.grid import DecodeConfig, System, chosen_budgets, one_per_strategy
 from loramcl.recipe.stages import Stages
@@ -144,6 +145,8 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
 
     require(stop_after in (None, *STOP_AFTER), f"stop_after must be one of {STOP_AFTER}, got {stop_after!r}")
     require(runs is None or stop_after == "train", "runs selects the runs to train: use it with stop_after: train")
+    check_threads(threads)
+    check_device(device)
     if threads is not None:
         torch.set_num_threads(threads)
     folder = recipe_folder(recipes, task_type.default_recipes, [EXPERIMENT, COMMON])
@@ -151,6 +154,7 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     given = {name: value for name, value in settings.items() if value is not None}
     if given:
         experiment = dataclasses.replace(experiment, **given)
+    check_output(out if out is not None else experiment.out, folder=True)
     stages = Stages(Path(out if out is not None else experiment.out))
     root = stages.root
     chosen = chosen_budgets(budgets, experiment.budgets, quick)
