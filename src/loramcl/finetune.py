@@ -84,8 +84,11 @@ def method_model(base, method: str, config: MethodConfig):
         from loramcl.baselines.multihead import get_multihead_model
 
         return get_multihead_model(base, config)
+    from loramcl.adapter_size import check_adapter_size
     from loramcl.model import get_mcl_model
+    from loramcl.peft_interop import target_layer_names
 
+    check_adapter_size(base, target_layer_names(base, config), config, training=True)
     return get_mcl_model(base, config)
 
 
