@@ -1,5 +1,6 @@
-"""What a command checks before it imports torch, so that a mistake is reported at once, and the path type of its
-arguments.
+"""What a command checks before it imports torch, so that a mistake is reported at once (its files and folders, the
+places it writes, the model's positions from its config.json; the device, which needs torch, just before the model
+loads), and the path type of its arguments.
 
 Every path argument of a command is a ``LocalPath``: jsonargparse turns it into an absolute path, relative to the
 recipe file that gives it (jsonargparse reads a ``--config`` file from that file's folder) or to the current
