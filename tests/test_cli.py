@@ -48,6 +48,8 @@ def workdir(tmp_path_factory):
     (root / "preds.jsonl").write_text("".join(json.dumps({"id": i, "candidates": ["w5", "w6"]}) + "\n" for i in "ab"))
     (root / "refs.jsonl").write_text("".join(json.dumps({"id": i, "references": ["w5"]}) + "\n" for i in "ab"))
     (root / "typo.yaml").write_text("data:\n  prompt_kye: prompt\n")
+    (root / "empty.jsonl").write_text("".join(json.dumps({"prompt": p, "target": "w40"}) + "\n" for p in ("w5", "")))
+    (root / "long.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("w5", " ".join(["w5"] * 120))))
     (root / "data").mkdir()
     return root
 

@@ -53,17 +53,6 @@ def test_a_busy_core_is_not_free():
         spin.wait()
 
 
-@pytest.mark.parametrize("value", [0, -1, True, 1.5])
-def test_a_bad_thread_count_is_refused_by_name(value):
-    with pytest.raises(ValueError, match=r"^--threads must be an integer >= 1 .*got"):
-        threads.check_threads(value)
-
-
-def test_more_threads_than_cores_is_a_warning():
-    with pytest.warns(UserWarning, match="more than the .* CPU cores"):
-        threads.check_threads(len(threads.usable_cores()) + 1)
-
-
 def test_a_command_refuses_a_bad_thread_count_before_work(tmp_path, capsys):
     with pytest.raises(SystemExit) as stopped:
         main(["markov", "--out", str(tmp_path / "m"), "--threads", "0"])

@@ -33,16 +33,16 @@ def test_paper_scale_recipe_files_load_and_build_a_model(tmp_path):
     assert "accelerate launch --num_processes 8" in (folder / COMMON).read_text()
     mcl = MCLConfig.from_dict(values["mcl"]["mcl"])
     assert (mcl.num_hypotheses, mcl.r, mcl.alpha, mcl.loss, mcl.epsilon) == (3, 16, 32, "relaxed", 0.05)
-    # a tiny Llama (ALMA-7B's architecture): the adapters land on every down_proj, and LoRA-MLE r=48 has the
-    # trainable count of the three r=16 hypotheses
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    # a tiny Llama (ALMA-7B's architecture) wide enough for rank 48: the adapters land on every down_proj, and
+    # LoRA-MLE r=48 has the trainable count of the three r=16 hypotheses
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
     counts = {}
     for run in runs:
         model = get_mcl_model(LlamaForCausalLM(config), MCLConfig.from_dict(values[run]["mcl"]))
         assert [name.rsplit(".", 1)[-1] for name in model.layer_names] == ["down_proj"] * 2
         counts[run] = model.parameter_counts()[0]
-    assert counts["mcl"] == counts["mle-r48"] == 3 * counts["mle-r16"] == 3 * 16 * (48 + 32) * 2
+    assert counts["mcl"] == counts["mle-r48"] == 3 * counts["mle-r16"] == 3 * 16 * (48 + 64) * 2
     task = Translation(folder, experiment, Stages(tmp_path / "out"), False, None, "cpu")
     names = [s.name for s in task.systems(values, experiment.budgets)]
     assert names == ["mle-r16-beam-b3", "mle-r16-diversebeam-b3", "mle-r16-beam-b6", "mle-r16-diversebeam-b6",

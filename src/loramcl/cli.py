@@ -208,7 +208,7 @@ def _parser_class() -> type:
             try:
                 check_threads(config.get(f"{command}.threads") if isinstance(command, str) else None)
             except ValueError as error:
-                raise ArgumentError(None, str(error)) from None
+                raise ArgumentError(None, f"--{error}") from None
             return config
 
     return Parser
@@ -241,10 +241,39 @@ def error_message(error: Exception, table: dict, command: str | None) -> str:
     text = _union_member_error(" ".join(str(error).split()))
     if _is_usage_error(error):
         return _usage_message(text, table, command)
+    if command and callable(table.get(command)):
+        text = _named_as_typed(error, text, table[command])
     if isinstance(error, ValueError | TypeError | OSError | RuntimeError) and text:
         return text
     hint = f" (a bug? --debug or {DEBUG_ENV}=1 shows the traceback)"
     return f"{type(error).__name__}: {text}{hint}" if text else f"{type(error).__name__}{hint}"
+
+
+def _named_as_typed(error: BaseException | None, text: str, function) -> str:
+    """``text`` with the value it starts with named as the command line names it (`--training.learning_rate`,
+    `--top_p`), for an OptionError (loramcl.validate) about an option of ``function``: a field of the configuration
+    that one of its parameters takes, or one of its options."""
+    import dataclasses
+    import typing
+
+    from loramcl.validate import OptionError
+
+    while error is not None and not isinstance(error, OptionError):  # jsonargparse wraps a `Config | None`'s error
+        error = error.__cause__
+    if error is None or not error.option or not text.startswith(error.option):
+        return text
+    try:
+        hints = typing.get_type_hints(function)
+    except Exception:  # an annotation that does not resolve: the message stays as written
+        return text
+    groups = [name for name, hint in hints.items() if error.owner is not None and dataclasses.is_dataclass(error.owner)
+              and error.owner in (hint, *typing.get_args(hint))]
+    fields = {field.name for field in dataclasses.fields(error.owner)} if groups else set()
+    if len(groups) == 1 and error.option in fields:
+        return f"--{groups[0]}.{text}"
+    if error.option in _option_names(function):  # an argument of the command, or a field its **kwargs take
+        return f"--{text}"
+    return text
 
 
 def _union_member_error(text: str) -> str:

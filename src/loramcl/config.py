@@ -9,14 +9,21 @@ from dataclasses import dataclass
 from typing import Literal
 
 from loramcl.inputs import LocalPath
-from loramcl.validate import require, require_int, require_real
+from loramcl.validate import names_its_options, require, require_int, require_real
 
 LossName = Literal["wta", "relaxed", "annealed"]
 LOSS_NAMES: tuple[str, ...] = ("wta", "relaxed", "annealed")
 ADAPTER_DTYPES: tuple[str, ...] = ("float32", "base")
 TIE_BREAKS: tuple[str, ...] = ("lowest", "random")
+# AdamW moves every weight by about the learning rate at each step, whatever the gradient's scale: past 1 an adapter
+# weight (about 0.1 at initialisation) is thrown around by more than its own size every step. LoRA recipes use 1e-5 to
+# 1e-3 (the packaged ones: 1e-5 to 1e-3; the Markov scores head 1e-2), far below.
+MAX_LEARNING_RATE = 1.0
+_LEARNING_RATE_HINT = (" (AdamW moves every adapter weight by about the learning rate at each step: past 1 training "
+                       "diverges; LoRA recipes use 1e-5 to 1e-3)")
 
 
+@names_its_options
 @dataclass
 class MCLConfig:
     """K LoRA hypotheses on a frozen model, trained with a winner-takes-all loss (paper §3.3).
@@ -130,8 +137,8 @@ class MCLConfig:
                     " Above that bound a losing hypothesis would weigh more than the winner.")
             # The bound printed in full (repr), so that the largest accepted value can be copied from the message.
             require(self.epsilon <= upper,
-                   f"epsilon must be in [0, (K-1)/K] = [0, {k - 1}/{k}] for K={k} (at most {upper!r}), "
-                   f"got {self.epsilon!r}.{hint}")
+                    f"epsilon must be in [0, (K-1)/K] = [0, {k - 1}/{k}] for K={k} (at most {upper!r}), "
+                    f"got {self.epsilon!r}.{hint}", "epsilon")
         require_real("temperature0", self.temperature0, low=0.0, low_open=True)
         require_real("temperature_decay", self.temperature_decay, low=0.0, high=1.0, low_open=True,
               hint=" (1 keeps the temperature constant)")
@@ -232,6 +239,7 @@ def _is_index(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+@names_its_options
 @dataclass(frozen=True)
 class DataConfig:
     """Where a run's prompt -> target pairs come from and how they are tokenized (`loramcl train --data.*`)."""
@@ -253,7 +261,8 @@ class DataConfig:
 
     max_length: int = 128
     """Pairs longer than this (tokens) lose the end of their target (an encoder-decoder: prompt and target each at
-    most this long; a longer prompt is refused)."""
+    most this long; a longer prompt is refused). At most the positions the model reads (`loramcl train` checks its
+    config.json)."""
 
     eval_examples: int | None = 128
     """Validation examples used (the first ones; None: all)."""
@@ -271,6 +280,7 @@ class DataConfig:
             require_int("eval_examples", self.eval_examples)
 
 
+@names_its_options
 @dataclass(frozen=True)
 class TrainConfig:
     """Optimisation, evaluation and checkpoint schedule of a training run (`loramcl train --training.*`)."""
@@ -282,7 +292,7 @@ class TrainConfig:
     """Examples per optimizer step."""
 
     learning_rate: float = 5e-4
-    """AdamW peak learning rate."""
+    """AdamW peak learning rate, in (0, 1]."""
 
     weight_decay: float = 0.0
     """AdamW weight decay."""
@@ -323,9 +333,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         require_int("steps", self.steps)
         if self.scoring_learning_rate is not None:
-            require_real("scoring_learning_rate", self.scoring_learning_rate, low=0.0, low_open=True)
+            require_real("scoring_learning_rate", self.scoring_learning_rate, low=0.0, high=MAX_LEARNING_RATE,
+                         low_open=True, hint=_LEARNING_RATE_HINT)
         require_int("batch_size", self.batch_size)
-        require_real("learning_rate", self.learning_rate, low=0.0, low_open=True)
+        require_real("learning_rate", self.learning_rate, low=0.0, high=MAX_LEARNING_RATE, low_open=True,
+                     hint=_LEARNING_RATE_HINT)
         require_real("weight_decay", self.weight_decay, low=0.0)
         require_real("adam_beta2", self.adam_beta2, low=0.0, high=1.0, high_open=True)
         require_real("min_learning_rate", self.min_learning_rate, low=0.0, high=self.learning_rate, high_open=True)

@@ -27,13 +27,19 @@ from loramcl.inputs import (
     Dtype,
     LocalPath,
     ModelPath,
+    PositionLimits,
+    check_device,
     check_file,
     check_model_options,
+    check_output,
     is_encoder_decoder,
+    model_positions,
     prompt_format,
+    record_line,
 )
-from loramcl.threads import use_threads
 from loramcl.runs import CHECKPOINTS, SETTINGS_NAME, run_stamp, stale_checkpoint_fields
+from loramcl.threads import check_threads, use_threads
+from loramcl.validate import OptionError, require_int
 
 # No `if TYPE_CHECKING: import torch` here: jsonargparse runs such blocks to resolve the commands' annotations, which
 # would import torch before every `loramcl train` / `nll` could check its files (tests/test_cli.py).
@@ -83,8 +89,11 @@ def method_model(base, method: str, config: MethodConfig):
         from loramcl.baselines.multihead import get_multihead_model
 
         return get_multihead_model(base, config)
+    from loramcl.adapter_size import check_adapter_size
     from loramcl.model import get_mcl_model
+    from loramcl.peft_interop import target_layer_names
 
+    check_adapter_size(base, target_layer_names(base, config), config, training=True)
     return get_mcl_model(base, config)
 
 
@@ -142,6 +151,9 @@ def train(
 
     # Mistakes in the files, their fields and the model folder are reported before torch loads (seconds).
     check_model_options(model, dtype)
+    check_output(out, folder=True)
+    check_threads(threads)
+    check_max_length(data.max_length, model_positions(model))
     train_pairs = training_pairs(data.train_file, data, "training file")
     eval_pairs = training_pairs(data.validation_file, data, "validation file") if data.validation_file else None
     encoder_decoder = is_encoder_decoder(model)
@@ -173,6 +185,15 @@ def train(
         collator=lambda rows: collate(rows, pad_id), processor=tokenizer, last_checkpoint=last, method=method,
         scores_for=scores_for)
     return str(out)
+
+
+def check_max_length(max_length: int, limits: PositionLimits) -> None:
+    """``data.max_length`` tokens (a causal LM: prompt and target together; an encoder-decoder: each) fit the
+    model's positions."""
+    known = [limit for limit in (limits.prompt, limits.target) if limit is not None]
+    if known and max_length > min(known):
+        raise OptionError("max_length", f"max_length {max_length} is more than the {min(known)} positions the model "
+                          f"reads ({limits.source}): set --data.max_length {min(known)} or less", owner=DataConfig)
 
 
 def _scored_run_config(run: str, method: str, mcl: MCLConfig | None) -> MCLConfig:
@@ -390,34 +411,40 @@ def nll(
             the model's), and adapter files that cannot be verified (no checksum, no fingerprint) or whose tensors
             were converted after save; by default each is a warning.
     """
-    from loramcl.data.prompts import collate, encode_pairs, pad_token_id, read_pairs
+    from loramcl.data.prompts import collate, encode_pairs, first_too_long, pad_token_id, read_pairs
 
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    require_int("batch_size", batch_size)
     check_model_options(model, dtype, adapters)
     if not (Path(adapters) / MCL_CONFIG).is_file():
         raise ValueError(f"{adapters} is not an MCL adapters folder: `loramcl nll` scores the K hypotheses of an "
                          "MCL (or K = 1 MLE) run of `loramcl train`")
+    check_output(out, folder=False, example="nll.jsonl")
     check_file(input, "input file")
     ids, prompts, references = read_pairs(input, prompt_key, references_key, what="--prompt_key / --references_key")
     references = [[r] if isinstance(r, str) else r for r in references]
-    bad = [item for item, refs in zip(ids, references, strict=True)
-           if not isinstance(refs, list) or not refs or not all(isinstance(r, str) and r for r in refs)]
+    bad = [i for i, refs in enumerate(references)
+           if not isinstance(refs, list) or not refs or not all(isinstance(r, str) and r.strip() for r in refs)]
     if bad:
-        raise ValueError(f'{input}: "{references_key}" must be a non-empty text or list of texts (id {bad[0]!r})')
+        raise ValueError(f'{input}:{record_line(input, bad[0])}: "{references_key}" must be a non-empty text or list '
+                         "of non-empty texts")
     chat_template = prompt_format(adapters, chat_template)
+    encoder_decoder = is_encoder_decoder(model)
 
     import torch
     from transformers import AutoTokenizer
 
     from loramcl.loading import load_model
 
-    decoder = load_model(model, adapters, dtype, device, strict=strict)
+    check_device(device)
     tokenizer = AutoTokenizer.from_pretrained(model)
     pad_id = pad_token_id(tokenizer)
     owner = [i for i, refs in enumerate(references) for _ in refs]
     rows = encode_pairs(tokenizer, [prompts[i] for i in owner], [r for refs in references for r in refs],
-                        chat_template, encoder_decoder=getattr(decoder.config, "is_encoder_decoder", False))
+                        chat_template, encoder_decoder=encoder_decoder)
+    if (too_long := first_too_long(rows, model_positions(model), encoder_decoder)) is not None:
+        raise ValueError(f"{input}:{record_line(input, owner[too_long[0]])}: the prompt and reference need "
+                         f"{too_long[1]}: shorten them (a reference is scored whole)")
+    decoder = load_model(model, adapters, dtype, device, strict=strict)
     nlls, mixtures = [], []
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):

@@ -1,5 +1,6 @@
-"""What a command checks before it imports torch, so that a mistake is reported at once, and the path type of its
-arguments.
+"""What a command checks before it imports torch, so that a mistake is reported at once (its files and folders, the
+places it writes, the model's positions from its config.json; the device, which needs torch, just before the model
+loads), and the path type of its arguments.
 
 Every path argument of a command is a ``LocalPath``: jsonargparse turns it into an absolute path, relative to the
 recipe file that gives it (jsonargparse reads a ``--config`` file from that file's folder) or to the current
@@ -13,9 +14,11 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 from jsonargparse.typing import register_type
+
+from loramcl.validate import OptionError, require, require_int
 
 Dtype = Literal["float32", "bfloat16", "float16"]  # the frozen model's dtype, as a command option
 DTYPES: tuple[str, ...] = get_args(Dtype)
@@ -100,14 +103,153 @@ def cached_hub_model(name: str) -> bool:
     return isinstance(try_to_load_from_cache(name, "config.json"), str)
 
 
-def is_encoder_decoder(model: str) -> bool:
-    """Whether the transformers model in folder ``model`` is an encoder-decoder (read from its config.json)."""
+def config_file(model: str) -> str:
+    """The config.json of a model folder, or of a model of the local Hugging Face cache (``check_model_folder``)."""
     path = os.path.join(model, "config.json")
     if os.path.isfile(path):
-        return bool(json.loads(Path(path).read_text()).get("is_encoder_decoder", False))
-    from transformers import AutoConfig  # a cached hub model
+        return path
+    from huggingface_hub import try_to_load_from_cache
 
-    return bool(getattr(AutoConfig.from_pretrained(model), "is_encoder_decoder", False))
+    cached = try_to_load_from_cache(model, "config.json") if _HUB_ID.fullmatch(model) else None
+    if not isinstance(cached, str):
+        raise FileNotFoundError(f"model folder {model} has no config.json")
+    return cached
+
+
+def model_config(model: str) -> dict:
+    """The settings of a model as its config.json holds them (read as JSON: no torch, no transformers)."""
+    return json.loads(Path(config_file(model)).read_text(encoding="utf-8"))
+
+
+def is_encoder_decoder(model: str) -> bool:
+    """Whether the transformers model in folder ``model`` is an encoder-decoder (read from its config.json)."""
+    return bool(model_config(model).get("is_encoder_decoder", False))
+
+
+# Where configurations write the number of positions a model reads (absolute position tables, or the length a rotary
+# model was trained to), in the order they are looked for.
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
+                  "max_seq_len")
+
+
+class PositionLimits(NamedTuple):
+    """The most positions a model reads, from its configuration (None: it states none, e.g. T5's relative
+    positions). A causal LM reads prompt and target as one sequence of at most ``prompt`` positions (``shared``);
+    an encoder-decoder reads at most ``prompt`` in its encoder and ``target`` in its decoder."""
+
+    prompt: int | None
+    target: int | None
+    shared: bool
+    source: str  # where the limit is stated, e.g. "max_position_embeddings in tiny/config.json"
+
+    def excess(self, prompt_tokens: int, target_tokens: int) -> str | None:
+        """What does not fit when a prompt of ``prompt_tokens`` tokens and a target (or the generated tokens) of
+        ``target_tokens`` are read; None when they fit."""
+        if self.shared:
+            total = prompt_tokens + target_tokens
+            if self.prompt is not None and total > self.prompt:
+                return f"{total} positions, more than the {self.prompt} the model reads ({self.source})"
+            return None
+        if self.prompt is not None and prompt_tokens > self.prompt:
+            return f"{prompt_tokens} prompt tokens, more than the {self.prompt} its encoder reads ({self.source})"
+        if self.target is not None and target_tokens > self.target:
+            return f"{target_tokens} target positions, more than the {self.target} its decoder reads ({self.source})"
+        return None
+
+
+def position_limits(config: dict, where: str = "config.json") -> PositionLimits:
+    """The ``PositionLimits`` of a model from its configuration as a dict (``model_config``, or a live model's
+    ``config.to_dict()``); ``where`` names the file in the messages. The language model of a multimodal model
+    (``text_config``) and the decoder of a composite encoder-decoder (``decoder``) state its limits."""
+    def first(settings: dict, keys: tuple[str, ...]) -> tuple[int | None, str | None]:
+        for key in keys:
+            value = settings.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value, key
+        return None, None
+
+    if "relative_attention_num_buckets" in config:  # T5 and its kin: relative positions, no table to run past
+        return PositionLimits(None, None, not config.get("is_encoder_decoder"), "")
+    if config.get("is_encoder_decoder"):
+        decoder = config.get("decoder") if isinstance(config.get("decoder"), dict) else config
+        encoder = config.get("encoder") if isinstance(config.get("encoder"), dict) else config
+        # Whisper's max_source_positions counts audio frames, not prompt tokens: only text positions are checked
+        prompt, prompt_key = first(encoder, _POSITION_KEYS)
+        target, target_key = first(decoder, ("max_target_positions", *_POSITION_KEYS))
+        keys = sorted({key for key in (prompt_key, target_key) if key})
+        return PositionLimits(prompt, target, False, f"{' and '.join(keys)} in {where}")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    limit, key = first(text, _POSITION_KEYS)
+    return PositionLimits(limit, limit, True, f"{key} in {where}")
+
+
+def model_positions(model: str) -> PositionLimits:
+    """The ``PositionLimits`` of the model folder (or cached hub model) ``model``, read from its config.json."""
+    return position_limits(model_config(model), config_file(model))
+
+
+def record_line(path: str, index: int) -> int:
+    """The line number of record ``index`` (0-based) of a JSONL file, whose blank lines hold no record (as
+    ``loramcl.metrics.io.read_jsonl`` reads it); for messages, read only then."""
+    with open(path, "rb") as lines:
+        records = (number for number, raw in enumerate(lines, start=1) if raw.strip())
+        return next(number for i, number in enumerate(records) if i == index)
+
+
+def check_output(path: str, folder: bool, option: str = "out", example: str = "out.jsonl") -> None:
+    """Before any work: ``path`` can be written, as a folder (``folder``) or a file. A file where a folder goes (or
+    the reverse), a file among its parents, or a place without write permission is an OptionError naming
+    ``option``; ``example``: a file name to suggest inside a folder given for a file."""
+    path = os.path.abspath(path)
+    if folder and os.path.isfile(path):
+        raise OptionError(option, f"{option} {path} is a file, and a folder is written there: give a folder (a new "
+                          "one, or one this command wrote)")
+    if not folder and os.path.isdir(path):
+        raise OptionError(option, f"{option} {path} is a folder, and a file is written there: give a file path, "
+                          f"e.g. {os.path.join(path, example)}")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if existing != path and not os.path.isdir(existing):
+        raise OptionError(option, f"{option} {path} cannot be made: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | (os.X_OK if os.path.isdir(existing) else 0)):
+        raise OptionError(option, f"{option} {path}: {existing} is not writable (permission denied): choose a place "
+                          "you can write to")
+
+
+def check_device(device: str, option: str = "device") -> None:
+    """Before the model loads: ``device`` is a device that torch can use here, else an OptionError with what to
+    do (imports torch)."""
+    import torch
+
+    try:
+        kind = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise OptionError(option, f"{option} {device!r} is not a device torch knows: give cpu, cuda, cuda:N (GPU N) "
+                          "or mps") from None
+    if kind.type == "cuda":
+        if torch.version.cuda is None and torch.version.hip is None:
+            raise OptionError(option, f"{option} {device}: this torch ({torch.__version__}) is built without CUDA: "
+                              "install a CUDA build of torch (pytorch.org/get-started), or use --device cpu")
+        if not torch.cuda.is_available():
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise OptionError(option, f"{option} {device}: torch sees no GPU"
+                              f"{f' (CUDA_VISIBLE_DEVICES={visible!r})' if visible is not None else ''}: check the "
+                              "driver with nvidia-smi, or use --device cpu")
+        count = torch.cuda.device_count()
+        if kind.index is not None and kind.index >= count:
+            raise OptionError(option, f"{option} {device}: torch sees {count} GPU{'s' if count > 1 else ''} "
+                              f"(cuda:0 to cuda:{count - 1}): give one of them, or use --device cpu")
+    elif kind.type == "mps" and not torch.backends.mps.is_available():
+        raise OptionError(option, f"{option} {device}: Apple's Metal (MPS) is not available here (it needs an Apple "
+                          "silicon Mac and a torch built with it): use --device cpu")
+    elif kind.type == "meta":
+        raise OptionError(option, f"{option} meta holds no weights: give cpu, cuda or mps")
+    elif kind.type not in ("cpu", "cuda", "mps"):
+        backend = getattr(torch, kind.type, None)
+        if not (callable(getattr(backend, "is_available", None)) and backend.is_available()):
+            raise OptionError(option, f"{option} {device}: torch has no {kind.type} device here: use --device cpu "
+                              "(or cuda)")
 
 
 def check_adapters_folder(adapters: str) -> None:

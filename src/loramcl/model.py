@@ -40,6 +40,7 @@ from loramcl.adapter_files import (
     checked_mcl_config,
     read_adapter_files,
 )
+from loramcl.adapter_size import check_adapter_size
 from loramcl.config import MCLConfig
 from loramcl.context import check_context_read, check_split_inputs, is_shared_context, share_context, split_context
 from loramcl.copies import (
@@ -483,7 +484,9 @@ def get_mcl_model(model: nn.Module, config: MCLConfig) -> MCLModel:
     """
     routing = HypothesisRouting()
     adapter_dtype = torch.float32 if config.adapter_dtype == "float32" else None
-    return replace_modules(model, target_layer_names(model, config), lambda layer: MCLLoraLinear(
+    names = target_layer_names(model, config)
+    check_adapter_size(model, names, config)
+    return replace_modules(model, names, lambda layer: MCLLoraLinear(
         layer, routing, config.num_hypotheses, config.r, config.alpha, config.dropout, adapter_dtype=adapter_dtype,
         use_rslora=config.use_rslora), lambda names: MCLModel(model, config, routing, names))
 

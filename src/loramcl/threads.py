@@ -15,6 +15,8 @@ import math
 import os
 import warnings
 
+from loramcl.validate import require
+
 THREADS_ENV = "OMP_NUM_THREADS"
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 MEASURE_SECONDS = 0.25
@@ -55,25 +57,26 @@ def default_threads() -> int:
     return max(1, min(physical, math.floor(free_cores() + BUSY_TOLERANCE)))
 
 
-def check_threads(threads: int | None, option: str = "--threads") -> None:
-    """``threads`` is None or an integer >= 1 (checked before any work); more than the usable cores is a warning."""
+def check_threads(threads: int | None) -> None:
+    """``threads`` is None or an integer >= 1 (checked before any work); more than the usable cores is a warning (no
+    recipe asks for that, but a machine may be about to change)."""
     if threads is None:
         return
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"{option} must be an integer >= 1 (torch CPU threads; leave it out to use the free "
-                         f"cores), got {threads!r}")
+    require(isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1,
+            f"threads must be an integer >= 1 (torch CPU threads; leave it out to use the free cores), got {threads!r}",
+            "threads")
     cores = len(usable_cores())
     if threads > cores:
-        warnings.warn(f"{option} {threads} is more than the {cores} CPU cores this process may use: the extra threads "
+        warnings.warn(f"threads {threads} is more than the {cores} CPU cores this process may use: the extra threads "
                       "share cores and slow every step down; leave it out to use the free cores", stacklevel=2)
 
 
-def use_threads(threads: int | None, option: str = "--threads") -> int:
+def use_threads(threads: int | None) -> int:
     """Set torch's CPU threads for a command: ``threads`` if given; else those of OMP_NUM_THREADS if it is set (torch
     read it); else the cores free now (``default_threads``). Returns the number set."""
     import torch
 
-    check_threads(threads, option)
+    check_threads(threads)
     if threads is None and os.environ.get(THREADS_ENV, "").strip():
         return torch.get_num_threads()
     chosen = threads if threads is not None else default_threads()

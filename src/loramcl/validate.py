@@ -3,23 +3,52 @@ what it must be."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 
-def require(condition: bool, message: str) -> None:
+class OptionError(ValueError):
+    """A value that is not allowed. Its message starts with ``option``, the name of the field or argument that holds
+    it; ``owner`` is the configuration class of that field, so that the command line can name the option as the user
+    typed it (`--training.learning_rate`, `--top_p`: ``loramcl.cli``)."""
+
+    def __init__(self, option: str, message: str, owner: type | None = None) -> None:
+        super().__init__(message)
+        self.option, self.owner = option, owner
+
+
+def names_its_options(cls: type) -> type:
+    """Class decorator: an ``OptionError`` raised by ``cls.__post_init__`` has ``cls`` as its owner (the outermost
+    one when a configuration checks its fields by making another, as ``MoEConfig`` makes an ``MCLConfig``)."""
+    check = cls.__post_init__
+
+    @functools.wraps(check)
+    def __post_init__(self) -> None:
+        try:
+            check(self)
+        except OptionError as error:
+            error.owner = cls
+            raise
+
+    cls.__post_init__ = __post_init__
+    return cls
+
+
+def require(condition: bool, message: str, option: str | None = None) -> None:
+    """A ValueError with ``message`` unless ``condition`` (an ``OptionError`` when ``message`` is about ``option``)."""
     if not condition:
-        raise ValueError(message)
+        raise OptionError(option, message) if option else ValueError(message)
 
 
 def require_int(name: str, value, minimum: int = 1, what: str = "") -> None:
     """An int >= minimum; a bool is refused although Python counts it as an int (True would be taken as 1)."""
     label = f"{name} {what}".rstrip()
     require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-           f"{label} must be an integer >= {minimum}, got {value!r}")
+            f"{label} must be an integer >= {minimum}, got {value!r}", name)
 
 
 def require_real(name: str, value, low: float | None = None, high: float | None = None, low_open: bool = False,
-          high_open: bool = False, hint: str = "") -> None:
+                 high_open: bool = False, hint: str = "") -> None:
     """A finite real number in [low, high] (an open end with low_open / high_open); NaN and inf are refused."""
     interval = (f"{'(' if low_open else '['}{'-inf' if low is None else f'{low:g}'}, "
                 f"{'inf' if high is None else f'{high:g}'}{')' if high_open or high is None else ']'}")
@@ -28,4 +57,4 @@ def require_real(name: str, value, low: float | None = None, high: float | None 
         ok = value > low if low_open else value >= low
     if ok and high is not None:
         ok = value < high if high_open else value <= high
-    require(ok, f"{name} must be a finite number in {interval}{hint}, got {value!r}")
+    require(ok, f"{name} must be a finite number in {interval}{hint}, got {value!r}", name)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from loramcl.config import MCLConfig
+from loramcl.validate import names_its_options
 
 ROUTER_INITS: tuple[str, ...] = ("zeros", "normal")
 INITS: tuple[str, ...] = ("copy", "random")
@@ -27,6 +28,7 @@ class _Dictionary:
         return cls(**values)
 
 
+@names_its_options
 @dataclass
 class MoEConfig(_Dictionary):
     """E LoRA experts of rank r per adapted layer, mixed per token by a softmax router (paper App. F).
@@ -75,6 +77,7 @@ class MoEConfig(_Dictionary):
 
 
 
+@names_its_options
 @dataclass
 class MultiHeadConfig(_Dictionary):
     """K copies of one module of a frozen model, trained as K hypotheses (paper App. H.1).

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from loramcl.inputs import PositionLimits, record_line
 from loramcl.metrics.io import read_jsonl
 
 
@@ -83,7 +84,22 @@ def read_pairs(path: str, prompt_key: str = "prompt", target_key: str = "target"
                              f"{has}{hint}")
         if not isinstance(record[prompt_key], str):
             raise ValueError(f'{path}: "{prompt_key}" must be a string (id {item_id!r})')
+        if not record[prompt_key].strip():
+            raise ValueError(f'{path}:{record_line(path, number - 1)}: "{prompt_key}" is empty: a model continues a '
+                             "prompt, give it some text (or remove the line)")
     return list(records), [r[prompt_key] for r in records.values()], [r[target_key] for r in records.values()]
+
+
+def first_too_long(rows: Sequence[dict[str, list[int]]], limits: PositionLimits,
+                   encoder_decoder: bool = False) -> tuple[int, str] | None:
+    """(index, what does not fit) of the first pair of ``encode_pairs`` whose tokens the model's positions
+    (``loramcl.inputs.model_positions``) cannot hold; None when all fit."""
+    for i, row in enumerate(rows):
+        prompt = len(row["input_ids"]) if encoder_decoder else sum(label == -100 for label in row["labels"])
+        target = len(row["labels"]) if encoder_decoder else len(row["input_ids"]) - prompt
+        if (excess := limits.excess(prompt, target)) is not None:
+            return i, excess
+    return None
 
 
 class PairDataset:

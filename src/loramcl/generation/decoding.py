@@ -24,7 +24,9 @@ from loramcl.copies import batch_size_of
 from loramcl.generation.budget import beam_size
 from loramcl.generation.candidates import Candidate, Decoder, eos_ids, hf_model, is_encoder_decoder, text_tokenizer
 from loramcl.generation.options import BASELINE_STRATEGIES, MCL_STRATEGIES, Decoding, split_options
+from loramcl.inputs import position_limits
 from loramcl.model import MCLModel
+from loramcl.validate import OptionError
 
 # generate() arguments that the strategy sets; passing them as other options would contradict it.
 _SET_BY_STRATEGY = frozenset({"num_beams", "do_sample", "num_return_sequences", "return_dict_in_generate",
@@ -102,6 +104,7 @@ def generate_hypotheses(
         raise ValueError(f"{clashing} are set by generate_hypotheses: use its own arguments (strategy, num_beams, "
                          "num_sequences, num_beam_groups, diversity_penalty)")
     batch = _prepare_inputs(model, tokenizer, inputs)
+    _check_positions(model, batch, decoding.max_new_tokens)
     selected = _selected_hypotheses(model, decoding.hypotheses)
     mcl_path = selected is not None and strategy in MCL_STRATEGIES and num_sequences in (None, len(selected))
     if selected is not None and not mcl_path and len(selected) != 1:
@@ -120,8 +123,6 @@ def generate_hypotheses(
                              f"{BASELINE_STRATEGIES} (with num_sequences=K)")
         if num_sequences is None:
             raise ValueError(f"strategy {strategy!r} on a single model needs num_sequences=K (candidates per input)")
-        if isinstance(num_sequences, bool) or not isinstance(num_sequences, int) or num_sequences < 1:
-            raise ValueError(f"num_sequences must be an integer >= 1, got {num_sequences!r}")
     num_beams = beam_size(strategy, num_beams, decoding.budget, copies, mcl_path)
     if strategy in ("beam", "diverse_beam") and not mcl_path and num_beams < num_sequences:
         raise ValueError(f"beam search returns at most num_beams sequences: num_beams={num_beams} < "
@@ -193,9 +194,25 @@ def _check_diverse_mcl(model: MCLModel, selected: list[int], num_beam_groups, di
     if num_beam_groups is not None and num_beam_groups != len(selected):
         raise ValueError(f"in diverse MCL decoding the groups are the {len(selected)} hypotheses decoded: leave "
                          f"num_beam_groups ({num_beam_groups}) out")
-    if diversity_penalty is None or isinstance(diversity_penalty, bool) or not diversity_penalty >= 0:
+    if diversity_penalty is None:  # its bounds are Decoding's
         raise ValueError("strategy='diverse_beam' needs diversity_penalty >= 0 (λ of the Hamming diversity term; "
-                         f"0 gives beam search per hypothesis), got {diversity_penalty!r}")
+                         "0 gives beam search per hypothesis)")
+
+
+def _check_positions(model: nn.Module, batch: dict, max_new_tokens: int) -> None:
+    """The prompts (their ``input_ids``, padded) and ``max_new_tokens`` fit the positions the model's configuration
+    states, before any decoding: past them a position table runs out, or a rotary model reads where it never
+    learned (transformers only reminds of it)."""
+    config = getattr(hf_model(model), "config", None)
+    ids = batch.get("input_ids")
+    if config is None or not torch.is_tensor(ids):
+        return
+    limits = position_limits(config.to_dict(), f"the {type(config).__name__}")
+    excess = limits.excess(ids.shape[-1], max_new_tokens)
+    if excess is not None:
+        raise OptionError("max_new_tokens", f"max_new_tokens {max_new_tokens} does not fit: prompts of "
+                          f"{ids.shape[-1]} tokens and {max_new_tokens} new tokens need {excess}: lower "
+                          "max_new_tokens or shorten the prompts")
 
 
 def tokenize_prompts(model: nn.Module, tokenizer, prompts: Sequence[str], **tokenizer_kwargs) -> dict:

@@ -14,12 +14,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from loramcl.validate import names_its_options, require, require_int, require_real
+
 Strategy = Literal["greedy", "beam", "sample", "diverse_beam", "tta", "stochastic_router"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 MCL_STRATEGIES = ("greedy", "beam", "sample", "diverse_beam")
 BASELINE_STRATEGIES = ("beam", "diverse_beam", "sample", "tta", "stochastic_router")
 
 
+@names_its_options
 @dataclass(frozen=True)
 class Decoding:
     """The options of a decoding: which strategy, how many beams and candidates, and transformers' logits settings.
@@ -36,13 +39,14 @@ class Decoding:
             context or stochastic-router pass (paper §4.1).
         num_sequences: K candidates per input for a single-model baseline (an MCL model gives one per hypothesis).
         hypotheses: MCL hypotheses to decode, e.g. [2, 0] (default: all, in order).
-        max_new_tokens: maximum generated tokens per candidate.
-        repetition_penalty: as in transformers' generate (the paper decodes with 1.1).
-        temperature: sampling temperature. The sampling settings act on 'sample' only; their defaults (1.0, 0,
+        max_new_tokens: maximum generated tokens per candidate (prompt + max_new_tokens must fit the model's
+            positions: `loramcl generate` checks it before decoding).
+        repetition_penalty: as in transformers' generate, > 0 (1: none; the paper decodes with 1.1).
+        temperature: sampling temperature, > 0. The sampling settings act on 'sample' only; their defaults (1.0, 0,
             1.0, 1.0) are pure ancestral sampling and override the model's generation_config.
         top_k: sampling: keep the k most likely tokens (0: no limit).
-        top_p: sampling: nucleus mass (1.0: no limit).
-        typical_p: sampling: typical-decoding mass (1.0: no limit).
+        top_p: sampling: nucleus mass, in (0, 1] (1.0: no limit).
+        typical_p: sampling: typical-decoding mass, in (0, 1] (1.0: no limit).
         seed: seeds torch's RNG for sampling and augmentation inside a forked RNG state (the global state is left
             as it was), so the same call with the same seed gives the same outputs; `loramcl generate` gives batch
             b seed + b. None: the global RNG (for stochastic_router: a seed drawn from it).
@@ -66,9 +70,27 @@ class Decoding:
     diversity_penalty: float | None = None
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.strategy!r}: MCL models decode with {MCL_STRATEGIES}, single "
-                             f"models with {BASELINE_STRATEGIES}")
+        require(self.strategy in STRATEGIES, f"unknown strategy {self.strategy!r}: MCL models decode with "
+                f"{MCL_STRATEGIES}, single models with {BASELINE_STRATEGIES}")
+        for name in ("num_beams", "budget", "num_sequences", "num_beam_groups"):
+            if getattr(self, name) is not None:
+                require_int(name, getattr(self, name))
+        hypotheses = self.hypotheses
+        require(hypotheses is None or (isinstance(hypotheses, list | tuple) and all(
+            isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in hypotheses)),
+            f"hypotheses must be a list of hypothesis indices (integers >= 0), e.g. [0, 2], got {hypotheses!r}",
+            "hypotheses")
+        require_int("max_new_tokens", self.max_new_tokens)
+        require_real("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True, hint=" (1: no penalty)")
+        require_real("temperature", self.temperature, low=0.0, low_open=True,
+                     hint=" (1: the model's distribution; lower: sharper)")
+        require_int("top_k", self.top_k, minimum=0, what="(0: no limit)")
+        for name in ("top_p", "typical_p"):
+            require_real(name, getattr(self, name), low=0.0, high=1.0, low_open=True, hint=" (1: no limit)")
+        if self.seed is not None:
+            require_int("seed", self.seed, minimum=0)
+        if self.diversity_penalty is not None:
+            require_real("diversity_penalty", self.diversity_penalty, low=0.0)
 
 
 FIELDS = frozenset(field.name for field in dataclasses.fields(Decoding))

@@ -16,8 +16,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loramcl.generation.options import Decoding
-from loramcl.inputs import Dtype, LocalPath, ModelPath, check_file, check_model_options, prompt_format
+from loramcl.inputs import (
+    Dtype,
+    LocalPath,
+    ModelPath,
+    PositionLimits,
+    check_device,
+    check_file,
+    check_model_options,
+    check_output,
+    model_positions,
+    prompt_format,
+    record_line,
+)
 from loramcl.metrics.io import read_jsonl
+from loramcl.validate import OptionError, require_int
 
 
 def generate(
@@ -73,13 +86,15 @@ def generate(
 
     # Mistakes in the options, the files and the folders are reported before torch loads (seconds).
     options = Decoding(**decoding)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    require_int("batch_size", batch_size)
     check_model_options(model, dtype, adapters)
     if tokenizer is not None and not os.path.isdir(tokenizer):
         raise FileNotFoundError(f"tokenizer folder {tokenizer} does not exist")
+    check_output(out, folder=False, example="preds.jsonl")
     ids, prompts = read_prompts(input, prompt_key)
     chat_template = prompt_format(adapters, chat_template)
+    limits = model_positions(model)
+    check_generated_positions(limits, options.max_new_tokens)
 
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -87,8 +102,12 @@ def generate(
     from loramcl.generation.decoding import generate_hypotheses, tokenize_prompts
     from loramcl.loading import load_model
 
-    decoder = load_model(model, adapters, dtype, device, strict=strict)
+    check_device(device)
     tok = AutoTokenizer.from_pretrained(tokenizer or model)
+    texts = [prompt_text(tok, p, chat_template) for p in prompts]
+    lengths = [len(tokens) for tokens in tok(texts, add_special_tokens=not chat_template)["input_ids"]]
+    check_generated_positions(limits, options.max_new_tokens, input, lengths)
+    decoder = load_model(model, adapters, dtype, device, strict=strict)
     augment_fn = _import_function(augment) if augment else None
 
     out_path = Path(out)
@@ -130,11 +149,37 @@ def read_prompts(path: str, prompt_key: str) -> tuple[list, list[str]]:
     """(ids, prompts) of a JSONL file of prompts: each line's "id" (else its index) and its ``prompt_key`` text."""
     check_file(path, "input file")
     records = read_jsonl(path, prompt_key, number_missing_ids=True, hint=" (choose the field with --prompt_key)")
-    for record in records.values():
+    for index, record in enumerate(records.values()):
         if not isinstance(record[prompt_key], str):
             raise ValueError(f'{path}: "{prompt_key}" must be a string, got {record[prompt_key]!r} '
                              f'(id {record["id"]!r})')
+        if not record[prompt_key].strip():
+            raise ValueError(f'{path}:{record_line(path, index)}: "{prompt_key}" is empty: a model continues a '
+                             "prompt, give it some text (or remove the line)")
     return list(records), [record[prompt_key] for record in records.values()]
+
+
+def check_generated_positions(limits: PositionLimits, max_new_tokens: int, path: str | None = None,
+                              lengths: list[int] | None = None) -> None:
+    """Before decoding: each prompt of ``path`` (``lengths``: its tokens; None: a prompt of one token, before the
+    tokenizer is read) and ``max_new_tokens`` new tokens fit the model's positions. A prompt of no token is refused
+    (there is nothing to continue), and so is one that alone fills the positions."""
+    for index, length in enumerate([1] if lengths is None else lengths):
+        where = "a one-token prompt" if lengths is None else f"{path}:{record_line(path, index)}: the prompt"
+        if length == 0:
+            raise ValueError(f"{where} has no token once tokenized: give it some text")
+        excess = limits.excess(length, max_new_tokens)
+        if excess is None:
+            continue
+        alone = limits.excess(length, 1 if limits.shared else 0)  # a causal LM's prompt and one new token
+        if alone is not None:
+            raise ValueError(f"{where} ({length} tokens) is too long: {'with one new token ' if limits.shared else ''}"
+                             f"it needs {alone}: shorten it")
+        room = limits.prompt - length if limits.shared else limits.target
+        prompt = where if lengths is None else f"{where} ({length} tokens)"
+        raise OptionError("max_new_tokens", f"max_new_tokens {max_new_tokens} does not fit: {prompt} and "
+                          f"{max_new_tokens} new tokens need {excess}: set "
+                          f"--max_new_tokens {room} or less" + ("" if lengths is None else ", or shorten the prompt"))
 
 
 def _import_function(path: str):

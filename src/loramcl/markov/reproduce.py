@@ -6,7 +6,7 @@ import json
 import os
 import time
 
-from loramcl.inputs import LocalPath
+from loramcl.inputs import LocalPath, check_output
 from loramcl.markov.chains import MarkovMixture, preset_mixture
 from loramcl.threads import check_threads, use_threads
 
@@ -105,6 +105,7 @@ def markov(out: LocalPath = "runs/markov", preset: str = "fig2", chains: LocalPa
     if settings.hypotheses < 2:
         raise ValueError(f"hypotheses must be at least 2 for LoRA-MCL, got {settings.hypotheses}")
     settings.check_fits(mixture)
+    check_output(out, folder=True)
     use_threads(threads)
     os.makedirs(out, exist_ok=True)
 

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from loramcl.inputs import LocalPath
+from loramcl.inputs import LocalPath, check_output
 
 
 def _split(value: list[str] | str | None) -> list[str]:
@@ -66,6 +66,7 @@ def evaluate(
     from loramcl.metrics.oracle import winners
     from loramcl.metrics.suite import METRICS, evaluate_candidates, markdown_report, unavailable_groups
 
+    check_output(out, folder=True)
     ids, candidates, refs, groups = load_run(predictions, references, group_key)
     report = evaluate_candidates(
         candidates, refs, metrics=_split(metrics), exclude=_split(exclude), groups=groups,
@@ -135,6 +136,7 @@ def plot_tradeoff(
     """
     from loramcl.metrics.plot import tradeoff_plot_from_files
 
+    check_output(out, folder=False, example="tradeoff.png")
     paths: list[str] = []
     for pattern in _split(runs):
         if glob.has_magic(pattern):

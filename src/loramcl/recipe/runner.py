@@ -10,10 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
+from loramcl.inputs import check_device, check_output
 from loramcl.recipe.experiment import Experiment
 from loramcl.recipe.grid import DecodeConfig, System, chosen_budgets, one_per_strategy
 from loramcl.recipe.stages import Stages
-from loramcl.threads import use_threads
+from loramcl.threads import check_threads, use_threads
 from loramcl.validate import require
 
 EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
@@ -143,12 +144,15 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
 
     require(stop_after in (None, *STOP_AFTER), f"stop_after must be one of {STOP_AFTER}, got {stop_after!r}")
     require(runs is None or stop_after == "train", "runs selects the runs to train: use it with stop_after: train")
+    check_threads(threads)
     folder = recipe_folder(recipes, task_type.default_recipes, [EXPERIMENT, COMMON])
     experiment = task_type.experiment_type.read(folder / EXPERIMENT)
     given = {name: value for name, value in settings.items() if value is not None}
     if given:
         experiment = dataclasses.replace(experiment, **given)
     check_data_files(folder, experiment, task_type.default_recipes)  # before torch loads: a second, not ten
+    check_output(out if out is not None else experiment.out, folder=True)
+    check_device(device)  # imports torch
     threads = use_threads(threads)
     stages = Stages(Path(out if out is not None else experiment.out))
     root = stages.root
