@@ -97,10 +97,11 @@ def test_k1_run_exports_a_peft_adapter_equal_to_it(folders):
         torch.testing.assert_close(mcl(input_ids=ids).logits[:, 0], peft(input_ids=ids).logits)
 
 
-def test_nll_scores_every_reference_under_every_hypothesis(folders):
+def test_nll_scores_every_reference_under_every_hypothesis(folders, capsys):
     out = folders / "nll.jsonl"
     nll(model=str(folders / "base"), adapters=str(folders / "mcl"), input=str(folders / "test.jsonl"), out=str(out),
-        batch_size=2)
+        batch_size=2, threads=1)
+    assert "nll: 100%" in capsys.readouterr().err  # a progress bar (references scored), on stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in records] == ["a", "b"] and [len(r["nll"]) for r in records] == [2, 1]
     model = load_mcl_model(AutoModelForCausalLM.from_pretrained(folders / "base"), folders / "mcl").eval()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -386,6 +387,8 @@ def nll(
     batch_size: int = 16,
     dtype: Dtype = "float32",
     device: str = "cpu",
+    threads: int | None = None,
+    progress: bool = True,
     strict: bool = False,
 ) -> str:
     """Score every reference under every hypothesis: its mean NLL per target token, for `loramcl evaluate --nll`.
@@ -407,6 +410,8 @@ def nll(
         batch_size: (prompt, reference) pairs per forward (x K hypotheses).
         dtype: float32, bfloat16 or float16.
         device: e.g. cpu, cuda.
+        threads: torch CPU threads (default: the cores that are free when the command starts).
+        progress: a progress bar (references scored) on stderr.
         strict: refuse adapters saved on a base model with other weights (their recorded fingerprint differs from
             the model's), and adapter files that cannot be verified (no checksum, no fingerprint) or whose tensors
             were converted after save; by default each is a warning.
@@ -414,6 +419,7 @@ def nll(
     from loramcl.data.prompts import collate, encode_pairs, first_too_long, pad_token_id, read_pairs
 
     require_int("batch_size", batch_size)
+    check_threads(threads)
     check_model_options(model, dtype, adapters)
     if not (Path(adapters) / MCL_CONFIG).is_file():
         raise ValueError(f"{adapters} is not an MCL adapters folder: `loramcl nll` scores the K hypotheses of an "
@@ -431,11 +437,13 @@ def nll(
     encoder_decoder = is_encoder_decoder(model)
 
     import torch
+    from tqdm import tqdm
     from transformers import AutoTokenizer
 
     from loramcl.loading import load_model
 
     check_device(device)
+    use_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model)
     pad_id = pad_token_id(tokenizer)
     owner = [i for i, refs in enumerate(references) for _ in refs]
@@ -446,13 +454,16 @@ def nll(
                          f"{too_long[1]}: shorten them (a reference is scored whole)")
     decoder = load_model(model, adapters, dtype, device, strict=strict)
     nlls, mixtures = [], []
-    with torch.no_grad():
+    bar = tqdm(total=len(rows), unit="reference", desc="nll", file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
+    with bar, torch.no_grad():
         for start in range(0, len(rows), batch_size):
             batch = {k: v.to(device) for k, v in collate(rows[start:start + batch_size], pad_id).items()}
             output = decoder(**batch)
             nlls.append(output.nll.float().cpu())  # [b, K]
             if output.mixture_nll is not None:  # a model with hypothesis scores
                 mixtures.append(output.mixture_nll.float().cpu())  # [b]
+            bar.update(len(batch["input_ids"]))
     table = torch.cat(nlls).tolist()
     mixture = torch.cat(mixtures).tolist() if mixtures else None
     per_item: list[dict] = [{"nll": []} | ({"mixture_nll": []} if mixture else {}) for _ in ids]

@@ -30,6 +30,7 @@ from loramcl.inputs import (
     record_line,
 )
 from loramcl.metrics.io import read_jsonl
+from loramcl.threads import check_threads, use_threads
 from loramcl.validate import OptionError, require_int
 
 
@@ -45,6 +46,7 @@ def generate(
     chat_template: bool | None = None,
     dtype: Dtype = "float32",
     device: str = "cpu",
+    threads: int | None = None,
     progress: bool = True,
     sort_by_score: bool = False,
     strict: bool = False,
@@ -73,6 +75,7 @@ def generate(
             training run of `adapters` did, from its run.json beside them or, for OUT/peft, in OUT; without one, no).
         dtype: float32, bfloat16 or float16.
         device: e.g. cpu, cuda, cuda:1.
+        threads: torch CPU threads (default: the cores that are free when the command starts).
         sort_by_score: an MCL model with hypothesis scores: each prompt's candidates most probable first.
         progress: a progress bar (prompts decoded) on stderr.
         strict: refuse adapters saved on a base model with other weights (their recorded fingerprint differs from
@@ -87,6 +90,7 @@ def generate(
     # Mistakes in the options, the files and the folders are reported before torch loads (seconds).
     options = Decoding(**decoding)
     require_int("batch_size", batch_size)
+    check_threads(threads)
     check_model_options(model, dtype, adapters)
     if tokenizer is not None and not os.path.isdir(tokenizer):
         raise FileNotFoundError(f"tokenizer folder {tokenizer} does not exist")
@@ -103,6 +107,7 @@ def generate(
     from loramcl.loading import load_model
 
     check_device(device)
+    use_threads(threads)
     tok = AutoTokenizer.from_pretrained(tokenizer or model)
     texts = [prompt_text(tok, p, chat_template) for p in prompts]
     lengths = [len(tokens) for tokens in tok(texts, add_special_tokens=not chat_template)["input_ids"]]
