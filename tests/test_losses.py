@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loramcl import MCLConfig, annealed_weights, mcl_loss, relaxed_weights, temperature_at, wta_weights
-from loramcl.losses import weighted_nll
+from loramcl.losses import weighted_nll, winners
 
 
 def _nll(batch=6, k=3, scale=5.0, seed=0):
@@ -15,7 +15,7 @@ def _nll(batch=6, k=3, scale=5.0, seed=0):
 
 def test_wta_is_the_mean_of_the_per_example_minimum_and_ties_go_to_the_lowest_k():
     nll = torch.tensor([[3.0, 1.0, 2.0], [0.5, 0.5, 0.7], [4.0, 4.0, 4.0]])
-    loss, weights = mcl_loss(nll, MCLConfig(num_hypotheses=3, loss="wta"))
+    loss, weights = mcl_loss(nll, MCLConfig(num_hypotheses=3, loss="wta", tie_break="lowest"))  # the paper's rule
     assert weights.tolist() == [[0, 1, 0], [1, 0, 0], [1, 0, 0]]
     assert loss.item() == pytest.approx((1.0 + 0.5 + 4.0) / 3)
 
@@ -115,6 +115,15 @@ def test_one_hypothesis_makes_every_loss_the_mean_nll():
         loss, weights = mcl_loss(nll, config)
         assert torch.equal(weights, torch.ones_like(nll))
         torch.testing.assert_close(loss, nll.mean())
+
+
+def test_random_ties_draw_nothing_with_one_hypothesis():
+    """K = 1 (plain LoRA) trains to the bit whatever tie_break: no draw moves torch's RNG (dropout's masks)."""
+    state = torch.get_rng_state()
+    assert torch.equal(winners(torch.zeros(5, 1), "random"), torch.zeros(5, dtype=torch.long))
+    assert torch.equal(torch.get_rng_state(), state)
+    winners(torch.zeros(5, 2), "random")
+    assert not torch.equal(torch.get_rng_state(), state)
 
 
 def test_weighted_nll_and_shape_checks():

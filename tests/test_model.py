@@ -63,8 +63,9 @@ def test_encoders_without_adapters_run_once(name):
     seen = []
     tower.register_forward_pre_hook(lambda module, args, kwargs: seen.append(
         next(v for v in [*args, *kwargs.values()] if torch.is_tensor(v)).shape[0]), with_kwargs=True)
-    with torch.no_grad(), mcl.use_hypotheses(0):
-        mcl.base_model(**inputs)  # one hypothesis, no duplication: the rows the encoder sees for this batch
+    with torch.no_grad():
+        with mcl.use_hypotheses(0):
+            mcl.base_model(**inputs)  # one hypothesis, no duplication: the rows the encoder sees for this batch
         out = mcl(**inputs, labels=labels)
     assert len(seen) == 2 and seen[1] == seen[0]  # not K times as many
     assert out.nll.shape == (2, 3)
@@ -132,6 +133,39 @@ def test_use_hypotheses_routes_generate_and_restores():
         peft.set_adapter(f"h{k}")
         assert torch.equal(ours, peft.generate(input_ids=prompt, max_new_tokens=5, do_sample=False))
     assert mcl.routing.mode == "stacked"
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_a_forward_inside_use_hypotheses_runs_the_chosen_hypotheses(name):
+    """As PEFT's set_adapter then forward: hypothesis k's logits [B, T, V] and nll [B], not all K stacked."""
+    mcl, reference, inputs, labels = wrapped_model(name)
+    peft = peft_reference(reference, mcl).eval()
+    decoder_inputs = _decoder_inputs(mcl, inputs, labels)
+    with torch.no_grad():
+        stacked = mcl(**decoder_inputs).logits  # [B, K, T, V]
+        for k in range(mcl.num_hypotheses):
+            with mcl.use_hypotheses(k):
+                logits = mcl(**decoder_inputs).logits
+                nll = mcl(**inputs, labels=labels).nll
+            peft.set_adapter(f"h{k}")
+            expected = peft(**decoder_inputs).logits
+            assert logits.shape == expected.shape == stacked[:, k].shape
+            torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+            torch.testing.assert_close(logits, mcl(**decoder_inputs, hypotheses=k).logits, rtol=0, atol=0)
+            torch.testing.assert_close(nll, mcl(**inputs, labels=labels, hypotheses=k).nll, rtol=0, atol=0)
+        index = torch.tensor([2, 0])  # one hypothesis per example
+        with mcl.use_hypotheses(index):
+            logits = mcl(**decoder_inputs).logits
+            nll = mcl(**inputs, labels=labels).nll
+        torch.testing.assert_close(logits, stacked[torch.arange(2), index], rtol=0, atol=1e-5)
+        torch.testing.assert_close(nll, mcl(**inputs, labels=labels, hypotheses=index).nll, rtol=0, atol=0)
+        copies = {name: torch.cat([value, value]) for name, value in decoder_inputs.items()}  # two copies
+        with mcl.use_hypotheses(torch.tensor([1, 2]), copies=True):
+            logits = mcl(**copies).logits  # [2B, T, V]: copy c through hypothesis 1 + c
+        torch.testing.assert_close(logits, torch.cat([stacked[:, 1], stacked[:, 2]]), rtol=0, atol=1e-5)
+        with mcl.use_hypotheses(index), pytest.raises(ValueError, match=r"one hypothesis per example \(4\)"):
+            mcl(**copies)
+    assert mcl(**inputs, labels=labels).nll.shape == (2, 3)  # outside the block: all K again
 
 
 def test_packed_logits_equal_the_full_logits_path():

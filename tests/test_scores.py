@@ -148,6 +148,7 @@ def test_a_collapse_is_warned_once_and_a_healthy_run_is_not(tmp_path, recwarn):
     def run(collapsing):
         torch.manual_seed(0)
         mcl = get_mcl_model(build_model("llama"), MCLConfig(num_hypotheses=2, r=4, alpha=8, loss="wta",
+                                                            tie_break="lowest",
                                                             target_modules=["q_proj", "v_proj", "down_proj"]))
         data = _dataset(32)
         if collapsing:  # the classic collapse: one mode (one example repeated), B = 0 so step 0 is a tie that

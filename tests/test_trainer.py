@@ -1,6 +1,7 @@
 """MCLTrainer: what changes after a step, the two-pass WTA gradient, accumulation, resume, logs."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -208,3 +209,44 @@ def test_examples_without_a_target_are_named_by_dataset_index_before_training(tm
     table = datasets.Dataset.from_list([{k: v.tolist() for k, v in row.items()} for row in data])
     with pytest.raises(ValueError, match=r"eval_dataset examples 5, 9 have no label token"):
         MCLTrainer(mcl, args=_args(tmp_path), eval_dataset=table).evaluate()
+
+
+def _rows_of_different_lengths(n=8, seed=0):
+    """The README's rows: input_ids and labels only (-100 on a 2-token prompt), 5 to 9 tokens long."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(3, 80, (5 + i % 5,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [-100, -100] + ids[2:]})
+    return rows
+
+
+def test_the_readme_trainer_trains_rows_of_different_lengths_without_a_collator(tmp_path):
+    from tiny_models import word_tokenizer
+
+    from loramcl.data.prompts import collate
+
+    rows = _rows_of_different_lengths()
+    mcl = _model(loss="relaxed", epsilon=0.1)
+    trainer = MCLTrainer(mcl, args=_args(tmp_path, max_steps=2), train_dataset=rows, eval_dataset=rows)
+    batch = trainer.data_collator(rows[:5])  # right-padded as `loramcl train` pads: the config's id (eos, 2 here)
+    expected = collate(rows[:5], pad_token_id=2)
+    assert batch.keys() == expected.keys() and all(torch.equal(batch[k], expected[k]) for k in batch)
+    with torch.no_grad():  # padding is neither attended to nor predicted: each row's NLL as if alone
+        padded = mcl.eval()(**batch).nll
+        alone = torch.cat([mcl(**collate([row], pad_token_id=2)).nll for row in rows[:5]])
+    torch.testing.assert_close(padded, alone, atol=1e-5, rtol=0)
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert trainer.state.global_step == 2 and math.isfinite(metrics["eval_loss"])
+    tokenizer = word_tokenizer()  # a tokenizer given: its padding id
+    trainer = MCLTrainer(mcl, args=_args(tmp_path), train_dataset=rows, processing_class=tokenizer)
+    assert torch.equal(trainer.data_collator(rows[:5])["input_ids"], collate(rows[:5], tokenizer.pad_token_id)[
+        "input_ids"])
+    mcl.config.eos_token_id = None  # nothing says which id pads: refused, naming the fixes
+    trainer = MCLTrainer(mcl, args=_args(tmp_path), train_dataset=rows)
+    with pytest.raises(ValueError, match=r"input_ids of different lengths \(5 to 9 tokens\) and no padding id is "
+                                         r"known: give MCLTrainer the tokenizer \(processing_class=tokenizer\)"):
+        trainer.train()
+    collator = MCLTrainer(mcl, args=_args(tmp_path), data_collator=collate).data_collator
+    assert collator is collate  # a collator given is kept

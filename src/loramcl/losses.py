@@ -19,8 +19,9 @@ def winners(nll: torch.Tensor, tie_break: str = "lowest") -> torch.Tensor:
     initialisation, where LoRA's B = 0) go to the lowest k (``tie_break="lowest"``, the paper's eq. 2), or to one of
     the tied hypotheses drawn uniformly from torch's RNG (``"random"``: seeded by the trainer and restored on resume),
     so that no hypothesis gets every example of the first steps. A row holding NaN gives the NaN's position either way
-    (its weight then carries the NaN into the loss)."""
-    if tie_break == "lowest":
+    (its weight then carries the NaN into the loss). One hypothesis draws nothing: K = 1 trains as plain LoRA does,
+    whatever ``tie_break``, to the bit."""
+    if tie_break == "lowest" or nll.shape[1] == 1:
         return nll.argmin(dim=1)  # torch.argmin returns the first minimum
     tied = nll == nll.min(dim=1, keepdim=True).values  # [B, K]
     keys = torch.rand(nll.shape, device=nll.device).masked_fill(~tied, -1.0)  # uniform among the tied entries

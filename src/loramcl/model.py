@@ -181,7 +181,8 @@ class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, P
     @contextlib.contextmanager
     def use_hypotheses(self, hypotheses: int | torch.Tensor, copies: bool = False) -> Iterator[None]:
         """Run the base model with hypothesis ``k`` on every row (an int), or with ``index[i]`` on example i
-        (a LongTensor); e.g. ``with model.use_hypotheses(1): model.generate(...)``.
+        (a LongTensor); e.g. ``with model.use_hypotheses(1): model.generate(...)``. A forward inside the block runs
+        those hypotheses too, as PEFT's active adapter: ``model(**inputs)`` gives hypothesis 1's ``logits`` [B, T, V].
 
         ``copies=True``: the batch is ``len(index)`` identical copies of one batch, copy-major (as
         ``repeat_examples`` makes them), and copy c runs hypothesis ``index[c]``. This routes every adapted layer,
@@ -257,6 +258,8 @@ class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, P
             An encoder-decoder derives its ``decoder_input_ids`` from them, as the model itself does.
         hypotheses: None runs all K hypotheses on every example (the MCL forward); an int k runs hypothesis
             k only; a LongTensor [B] runs hypothesis ``hypotheses[b]`` on example b (then ``nll`` is [B]).
+            Inside ``use_hypotheses(...)`` None runs the hypotheses chosen there (as a PEFT model runs its active
+            adapter: ``logits`` [B, T, V], ``nll`` [B]; with ``copies=True`` copy c of the batch runs ``index[c]``).
             Inside ``disable_adapters()``: None, and the frozen base model runs (``nll`` [B]).
         examples_per_block: a forward without gradient of all K hypotheses (labels given, ``hypotheses=None``) runs
             the batch this many examples at a time, K*n rows per call instead of K*B: the same outputs (to float
@@ -270,10 +273,13 @@ class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, P
         check_token_ids(self.base_model, inputs.get("input_ids"))
         if self._adapters_disabled and hypotheses is not None:
             raise ValueError("the adapters are disabled in this block (disable_adapters): leave hypotheses out")
+        copies = False
+        if hypotheses is None and self._explicit_routing and not self._adapters_disabled:
+            hypotheses, copies = self._chosen_hypotheses()
         if examples_per_block is not None:
             self._check_examples_per_block(examples_per_block, labels, hypotheses)
         if labels is None:
-            return self._forward_logits(hypotheses, inputs)
+            return self._forward_logits(hypotheses, inputs, copies)
         base = self.base_model
         causal = not getattr(base.config, "is_encoder_decoder", False)
         if not causal and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
@@ -284,7 +290,7 @@ class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, P
         batch = labels.shape[0]
         stacked = hypotheses is None and not self._adapters_disabled
         if not self._adapters_disabled:
-            self._set_routing(hypotheses, rows=batch)
+            self._set_routing(hypotheses, rows=None if copies else batch, copies=copies)
         if torch.is_tensor(hypotheses) and self.routing.mode == INDEXED:
             try:
                 return self._forward_nll(inputs, targets, positions, stacked=False)
@@ -407,7 +413,15 @@ class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, P
     def _adapter_dtype(self) -> torch.dtype:
         return next(iter(self.base_model.get_submodule(self.layer_names[0]).adapter_tensors().values())).dtype
 
-    def _forward_logits(self, hypotheses: int | torch.Tensor | None, inputs: dict) -> MCLOutput:
+    def _chosen_hypotheses(self) -> tuple[int | torch.Tensor, bool]:
+        """(hypotheses, copies) that the enclosing ``use_hypotheses`` block set: what a forward inside it runs."""
+        routing = self.routing
+        if routing.mode == SINGLE:
+            return routing.hypothesis, False
+        return routing.index, routing.per_copy
+
+    def _forward_logits(self, hypotheses: int | torch.Tensor | None, inputs: dict, copies: bool = False
+                        ) -> MCLOutput:
         if not self.mcl_config.adapt_context and not self._adapters_disabled:
             raise ValueError("adapt_context=False: the adapters act from the first position that predicts a label on, "
                              "so the forward needs labels to know where the context ends; pass labels (the output "
@@ -415,7 +429,7 @@ class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, P
         batch = batch_size_of(inputs)
         stacked = hypotheses is None and not self._adapters_disabled
         if not self._adapters_disabled:
-            self._set_routing(hypotheses, rows=batch)
+            self._set_routing(hypotheses, rows=None if copies else batch, copies=copies)
         logits = self._call_base(inputs, expand_batch=batch if stacked else None)[0].logits  # [K*B|B, T, V]
         if stacked:
             logits = logits.view(self.num_hypotheses, batch, *logits.shape[1:]).transpose(0, 1)  # [B, K, T, V]

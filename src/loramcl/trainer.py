@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, default_data_collator
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -49,6 +49,51 @@ def scoring_block(batch: int, num_hypotheses: int) -> int:
     """Examples per block of two-pass WTA's scoring pass: about as many rows per block (K*n) as the winners' pass
     has (B), so that the scoring pass, which keeps no activations, peaks below the winners' forward + backward."""
     return max(1, -(-batch // num_hypotheses))  # ceil(B / K)
+
+
+class PadExamples:
+    """The collator of an MCLTrainer given none: rows of one length are collated by transformers'
+    ``default_data_collator``; rows of different lengths are right-padded, each field to its own longest row (as
+    ``loramcl train`` pads): token ids with ``pad_token_id``, masks with 0 (made from the lengths where rows have
+    none), labels with -100, so padding is never attended to nor predicted (any id in the vocabulary would do).
+    Other fields go to ``default_data_collator``."""
+
+    def __init__(self, pad_token_id: int | None) -> None:
+        self.pad_token_id = pad_token_id
+        self.padded = {"input_ids": pad_token_id, "attention_mask": 0, "labels": IGNORE_INDEX,
+                       "decoder_input_ids": pad_token_id, "decoder_attention_mask": 0}
+
+    def __call__(self, rows: list[dict]) -> dict:
+        sequences = {name: [torch.as_tensor(row[name]) for row in rows] for name in self.padded if name in rows[0]}
+        lengths = {name: {len(value) for value in values} for name, values in sequences.items()}
+        if all(len(found) == 1 for found in lengths.values()):
+            return default_data_collator(rows)
+        for name in ("input_ids", "decoder_input_ids"):
+            if self.pad_token_id is None and len(lengths.get(name, ())) > 1:
+                raise ValueError(f"the rows of a batch have {name} of different lengths ({min(lengths[name])} to "
+                                 f"{max(lengths[name])} tokens) and no padding id is known: give MCLTrainer the "
+                                 "tokenizer (processing_class=tokenizer), set the model's config.pad_token_id, or "
+                                 "pass a data_collator")
+        if "attention_mask" not in sequences and "input_ids" in sequences:
+            sequences["attention_mask"] = [torch.ones_like(ids) for ids in sequences["input_ids"]]
+        batch = {name: nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=self.padded[name] or 0)
+                 for name, values in sequences.items()}  # [B, longest row of that field]
+        rest = [{name: value for name, value in row.items() if name not in self.padded} for row in rows]
+        return {**(default_data_collator(rest) if rest[0] else {}), **batch}
+
+
+def padding_id(processing_class, model: nn.Module) -> int | None:
+    """The id that pads token rows: the tokenizer's padding (else end-of-sequence) id, else the model config's."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)  # a processor holds its tokenizer
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else None
+    for source in (tokenizer, config, text_config):
+        for name in ("pad_token_id", "eos_token_id"):
+            value = getattr(source, name, None)
+            value = value[0] if isinstance(value, list) and value else value
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
 
 
 class CollapseWatch:
@@ -125,7 +170,9 @@ class MCLTrainer(Trainer):
     warning when there is none; a path to a damaged ``checkpoint-N`` falls back to the newest whole one before it.
     ``save_total_limit`` rotation never deletes the checkpoint just written and drops damaged ones first. The
     training arguments are saved as ``training_args.json`` (not Trainer's pickled ``training_args.bin``).
-    DDP runs without the unused-parameter search unless ``ddp_find_unused_parameters`` is set.
+    DDP runs without the unused-parameter search unless ``ddp_find_unused_parameters`` is set. Without a
+    ``data_collator``, rows of different lengths are right-padded (``PadExamples``; the padding id from
+    ``processing_class``, else from the model's config).
     """
 
     def __init__(self, model: MCLModel | None = None, *args, two_pass_wta: bool = True,
@@ -148,7 +195,10 @@ class MCLTrainer(Trainer):
         self.scoring_learning_rate = scoring_learning_rate
         self._staging_dir: str | None = None  # while a checkpoint is being written: where Trainer must write it
         self._push_when_published = False
+        given = inspect.signature(Trainer.__init__).bind_partial(self, model, *args, **kwargs).arguments
         super().__init__(model, *args, **kwargs)
+        if given.get("data_collator") is None:  # Trainer's default cannot pad labels: rows of any length work
+            self.data_collator = PadExamples(padding_id(self.processing_class, model))
         # compute_loss is ours: these Trainer options would otherwise be silently ignored.
         if self.args.label_smoothing_factor:
             raise ValueError("label_smoothing_factor is not supported: the MCL losses are computed on the plain "

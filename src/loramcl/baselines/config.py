@@ -128,7 +128,7 @@ class MultiHeadConfig(_Dictionary):
         """The hypotheses and their loss as ``MCLTrainer`` and ``mcl_loss`` read them (no LoRA fields apply)."""
         return MCLConfig(num_hypotheses=self.num_hypotheses, loss=self.loss, epsilon=self.epsilon,
                          temperature0=self.temperature0, temperature_decay=self.temperature_decay,
-                         temperature_min=self.temperature_min)
+                         temperature_min=self.temperature_min, tie_break="lowest")  # the paper's baseline
 
 
 

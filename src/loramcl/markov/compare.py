@@ -34,7 +34,7 @@ def systems(settings) -> dict[str, dict]:
                                     if name not in ("tie_break", "scoring")}
     return {
         "LoRA-MLE": {"kind": "mcl", "num_hypotheses": 1, "r": k * settings.rank},
-        "LoRA-MCL": {"kind": "mcl", "num_hypotheses": k, "r": settings.rank, **loss},
+        "LoRA-MCL": {"kind": "mcl", "num_hypotheses": k, "r": settings.rank, "tie_break": settings.tie_break, **loss},
         "LoRA-MoE": {"kind": "moe", "num_experts": k, "r": settings.rank},
         "multi-head (copy)": {"kind": "multihead", "num_hypotheses": k, "init": "copy", **loss},
         "multi-head (copy, relaxed 0.1)": {"kind": "multihead", "num_hypotheses": k, "init": "copy",
