@@ -164,11 +164,9 @@ class Check:
 @dataclass(frozen=True)
 class Python:
     """A python block, exec'd in the namespace NAMESPACES[namespace](workdir) of test_docs_run.py builds, after
-    ``subs`` ((doc text, text run) pairs binding the `...` placeholders; each must occur). ``past_failure``: more
-    pairs that step over the block's EXPECTED failure, so that a second test runs the lines after it."""
+    ``subs`` ((doc text, text run) pairs binding the `...` placeholders; each must occur)."""
     namespace: str
     subs: tuple = ()
-    past_failure: tuple = ()
     why: str = ""
 
 
@@ -265,7 +263,6 @@ REGISTRY = {
                      ("train_dataset=..., eval_dataset=...", "train_dataset=rows, eval_dataset=rows"),
                      ('["a prompt", ...]', '["a prompt", "another prompt"]'),
                      ("input_ids=..., labels=...", "input_ids=batch['input_ids'], labels=batch['labels']")),
-        past_failure=(("eval_dataset=rows)", "eval_dataset=rows, data_collator=collator)"),),
         why="hf_model, training_args (2 steps), tokenizer, prompt, fresh_hf_model, i, k bound; the `...` to a batch "
             "of tokenized pairs"),
     ("README.md", "src/loramcl/"): Output("the package's layout"),
@@ -281,7 +278,6 @@ REGISTRY = {
         Run(fails=_MISSING_MODEL, why=_PAPER),
     ("docs/baselines.md", "from loramcl import MCLConfig, MCLTrainer, generate_hypotheses, load_mcl_model"): Python(
         "baselines", subs=(("train_dataset=...", "train_dataset=rows"),),
-        past_failure=(("train_dataset=rows)", "train_dataset=rows, data_collator=collator)"),),
         why="base, base2 (tiny SmolLM2), tok, prompts, training_args (2 steps) bound"),
     ("docs/baselines.md", "loramcl train --config bilingual/common.yaml --config bilingual/moe.yaml"):
         _bilingual_train("moe"),
@@ -527,11 +523,4 @@ SETUP = {
 }
 
 # Blocks that fail today because of the code, not the doc (issue 35): strict xfail, keyed by the block's first item.
-_NO_COLLATOR = ("MCLTrainer without data_collator gets transformers' default_data_collator, which does not pad "
-                "tokenized pairs of different lengths")
-EXPECTED = {
-    ("README.md", "from loramcl import MCLConfig, MCLTrainer, get_mcl_model, load_mcl_model"): Expected(
-        f"`trainer.train()`: {_NO_COLLATOR}", r"expected sequence of length \d+ at dim 1 \(got \d+\)"),
-    ("docs/baselines.md", "from loramcl import MCLConfig, MCLTrainer, generate_hypotheses, load_mcl_model"): Expected(
-        f"`MCLTrainer(moe, ...).train()`: {_NO_COLLATOR}", r"expected sequence of length \d+ at dim 1 \(got \d+\)"),
-}
+EXPECTED: dict = {}  # none today: every block of the docs runs

@@ -317,7 +317,7 @@ def _make(words, spec: Make, what: str) -> None:
         assert text in done.stdout, f"{what}: `make -n` does not show {text!r}:\n{done.stdout}"
 
 
-def exercise(block, folder, past_failure: bool = False) -> None:
+def exercise(block, folder) -> None:
     for step in SETUP.get((block.file, block.items()[0]), ()):
         if callable(step):
             step(folder)
@@ -327,7 +327,7 @@ def exercise(block, folder, past_failure: bool = False) -> None:
     if block.lang == "python":
         spec = REGISTRY[(block.file, block.items()[0])]
         code = block.text
-        for old, new in spec.subs + (spec.past_failure if past_failure else ()):
+        for old, new in spec.subs:
             assert old in code, f"{block.name}: the registry binds {old!r}, which the block no longer has"
             code = code.replace(old, new)
         with _logging_restored():  # a block may configure logging (docs/cli.md): not for the tests after it
@@ -389,14 +389,6 @@ def test_doc_block_runs_as_written(block, workdir):
         raise
 
 
-@pytest.mark.parametrize("block", [b for b in BLOCKS if getattr(REGISTRY.get((b.file, b.items()[0])), "past_failure",
-                                                                 ())], ids=lambda b: b.name)
-def test_python_block_runs_past_its_expected_failure(block, workdir):
-    """The lines after an EXPECTED failure, run with the entry's past_failure text (so that they are exercised too
-    until the failure is fixed)."""
-    exercise(block, workdir, past_failure=True)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # what the python blocks' free names are bound to
 
@@ -418,10 +410,7 @@ def _training(folder) -> dict:
                         ["le fichier", "ein Ordner", "die Datei", "un dossier"])
     args = TrainingArguments(output_dir=str(folder / "trainer"), max_steps=2, per_device_train_batch_size=2,
                              report_to=[], save_strategy="no", use_cpu=True)
-    from transformers import DataCollatorForSeq2Seq
-
     return dict(hf_model=model, base=model, tokenizer=tokenizer, tok=tokenizer, training_args=args, rows=rows,
-                collator=DataCollatorForSeq2Seq(tokenizer, padding=True),
                 batch=collate(rows, pad_token_id=tokenizer.pad_token_id), prompts=["a prompt", "another prompt"])
 
 
