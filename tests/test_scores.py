@@ -259,8 +259,8 @@ def test_scores_fitted_to_a_finished_run_leave_its_hypotheses_as_they_were(tmp_p
     assert after["scoring.weight"].abs().sum() > 0  # the head learned (from zero)
     record = json.loads((tmp_path / "scored" / "run.json").read_text())
     assert record["settings"]["mcl"]["scoring"] and record["settings"]["scores_for"] == run
-    with pytest.raises(ValueError, match="leave out --mcl"):
+    with pytest.raises(ValueError, match="leave out --mcl"):  # settings of its own (the defaults are no choice)
         train(model=str(tmp_path / "base"), out=str(tmp_path / "x"), data=data, scores_for=run,
-              mcl=MCLConfig(num_hypotheses=2))
+              mcl=MCLConfig(num_hypotheses=3))
     with pytest.raises(FileNotFoundError, match="is not a finished LoRA-MCL run"):
         train(model=str(tmp_path / "base"), out=str(tmp_path / "x"), data=data, scores_for=str(tmp_path))
