@@ -57,7 +57,8 @@ def _block_weights(device: torch.device) -> torch.Tensor:
 def _block_sums(param: torch.Tensor, buffers: dict) -> torch.Tensor:
     """[ceil(numel / BLOCK)] float64 on CPU: the weighted sum of each block of ``param``'s bfloat16 bit patterns."""
     flat = param.detach().reshape(-1)
-    device = flat.device
+    # MPS has no float64: its weights are summed on the CPU, a chunk at a time
+    device = flat.device if flat.device.type != "mps" else torch.device("cpu")
     chunk = CHUNK if device.type == "cpu" else DEVICE_CHUNK
     if device not in buffers:  # reused for every parameter on this device: no allocation per chunk
         buffers[device] = (torch.empty(chunk, dtype=torch.bfloat16, device=device),
@@ -65,7 +66,7 @@ def _block_sums(param: torch.Tensor, buffers: dict) -> torch.Tensor:
     rounded, exact, weights = buffers[device]
     sums = []
     for start in range(0, flat.numel(), chunk):
-        part = flat[start:start + chunk]
+        part = flat[start:start + chunk].to(device)
         n, whole = part.numel(), part.numel() // BLOCK * BLOCK
         rounded[:n].copy_(part)  # rounded to nearest bfloat16, as .to(torch.bfloat16)
         values = exact[:n]
