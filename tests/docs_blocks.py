@@ -425,6 +425,9 @@ REGISTRY = {
     ("docs/reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 48 "
                             "--file-trials 24 --seed 0"): _BENCH,
     ("docs/reliability.md", ".venv/bin/python benchmarks/fingerprint_cost.py --threads 1"): _BENCH,
+    ("docs/scores.md", "python benchmarks/default_settings.py --seeds 10 --settings wta, lowest (the paper's) wta, "
+                       "random relaxed 0.05, lowest relaxed 0.05, random annealed tau0 1 (rho 0.999) relaxed 0.05, "
+                       "lowest, dropout 0.1 relaxed 0.05, random, dropout 0.1 wta, random, dropout 0.1"): _BENCH,
     ("docs/scores.md", "loramcl train --model BASE --scores_for runs/x/mcl --out runs/x/mcl-scores --data.train_file "
                        "train.jsonl --training.steps 60 --training.scoring_learning_rate 2e-2"):
         Run(replace=(_BASE,), append=("--training.steps", "2"), outputs=("runs/x/mcl-scores/mcl_config.json",),

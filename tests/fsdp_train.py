@@ -18,8 +18,10 @@ from tiny_models import build_model  # noqa: E402
 
 from loramcl import MCLConfig, get_mcl_model  # noqa: E402
 
+# Ties to the lowest hypothesis: random ties draw from each process's RNG, so two ranks with half a batch each would
+# draw other winners than one process with the whole batch (the first step is all ties: B = 0).
 CONFIG = MCLConfig(num_hypotheses=3, r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                   loss="relaxed", epsilon=0.1)
+                   loss="relaxed", epsilon=0.1, tie_break="lowest")
 STEPS, BATCH, LR = 3, 8, 1e-2
 
 
