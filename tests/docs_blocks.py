@@ -426,6 +426,8 @@ REGISTRY = {
     ("docs/metrics.md", ".venv/bin/python benchmarks/metrics_speed.py"): _BENCH,
     ("docs/reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 48 "
                             "--file-trials 24 --seed 0"): _BENCH,
+    ("docs/reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 0 "
+                            "--file-trials 0"): _BENCH,
     ("docs/reliability.md", ".venv/bin/python benchmarks/fingerprint_cost.py --threads 1"): _BENCH,
     ("docs/scores.md", "loramcl train --model BASE --scores_for runs/x/mcl --out runs/x/mcl-scores --data.train_file "
                        "train.jsonl --training.steps 60 --training.scoring_learning_rate 2e-2"):
