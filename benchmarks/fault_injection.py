@@ -1,9 +1,15 @@
-"""Fault injection: adapter folders damaged, edited or converted, and base models edited, then loaded; and training
-killed with SIGKILL at random moments, rerun with the same command, its final adapters compared with an
-uninterrupted run's.
+"""Fault injection: adapter folders damaged, edited or converted, and base models edited, then loaded; bad command
+lines (numeric options out of their domain, output paths, devices and data files at fault) given to `loramcl train`,
+`generate`, `nll` and `evaluate`; and training killed with SIGKILL at random moments, rerun with the same command, its
+final adapters compared with an uninterrupted run's.
 
     python benchmarks/fault_injection.py --kills 48 --file-trials 24 --seed 0   # CPU, about 15 s per kill
-    python benchmarks/fault_injection.py --kills 0                              # the file families only (a minute)
+    python benchmarks/fault_injection.py --kills 0 --no-inputs                  # the file families only (a minute)
+    python benchmarks/fault_injection.py --kills 0 --file-trials 0              # the bad inputs only (4 minutes)
+
+**Bad inputs** (in this process): benchmarks/fault_inputs.py's docstring says how the trials are generated and
+classified (refused clearly, refused but unclear, accepted, ran on); it exits 1 if any trial is accepted outside its
+option's domain, refused unclearly or runs past ``--input-limit``.
 
 **Files** (in this process): a tiny Llama (the one below) with K=3 random adapters is saved, and each trial copies the
 folder, injects one fault, loads it with ``load_mcl_model`` and, when it loads, compares every hypothesis' logits on a
@@ -53,6 +59,7 @@ import time
 from pathlib import Path
 
 from fault_files import file_trials, print_file_table
+from fault_inputs import failed, input_trials, print_input_table
 
 STEPS, SAVE_EVERY, KEEP = 16, 2, 2
 
@@ -206,14 +213,24 @@ def main() -> None:
     parser.add_argument("--file-trials", type=int, default=24,
                         help="trials of each random file family (damaged weights, base rows edited; 0: no file "
                              "families)")
+    parser.add_argument("--inputs", action=argparse.BooleanOptionalAction, default=True,
+                        help="the bad-CLI-input family (benchmarks/fault_inputs.py; --no-inputs: none)")
+    parser.add_argument("--input-limit", type=float, default=30.0,
+                        help="seconds a bad-input trial may run before it counts as 'ran on'")
+    parser.add_argument("--input-only", help="run only the bad-input trials whose 'command: fault' contains this")
+    parser.add_argument("--input-before", help="a --json file written by an earlier version (PYTHONPATH at its src): "
+                                               "the bad-input table then shows 'before -> now'")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments and of the file damages")
     parser.add_argument("--json", help="write every trial's record to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args.child)
-    if args.kills < 0 or args.file_trials < 0 or args.kills + args.file_trials == 0:
-        parser.error("--kills and --file-trials must be >= 0, and one of them at least 1")
+    if args.kills < 0 or args.file_trials < 0 or (args.kills + args.file_trials == 0 and not args.inputs):
+        parser.error("--kills and --file-trials must be >= 0, and one of them at least 1 with --no-inputs")
+    if args.input_limit <= 0:
+        parser.error(f"--input-limit must be a number of seconds > 0, got {args.input_limit}")
+    before = json.loads(Path(args.input_before).read_text())["inputs"]["trials"] if args.input_before else None
     rng = random.Random(args.seed)
     failures = 0
     report: dict = {}
@@ -225,6 +242,14 @@ def main() -> None:
             report["files"] = {"summary": print_file_table(files), "trials": files}
             failures += sum(r["outcome"] == "silent, other outputs" or (r["outcome"] == "said" and
                                                                         not r["strict_refused"]) for r in files)
+        if args.inputs:
+            (root / "inputs").mkdir()
+            started = time.monotonic()
+            inputs = input_trials(root / "inputs", args.input_limit, args.input_only)
+            seconds = round(time.monotonic() - started, 1)
+            report["inputs"] = {"summary": print_input_table(inputs, before), "seconds": seconds, "trials": inputs}
+            print(f"{len(inputs)} bad-input trials in {seconds} s")
+            failures += sum(failed(r) for r in inputs)
         records = kill_trials(root, args.kills, rng) if args.kills else []
     if args.kills:
         killed = [r for r in records if r["killed"]]

@@ -424,6 +424,8 @@ REGISTRY = {
     ("docs/metrics.md", ".venv/bin/python benchmarks/metrics_speed.py"): _BENCH,
     ("docs/reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 48 "
                             "--file-trials 24 --seed 0"): _BENCH,
+    ("docs/reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 0 "
+                            "--file-trials 0"): _BENCH,
     ("docs/reliability.md", ".venv/bin/python benchmarks/fingerprint_cost.py --threads 1"): _BENCH,
     ("docs/scores.md", "python benchmarks/default_settings.py --seeds 10 --settings wta, lowest (the paper's) wta, "
                        "random relaxed 0.05, lowest relaxed 0.05, random annealed tau0 1 (rho 0.999) relaxed 0.05, "
