@@ -3,10 +3,11 @@ with OpenMP's waiting threads asleep, and the commands' default (the free cores,
 
 Times two documented commands end to end, each in a fresh process as a user runs them: `loramcl markov --seeds 1`
 (the main job, shortened) and docs/cli.md's first `loramcl train` on a small Qwen2 with SmolLM2's tokenizer and an
-ambiguous question set. "Beside another job" is a process spinning on one core for the whole run. Prints each
-setting's seconds and its ratio to the fastest setting of the same command and load, measured in one run:
+ambiguous question set. "Beside another job" is a process spinning on one core (busy), or another torch program on
+every core (torch-job), for the whole run. Prints each setting's seconds and its ratio to the fastest setting of the
+same command and load, measured in one run, and the load average after each (nothing else should run):
 
-    python benchmarks/threads.py --out /tmp/threads            # about 10 minutes on 2 cores
+    python benchmarks/threads.py --out /tmp/threads            # about 20 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ SETTINGS = {
     "a thread per core, sleeping": ("cli", "cores"),
     "default (free cores, sleeping)": ("cli", None),
 }
+# busy: beside a process spinning on one core for the whole run; torch-job: beside another torch program on every
+# core (two threads of matrix products, as a second training or a test suite would be)
+LOADS = ("idle", "busy", "torch-job")
+LOAD_PROGRAMS = {"busy": "while True: pass",
+                 "torch-job": "import torch\ntorch.set_num_threads(2)\na = torch.randn(256, 256)\nwhile True: a @ a"}
 QUESTIONS = [("Name a colour", ["red", "green", "blue"]), ("Name a fruit", ["apple", "pear", "plum"]),
              ("Name an animal", ["cat", "dog", "horse"]), ("Name a metal", ["iron", "gold", "tin"])]
 
@@ -86,33 +92,32 @@ def timed(argv: list[str], setting: tuple, timeout: float) -> float | None:
     return time.perf_counter() - began
 
 
-def spinning():
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="/tmp/loramcl-threads")
     parser.add_argument("--steps", type=int, default=100, help="training steps of the train command")
     parser.add_argument("--markov_steps", type=int, default=60)
     parser.add_argument("--timeout", type=float, default=600, help="seconds after which a run counts as too slow")
+    parser.add_argument("--loads", nargs="+", default=list(LOADS), choices=LOADS, help="the conditions to run")
+    parser.add_argument("--commands", nargs="+", default=["markov", "train"], choices=["markov", "train"])
     args = parser.parse_args()
     root = Path(args.out)
     root.mkdir(parents=True, exist_ok=True)
     inputs = build_inputs(root)
     results = []
-    for load in ("idle", "beside a spinning process"):
-        for name in ("markov", "train"):
+    for load in args.loads:
+        for name in args.commands:
             for setting, how in SETTINGS.items():
                 argv = commands(inputs, root / "runs" / str(len(results)), args.steps, args.markov_steps)[name]
-                spin = spinning() if load != "idle" else None
+                spin = subprocess.Popen([sys.executable, "-c", LOAD_PROGRAMS[load]]) if load != "idle" else None
                 try:
                     seconds = timed(argv, how, args.timeout)
                 finally:
                     if spin is not None:
                         spin.kill()
                         spin.wait()
-                results.append({"load": load, "command": name, "setting": setting, "seconds": seconds})
+                results.append({"load": load, "command": name, "setting": setting, "seconds": seconds,
+                                "load_average": round(os.getloadavg()[0], 2)})  # a check that nothing else ran
                 print(json.dumps(results[-1]), flush=True)
     print("\n| load | command | setting | seconds | / fastest |\n|---|---|---|---|---|")
     for row in results:
