@@ -11,12 +11,13 @@ default is left out (``--training.seed 0`` is no fault). An option that acts onl
 (``ACTIVE_WITH``: ``--mcl.epsilon`` with ``--mcl.loss relaxed``, the sampling options with ``--strategy sample``) gets
 its values in the commands' defaults and again beside that setting. A few values are in the option's domain by its
 meaning (``IN_DOMAIN``, each with the reason: ``--training.save_every 10^18`` saves no checkpoint; those of
-``--diversity_penalty`` only beside its strategy): they must be accepted and are counted apart. Path faults: ``--out`` an existing folder where a file is written, an existing file
-where a folder is, below a file, in a folder without write permission (not applicable when run as root, whom permissions
-do not stop), and the inputs, the model and the adapters a folder or a file of the other kind or missing. Device faults
-(``generate``, ``nll``): cuda and cuda:0 on this CPU-only torch, cuda:x, gpu, CPU, meta, mps. Data faults: empty, blank,
-missing or non-text fields, a line that is not JSON or not an object, an empty file, bytes that are not UTF-8, a prompt
-longer than the model's 64 positions, NLL files with NaN, negative or miscounted values.
+``--diversity_penalty`` only beside its strategy): they must be accepted and are counted apart. Path faults: ``--out``
+an existing folder where a file is written, an existing file where a folder is, below a file, in a folder without
+write permission (not applicable when run as root, whom permissions do not stop), and the inputs, the model and the
+adapters a folder or a file of the other kind or missing. Device faults (``generate``, ``nll``): cuda and cuda:0 on this
+CPU-only torch, cuda:x, gpu, CPU, meta, mps. Data faults: empty, blank, missing or non-text fields, a line that is not
+JSON or not an object, an empty file, bytes that are not UTF-8, a prompt longer than the model's 64 positions, NLL files
+with NaN, negative or miscounted values.
 
 **Outcomes.** A trial is
 - *refused clearly*: exit 1 or 2, and stderr holds one line besides the command's warnings and finished progress

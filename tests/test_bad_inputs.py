@@ -563,8 +563,8 @@ def test_a_gradient_norm_that_is_not_finite_stops_training(tmp_path):
         layer.lora_B.register_hook(lambda gradient: torch.full_like(gradient, 1e30))
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, report_to=[],
                              use_cpu=True, logging_steps=10, save_strategy="steps", save_steps=1, disable_tqdm=True)
-    with pytest.raises(FloatingPointError, match=r"^the gradient norm became infinite or NaN before step 1: clipping by "
-                                                 r"it zeroes the update"):
+    with pytest.raises(FloatingPointError, match=r"^the gradient norm became infinite or NaN before step 1: "
+                                                 r"clipping by it zeroes the update"):
         MCLTrainer(mcl, args=args, train_dataset=token_rows(8, 8, 0, prompt=2)).train()
     assert not any(tmp_path.glob("checkpoint-*"))
 

@@ -166,8 +166,9 @@ def decoded_model_of(adapters: str | None) -> DecodedModel | None:
         return None
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         return None
+    names = {"moe": "the LoRA-MoE model", "multihead": "the multi-head model"}
     return DecodedModel(k, router=method == "moe", scoring=config.get("scoring") is True,
-                        name={"moe": "the LoRA-MoE model", "multihead": "the multi-head model"}.get(method, "the model"))
+                        name=names.get(method, "the model"))
 
 
 def prediction_record(item_id, candidates: Sequence, strip: bool = True, scores: bool = False) -> dict:
