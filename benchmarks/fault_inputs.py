@@ -10,13 +10,14 @@ one 0, -1, nan, inf, -inf, 1e30 and a word; a list of integers each of these ins
 default is left out (``--training.seed 0`` is no fault). An option that acts only beside another setting
 (``ACTIVE_WITH``: ``--mcl.epsilon`` with ``--mcl.loss relaxed``, the sampling options with ``--strategy sample``) gets
 its values in the commands' defaults and again beside that setting. A few values are in the option's domain by its
-meaning (``IN_DOMAIN``, each with the reason: ``--training.save_every 10^18`` saves no checkpoint): they must be
-accepted and are counted apart. Path faults: ``--out`` an existing folder where a file is written, an existing file
-where a folder is, below a file, in a folder without write permission (not applicable when run as root, whom permissions
-do not stop), and the inputs, the model and the adapters a folder or a file of the other kind or missing. Device faults
-(``generate``, ``nll``): cuda and cuda:0 on this CPU-only torch, cuda:x, gpu, CPU, meta, mps. Data faults: empty, blank,
-missing or non-text fields, a line that is not JSON or not an object, an empty file, bytes that are not UTF-8, a prompt
-longer than the model's 64 positions, NLL files with NaN, negative or miscounted values.
+meaning (``IN_DOMAIN``, each with the reason: ``--training.save_every 10^18`` saves no checkpoint; those of
+``--diversity_penalty`` only beside its strategy): they must be accepted and are counted apart. Path faults: ``--out``
+an existing folder where a file is written, an existing file where a folder is, below a file, in a folder without
+write permission (not applicable when run as root, whom permissions do not stop), and the inputs, the model and the
+adapters a folder or a file of the other kind or missing. Device faults (``generate``, ``nll``): cuda and cuda:0 on this
+CPU-only torch, cuda:x, gpu, CPU, meta, mps. Data faults: empty, blank, missing or non-text fields, a line that is not
+JSON or not an object, an empty file, bytes that are not UTF-8, a prompt longer than the model's 64 positions, NLL files
+with NaN, negative or miscounted values.
 
 **Outcomes.** A trial is
 - *refused clearly*: exit 1 or 2, and stderr holds one line besides the command's warnings and finished progress
@@ -81,12 +82,14 @@ IN_DOMAIN = {
     ("--batch_size", str(HUGE)): "every prompt or reference in one batch",
     ("--hypotheses", "[0]"): "hypothesis 0 exists",
     ("--top_k", str(HUGE)): "more tokens than the vocabulary: no limit (transformers takes the vocabulary's size)",
-    ("--seed", str(HUGE)): "a seed torch takes (below 2^64)",
     ("--diversity_penalty", "0"): "its help: in [0, inf), 0 penalises nothing",
     ("--diversity_penalty", "1e30"): "its help: in [0, inf) (no hypothesis repeats another's token)",
     ("--temperature", "1e30"): "its help: > 0 (sampling from the uniform distribution)",
     ("--repetition_penalty", "1e30"): "its help: > 0",
 }
+# Options whose IN_DOMAIN values are in the domain only beside the setting they act with (ACTIVE_WITH): elsewhere the
+# option belongs to another strategy and is refused.
+IN_DOMAIN_ONLY_BESIDE_ITS_SETTING = {"--diversity_penalty"}
 # Options that act only beside another setting: their values are tried there too, with the setting (None: the option
 # left out), besides in the commands' defaults.
 ANNEALED, RELAXED, SCORED = {"--mcl.loss": "annealed"}, {"--mcl.loss": "relaxed"}, {"--mcl.scoring": "true"}
@@ -256,9 +259,10 @@ def trials(root: Path) -> list[Trial]:
                     continue
                 said = " ".join([f"{k} {v}" for k, v in context.items() if v is not None and k != typed] +
                                 [f"no {k}" for k, v in context.items() if v is None])
+                in_domain = {} if typed in IN_DOMAIN_ONLY_BESIDE_ITS_SETTING and not context else IN_DOMAIN
                 for value in values:
                     add("numeric options", command, f"{typed} {value}" + (f" ({said})" if said else ""),
-                        method | context | {typed: value}, (typed,), in_domain=IN_DOMAIN.get((typed, value), ""))
+                        method | context | {typed: value}, (typed,), in_domain=in_domain.get((typed, value), ""))
     _path_trials(root, add)
     _device_trials(add)
     _data_trials(root, add)

@@ -1,7 +1,8 @@
 """Nothing silent (issue 36, 35.5): every bad value is refused before the work starts, in one line that names the
 option as typed and its bound. The commands' usual mistakes are rows of docs/cli.md (tests/test_cli.py runs them,
-most before torch loads); here, the checks behind them: Decoding's bounds, the model's positions, the output paths,
-the devices, the threads, the rank against each layer and K against the memory."""
+most before torch loads); here, the checks behind them: Decoding's bounds and its checks against the adapters, the
+configurations' values that would train nothing, the model's positions, the output paths, the devices, the threads,
+the rank against each layer and K (E, the copies of a module) against the memory."""
 
 import json
 import os
@@ -16,10 +17,10 @@ from loramcl.adapter_size import check_adapter_size, hypothesis_bytes
 from loramcl.cli import main
 from loramcl.config import TrainConfig
 from loramcl.finetune import check_max_length
-from loramcl.generation.options import Decoding
-from loramcl.generation.predictions import check_generated_positions
+from loramcl.generation.options import DecodedModel, Decoding, plan
+from loramcl.generation.predictions import check_generated_positions, decoded_model_of
 from loramcl.inputs import PositionLimits, check_device, check_output, model_positions
-from loramcl.threads import check_threads, usable_cores
+from loramcl.threads import check_threads, usable_cores, use_threads
 from loramcl.layers import MCLLoraLinear
 from loramcl.peft_interop import target_layer_names
 from loramcl.validate import OptionError
@@ -37,9 +38,13 @@ def run_main(argv, capsys) -> tuple[int, str]:
     ("top_p", 1.5, "in (0, 1]"), ("top_p", 0.0, "in (0, 1]"), ("typical_p", 2.0, "in (0, 1]"),
     ("temperature", 0.0, "in (0, inf)"), ("temperature", float("nan"), "in (0, inf)"), ("top_k", -1, ">= 0"),
     ("repetition_penalty", -1.0, "in (0, inf)"), ("max_new_tokens", 0, ">= 1"), ("num_beams", 0, ">= 1"),
-    ("budget", -2, ">= 1"), ("num_sequences", 0, ">= 1"), ("num_beam_groups", 0, ">= 1"), ("seed", -1, ">= 0"),
+    ("budget", -2, ">= 1"), ("num_sequences", 0, ">= 1"), ("num_beam_groups", 0, ">= 1"),
+    ("seed", -1, "in [0, 2**32 - 1]"), ("seed", 2**32, "in [0, 2**32 - 1]"),
     ("diversity_penalty", -0.5, "in [0, inf)"), ("hypotheses", [0, -1], "integers >= 0"),
+    ("hypotheses", [], "is empty: leave it out"),
     ("max_new_tokens", True, ">= 1"),  # a bool is not a number of tokens
+    *[(name, 10**18, "must be at most 4096 (beams or candidates per input") for name in
+      ("num_beams", "budget", "num_sequences", "num_beam_groups")],  # torch's sizes would overflow
 ])
 def test_each_decoding_option_is_refused_out_of_its_bounds(field, value, bound):
     with pytest.raises(OptionError, match=f"^{field} .*{re.escape(bound)}") as error:
@@ -48,7 +53,53 @@ def test_each_decoding_option_is_refused_out_of_its_bounds(field, value, bound):
 
 
 def test_the_decoding_bounds_keep_their_edges():
-    Decoding(top_p=1.0, typical_p=1.0, top_k=0, temperature=1e-3, seed=0, diversity_penalty=0.0, hypotheses=[0, 2])
+    Decoding(top_p=1.0, typical_p=1.0, top_k=0, temperature=1e-3, seed=2**32 - 1, hypotheses=[0, 2])
+    Decoding(strategy="diverse_beam", num_beams=4096, num_beam_groups=4096, diversity_penalty=0.0)
+
+
+@pytest.mark.parametrize("options,option,message", [
+    (dict(num_beams=3), "num_beams", "num_beams 3: strategy 'greedy' decodes one beam; use strategy 'beam'"),
+    (dict(strategy="sample", budget=4), "budget", "budget 4: a forward budget sets beam sizes, and strategy 'sample' "
+                                                  "has none"),
+    (dict(strategy="beam", num_beams=2, budget=4), "num_beams", "num_beams 2 and budget 4: give one of them, not both"),
+    (dict(strategy="beam"), "strategy", "strategy 'beam' needs num_beams (or a forward budget"),
+    (dict(diversity_penalty=0.0), "diversity_penalty",
+     "diversity_penalty 0.0 belongs to strategy 'diverse_beam' (strategy is 'greedy')"),
+    (dict(strategy="beam", num_beams=2, num_beam_groups=2), "num_beam_groups", "num_beam_groups 2 belongs to"),
+    (dict(strategy="diverse_beam", num_beams=2), "strategy", "strategy 'diverse_beam' needs diversity_penalty >= 0"),
+])
+def test_an_option_of_another_strategy_is_refused_whatever_the_model(options, option, message):
+    """Checked by Decoding itself, so that `loramcl generate` refuses it before the model loads."""
+    with pytest.raises(OptionError, match="^" + re.escape(message)) as error:
+        Decoding(**options)
+    assert error.value.option == option
+
+
+@pytest.mark.parametrize("options,model,option,message", [
+    (dict(hypotheses=[1, 2]), DecodedModel(2), "hypotheses", r"hypotheses \[2\] do not exist: this model has K=2"),
+    (dict(hypotheses=[0]), DecodedModel(None, name="the base model"), "hypotheses",
+     "hypotheses [0] selects adapter sets of an MCLModel; the base model has none"),
+    (dict(num_sequences=3), DecodedModel(2), "num_sequences", "num_sequences=3 does not match the 2 hypotheses"),
+    (dict(strategy="tta", num_sequences=2, hypotheses=[0]), DecodedModel(2), "strategy", "strategy 'tta' needs "
+                                                                                          "augment"),
+    (dict(strategy="stochastic_router", num_sequences=2), DecodedModel(2), "strategy",
+     "strategy 'stochastic_router' samples the experts of a LoRA-MoE model"),
+    (dict(strategy="diverse_beam", num_beams=1, diversity_penalty=1.0, num_beam_groups=3), DecodedModel(2),
+     "num_beam_groups", "num_beam_groups 3: in diverse MCL decoding the groups are the 2 hypotheses"),
+    (dict(strategy="beam", num_beams=2, num_sequences=3), DecodedModel(None), "num_sequences",
+     "num_sequences 3 is more than the beams"),
+    (dict(strategy="diverse_beam", num_beams=5, num_sequences=2, diversity_penalty=1.0), DecodedModel(None),
+     "num_beam_groups", "num_beam_groups 2: diverse beam search splits num_beams=5"),
+    (dict(strategy="beam", budget=3), DecodedModel(2), "budget", "budget 3 cannot be split among K=2"),
+])
+def test_a_decoding_is_checked_against_the_models_kind_and_k(options, model, option, message):
+    with pytest.raises(OptionError, match="^" + (message if "\\" in message else re.escape(message))) as error:
+        plan(Decoding(**options), model)
+    assert error.value.option == option
+    decoded = plan(Decoding(strategy="beam", budget=4), DecodedModel(2))
+    assert (decoded.selected, decoded.mcl, decoded.num_beams) == ([0, 1], True, 2)
+    decoded = plan(Decoding(strategy="beam", budget=4, num_sequences=2), DecodedModel(None))
+    assert (decoded.selected, decoded.mcl, decoded.num_beams) == (None, False, 4)
 
 
 def test_the_learning_rate_past_any_recipe_is_refused():
@@ -72,6 +123,77 @@ def test_the_command_line_names_the_option_as_typed(capsys):
         "loramcl train: error: --training.scoring_learning_rate must be a finite number in (0, 1]")
     assert run_main(["generate", "--model", "m", "--input", "i", "--batch_size", "0"], capsys) == (
         1, "loramcl generate: error: --batch_size must be an integer >= 1, got 0")
+
+
+@pytest.mark.parametrize("options,message", [
+    # the adapters' scaling (recipes: alpha/r from 1 to 4; at 1e30 every gradient norm is infinite)
+    (["--mcl.alpha", "1e30"], "--mcl.alpha 1e+30 scales the adapter output by alpha/r = 1.25e+29, more than 100: set "
+                              "alpha at most 800"),
+    (["--mcl.r", "4", "--mcl.use_rslora", "true", "--mcl.alpha", "201"], "--mcl.alpha 201 scales the adapter output "
+                                                                         "by alpha/sqrt(r) = 100.5"),
+    (["--method", "moe", "--moe.alpha", "1e30"], "--moe.alpha 1e+30 scales the adapter output by alpha/r"),
+    # a value that would be ignored
+    (["--mcl.epsilon", "0.1"], "--mcl.epsilon 0.1 is relaxed WTA's weight, and loss is 'wta': set loss relaxed, or "
+                               "leave epsilon out"),
+    (["--method", "multihead", "--multihead.loss", "annealed", "--multihead.epsilon", "0.1"],
+     "--multihead.epsilon 0.1 is relaxed WTA's weight, and loss is 'annealed'"),
+    (["--mcl.scoring_weight", "2"], "--mcl.scoring_weight 2.0 weighs the hypothesis scores' loss, and scoring is off"),
+    (["--method", "moe", "--moe.router_std", "0.1"], "--moe.router_std 0.1 draws the router's initial weights when "
+                                                     "router_init is 'normal', and router_init is 'zeros'"),
+    # a value that trains nothing, or wrecks every step
+    (["--mcl.loss", "annealed", "--mcl.temperature_min", "1"], "--mcl.temperature_min 1.0 is not below temperature0 "
+                                                               "1.0: annealing would be vanilla WTA from the first"),
+    (["--mcl.scoring", "true", "--mcl.scoring_weight", "0"], "--mcl.scoring_weight must be a finite number in (0, 100]"
+                                                             " (beta, the scoring loss' weight: 0 would leave"),
+    (["--mcl.scoring", "true", "--mcl.scoring_weight", "1e30"], "--mcl.scoring_weight must be a finite number in (0, "
+                                                                "100]"),
+    (["--method", "moe", "--moe.router_init", "normal", "--moe.router_std", "1e30"],
+     "--moe.router_std must be a finite number in (0, 10]"),
+    (["--training.weight_decay", "1e30"], "--training.weight_decay must be a finite number in [0, 1] (AdamW multiplies "
+                                          "every adapter weight by 1 - learning_rate x weight_decay"),
+    (["--training.seed", str(10**18)], "--training.seed must be an integer in [0, 2**32 - 1]"),
+    # named with their block
+    (["--method", "moe", "--moe.num_experts", "0"], "--moe.num_experts (E) must be an integer >= 1, got 0"),
+    (["--method", "moe", "--moe.router_init", "normal", "--moe.router_std", "-1"], "--moe.router_std must be a finite "
+                                                                                   "number in (0, 10]"),
+    (["--mcl.layers_to_transform", "-1"], "--mcl.layers_to_transform must be None, a block index >= 0"),
+])
+def test_a_value_that_would_train_nothing_or_be_ignored_is_refused_by_its_option(options, message, capsys):
+    """Each refused before the model loads (the model folder does not exist), named as typed."""
+    code, line = run_main(["train", "--model", "m", "--out", "o", "--data.train_file", "t.jsonl", *options], capsys)
+    assert code in (1, 2) and line.startswith("loramcl train: error: " + message), line
+
+
+def test_a_saved_configuration_reads_what_its_settings_ignore_as_the_default():
+    """Adapters saved before those values were refused (or whose loss was edited to continue training) still load:
+    epsilon without the relaxed loss, scoring_weight without scores and router_std with a zero router act on
+    nothing; given for training, they are refused."""
+    from loramcl.config import saved_values
+
+    saved = {"loss": "wta", "epsilon": 0.1, "scoring_weight": 2.0, "r": 4}
+    assert saved_values(saved) == {"loss": "wta", "r": 4}
+    assert saved_values({"loss": "relaxed", "epsilon": 0.1}) == {"loss": "relaxed", "epsilon": 0.1}
+    assert MCLConfig.from_dict(saved_values(saved)) == MCLConfig(r=4)
+    with pytest.raises(OptionError, match="^epsilon 0.1 is relaxed WTA's weight"):
+        MCLConfig.from_dict({"loss": "wta", "epsilon": 0.1})  # a recipe's block is read so
+
+
+def test_the_recipes_keep_clear_of_the_new_bounds():
+    """Every packaged recipe's method block and training block is accepted as it is (the bounds are past them)."""
+    import yaml
+
+    from loramcl.baselines import MoEConfig, MultiHeadConfig
+    from loramcl.recipe.files import packaged_recipes
+
+    blocks = {"mcl": MCLConfig, "moe": MoEConfig, "multihead": MultiHeadConfig, "training": TrainConfig}
+    checked = 0
+    for path in packaged_recipes().rglob("*.yaml"):
+        values = yaml.safe_load(path.read_text()) or {}
+        for name, config in blocks.items():
+            if isinstance(values.get(name), dict):
+                config(**{k: v for k, v in values[name].items() if k != "target_modules"})
+                checked += 1
+    assert checked > 20
 
 
 # ---- the model's positions ----------------------------------------------------------------------------------
@@ -198,6 +320,76 @@ def test_generate_refuses_new_tokens_past_an_encoder_decoders_decoder_before_tor
                                "less")
 
 
+@pytest.mark.parametrize("options,message", [
+    (["--hypotheses", "[2]"], "--hypotheses [2] do not exist: this model has K=2 (0..1)"),
+    (["--strategy", "beam", "--budget", "3"], "--budget 3 cannot be split among K=2 hypotheses"),
+    (["--num_sequences", "3"], "--num_sequences=3 does not match the 2 hypotheses to decode"),
+    (["--strategy", "stochastic_router", "--num_sequences", "2"], "--strategy 'stochastic_router' samples the experts "
+                                                                  "of a LoRA-MoE model"),
+    (["--sort_by_score", "true"], "--sort_by_score needs an MCL model with hypothesis scores"),
+    (["--num_beams", "3"], "--num_beams 3: strategy 'greedy' decodes one beam"),
+    (["--strategy", "beam", "--num_beams", str(10**18)], "--num_beams must be at most 4096"),
+    (["--diversity_penalty", "1"], "--diversity_penalty 1.0 belongs to strategy 'diverse_beam'"),
+])
+def test_generate_checks_the_decoding_against_the_adapters_before_the_model_loads(scored, options, message, capsys,
+                                                                                 monkeypatch):
+    """The adapters' kind and K are read from their mcl_config.json: a decoding that cannot run on them is refused
+    naming its option, before the model loads, and an earlier predictions file is left as it was."""
+    monkeypatch.setattr("loramcl.loading.load_model", lambda *args, **kwargs: pytest.fail("the model loaded"))
+    (scored / "gen-prompts.jsonl").write_text('{"prompt": "w5"}\n')
+    (scored / "gen-preds.jsonl").write_text("earlier\n")
+    code, line = run_main(["generate", "--model", str(scored / "tiny"), "--adapters", str(scored / "run"), "--input",
+                           str(scored / "gen-prompts.jsonl"), "--out", str(scored / "gen-preds.jsonl"), *options],
+                          capsys)
+    assert code in (1, 2) and line.startswith("loramcl generate: error: " + message), line
+    assert (scored / "gen-preds.jsonl").read_text() == "earlier\n"
+
+
+def test_a_generation_that_fails_leaves_the_earlier_predictions_file_whole(scored, capsys, monkeypatch):
+    """The predictions are written under a temporary name beside --out and renamed once every prompt is decoded: a
+    failure midway (here the second batch) leaves the earlier file as it was, and no temporary file."""
+    import loramcl.generation.decoding as decoding
+
+    decode, calls = decoding.generate_hypotheses, []
+
+    def fails_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return decode(*args, **kwargs)
+
+    (scored / "gen-prompts.jsonl").write_text('{"prompt": "w5"}\n{"prompt": "w6 w7"}\n')
+    preds = scored / "gen-preds.jsonl"
+    preds.write_text("earlier\n")
+    command = ["generate", "--model", str(scored / "tiny"), "--adapters", str(scored / "run"), "--input",
+               str(scored / "gen-prompts.jsonl"), "--out", str(preds), "--batch_size", "1", "--max_new_tokens", "2",
+               "--progress", "false"]
+    monkeypatch.setattr(decoding, "generate_hypotheses", fails_second)
+    assert run_main(command, capsys) == (1, "loramcl generate: error: CUDA out of memory (injected)")
+    assert preds.read_text() == "earlier\n" and [p.name for p in scored.glob("gen-preds*")] == ["gen-preds.jsonl"]
+    monkeypatch.setattr(decoding, "generate_hypotheses", decode)
+    main(command)
+    assert [len(json.loads(line)["candidates"]) for line in preds.read_text().splitlines()] == [2, 2]
+
+
+def test_what_generate_decodes_is_read_from_the_adapters_files(scored, tmp_path):
+    from loramcl.baselines import MoEConfig, MultiHeadConfig, get_moe_model, get_multihead_model
+
+    get_moe_model(build_model("llama"), MoEConfig(num_experts=3, r=2, target_modules=["q_proj"])).save_pretrained(
+        tmp_path / "moe")
+    get_multihead_model(build_model("llama"), MultiHeadConfig(num_hypotheses=3)).save_pretrained(tmp_path / "heads")
+    (tmp_path / "peft").mkdir()
+    (tmp_path / "peft" / "adapter_config.json").write_text("{}")
+    found = {name: decoded_model_of(path) for name, path in (
+        ("mcl", str(scored / "run")), ("moe", str(tmp_path / "moe")), ("heads", str(tmp_path / "heads")),
+        ("peft", str(tmp_path / "peft")), ("none", None))}
+    assert {name: (m.num_hypotheses, m.router, m.scoring) for name, m in found.items()} == {
+        "mcl": (2, False, False), "moe": (1, True, False), "heads": (3, False, False), "peft": (None, False, False),
+        "none": (None, False, False)}
+    (tmp_path / "moe" / "mcl_config.json").write_text("{not json")
+    assert decoded_model_of(str(tmp_path / "moe")) is None  # loading the adapters says what is wrong
+
+
 # ---- output paths, devices, threads -------------------------------------------------------------------------------
 
 def test_output_paths_are_checked_before_any_work(tmp_path, monkeypatch):
@@ -246,14 +438,29 @@ def test_a_device_torch_cannot_use_is_named_with_the_fix(monkeypatch):
         check_device("cuda:1")
 
 
-def test_threads_are_a_positive_number_and_more_than_the_cores_is_said():
-    check_threads(None)
-    check_threads(1)
-    for threads in (0, -1, True):
-        with pytest.raises(OptionError, match=r"^threads must be an integer >= 1"):
+def test_threads_are_a_positive_number_below_any_machines_cores_and_more_than_ours_is_said_once(monkeypatch):
+    """check_threads only checks (a command calls it up to three times); use_threads warns, once per process."""
+    import warnings
+
+    for threads in (None, 1, 4096):
+        check_threads(threads)
+    for threads, bound in ((0, "an integer >= 1"), (-1, "an integer >= 1"), (True, "an integer >= 1"),
+                           (10**18, "at most 4096 (no machine")):
+        with pytest.raises(OptionError, match=r"^threads must be " + re.escape(bound)):
             check_threads(threads)
-    with pytest.warns(UserWarning, match=r"^threads \d+ is more than the \d+ CPU cores"):
-        check_threads(len(usable_cores()) + 1)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    more = len(usable_cores()) + 1
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("default")  # Python's own: a warning once per place and message
+            check_threads(more)
+            for _ in range(3):
+                use_threads(more)
+        assert [str(w.message).split(":")[0] for w in said] == [
+            f"threads {more} is more than the {more - 1} CPU cores this process may use"]
+    finally:
+        torch.set_num_threads(before)
 
 
 # ---- the adapters: rank against each layer, K against the memory ----------------------------------------------
@@ -297,3 +504,84 @@ def test_more_hypotheses_than_the_memory_holds_are_refused_with_the_estimate(mon
     monkeypatch.setattr("loramcl.adapter_size.available_memory", lambda device: one - 1)
     with pytest.raises(OptionError, match="not one hypothesis fits: lower --mcl.r, or adapt fewer layers"):
         get_mcl_model(model, MCLConfig(num_hypotheses=1, r=4, target_modules=["q_proj"]))
+
+
+def test_lora_moe_and_multi_head_copies_are_sized_before_they_are_made(monkeypatch):
+    """E experts (their A, B and router column) and K copies of a module: checked against the memory as K hypotheses
+    are, named as typed; 10^18 of them is refused with the numbers, not torch's overflow or a MemoryError."""
+    from loramcl.baselines import MoEConfig, MultiHeadConfig, get_moe_model, get_multihead_model
+    from loramcl.baselines.moe import MoELoraLinear
+
+    config = MoEConfig(num_experts=3, r=4, target_modules=["q_proj"])
+    model = build_model("llama")
+    one = hypothesis_bytes(model, target_layer_names(model, config.mle_config()), config)[torch.device("cpu")]
+    assert one == 2 * ((32 + 32) * 4 + 32) * 4  # 2 layers, A [32, 4], B [4, 32], router column [32], float32
+    monkeypatch.setattr("loramcl.adapter_size.available_memory", lambda device: 3 * one)
+    moe = get_moe_model(build_model("llama"), config)
+    made = sum(p.numel() * p.element_size() for _, layer in moe.mcl_layers() for p in layer.parameters()
+               if p.requires_grad)
+    assert made == 3 * one
+    with pytest.raises(OptionError, match=r"^num_experts 4: E experts of rank 4 on 2 layers need 9.2 kB of adapter "
+                                          r"weights, more than the 6.9 kB available on cpu: set --moe.num_experts 3 or "
+                                          r"less, or a lower --moe.r$") as error:
+        get_moe_model(model, MoEConfig(num_experts=4, r=4, target_modules=["q_proj"]))
+    assert error.value.owner is MoEConfig and not any(isinstance(m, MoELoraLinear) for m in model.modules())
+    monkeypatch.undo()
+    with pytest.raises(OptionError, match=r"^num_experts 1000000000000000000: E experts .* more than the .* available"):
+        get_moe_model(build_model("llama"), MoEConfig(num_experts=10**18, r=4, target_modules=["q_proj"]))
+    with pytest.raises(OptionError, match=r"^r 1000000000000000000 is more than the rank of an adapter on "
+                                          r".*: set --moe.r 32 or less"):
+        get_moe_model(build_model("llama"), MoEConfig(r=10**18, target_modules=["q_proj"]))
+    with pytest.raises(OptionError, match=r"^num_hypotheses 1000000000000000000: K copies of lm_head need .* more than "
+                                          r"the .* available on cpu: set --multihead.num_hypotheses \d+ or less$"):
+        get_multihead_model(build_model("llama"), MultiHeadConfig(num_hypotheses=10**18))
+
+
+def test_blocks_that_hold_no_target_layer_are_named_by_layers_to_transform():
+    """The tiny Llama has blocks 0 and 1: block 5 holds no q_proj, which the message says of layers_to_transform (the
+    command line: --mcl.layers_to_transform), not of target_modules."""
+    get_mcl_model(build_model("llama"), MCLConfig(target_modules=["q_proj"], layers_to_transform=[1]))
+    with pytest.raises(OptionError, match=r"^layers_to_transform \[5, 10\] names no block of LlamaForCausalLM holding "
+                                          r"a layer of target_modules=\['q_proj'\]: its blocks are numbered 0 to 1$") \
+            as error:
+        get_mcl_model(build_model("llama"), MCLConfig(target_modules=["q_proj"], layers_to_transform=[5, 10]))
+    assert error.value.owner is MCLConfig
+    with pytest.raises(ValueError, match="matched no layer"):  # no such layer at all: target_modules is at fault
+        get_mcl_model(build_model("llama"), MCLConfig(target_modules=["qq_proj"], layers_to_transform=[0]))
+
+
+def test_a_gradient_norm_that_is_not_finite_stops_training(tmp_path):
+    """Clipping by an infinite norm scales every gradient to 0: the adapters would stay as initialised for the whole
+    run (--mcl.alpha 1e30 did that, exit 0). Gradients of 1e30 per entry (finite, their norm is not) stop it."""
+    from transformers import TrainingArguments
+    from tiny_models import token_rows
+
+    from loramcl import MCLTrainer
+
+    mcl = get_mcl_model(build_model("llama"), MCLConfig(r=2, target_modules=["q_proj"]))
+    for _, layer in mcl.mcl_layers():
+        layer.lora_B.register_hook(lambda gradient: torch.full_like(gradient, 1e30))
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, report_to=[],
+                             use_cpu=True, logging_steps=10, save_strategy="steps", save_steps=1, disable_tqdm=True)
+    with pytest.raises(FloatingPointError, match=r"^the gradient norm became infinite or NaN before step 1: "
+                                                 r"clipping by it zeroes the update"):
+        MCLTrainer(mcl, args=args, train_dataset=token_rows(8, 8, 0, prompt=2)).train()
+    assert not any(tmp_path.glob("checkpoint-*"))
+
+
+def test_a_prompt_past_max_length_is_named_by_its_file_and_line(scored, capsys):
+    (scored / "long.jsonl").write_text('{"prompt": "w5", "target": "w6"}\n\n{"prompt": "' + "w5 " * 20 +
+                                       '", "target": "w6"}\n')
+    code, line = run_main(["train", "--model", str(scored / "tiny"), "--out", str(scored / "long-run"),
+                           "--data.train_file", str(scored / "long.jsonl"), "--data.max_length", "16"], capsys)
+    assert (code, line) == (1, f"loramcl train: error: {scored}/long.jsonl:3: the prompt alone has 20 tokens, "
+                               "max_length is 16 (and the target needs one more): shorten it, or raise max_length")
+
+
+def test_nll_columns_that_differ_between_items_are_named_by_file_and_id(tmp_path):
+    from loramcl.metrics.io import load_nll
+
+    path = tmp_path / "nll.jsonl"
+    path.write_text('{"id": "a", "nll": [[1.0, 2.0]]}\n{"id": "b", "nll": [[1.0]]}\n')
+    with pytest.raises(ValueError, match=f"^{path}: id 'b': NLL under 1 hypotheses, and id 'a' under 2: every item's"):
+        load_nll(path, ["a", "b"], candidates=[["x", "y"], ["x", "y"]])

@@ -105,10 +105,11 @@ def test_mismatched_and_duplicate_ids_are_named(tmp_path):
     not_a_list = write(tmp_path / "s.jsonl", [{"id": 1, "candidates": "a"}])
     with pytest.raises(ValueError, match='"candidates" must be a non-empty list of strings; not so for ids 1'):
         load_run(not_a_list, write(tmp_path / "t.jsonl", [{"id": 1, "references": ["a"]}]))
-    with pytest.raises(ValueError, match='"references" must be a string or a non-empty list of strings; not so for '
-                                         "ids 1"):
-        load_run(write(tmp_path / "c.jsonl", [{"id": 1, "candidates": ["a"]}]),
-                 write(tmp_path / "e.jsonl", [{"id": 1, "references": []}]))
+    for empty in ([], [""], " "):  # an empty reference would score every candidate 0
+        with pytest.raises(ValueError, match='e.jsonl:2: "references" must be a non-empty text or list of non-empty '
+                                             "texts$"):
+            load_run(write(tmp_path / "c.jsonl", [{"id": 2, "candidates": ["a"]}, {"id": 1, "candidates": ["a"]}]),
+                     write(tmp_path / "e.jsonl", [{"id": 2, "references": ["a"]}, {"id": 1, "references": empty}]))
     plain_preds = write(tmp_path / "u.jsonl", [{"id": 1, "candidates": ["a"]}])
     plain_refs = write(tmp_path / "v.jsonl", [{"id": 1, "references": ["a"]}])
     with pytest.raises(ValueError, match="id 1 has no \"lang\" field"):

@@ -27,7 +27,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from loramcl.config import MCLConfig
+from loramcl.config import MCLConfig, saved_values
 from loramcl.file_io import sha256, write_atomically
 from loramcl.fingerprint import check_wrapped_base_weights
 from loramcl.inputs import AdapterFilesWarning
@@ -165,7 +165,7 @@ def checked_mcl_config(path: str | os.PathLike, saved: dict, tensors: dict[str, 
     if not isinstance(saved["mcl_config"], dict):
         raise ValueError(f"{config_file}: mcl_config must be a JSON object, got {saved['mcl_config']!r}")
     try:
-        config = MCLConfig.from_dict(saved["mcl_config"])
+        config = MCLConfig.from_dict(saved_values(saved["mcl_config"]))
     except (TypeError, ValueError) as error:
         raise ValueError(f"{config_file}: {error}") from None
     _check_adapter_tensors(os.path.join(path, WEIGHTS_NAME), config, saved["adapted_modules"], tensors)

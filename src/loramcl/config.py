@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from loramcl.inputs import LocalPath
-from loramcl.validate import names_its_options, require, require_int, require_real
+from loramcl.validate import names_its_options, require, require_int, require_real, require_seed
 
 LossName = Literal["wta", "relaxed", "annealed"]
 LOSS_NAMES: tuple[str, ...] = ("wta", "relaxed", "annealed")
@@ -21,6 +21,18 @@ TIE_BREAKS: tuple[str, ...] = ("lowest", "random")
 MAX_LEARNING_RATE = 1.0
 _LEARNING_RATE_HINT = (" (AdamW moves every adapter weight by about the learning rate at each step: past 1 training "
                        "diverges; LoRA recipes use 1e-5 to 1e-3)")
+# The adapter output is scaled by alpha / r (rsLoRA: alpha / sqrt(r)); the paper and the packaged recipes use 1 to 4.
+# After one AdamW step (about the learning rate on every B entry) the output moves by about scaling x r x lr: past
+# 100 the first steps already throw the model far from the base, and at 1e30 every gradient norm is infinite.
+MAX_SCALING = 100.0
+# AdamW's decoupled decay multiplies every weight by 1 - learning_rate x weight_decay at each step; the packaged
+# recipes use 0 to 0.05 (the paper's Markov runs 1e-3). Past 1 (with a learning rate up to 1) the decay can wipe or
+# flip every weight in one step.
+MAX_WEIGHT_DECAY = 1.0
+# beta, the scoring loss' weight in the total loss: AdamW's step hardly depends on the scale of a gradient, so beta
+# acts on the logged total, where the scoring loss (nats per token, like the hypotheses' loss) weighs beta times;
+# past 100 that total is the scoring loss alone, and at 1e30 the head's gradient norm overflows.
+MAX_SCORING_WEIGHT = 100.0
 
 
 @names_its_options
@@ -126,14 +138,24 @@ class MCLConfig:
         require_int("num_hypotheses", self.num_hypotheses)
         require_int("r", self.r, what="(LoRA rank)")
         require_real("alpha", self.alpha, low=0.0, low_open=True, hint=" (the adapter output is scaled by alpha/r)")
+        divisor, said = (math.sqrt(self.r), "alpha/sqrt(r)") if self.use_rslora is True else (self.r, "alpha/r")
+        require(self.alpha / divisor <= MAX_SCALING, f"alpha {self.alpha:g} scales the adapter output by {said} = "
+                f"{self.alpha / divisor:g}, more than {MAX_SCALING:g}: set alpha at most {MAX_SCALING * divisor:g} "
+                "(the paper and the recipes use alpha/r from 1 to 4)", "alpha")
         require_real("dropout", self.dropout, low=0.0, high=1.0, high_open=True)
         require(self.loss in LOSS_NAMES, f"loss must be one of {LOSS_NAMES}, got {self.loss!r}")
         require(isinstance(self.scoring, bool), f"scoring must be True or False, got {self.scoring!r}")
-        require_real("scoring_weight", self.scoring_weight, low=0.0)
+        require_real("scoring_weight", self.scoring_weight, low=0.0, high=MAX_SCORING_WEIGHT, low_open=True,
+                     hint=" (beta, the scoring loss' weight: 0 would leave the scores untrained)")
+        require(self.scoring or self.scoring_weight == 1.0, f"scoring_weight {self.scoring_weight!r} weighs the "
+                "hypothesis scores' loss, and scoring is off: set scoring true, or leave scoring_weight out",
+                "scoring_weight")
         require(self.tie_break in TIE_BREAKS, f"tie_break must be one of {TIE_BREAKS}, got {self.tie_break!r}")
         require(self.adapter_dtype in ADAPTER_DTYPES,
                f"adapter_dtype must be one of {ADAPTER_DTYPES}, got {self.adapter_dtype!r}")
         require_real("epsilon", self.epsilon, low=0.0)
+        require(self.epsilon == 0 or self.loss == "relaxed", f"epsilon {self.epsilon!r} is relaxed WTA's weight, and "
+                f"loss is {self.loss!r}: set loss relaxed, or leave epsilon out", "epsilon")
         if self.loss == "relaxed":
             k = self.num_hypotheses
             upper = (k - 1) / k
@@ -148,6 +170,9 @@ class MCLConfig:
         require_real("temperature_decay", self.temperature_decay, low=0.0, high=1.0, low_open=True,
               hint=" (1 keeps the temperature constant)")
         require_real("temperature_min", self.temperature_min, low=0.0)
+        require(self.temperature_min < self.temperature0, f"temperature_min {self.temperature_min!r} is not below "
+                f"temperature0 {self.temperature0!r}: annealing would be vanilla WTA from the first step (set loss "
+                "wta for that), or lower temperature_min", "temperature_min")
         require(self.target_modules is None or isinstance(self.target_modules, str)
                or (isinstance(self.target_modules, list) and self.target_modules
                    and all(isinstance(t, str) and t for t in self.target_modules)),
@@ -167,7 +192,8 @@ class MCLConfig:
             self.layers_to_transform = layers = sorted(layers)
         require(layers is None or _is_index(layers) or (
             isinstance(layers, list) and layers and all(_is_index(i) for i in layers)),
-            f"layers_to_transform must be None, a block index >= 0 or a non-empty list of them, got {layers!r}")
+            f"layers_to_transform must be None, a block index >= 0 or a non-empty list of them, got {layers!r}",
+            "layers_to_transform")
         require(layers is None or not isinstance(self.target_modules, str) or self.target_modules == "all-linear",
                "layers_to_transform cannot be used with a regular expression target_modules (as in PEFT): "
                "write the block indices into the expression, or give target_modules as a list of names")
@@ -238,6 +264,21 @@ def _refusing_peft_only_options(init):
 
 
 MCLConfig.__init__ = _refusing_peft_only_options(MCLConfig.__init__)
+
+
+# A setting that only acts beside another: (that setting, the value it needs). A configuration given for training is
+# refused when it sets one without the other (the value would be ignored); a saved one reads it as its default.
+ACTS_ONLY_WITH = {"epsilon": ("loss", "relaxed"), "scoring_weight": ("scoring", True),
+                  "router_std": ("router_init", "normal")}
+
+
+def saved_values(values: dict) -> dict:
+    """The values of a configuration read from an adapters folder, less those its other settings ignore (relaxed
+    WTA's epsilon under another loss, the scores' weight without scores, the router's std with a zero router): a
+    folder written before they were refused, or whose loss was edited to continue training with another, loads with
+    the same outputs (none of them is an output setting)."""
+    return {name: value for name, value in values.items()
+            if name not in ACTS_ONLY_WITH or values.get(ACTS_ONLY_WITH[name][0]) == ACTS_ONLY_WITH[name][1]}
 
 
 def _is_index(value) -> bool:
@@ -343,7 +384,9 @@ class TrainConfig:
         require_int("batch_size", self.batch_size)
         require_real("learning_rate", self.learning_rate, low=0.0, high=MAX_LEARNING_RATE, low_open=True,
                      hint=_LEARNING_RATE_HINT)
-        require_real("weight_decay", self.weight_decay, low=0.0)
+        require_real("weight_decay", self.weight_decay, low=0.0, high=MAX_WEIGHT_DECAY,
+                     hint=" (AdamW multiplies every adapter weight by 1 - learning_rate x weight_decay at each step; "
+                          "recipes use 0 to 0.05)")
         require_real("adam_beta2", self.adam_beta2, low=0.0, high=1.0, high_open=True)
         require_real("min_learning_rate", self.min_learning_rate, low=0.0, high=self.learning_rate, high_open=True)
         require(self.min_learning_rate == 0 or self.scheduler == "cosine", f"min_learning_rate floors the cosine "
@@ -355,7 +398,7 @@ class TrainConfig:
         require_int("logging_steps", self.logging_steps)
         require_int("save_every", self.save_every, minimum=0)
         require_int("keep_checkpoints", self.keep_checkpoints)
-        require_int("seed", self.seed, minimum=0)
+        require_seed("seed", self.seed)
 
 
 __all__ = ["MCLConfig", "DataConfig", "TrainConfig", "LOSS_NAMES"]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from loramcl.baselines.config import MoEConfig, MultiHeadConfig
-from loramcl.config import DataConfig, MCLConfig, TrainConfig
+from loramcl.config import DataConfig, MCLConfig, TrainConfig, saved_values
 from loramcl.file_io import sha256
 from loramcl.inputs import (
     MCL_CONFIG,
@@ -81,18 +81,23 @@ def method_config(method: str, mcl: MCLConfig | None, moe: MoEConfig | None,
 
 
 def method_model(base, method: str, config: MethodConfig):
-    """The trainable model of ``method`` on ``base`` (modified in place)."""
+    """The trainable model of ``method`` on ``base`` (modified in place), its adapters' size checked first against
+    the memory training needs (weights, gradients, AdamW state)."""
+    from loramcl.adapter_size import check_adapter_size
+    from loramcl.peft_interop import target_layer_names
+
     if method == "moe":
         from loramcl.baselines.moe import get_moe_model
 
+        check_adapter_size(base, target_layer_names(base, config.mle_config()), config, training=True)
         return get_moe_model(base, config)
     if method == "multihead":
-        from loramcl.baselines.multihead import get_multihead_model
+        from loramcl.adapter_size import check_heads_size
+        from loramcl.baselines.multihead import duplicated_module, get_multihead_model
 
+        check_heads_size(duplicated_module(base, config), config, training=True)
         return get_multihead_model(base, config)
-    from loramcl.adapter_size import check_adapter_size
     from loramcl.model import get_mcl_model
-    from loramcl.peft_interop import target_layer_names
 
     check_adapter_size(base, target_layer_names(base, config), config, training=True)
     return get_mcl_model(base, config)
@@ -175,13 +180,14 @@ def train(
     tokenizer = AutoTokenizer.from_pretrained(model)
     pad_id = pad_token_id(tokenizer)
 
-    def dataset(pairs: tuple[list[str], list[str]], limit: int | None = None) -> PairDataset:
+    def dataset(path: str, pairs: tuple[list[str], list[str]], limit: int | None = None) -> PairDataset:
         prompts, targets = pairs[0][:limit], pairs[1][:limit]
         return PairDataset(encode_pairs(tokenizer, prompts, targets, data.chat_template, data.max_length,
-                                        encoder_decoder=encoder_decoder))
+                                        encoder_decoder=encoder_decoder,
+                                        where=lambda i: f"{path}:{record_line(path, i)}"))
 
-    train_set = dataset(train_pairs)
-    eval_set = dataset(eval_pairs, data.eval_examples) if eval_pairs else None
+    train_set = dataset(data.train_file, train_pairs)
+    eval_set = dataset(data.validation_file, eval_pairs, data.eval_examples) if eval_pairs else None
     fit(lambda: load_model(model, dtype=dtype), out, config, training, settings, train_set, eval_set,
         collator=lambda rows: collate(rows, pad_id), processor=tokenizer, last_checkpoint=last, method=method,
         scores_for=scores_for)
@@ -210,7 +216,7 @@ def _scored_run_config(run: str, method: str, mcl: MCLConfig | None) -> MCLConfi
     if saved.get("method", "mcl") != "mcl" or "mcl_config" not in saved:
         raise ValueError(f"scores_for: {run} holds a {saved.get('method')!r} model; scores are learned for LoRA-MCL "
                          "hypotheses")
-    config = MCLConfig.from_dict(saved["mcl_config"])
+    config = MCLConfig.from_dict(saved_values(saved["mcl_config"]))
     if config.num_hypotheses < 2:
         raise ValueError(f"scores_for: {run} has one hypothesis; scores rank K >= 2 hypotheses")
     return replace(config, scoring=True)

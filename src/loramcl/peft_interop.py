@@ -6,7 +6,9 @@ adapter removed (``unload``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+import re
 
 import safetensors.torch
 import torch
@@ -15,6 +17,7 @@ from transformers.pytorch_utils import Conv1D
 
 from loramcl.config import MCLConfig
 from loramcl.upstream import peft_default_targets, peft_targets
+from loramcl.validate import OptionError
 
 PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
 _ADAPTABLE = (nn.Linear, Conv1D)
@@ -218,7 +221,23 @@ def target_layer_names(model: nn.Module, config: MCLConfig) -> list[str]:
     names = matched_layer_names(model, targets, config)
     if not names:
         refuse_quantized(model)
+        _refuse_missing_blocks(model, targets, config)
         raise ValueError(f"target_modules={targets!r} matched no layer of {type(model).__name__}. Its linear "
                          f"layers are named: {linear_layer_names(model)}")
     return names
+
+
+def _refuse_missing_blocks(model: nn.Module, targets: list[str] | str, config: MCLConfig) -> None:
+    """When ``target_modules`` matches layers but none in the blocks ``layers_to_transform`` names: an OptionError
+    naming it, with the blocks those layers are in."""
+    if config.layers_to_transform is None:
+        return
+    anywhere = matched_layer_names(model, targets, dataclasses.replace(config, layers_to_transform=None,
+                                                                       layers_pattern=None))
+    blocks = sorted({int(number) for name in anywhere for number in re.findall(r"\.(\d+)\.", name)})
+    if anywhere:
+        raise OptionError("layers_to_transform", f"layers_to_transform {config.layers_to_transform} names no block "
+                          f"of {type(model).__name__} holding a layer of target_modules={targets!r}: its blocks are "
+                          f"numbered {blocks[0]} to {blocks[-1]}" if blocks else "layers_to_transform: the target "
+                          "layers are in no numbered block", owner=MCLConfig)
 

@@ -22,6 +22,8 @@ WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 MEASURE_SECONDS = 0.25
 # A core counts as free when at most this much of it is used by others (a desktop's or a CI runner's background).
 BUSY_TOLERANCE = 0.25
+# More CPU threads than any machine has (the largest servers have a few hundred cores); torch's own limit is 2^31.
+MAX_THREADS = 4096
 
 
 def sleep_while_waiting() -> None:
@@ -58,27 +60,30 @@ def default_threads() -> int:
 
 
 def check_threads(threads: int | None) -> None:
-    """``threads`` is None or an integer >= 1 (checked before any work); more than the usable cores is a warning (no
-    recipe asks for that, but a machine may be about to change)."""
+    """``threads`` is None or an integer in [1, MAX_THREADS]: checked before any work, as often as a command likes
+    (``use_threads`` says once if it is more than the cores)."""
     if threads is None:
         return
     require(isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1,
             f"threads must be an integer >= 1 (torch CPU threads; leave it out to use the free cores), got {threads!r}",
             "threads")
-    cores = len(usable_cores())
-    if threads > cores:
-        warnings.warn(f"threads {threads} is more than the {cores} CPU cores this process may use: the extra threads "
-                      "share cores and slow every step down; leave it out to use the free cores", stacklevel=2)
+    require(threads <= MAX_THREADS, f"threads must be at most {MAX_THREADS} (no machine has that many cores; leave it "
+            f"out to use the free cores), got {threads!r}", "threads")
 
 
 def use_threads(threads: int | None) -> int:
     """Set torch's CPU threads for a command: ``threads`` if given; else those of OMP_NUM_THREADS if it is set (torch
-    read it); else the cores free now (``default_threads``). Returns the number set."""
+    read it); else the cores free now (``default_threads``). Returns the number set. More threads than the usable
+    cores is a warning (no recipe asks for that, but a machine may be about to change)."""
     import torch
 
     check_threads(threads)
     if threads is None and os.environ.get(THREADS_ENV, "").strip():
         return torch.get_num_threads()
+    cores = len(usable_cores())
+    if threads is not None and threads > cores:  # warned from here, one place: Python shows it once per process
+        warnings.warn(f"threads {threads} is more than the {cores} CPU cores this process may use: the extra threads "
+                      "share cores and slow every step down; leave it out to use the free cores", stacklevel=1)
     chosen = threads if threads is not None else default_threads()
     torch.set_num_threads(chosen)
     return chosen

@@ -209,6 +209,7 @@ class MCLTrainer(Trainer):
         self._train_wins = torch.zeros(k, dtype=torch.long, device=self.args.device)  # [K] since the last log
         self._last_temperature: float | None = None  # tau used by the latest training step (annealed loss)
         self._nonfinite_loss = torch.zeros((), dtype=torch.bool, device=self.args.device)  # checked when logging
+        self._nonfinite_grad_norm = torch.zeros((), dtype=torch.bool, device=self.args.device)  # likewise
         self._eval_nll: list[torch.Tensor] = []
         self._eval_mixture: list[torch.Tensor] = []  # [B] per batch, with hypothesis scores
 
@@ -326,6 +327,8 @@ class MCLTrainer(Trainer):
         if "loss" in logs:  # a training log: every rank gets here at the same step (Trainer gathers the loss too)
             if self.accelerator.reduce(self._nonfinite_loss.int(), reduction="sum"):
                 self._raise_nonfinite()
+            if self.accelerator.reduce(self._nonfinite_grad_norm.int(), reduction="sum"):
+                self._raise_nonfinite_grad_norm()
             wins = self.accelerator.reduce(self._train_wins.clone(), reduction="sum")
             total = int(wins.sum())
             if total:
@@ -357,16 +360,29 @@ class MCLTrainer(Trainer):
         """Gradient clipping, the hypotheses and the scoring head each by their own norm: the head's gradients must not
         shrink the hypotheses' step (with them separate, the hypotheses train bit-identically with and without
         scores). The returned (logged) norm is the hypotheses'. Under DeepSpeed or FSDP, whose clipping spans the
-        whole model, Trainer's own clipping applies."""
+        whole model, Trainer's own clipping applies. A norm that is not finite is recorded: clipping by it zeroes the
+        step (or makes it NaN), so training would go on without learning (checked when logging and saving)."""
         # Trainer clips all gradients by one norm before on_pre_optimizer_step: no callback can clip the head apart.
         head = self._mcl_model().scoring_head
         if head is None or self.accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP) \
                 or self._has_mixed_mesh_grads(model):
-            return super()._clip_grad_norm(model)
-        head_parameters = set(head.parameters())
-        hypotheses = [p for p in model.parameters() if p not in head_parameters]
-        self.accelerator.clip_grad_norm_(list(head_parameters), self.args.max_grad_norm)
-        return self.accelerator.clip_grad_norm_(hypotheses, self.args.max_grad_norm)
+            norm = super()._clip_grad_norm(model)
+        else:
+            head_parameters = set(head.parameters())
+            hypotheses = [p for p in model.parameters() if p not in head_parameters]
+            head_norm = self.accelerator.clip_grad_norm_(list(head_parameters), self.args.max_grad_norm)
+            self._record_grad_norm(head_norm)
+            norm = self.accelerator.clip_grad_norm_(hypotheses, self.args.max_grad_norm)
+        self._record_grad_norm(norm)
+        return norm
+
+    def _record_grad_norm(self, norm) -> None:
+        # fp16's loss scaler skips a step whose gradients overflowed, and lowers its scale: that is its job. DeepSpeed
+        # returns no norm here.
+        if norm is not None and self.accelerator.scaler is None:
+            norm = norm.to_local() if hasattr(norm, "to_local") else norm  # FSDP2: a replicated DTensor
+            finite = torch.isfinite(torch.as_tensor(norm)).to(self._nonfinite_grad_norm.device)
+            self._nonfinite_grad_norm |= ~finite  # no host sync here
 
     def _watch_for_collapse(self, wins: torch.Tensor) -> None:
         """Warn once (``CollapseWatch``) when a hypothesis has stopped winning: under vanilla WTA it then gets no
@@ -390,13 +406,22 @@ class MCLTrainer(Trainer):
             "checkpoint is written with broken adapters. Lower the learning rate, train in bf16 or fp32 rather than "
             "fp16, or check the inputs of the base model.")
 
+    def _raise_nonfinite_grad_norm(self) -> None:
+        raise FloatingPointError(
+            f"the gradient norm became infinite or NaN before step {self.state.global_step}: clipping by it zeroes "
+            "the update, so the adapters stop learning; stopping before any checkpoint is written. Lower the "
+            "adapters' scaling alpha / r (the paper's: 1 to 4) or the learning rate, or check the inputs of the base "
+            "model.")
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         # save_model gathers the state dict (DeepSpeed, FSDP) and hands it here: the one place to write our files.
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
-        if self._nonfinite_loss:  # this rank's own flag: _save runs on the writing rank only
+        if self._nonfinite_loss:  # this rank's own flags: _save runs on the writing rank only
             self._raise_nonfinite()
+        if self._nonfinite_grad_norm:
+            self._raise_nonfinite_grad_norm()
         self._mcl_model().save_pretrained(output_dir, state_dict=state_dict)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)

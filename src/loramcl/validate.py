@@ -6,6 +6,10 @@ from __future__ import annotations
 import functools
 import math
 
+# The largest seed of every seed option: numpy's generators take seeds below 2^32 (torch's, below 2^64), so a seed
+# that works for one command works for all.
+MAX_SEED = 2**32 - 1
+
 
 class OptionError(ValueError):
     """A value that is not allowed. Its message starts with ``option``, the name of the field or argument that holds
@@ -40,11 +44,21 @@ def require(condition: bool, message: str, option: str | None = None) -> None:
         raise OptionError(option, message) if option else ValueError(message)
 
 
-def require_int(name: str, value, minimum: int = 1, what: str = "") -> None:
-    """An int >= minimum; a bool is refused although Python counts it as an int (True would be taken as 1)."""
+def require_int(name: str, value, minimum: int = 1, what: str = "", maximum: int | None = None,
+                hint: str = "") -> None:
+    """An int >= minimum (and <= maximum, with ``hint`` saying why); a bool is refused although Python counts it as
+    an int (True would be taken as 1)."""
     label = f"{name} {what}".rstrip()
     require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
             f"{label} must be an integer >= {minimum}, got {value!r}", name)
+    if maximum is not None:
+        require(value <= maximum, f"{label} must be at most {maximum}{hint}, got {value!r}", name)
+
+
+def require_seed(name: str, value) -> None:
+    """A seed: an integer in [0, MAX_SEED]."""
+    require(isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SEED,
+            f"{name} must be an integer in [0, 2**32 - 1] (a seed numpy and torch both take), got {value!r}", name)
 
 
 def require_real(name: str, value, low: float | None = None, high: float | None = None, low_open: bool = False,

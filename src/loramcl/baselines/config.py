@@ -7,10 +7,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 from loramcl.config import MCLConfig
-from loramcl.validate import names_its_options
+from loramcl.validate import names_its_options, require, require_int, require_real
 
 ROUTER_INITS: tuple[str, ...] = ("zeros", "normal")
+# A router's logits start with a standard deviation of about router_std x the norm of its input (sqrt(d_in) for
+# unit features, 5.7 for the narrowest test model): past 10 every token of any model starts on one expert with a
+# saturated softmax (no gradient for the router). transformers initialises linear layers with 0.02.
+MAX_ROUTER_STD = 10.0
 INITS: tuple[str, ...] = ("copy", "random")
+ROUTER_STD = 0.01  # MoEConfig.router_std's default
 
 
 class _Dictionary:
@@ -55,19 +60,21 @@ class MoEConfig(_Dictionary):
     router_init: Literal["zeros", "normal"] = "zeros"
     """Router weights at initialisation: 'zeros' (uniform mixing, the paper's) or 'normal' (N(0, router_std^2))."""
 
-    router_std: float = 0.01
+    router_std: float = ROUTER_STD
     """Standard deviation of the router weights when router_init='normal'."""
 
     adapter_dtype: Literal["float32", "base"] = "float32"
     """dtype of the experts, the router and their matmuls, as ``MCLConfig.adapter_dtype``."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts < 1:
-            raise ValueError(f"num_experts (E) must be an integer >= 1, got {self.num_experts!r}")
-        if self.router_init not in ROUTER_INITS:
-            raise ValueError(f"router_init must be one of {ROUTER_INITS}, got {self.router_init!r}")
-        if not self.router_std > 0:
-            raise ValueError(f"router_std must be > 0, got {self.router_std!r}")
+        require_int("num_experts", self.num_experts, what="(E)")
+        require(self.router_init in ROUTER_INITS, f"router_init must be one of {ROUTER_INITS}, got "
+                f"{self.router_init!r}", "router_init")
+        require_real("router_std", self.router_std, low=0.0, high=MAX_ROUTER_STD, low_open=True,
+                     hint=" (the router's initial logits grow with it; transformers' layers start with 0.02)")
+        require(self.router_init == "normal" or self.router_std == ROUTER_STD, f"router_std {self.router_std!r} "
+                f"draws the router's initial weights when router_init is 'normal', and router_init is "
+                f"{self.router_init!r}: set router_init normal, or leave router_std out", "router_std")
         self.mle_config()  # r, alpha, dropout, target_modules and adapter_dtype are checked as MCLConfig checks them
 
     def mle_config(self) -> MCLConfig:

@@ -9,6 +9,7 @@ import os
 import torch
 
 from loramcl.adapter_files import CONFIG_NAME, WEIGHTS_NAME, read_adapter_files
+from loramcl.config import saved_values
 from loramcl.fingerprint import check_wrapped_base_weights
 from loramcl.model import MCLModel
 
@@ -22,7 +23,7 @@ def method_config(path, saved: dict, method: str, config_class):
     if not isinstance(saved.get(key), dict):
         raise ValueError(f"{config_file}: {key} must be a JSON object, got {saved.get(key)!r}")
     try:
-        return config_class.from_dict(saved[key])
+        return config_class.from_dict(saved_values(saved[key]))
     except (TypeError, ValueError) as error:
         raise ValueError(f"{config_file}: {error}") from None
 

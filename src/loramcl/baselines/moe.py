@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loramcl.adapter_size import check_adapter_size
 from loramcl.baselines.config import MoEConfig
 from loramcl.baselines.files import BaselineFiles, check_tensors_fit, copy_tensors, method_config
 from loramcl.fingerprint import check_base_weights, known_fingerprint
@@ -194,8 +195,10 @@ def get_moe_model(model: nn.Module, config: MoEConfig) -> MoEModel:
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     routing, router_state = HypothesisRouting(), RouterState()
     adapter_dtype = torch.float32 if config.adapter_dtype == "float32" else None
+    names = target_layer_names(model, config.mle_config())
+    check_adapter_size(model, names, config)
     return replace_modules(
-        model, target_layer_names(model, config.mle_config()),
+        model, names,
         lambda layer: MoELoraLinear(layer, routing, router_state, config, adapter_dtype=adapter_dtype),
         lambda names: MoEModel(model, config, routing, router_state, names))
 

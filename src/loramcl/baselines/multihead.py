@@ -24,6 +24,7 @@ import math
 import torch
 from torch import nn
 
+from loramcl.adapter_size import check_heads_size
 from loramcl.baselines.config import MultiHeadConfig
 from loramcl.baselines.files import BaselineFiles, check_tensors_fit, copy_tensors, method_config
 from loramcl.copies import batch_size_of
@@ -226,7 +227,8 @@ def _module_suggestions(model: nn.Module) -> list[str]:
     return names or [name for name, _ in model.named_children()]
 
 
-def _duplicated_module(model: nn.Module, config: MultiHeadConfig) -> nn.Module:
+def duplicated_module(model: nn.Module, config: MultiHeadConfig) -> nn.Module:
+    """The module of ``model`` that ``config`` duplicates, checked: a part of the model with parameters."""
     if isinstance(model, MCLModel):
         raise ValueError("this model already has MCL adapters or heads")
     try:
@@ -247,7 +249,8 @@ def get_multihead_model(model: nn.Module, config: MultiHeadConfig) -> MultiHeadM
     """
     if not isinstance(config, MultiHeadConfig):
         raise TypeError(f"config must be a MultiHeadConfig, got {type(config).__name__}")
-    module = _duplicated_module(model, config)
+    module = duplicated_module(model, config)
+    check_heads_size(module, config)
     k = config.num_hypotheses
     if config.init == "copy":
         copies = [dict(module.named_parameters())] * k
@@ -265,7 +268,7 @@ def load_from_files(model: nn.Module, path, saved: dict, tensors: dict[str, torc
     """``load_mcl_model`` for a saved multi-head model: checked against ``model`` before it is touched; built with
     init='copy' (no random draws), the loaded copies then replace the pretrained ones."""
     config = method_config(path, saved, "multihead", MultiHeadConfig)
-    module = _duplicated_module(model, config)
+    module = duplicated_module(model, config)
     expected = {f"{config.module}.heads.{name}": (config.num_hypotheses, *param.shape)
                 for name, param in module.named_parameters()}
     check_tensors_fit(path, saved, tensors, [config.module], expected)

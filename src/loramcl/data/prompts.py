@@ -12,7 +12,7 @@ torch loads inside `collate` only, so that a command reads and checks its files 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from loramcl.inputs import PositionLimits, record_line
 from loramcl.metrics.io import read_jsonl
@@ -27,7 +27,8 @@ def prompt_text(tokenizer, prompt: str, chat_template: bool) -> str:
 
 
 def encode_pairs(tokenizer, prompts: Sequence[str], targets: Sequence[str], chat_template: bool = False,
-                 max_length: int | None = None, encoder_decoder: bool = False) -> list[dict[str, list[int]]]:
+                 max_length: int | None = None, encoder_decoder: bool = False,
+                 where: Callable[[int], str] = "pair {}".format) -> list[dict[str, list[int]]]:
     """One {input_ids, labels} per pair.
 
     Causal LM: input_ids = prompt tokens + target tokens + end-of-sequence, labels -100 on the prompt. A pair longer
@@ -38,6 +39,8 @@ def encode_pairs(tokenizer, prompts: Sequence[str], targets: Sequence[str], chat
     target as the tokenizer encodes a target (``text_target``: its own special tokens, e.g. NLLB's language code),
     with end-of-sequence appended if the tokenizer adds none; each side at most max_length tokens (a longer
     prompt raises, a longer target loses its end).
+
+    ``where(i)`` names pair i in the errors (e.g. its file and line).
     """
     if len(prompts) != len(targets):
         raise ValueError(f"{len(prompts)} prompts for {len(targets)} targets")
@@ -57,13 +60,15 @@ def encode_pairs(tokenizer, prompts: Sequence[str], targets: Sequence[str], chat
             if not t or eos not in t[-2:]:  # the end token, possibly followed by a language code (mBART)
                 t = t + [eos]
             if max_length is not None and len(p) > max_length:
-                raise ValueError(f"pair {i}: the prompt has {len(p)} tokens, max_length is {max_length}")
+                raise ValueError(f"{where(i)}: the prompt has {len(p)} tokens, max_length is {max_length}: shorten "
+                                 "it, or raise max_length")
             rows.append({"input_ids": p, "labels": t[:max_length]})
             continue
         t = t + [eos]
         if max_length is not None and len(p) + len(t) > max_length:
             if len(p) >= max_length:
-                raise ValueError(f"pair {i}: the prompt alone has {len(p)} tokens, max_length is {max_length}")
+                raise ValueError(f"{where(i)}: the prompt alone has {len(p)} tokens, max_length is {max_length} (and "
+                                 "the target needs one more): shorten it, or raise max_length")
             t = t[:max_length - len(p)]
         rows.append({"input_ids": p + t, "labels": [-100] * len(p) + t})
     return rows

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loramcl.validate import OptionError
+
 
 @dataclass(frozen=True)
 class EqualBudget:
@@ -47,27 +49,9 @@ def equal_budget(budget: int, num_hypotheses: int) -> EqualBudget:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if budget % num_hypotheses:
         lower, upper = budget - budget % num_hypotheses, budget + num_hypotheses - budget % num_hypotheses
-        raise ValueError(f"a forward budget of {budget} cannot be split among K={num_hypotheses} hypotheses (beam "
-                         f"{budget}/{num_hypotheses} per hypothesis): choose a multiple of K, e.g. "
-                         f"{lower or upper} or {upper}")
+        raise OptionError("budget", f"budget {budget} cannot be split among K={num_hypotheses} hypotheses (beam "
+                          f"{budget}/{num_hypotheses} per hypothesis): choose a multiple of K, e.g. {lower or upper} "
+                          f"or {upper}")
     per_hypothesis = budget // num_hypotheses
     return EqualBudget(budget, num_hypotheses, mle_num_beams=budget, mcl_num_beams=per_hypothesis,
                        tta_num_beams=per_hypothesis)
-
-
-def beam_size(strategy: str, num_beams: int | None, budget: int | None, copies: int, mcl: bool) -> int:
-    """The beam size a ``generate_hypotheses`` call decodes with: ``num_beams`` as given, or the one its forward
-    ``budget`` gives ``strategy`` for ``copies`` candidates per input (an MCL model: ``mcl``); checked."""
-    if num_beams is not None and budget is not None:
-        raise ValueError("give num_beams or budget, not both (budget sets the beam sizes)")
-    if budget is not None:
-        return equal_budget(budget, copies).num_beams(strategy, mcl)
-    if num_beams is None:
-        if strategy in ("beam", "diverse_beam"):
-            raise ValueError(f"strategy {strategy!r} needs num_beams (or a forward budget: budget=B)")
-        return 1
-    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
-        raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
-    if strategy in ("greedy", "sample") and num_beams != 1:
-        raise ValueError(f"strategy {strategy!r} decodes one beam (num_beams=1); use strategy='beam' for beams")
-    return num_beams

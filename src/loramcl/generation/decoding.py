@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 from loramcl.copies import batch_size_of
-from loramcl.generation.budget import beam_size
 from loramcl.generation.candidates import Candidate, Decoder, eos_ids, hf_model, is_encoder_decoder, text_tokenizer
-from loramcl.generation.options import BASELINE_STRATEGIES, MCL_STRATEGIES, Decoding, split_options
+from loramcl.generation.options import Decoding, DecodedModel, plan, split_options
 from loramcl.inputs import position_limits
 from loramcl.model import MCLModel
 from loramcl.validate import OptionError
@@ -94,109 +93,40 @@ def generate_hypotheses(
     Decoding runs in eval mode (dropout off) under ``torch.no_grad``; the model's mode is restored after.
     """
     decoding, generate_kwargs = split_options(decoding, options)
-    strategy, num_beams, num_sequences = decoding.strategy, decoding.num_beams, decoding.num_sequences
-    num_beam_groups, diversity_penalty = decoding.num_beam_groups, decoding.diversity_penalty
-    if strategy == "stochastic_router" and not hasattr(model, "stochastic_router"):
-        raise ValueError("strategy 'stochastic_router' samples the experts of a LoRA-MoE model (loramcl.baselines."
-                         f"get_moe_model); {type(model).__name__} has no router")
+    strategy, num_sequences = decoding.strategy, decoding.num_sequences
     clashing = sorted(_SET_BY_STRATEGY & set(generate_kwargs))
     if clashing:
         raise ValueError(f"{clashing} are set by generate_hypotheses: use its own arguments (strategy, num_beams, "
                          "num_sequences, num_beam_groups, diversity_penalty)")
+    decoded = plan(decoding, decoded_model(model), augment=augment is not None, sort_by_score=sort_by_score)
+    selected, mcl_path, num_beams = decoded.selected, decoded.mcl, decoded.num_beams
     batch = _prepare_inputs(model, tokenizer, inputs)
     _check_positions(model, batch, decoding.max_new_tokens)
-    selected = _selected_hypotheses(model, decoding.hypotheses)
-    mcl_path = selected is not None and strategy in MCL_STRATEGIES and num_sequences in (None, len(selected))
-    if selected is not None and not mcl_path and len(selected) != 1:
-        if strategy in MCL_STRATEGIES:
-            raise ValueError(f"num_sequences={num_sequences} does not match the {len(selected)} hypotheses to decode "
-                             f"({selected}): an MCL model gives one candidate per hypothesis. Leave num_sequences "
-                             "out, or pass hypotheses=[k] to run a single-model baseline on hypothesis k.")
-        raise ValueError(f"strategy {strategy!r} is a single-model baseline; an MCL model decodes with "
-                         f"{MCL_STRATEGIES}. To run it on one hypothesis of this model, pass hypotheses=[k].")
-    copies = len(selected) if mcl_path else num_sequences
-    if mcl_path and strategy == "diverse_beam":
-        _check_diverse_mcl(model, selected, num_beam_groups, diversity_penalty)
-    if not mcl_path:
-        if strategy == "greedy":
-            raise ValueError("greedy decoding gives one sequence per input; a single model's K candidates come from "
-                             f"{BASELINE_STRATEGIES} (with num_sequences=K)")
-        if num_sequences is None:
-            raise ValueError(f"strategy {strategy!r} on a single model needs num_sequences=K (candidates per input)")
-    num_beams = beam_size(strategy, num_beams, decoding.budget, copies, mcl_path)
-    if strategy in ("beam", "diverse_beam") and not mcl_path and num_beams < num_sequences:
-        raise ValueError(f"beam search returns at most num_beams sequences: num_beams={num_beams} < "
-                         f"num_sequences={num_sequences}; use num_beams >= {num_sequences}")
-    if strategy != "diverse_beam" and (num_beam_groups is not None or diversity_penalty is not None):
-        raise ValueError("num_beam_groups and diversity_penalty belong to strategy='diverse_beam'")
-    if strategy != "tta" and augment is not None:
-        raise ValueError("augment belongs to strategy='tta'")
 
     kwargs = _generate_kwargs(model, tokenizer, decoding, num_beams, log_probs, generate_kwargs)
     decoder = Decoder(model, tokenizer, kwargs, decoding.seed, log_probs,
                        routing=selected[0] if selected is not None and not mcl_path else None)
-    if sort_by_score:
-        if not (mcl_path and getattr(model, "scoring_head", None) is not None
-                and sorted(selected) == list(range(model.num_hypotheses))):
-            raise ValueError("sort_by_score needs an MCL model with hypothesis scores (MCLConfig(scoring=True)) "
-                             "decoding all of its hypotheses with an MCL strategy")
     if mcl_path:
-        outs = decoder.mcl(batch, selected, diversity_penalty if strategy == "diverse_beam" else None)
+        outs = decoder.mcl(batch, selected, decoding.diversity_penalty if strategy == "diverse_beam" else None)
         return [sorted(c, key=lambda x: -x.score) for c in outs] if sort_by_score else outs
     if strategy == "stochastic_router":
         return decoder.stochastic_router(batch, num_sequences)
     if strategy == "tta":
-        if augment is None:
-            raise ValueError("strategy='tta' needs augment: a function (inputs, k) -> perturbed inputs")
         return decoder.tta(batch, augment, num_sequences)
     if strategy == "diverse_beam":
-        if diversity_penalty is None:
-            raise ValueError("strategy='diverse_beam' needs diversity_penalty (λ of the Hamming diversity term; "
-                             "the paper uses 0.8 or 1.0)")
-        groups = num_sequences if num_beam_groups is None else num_beam_groups
-        if num_beams % groups:
-            raise ValueError(f"diverse beam search splits num_beams={num_beams} into num_beam_groups={groups} "
-                             "groups of equal size: num_beams must be a multiple of num_beam_groups")
-        return decoder.diverse_beam(batch, num_sequences, groups, diversity_penalty)
+        groups = num_sequences if decoding.num_beam_groups is None else decoding.num_beam_groups
+        return decoder.diverse_beam(batch, num_sequences, groups, decoding.diversity_penalty)
     return decoder.returned_sequences(batch, num_sequences)
 
 
 # ---- checks and preparation ---------------------------------------------------------------------------------
 
 
-def _selected_hypotheses(model: nn.Module, hypotheses: Sequence[int] | None) -> list[int] | None:
-    """The MCL hypotheses to decode, checked; None for a model without hypotheses."""
-    if not isinstance(model, MCLModel):
-        if hypotheses is not None:
-            raise ValueError(f"hypotheses= selects adapter sets of an MCLModel; {type(model).__name__} has none")
-        return None
-    k = model.num_hypotheses
-    if hypotheses is None:
-        return list(range(k))
-    if isinstance(hypotheses, int) or torch.is_tensor(hypotheses) and hypotheses.dim() == 0:
-        raise TypeError(f"hypotheses must be a list of indices, e.g. [{int(hypotheses)}]")
-    selected = [int(h) for h in hypotheses]
-    if not selected:
-        raise ValueError("hypotheses is empty: leave it out to decode all hypotheses")
-    bad = [h for h in selected if not 0 <= h < k]
-    if bad:
-        raise ValueError(f"hypotheses {bad} do not exist: this model has K={k} (0..{k - 1})")
-    return selected
-
-
-def _check_diverse_mcl(model: MCLModel, selected: list[int], num_beam_groups, diversity_penalty) -> None:
-    if len(selected) < 2:
-        raise ValueError(
-            f"diverse MCL decoding (strategy 'diverse_beam' on an MCL model) makes hypotheses avoid each other's "
-            f"tokens, so it needs 2 or more hypotheses; this call decodes {selected} (the model has "
-            f"K={model.num_hypotheses}). To run diverse beam search on one hypothesis k as a single model, pass "
-            "hypotheses=[k] and num_sequences.")
-    if num_beam_groups is not None and num_beam_groups != len(selected):
-        raise ValueError(f"in diverse MCL decoding the groups are the {len(selected)} hypotheses decoded: leave "
-                         f"num_beam_groups ({num_beam_groups}) out")
-    if diversity_penalty is None:  # its bounds are Decoding's
-        raise ValueError("strategy='diverse_beam' needs diversity_penalty >= 0 (λ of the Hamming diversity term; "
-                         "0 gives beam search per hypothesis)")
+def decoded_model(model: nn.Module) -> DecodedModel:
+    """What ``plan`` checks a decoding against, read off ``model``."""
+    return DecodedModel(model.num_hypotheses if isinstance(model, MCLModel) else None,
+                        router=hasattr(model, "stochastic_router"),
+                        scoring=getattr(model, "scoring_head", None) is not None, name=type(model).__name__)
 
 
 def _check_positions(model: nn.Module, batch: dict, max_new_tokens: int) -> None:

@@ -14,12 +14,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from loramcl.validate import names_its_options, require, require_int, require_real
+from loramcl.generation.budget import equal_budget
+from loramcl.validate import OptionError, names_its_options, require, require_int, require_real, require_seed
 
 Strategy = Literal["greedy", "beam", "sample", "diverse_beam", "tta", "stochastic_router"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 MCL_STRATEGIES = ("greedy", "beam", "sample", "diverse_beam")
 BASELINE_STRATEGIES = ("beam", "diverse_beam", "sample", "tta", "stochastic_router")
+BEAM_STRATEGIES = ("beam", "diverse_beam", "tta", "stochastic_router")  # those that take num_beams or a budget
+# Beams, candidates, groups or a forward budget per input: every one is a row of each decoding step, times the batch
+# (and K for an MCL model). The paper's largest budget is 15 (K = 5, beam 3 per hypothesis); torch's sizes overflow
+# long before 10^18.
+MAX_BEAMS = 4096
+_BEAMS_HINT = " (beams or candidates per input: each is a row of every decoding step, times the batch)"
 
 
 @names_its_options
@@ -74,12 +81,14 @@ class Decoding:
                 f"{MCL_STRATEGIES}, single models with {BASELINE_STRATEGIES}")
         for name in ("num_beams", "budget", "num_sequences", "num_beam_groups"):
             if getattr(self, name) is not None:
-                require_int(name, getattr(self, name))
+                require_int(name, getattr(self, name), maximum=MAX_BEAMS, hint=_BEAMS_HINT)
         hypotheses = self.hypotheses
         require(hypotheses is None or (isinstance(hypotheses, list | tuple) and all(
             isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in hypotheses)),
             f"hypotheses must be a list of hypothesis indices (integers >= 0), e.g. [0, 2], got {hypotheses!r}",
             "hypotheses")
+        require(hypotheses is None or len(hypotheses) > 0, "hypotheses is empty: leave it out to decode all hypotheses",
+                "hypotheses")
         require_int("max_new_tokens", self.max_new_tokens)
         require_real("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True, hint=" (1: no penalty)")
         require_real("temperature", self.temperature, low=0.0, low_open=True,
@@ -88,9 +97,30 @@ class Decoding:
         for name in ("top_p", "typical_p"):
             require_real(name, getattr(self, name), low=0.0, high=1.0, low_open=True, hint=" (1: no limit)")
         if self.seed is not None:
-            require_int("seed", self.seed, minimum=0)
+            require_seed("seed", self.seed)
         if self.diversity_penalty is not None:
             require_real("diversity_penalty", self.diversity_penalty, low=0.0)
+        self._check_strategy()
+
+    def _check_strategy(self) -> None:
+        """The options that belong to another strategy, checked whatever the model (``plan`` checks the rest)."""
+        strategy = self.strategy
+        require(self.num_beams is None or self.budget is None, f"num_beams {self.num_beams} and budget "
+                f"{self.budget}: give one of them, not both (a budget sets the beam sizes)", "num_beams")
+        if strategy in ("greedy", "sample"):
+            require(self.num_beams in (None, 1), f"num_beams {self.num_beams}: strategy {strategy!r} decodes one beam; "
+                    "use strategy 'beam' for beams", "num_beams")
+            require(self.budget is None, f"budget {self.budget}: a forward budget sets beam sizes, and strategy "
+                    f"{strategy!r} has none (use one of {BEAM_STRATEGIES}, or leave budget out)", "budget")
+        elif strategy in ("beam", "diverse_beam"):
+            require(self.num_beams is not None or self.budget is not None,
+                    f"strategy {strategy!r} needs num_beams (or a forward budget: budget=B)", "strategy")
+        for name in ("num_beam_groups", "diversity_penalty"):
+            require(strategy == "diverse_beam" or getattr(self, name) is None,
+                    f"{name} {getattr(self, name)} belongs to strategy 'diverse_beam' (strategy is {strategy!r})", name)
+        require(strategy != "diverse_beam" or self.diversity_penalty is not None,
+                f"strategy {strategy!r} needs diversity_penalty >= 0 (λ of the Hamming diversity term: the paper "
+                "uses 0.8 or 1.0; 0 gives beam search per group)", "strategy")
 
 
 FIELDS = frozenset(field.name for field in dataclasses.fields(Decoding))
@@ -103,3 +133,88 @@ def split_options(decoding: Decoding | None, options: Mapping) -> tuple[Decoding
     fields = {name: value for name, value in options.items() if name in FIELDS}
     rest = {name: value for name, value in options.items() if name not in FIELDS}
     return dataclasses.replace(decoding or Decoding(), **fields), rest
+
+
+@dataclass(frozen=True)
+class DecodedModel:
+    """What a decoding is checked against, known before the model loads (`loramcl generate` reads it from the
+    adapters' mcl_config.json) as well as from the model."""
+
+    num_hypotheses: int | None
+    """K of an MCL model (multi-head MCL: its K heads; LoRA-MoE: 1); None: a model without hypotheses."""
+    router: bool = False
+    """A LoRA-MoE model, whose router can be sampled ('stochastic_router')."""
+    scoring: bool = False
+    """An MCL model with hypothesis scores p(k | c)."""
+    name: str = "the model"
+    """What the messages call it (its class)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a ``generate_hypotheses`` call decodes, from ``plan``."""
+
+    selected: list[int] | None
+    """The MCL hypotheses decoded, in order; None for a model without hypotheses."""
+    mcl: bool
+    """One candidate per selected hypothesis (else a single model's num_sequences candidates)."""
+    num_beams: int
+
+
+def plan(decoding: Decoding, model: DecodedModel, augment: bool = False, sort_by_score: bool = False) -> Plan:
+    """The hypotheses, the path (MCL or a single-model baseline) and the beam size of ``decoding`` on ``model``,
+    checked: every mistake that the model's kind and K show is an OptionError naming the option, before any
+    decoding (and, in `loramcl generate`, before the model loads). ``augment``: a 'tta' function is given."""
+    strategy, num_sequences, k = decoding.strategy, decoding.num_sequences, model.num_hypotheses
+    require(strategy != "stochastic_router" or model.router, "strategy 'stochastic_router' samples the experts of a "
+            f"LoRA-MoE model (loramcl.baselines.get_moe_model); {model.name} has no router", "strategy")
+    selected = None
+    if decoding.hypotheses is not None:
+        selected = list(decoding.hypotheses)
+        require(k is not None, f"hypotheses {selected} selects adapter sets of an MCLModel; {model.name} has none",
+                "hypotheses")
+        bad = [h for h in selected if h >= k]
+        require(not bad, f"hypotheses {bad} do not exist: this model has K={k} (0..{k - 1})", "hypotheses")
+    elif k is not None:
+        selected = list(range(k))
+    mcl = selected is not None and strategy in MCL_STRATEGIES and num_sequences in (None, len(selected))
+    if selected is not None and not mcl and len(selected) != 1:
+        if strategy in MCL_STRATEGIES:
+            raise OptionError("num_sequences", f"num_sequences={num_sequences} does not match the {len(selected)} "
+                              f"hypotheses to decode ({selected}): an MCL model gives one candidate per hypothesis. "
+                              "Leave num_sequences out, or pass hypotheses=[k] to run a single-model baseline on "
+                              "hypothesis k.")
+        raise OptionError("strategy", f"strategy {strategy!r} is a single-model baseline; an MCL model decodes with "
+                          f"{MCL_STRATEGIES}. To run it on one hypothesis of this model, pass hypotheses=[k].")
+    if mcl and strategy == "diverse_beam":
+        require(len(selected) >= 2, f"strategy 'diverse_beam' on an MCL model is diverse MCL decoding: it makes "
+                "hypotheses avoid each other's tokens, so it needs 2 or more hypotheses; this call decodes "
+                f"{selected} (the model has K={k}). To run diverse beam search on one hypothesis k as a single "
+                "model, pass hypotheses=[k] and num_sequences.", "strategy")
+        require(decoding.num_beam_groups in (None, len(selected)), f"num_beam_groups {decoding.num_beam_groups}: "
+                f"in diverse MCL decoding the groups are the {len(selected)} hypotheses decoded: leave it out",
+                "num_beam_groups")
+    if not mcl:
+        require(strategy != "greedy", "strategy 'greedy': greedy decoding gives one sequence per input; a single "
+                f"model's K candidates come from {BASELINE_STRATEGIES} (with num_sequences=K)", "strategy")
+        require(num_sequences is not None, f"strategy {strategy!r} on a single model needs num_sequences=K "
+                "(candidates per input)", "strategy")
+    num_beams = decoding.num_beams or 1
+    if decoding.budget is not None:
+        num_beams = equal_budget(decoding.budget, len(selected) if mcl else num_sequences).num_beams(strategy, mcl)
+    if strategy in ("beam", "diverse_beam") and not mcl:
+        require(num_beams >= num_sequences, f"num_sequences {num_sequences} is more than the beams: beam search "
+                f"returns at most num_beams sequences (num_beams={num_beams} < num_sequences={num_sequences}); use "
+                f"num_beams >= {num_sequences}", "num_sequences")
+    if strategy == "diverse_beam" and not mcl:
+        groups = num_sequences if decoding.num_beam_groups is None else decoding.num_beam_groups
+        require(num_beams % groups == 0, f"num_beam_groups {groups}: diverse beam search splits num_beams="
+                f"{num_beams} into num_beam_groups={groups} groups of equal size: num_beams must be a multiple of "
+                "num_beam_groups", "num_beam_groups")
+    require(strategy == "tta" or not augment, "augment belongs to strategy='tta'", "augment")
+    require(strategy != "tta" or augment, "strategy 'tta' needs augment: a function (inputs, k) -> perturbed inputs",
+            "strategy")
+    require(not sort_by_score or (mcl and model.scoring and sorted(selected) == list(range(k))),
+            "sort_by_score needs an MCL model with hypothesis scores (MCLConfig(scoring=True)) decoding all of its "
+            "hypotheses with an MCL strategy", "sort_by_score")
+    return Plan(selected, mcl, num_beams)

@@ -15,8 +15,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from loramcl.generation.options import Decoding
+from loramcl.file_io import write_atomically
+from loramcl.generation.options import Decoding, DecodedModel, plan
 from loramcl.inputs import (
+    MCL_CONFIG,
     Dtype,
     LocalPath,
     ModelPath,
@@ -112,6 +114,8 @@ def generate(
     texts = [prompt_text(tok, p, chat_template) for p in prompts]
     lengths = [len(tokens) for tokens in tok(texts, add_special_tokens=not chat_template)["input_ids"]]
     check_generated_positions(limits, options.max_new_tokens, input, lengths)
+    if (decoded := decoded_model_of(adapters)) is not None:  # the decoding against the adapters' kind and K
+        plan(options, decoded, augment=augment is not None, sort_by_score=sort_by_score)
     decoder = load_model(model, adapters, dtype, device, strict=strict)
     augment_fn = _import_function(augment) if augment else None
 
@@ -119,22 +123,52 @@ def generate(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(prompts), unit="prompt", desc="generate", file=sys.stderr, disable=not progress,
                dynamic_ncols=True)
-    with bar, out_path.open("w", encoding="utf-8") as f:
-        for b, start in enumerate(range(0, len(prompts), batch_size)):
-            chunk = prompts[start:start + batch_size]
-            # as training tokenized them (loramcl.data.prompts): the chat template writes its own special tokens
-            texts = [prompt_text(tok, p, chat_template) for p in chunk]
-            batch = tokenize_prompts(decoder, tok, texts, add_special_tokens=not chat_template)
-            seed = None if options.seed is None else options.seed + b
-            outs = generate_hypotheses(decoder, tok, batch, decoding=options, seed=seed, augment=augment_fn,
-                                       sort_by_score=sort_by_score)
-            for item_id, candidates in zip(ids[start:start + batch_size], outs, strict=True):
-                record = prediction_record(item_id, candidates, strip=False, scores=True)
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            bar.update(len(chunk))
-    per_prompt = len(outs[0])
+    candidates_per_prompt = []
+
+    def write(path: str) -> None:
+        with bar, open(path, "w", encoding="utf-8") as f:
+            for b, start in enumerate(range(0, len(prompts), batch_size)):
+                chunk = prompts[start:start + batch_size]
+                # as training tokenized them (loramcl.data.prompts): the chat template writes its own special tokens
+                texts = [prompt_text(tok, p, chat_template) for p in chunk]
+                batch = tokenize_prompts(decoder, tok, texts, add_special_tokens=not chat_template)
+                seed = None if options.seed is None else options.seed + b
+                outs = generate_hypotheses(decoder, tok, batch, decoding=options, seed=seed, augment=augment_fn,
+                                           sort_by_score=sort_by_score)
+                for item_id, candidates in zip(ids[start:start + batch_size], outs, strict=True):
+                    record = prediction_record(item_id, candidates, strip=False, scores=True)
+                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                candidates_per_prompt.append(len(outs[0]))
+                bar.update(len(chunk))
+
+    # under a temporary name until every prompt is decoded: a failure leaves an existing file as it was
+    write_atomically(out_path, write)
+    per_prompt = candidates_per_prompt[0]
     print(f"{len(prompts)} prompts x {per_prompt} candidates ({options.strategy}): {out_path}")
     return str(out_path)
+
+
+def decoded_model_of(adapters: str | None) -> DecodedModel | None:
+    """What ``generate`` decodes with ``adapters`` (MCL adapters and their K, a baseline, a PEFT adapter, or none),
+    read from their mcl_config.json before the model loads; None when that file cannot be read (loading it says
+    why)."""
+    if adapters is None:
+        return DecodedModel(None, name="the base model (no adapters)")
+    path = Path(adapters) / MCL_CONFIG
+    if not path.is_file():
+        return DecodedModel(None, name="a PEFT adapter")
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        method = saved.get("method", "mcl")
+        config = saved[f"{method}_config"]
+        k = 1 if method == "moe" else config["num_hypotheses"]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        return None
+    names = {"moe": "the LoRA-MoE model", "multihead": "the multi-head model"}
+    return DecodedModel(k, router=method == "moe", scoring=config.get("scoring") is True,
+                        name=names.get(method, "the model"))
 
 
 def prediction_record(item_id, candidates: Sequence, strip: bool = True, scores: bool = False) -> dict:

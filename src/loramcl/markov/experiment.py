@@ -63,6 +63,8 @@ class RunSettings:
         for name in ("temperature0", "initializer_range"):
             require_real(name, getattr(self, name), low=0.0, low_open=True)
         require_real("epsilon", self.epsilon, low=0.0, high=1.0)
+        require(self.epsilon == 0 or self.loss == "relaxed", f"epsilon {self.epsilon!r} is relaxed WTA's weight, and "
+                f"loss is {self.loss!r}: set loss relaxed, or leave epsilon out", "epsilon")
         require_real("temperature_decay", self.temperature_decay, low=0.0, high=1.0, low_open=True)
         require_real("temperature_min", self.temperature_min, low=0.0)
         require(self.training.eval_every > 0, f"eval_every must be >= 1 (the validation curve), got "

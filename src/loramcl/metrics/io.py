@@ -112,12 +112,19 @@ def load_run(predictions_path: str | Path, references_path: str | Path, group_ke
     candidates = [predictions[i]["candidates"] for i in ids]
     refs = [references[i]["references"] for i in ids]
     refs = [[row] if isinstance(row, str) else row for row in refs]  # one reference, as `loramcl nll` reads it
-    for name, rows, allowed in (("candidates", candidates, "a non-empty list of strings"),
-                                ("references", refs, "a string or a non-empty list of strings")):
-        bad = [i for i, row in zip(ids, rows, strict=True)
-               if not isinstance(row, list) or not row or not all(isinstance(t, str) for t in row)]
-        if bad:
-            raise ValueError(f'"{name}" must be {allowed}; not so for ids {shown_ids(bad)}')
+    bad = [i for i, row in zip(ids, candidates, strict=True)
+           if not isinstance(row, list) or not row or not all(isinstance(t, str) for t in row)]
+    if bad:
+        raise ValueError(f'"candidates" must be a non-empty list of strings; not so for ids {shown_ids(bad)}')
+    order = {item: index for index, item in enumerate(references)}
+    bad = [i for i, row in zip(ids, refs, strict=True)
+           if not isinstance(row, list) or not row or not all(isinstance(t, str) and t.strip() for t in row)]
+    if bad:  # an empty reference would score every candidate 0 (or crash a metric's tokenizer)
+        from loramcl.inputs import record_line
+
+        first = min(bad, key=order.get)
+        raise ValueError(f'{references_path}:{record_line(references_path, order[first])}: "references" must be a '
+                         "non-empty text or list of non-empty texts")
     groups = None
     if group_key:
         def label(i):
@@ -161,6 +168,10 @@ def load_nll(path: str | Path, ids: list, references: list[list[str]] | None = N
         if not np.isfinite(array).all() or (array < 0).any():
             raise ValueError(f"{where}: NLL values must be finite and >= 0 (a mean negative log-likelihood), got "
                              f"{rows}")
+        if arrays and array.shape[1] != arrays[0].shape[1]:
+            raise ValueError(f"{where}: NLL under {array.shape[1]} hypotheses, and id {ids[0]!r} under "
+                             f"{arrays[0].shape[1]}: every item's NLL comes from the one model that decoded the "
+                             "candidates (one column per hypothesis)")
         arrays.append(array)
     return arrays
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from loramcl.generation.options import BASELINE_STRATEGIES, MCL_STRATEGIES
-from loramcl.validate import require, require_int, require_real
+from loramcl.validate import require, require_int, require_real, require_seed
 
 # the baselines a recipe compares: every single-model strategy but LoRA-MoE's stochastic router
 SINGLE_MODEL_STRATEGIES = tuple(s for s in BASELINE_STRATEGIES if s != "stochastic_router")
@@ -41,7 +41,7 @@ class DecodeConfig:
         require_real("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
         require_int("batch_size", self.batch_size)
         require_real("diversity_penalty", self.diversity_penalty, low=0.0)
-        require_int("seed", self.seed, minimum=0)
+        require_seed("seed", self.seed)
 
     def to_dict(self) -> dict:
         return asdict(self)
