@@ -1,5 +1,5 @@
 """CPU threads when a command is not told (loramcl.threads): the free cores, a bad --threads refused by name, and
-OpenMP's waiting threads asleep under the command line."""
+OpenMP's waiting threads asleep when a core is busy."""
 
 import os
 import subprocess
@@ -16,6 +16,7 @@ from loramcl.cli import main
 def untold(monkeypatch):
     """No OMP_NUM_THREADS in the environment (the tests set it to 1); torch's threads restored afterwards."""
     monkeypatch.delenv(threads.THREADS_ENV, raising=False)
+    monkeypatch.setattr(threads, "_free_at_start", None)  # no command line measured them
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
@@ -61,13 +62,22 @@ def test_a_command_refuses_a_bad_thread_count_before_work(tmp_path, capsys):
     assert not (tmp_path / "m").exists()
 
 
-def test_the_command_line_lets_waiting_threads_sleep(monkeypatch, capsys):
-    """OMP_WAIT_POLICY=PASSIVE for the command's torch, unless the environment chose a policy."""
+@pytest.mark.parametrize("free, policy", [(0.5, "PASSIVE"), (2.0, None)])
+def test_a_command_on_a_busy_machine_lets_waiting_threads_sleep(untold, monkeypatch, tmp_path, free, policy):
+    """A command that runs a model measures the free cores once, before torch would load: with a core busy, OpenMP's
+    waiting threads sleep (OMP_WAIT_POLICY=PASSIVE); on an idle machine OpenMP keeps its own waits; the measure is
+    the threads' default."""
+    measured = []
     monkeypatch.delenv(threads.WAIT_POLICY_ENV, raising=False)
-    with pytest.raises(SystemExit):
-        main(["recipes", "--help"])
-    assert os.environ[threads.WAIT_POLICY_ENV] == "PASSIVE"
+    monkeypatch.setattr(threads, "usable_cores", lambda: [0, 1])
+    monkeypatch.setattr(threads, "free_cores", lambda seconds=threads.MEASURE_SECONDS: measured.append(1) or free)
+    with pytest.raises(SystemExit):  # stops at its options, after the measure
+        main(["markov", "--out", str(tmp_path / "m"), "--threads", "0"])
+    assert measured == [1] and os.environ.get(threads.WAIT_POLICY_ENV) == policy
+    monkeypatch.setattr("psutil.cpu_count", lambda logical=True: 2)
+    assert threads.default_threads() == (1 if free < 1 else 2) and measured == [1]  # measured once
     monkeypatch.setenv(threads.WAIT_POLICY_ENV, "ACTIVE")
+    monkeypatch.setenv(threads.THREADS_ENV, "2")
     with pytest.raises(SystemExit):
-        main(["recipes", "--help"])
-    assert os.environ[threads.WAIT_POLICY_ENV] == "ACTIVE"
+        main(["markov", "--out", str(tmp_path / "m"), "--threads", "0"])
+    assert measured == [1] and os.environ[threads.WAIT_POLICY_ENV] == "ACTIVE"  # the environment chose both

@@ -18,7 +18,7 @@ import re
 import sys
 import warnings
 
-from loramcl.threads import check_threads, sleep_while_waiting
+from loramcl.threads import check_threads, settle_before_torch
 
 DEBUG_ENV = "LORAMCL_DEBUG"
 VERBOSITY_ENV = "LORAMCL_VERBOSITY"
@@ -54,7 +54,6 @@ def main(argv: list[str] | None = None) -> None:
     args = [a for a in args if a != "--debug"]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    sleep_while_waiting()  # before torch loads: OpenMP reads it then
     from jsonargparse import CLI, set_parsing_settings
 
     from loramcl import __version__
@@ -70,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     args = _packaged_configs(args)
     if command is not None and callable(table[command]):
         args = _bare_booleans(args, table[command])
+        if "threads" in inspect.signature(table[command]).parameters and not {"-h", "--help"} & set(args):
+            settle_before_torch()  # a command that runs a model: the free cores, and OpenMP's waits
     prefix = f"loramcl {command}" if command else "loramcl"
     try:
         with _one_line_warnings(prefix), _library_log(prefix):

@@ -1,12 +1,14 @@
 """How many CPU threads torch runs on when a command is not told: the cores that are free when it starts.
 
 torch's own default is one OpenMP thread per core. When another job holds a core, every parallel region of a forward
-then waits for a thread that shares its core with that job, and by default the waiting threads spin: a small model
-runs many times slower than on one thread (docs/benchmarks.md, "CPU threads": measured on 2 cores). So a command that
-runs a model and gets no `--threads` measures how busy the cores it may use are (a quarter of a second, once) and takes
-the free ones, at least one and at most torch's default; and the command line asks OpenMP to let waiting threads sleep
-(`OMP_WAIT_POLICY=PASSIVE`, before torch loads) so that a job starting beside ours later costs less. An environment
-that sets OMP_NUM_THREADS or OMP_WAIT_POLICY keeps its own choice.
+then waits for a thread that shares its core with that job, and the waiting threads spin: measured on 2 cores beside
+another job, the docs' first `loramcl train` and a Markov run took 1.6 to 1.9 times as long as on the free cores
+(docs/benchmarks.md, "CPU threads"). So a command that runs a model measures, once, how busy the cores it may use are
+(a quarter of a second, before torch loads) and takes the free ones when it gets no `--threads`: at least one, at most
+torch's default. When some core is busy at that moment, the command line also lets OpenMP's waiting threads sleep
+(`OMP_WAIT_POLICY=PASSIVE`): beside a busy core they cost less that way, while on an idle machine OpenMP's own short
+spin is faster (sleeping cost the Markov run 20%). An environment that sets OMP_NUM_THREADS or OMP_WAIT_POLICY keeps its
+own choice.
 """
 
 from __future__ import annotations
@@ -26,10 +28,19 @@ BUSY_TOLERANCE = 0.25
 MAX_THREADS = 4096
 
 
-def sleep_while_waiting() -> None:
-    """OpenMP threads that wait for work sleep instead of spinning, unless the environment chose. Only takes effect
-    before torch is imported (OpenMP reads it when it loads): the command line calls it first thing."""
-    os.environ.setdefault(WAIT_POLICY_ENV, "PASSIVE")
+_free_at_start: float | None = None  # free cores, measured by ``settle_before_torch`` (the command line)
+
+
+def settle_before_torch() -> None:
+    """For a command that runs a model, before torch is imported (OpenMP reads its settings when it loads): measure
+    the free cores once (``default_threads`` uses the measure), and if some core is busy let OpenMP threads that
+    wait for work sleep instead of spinning, unless the environment chose."""
+    global _free_at_start
+    if os.environ.get(THREADS_ENV, "").strip() and os.environ.get(WAIT_POLICY_ENV, "").strip():
+        return  # the environment chose both
+    _free_at_start = free_cores()
+    if _free_at_start + BUSY_TOLERANCE < len(usable_cores()):
+        os.environ.setdefault(WAIT_POLICY_ENV, "PASSIVE")
 
 
 def usable_cores() -> list[int]:
@@ -56,7 +67,8 @@ def default_threads() -> int:
 
     cores = len(usable_cores())
     physical = min(psutil.cpu_count(logical=False) or cores, cores)
-    return max(1, min(physical, math.floor(free_cores() + BUSY_TOLERANCE)))
+    free = _free_at_start if _free_at_start is not None else free_cores()
+    return max(1, min(physical, math.floor(free + BUSY_TOLERANCE)))
 
 
 def check_threads(threads: int | None) -> None:
