@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 LATEST := .venv-latest
 TORCH := torch==2.13.0
 
-.PHONY: setup main test test-latest bench bench-suite
+.PHONY: setup main test test-fast test-latest bench bench-suite
 
 # install(venv, constraints file): torch goes first and alone (installed after transformers it would be resolved to
 # the newest CUDA build); every later step is constrained to the same torch.
@@ -35,6 +35,10 @@ main: setup
 
 test: setup
 	$(VENV)/bin/pytest
+
+# The unit tests alone (everything but tests/recipes/ and tests/system/): a quick check while changing the library.
+test-fast: setup
+	$(VENV)/bin/pytest -m "not slow and not recipe and not system"
 
 test-latest:
 	rm -rf $(LATEST)

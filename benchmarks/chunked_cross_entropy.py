@@ -28,10 +28,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from common import peak_mib, synchronize
+from torch.utils.checkpoint import checkpoint
 
-from loramcl.nll import chunked_token_nll
+from loramcl.mcl.nll import chunked_token_nll
 
 
 def whole(hidden, targets, head, chunk_size):

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from loramcl import MCLLoraLinear, mcl_loss
-from loramcl.generation import generate_hypotheses
-from loramcl.trainer import scoring_block
+from loramcl.decoding import generate_hypotheses
+from loramcl.training.trainer import scoring_block
 
 # LoRA on attention's q, k, v and the MLP's up and down projections (the paper's audio and vision setting)
 TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]

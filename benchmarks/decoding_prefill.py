@@ -22,7 +22,7 @@ import torch
 from common import perturb_adapters, timed
 
 from loramcl import MCLConfig, get_mcl_model
-from loramcl.generation import generate_hypotheses
+from loramcl.decoding import generate_hypotheses
 
 IMAGE_TOKEN = 3
 

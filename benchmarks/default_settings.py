@@ -134,7 +134,7 @@ def languages_won(base: Path, run: Path, train_file: Path, languages: list[int])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from loramcl.data.prompts import collate, encode_pairs, pad_token_id
-    from loramcl.model import load_mcl_model
+    from loramcl.mcl.model import load_mcl_model
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     rows = [json.loads(line) for line in train_file.read_text().splitlines()]
@@ -158,8 +158,9 @@ def is_split(table: list[list[int]], purity: float = 0.9) -> bool:
 
 def train_setting(base: Path, train_file: Path, out: Path, fields: dict, hypotheses: int, seed: int,
                   steps: int) -> None:
-    from loramcl import finetune
-    from loramcl.config import DataConfig, MCLConfig, TrainConfig
+    from loramcl.mcl.config import MCLConfig
+    from loramcl.training import fit as finetune
+    from loramcl.training.config import DataConfig, TrainConfig
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         finetune.train(model=str(base), out=str(out), data=DataConfig(train_file=str(train_file)),

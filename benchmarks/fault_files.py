@@ -27,7 +27,7 @@ OLD_SAMPLE_ROWS = 8  # the earlier fingerprint hashed 8 evenly spaced rows of ea
 
 
 def _warning_classes() -> tuple[type[Warning], ...]:
-    import loramcl.inputs as inputs
+    import loramcl.utils.inputs as inputs
 
     return tuple(getattr(inputs, name) for name in ("AdapterFilesWarning", "BaseWeightsMismatch")
                  if hasattr(inputs, name)) or (Warning,)

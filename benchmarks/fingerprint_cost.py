@@ -31,8 +31,8 @@ from common import TARGETS, interleaved_medians, start, timed
 from suite import SHAPES
 
 from loramcl import MCLConfig, get_mcl_model, load_mcl_model
-from loramcl import fingerprint as fingerprints
-from loramcl import model as model_module
+from loramcl.mcl import fingerprint as fingerprints
+from loramcl.mcl import model as model_module
 
 
 def main() -> None:

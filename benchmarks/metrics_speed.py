@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--references", type=int, default=5)
     args = parser.parse_args()
 
-    from loramcl.metrics.cli import evaluate
+    from loramcl.metrics.evaluate import evaluate
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

@@ -244,7 +244,7 @@ def training(suite: Suite, args) -> list[dict]:
 def context_once(suite: Suite, args) -> list[dict] | str:
     if suite.shape.family != "llama":
         return ("not measured: the context computed once splits causal LMs given input_ids only; audio inputs are "
-                "refused (loramcl.context.check_split_inputs)")
+                "refused (loramcl.mcl.context.check_split_inputs)")
     context, target = suite.shape.context_target
     batch = suite.batch(context + target, target, args.batch)
     models = {("full", k): suite.wrap(k) for k in KS} | {("once", k): suite.wrap(k, adapt_context=False) for k in KS}

@@ -42,7 +42,7 @@ def build_inputs(root: Path) -> dict:
     questions, each with three equally right answers."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from loramcl.pretrained import convert_smollm2
+    from loramcl.models import convert_smollm2
 
     model = root / "qwen2-small"
     if not (model / "config.json").is_file():

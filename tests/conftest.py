@@ -19,6 +19,20 @@ logging.set_verbosity_error()
 torch.set_num_threads(1)
 
 
+# The tests mirror src/loramcl/; two folders are marked so that a run can leave them out (`make test-fast`):
+# tests/recipes/ (the tasks' readers and their end-to-end `--quick` runs) and tests/system/ (the wheel, several
+# processes, the docs run as written, the package's layout).
+FOLDER_MARKERS = {"recipes": "recipe", "system": "system"}
+
+
+def pytest_collection_modifyitems(config, items):
+    here = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        folder = os.path.relpath(str(item.path), here).split(os.sep)[0]
+        if folder in FOLDER_MARKERS:
+            item.add_marker(FOLDER_MARKERS[folder])
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
@@ -74,6 +88,6 @@ def peft_reference(model, mcl):
 @pytest.fixture(scope="session")
 def smollm2_folder(tmp_path_factory):
     """SmolLM2-135M-Instruct converted once per test session (about 20 s) for the recipes' end-to-end tests."""
-    from loramcl.pretrained import convert_smollm2
+    from loramcl.models import convert_smollm2
 
     return convert_smollm2(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")

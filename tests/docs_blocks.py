@@ -1,4 +1,4 @@
-"""The code blocks of README.md and docs/*.md, and how tests/test_docs_run.py exercises each of their lines.
+"""The code blocks of README.md and docs/*.md, and how tests/system/test_docs_run.py exercises each of their lines.
 
 A block is a fenced block of a doc. Its items are what the registry of test_docs_run.py names: each command of a
 bash block (continuation lines joined, the trailing comment dropped, quoting undone), or the first line of any other
@@ -208,14 +208,14 @@ _CUT = ("the pipeline up to its data (options, recipe, model, data written and r
         "rest end to end")
 _PAPER = "paper scale: on the CPU, without the model or data, it stops with one line naming what is missing"
 _STEPS = "training cut to 2 steps"
-_WHEEL = "tests/test_wheel.py::test_the_installed_wheel_runs_from_an_empty_folder"
-_AUDIO = "tests/test_audio_captioning_recipe.py::test_quick_end_to_end_then_every_stage_reused"
-_IMAGE = ("tests/test_image_captioning.py::"
+_WHEEL = "tests/system/test_wheel.py::test_the_installed_wheel_runs_from_an_empty_folder"
+_AUDIO = "tests/recipes/test_audio_captioning_recipe.py::test_quick_end_to_end_then_every_stage_reused"
+_IMAGE = ("tests/recipes/test_image_captioning.py::"
           "test_quick_default_recipe_runs_end_to_end_from_an_empty_folder_and_reuses_its_stages")
-_BILINGUAL = "tests/test_bilingual_recipe.py::test_quick_recipe_writes_every_output"
-_TRANSLATION = "tests/test_translation_recipe.py::test_quick_recipe_writes_every_output"
-_SPOKEN = "tests/test_spoken_translation.py::test_quick_end_to_end_on_whisper_base_then_every_stage_reused"
-_MARKOV = "tests/test_markov.py::test_quick_markov_command_writes_its_outputs_and_separates_mcl_from_mle"
+_BILINGUAL = "tests/recipes/test_bilingual_recipe.py::test_quick_recipe_writes_every_output"
+_TRANSLATION = "tests/recipes/test_translation_recipe.py::test_quick_recipe_writes_every_output"
+_SPOKEN = "tests/recipes/test_spoken_translation.py::test_quick_end_to_end_on_whisper_base_then_every_stage_reused"
+_MARKOV = "tests/recipes/test_markov.py::test_quick_markov_command_writes_its_outputs_and_separates_mcl_from_mle"
 _BENCH = Module(parse_only=True, why="a benchmark is a measurement run by hand: its options are parsed by its own "
                                      "parser, nothing is measured")
 _MISSING_MODEL = r"model folder .* does not exist \(a model is a local transformers folder; nothing is downloaded\)"
@@ -294,10 +294,10 @@ REGISTRY = {
                           "--strategy stochastic_router --num_sequences 2 --budget 4"):
         Run(replace=(("BASE", "runs/bilingual/SmolLM2-135M-Instruct"),), outputs=("preds.jsonl",),
             why="BASE: the model the MoE run trained on"),
-    ("docs/baselines.md", "python -m loramcl.markov.compare --out runs/baselines-markov --seeds 3 --threads 1"):
+    ("docs/baselines.md", "python -m loramcl.recipes.markov.compare --out runs/baselines-markov --seeds 3 --threads 1"):
         Module(append=("--quick", "true", "--seeds", "1", "--steps", "2", "--prompts", "4"),
                outputs=("runs/baselines-markov/report.json",),
-               covered_by="tests/test_baselines_markov.py::test_quick_comparison_runs_end_to_end",
+               covered_by="tests/recipes/test_baselines_markov.py::test_quick_comparison_runs_end_to_end",
                why="cut to 1 seed, 2 steps, 4 prompts"),
     **{("docs/benchmarks.md", line): _BENCH for line in (
         ".venv/bin/python benchmarks/suite.py --shape cpu-small --threads 1",
@@ -353,12 +353,12 @@ REGISTRY = {
     ("docs/cli.md", "loramcl audio-captioning --recipes my-clotho"): Run(fails=_MISSING_MODEL, why=_PAPER),
     ("docs/cli.md", "loramcl train --config bilingual/common.yaml --config bilingual/mle.yaml"):
         _bilingual_train("mle"),
-    ("docs/decoding.md", "from loramcl.generation import generate_hypotheses, equal_budget"): Python(
+    ("docs/decoding.md", "from loramcl.decoding import generate_hypotheses, equal_budget"): Python(
         "decoding", why="model (K = 3), tokenizer, i, k bound"),
     ("docs/decoding.md", "loramcl generate --model BASE --adapters CKPT --input prompts.jsonl --out preds.jsonl "
                          "--strategy beam --num_beams 2 --repetition_penalty 1.1"):
         Run(replace=(_BASE, ("CKPT", "runs/mcl")), outputs=("preds.jsonl",), why="BASE, CKPT: the tiny model and run"),
-    ("docs/decoding.md", "from loramcl.generation import Decoding"): Python(
+    ("docs/decoding.md", "from loramcl.decoding import Decoding"): Python(
         "decoding", why="model, tokenizer, prompts, generate_hypotheses bound"),
     ("docs/decoding.md", 'outs = generate_hypotheses(mcl, tok, prompts, strategy="diverse_beam", budget=4, '
                          'diversity_penalty=0.8)'): Python("diverse", why="mcl (K = 2), tok, prompts bound"),
@@ -369,7 +369,7 @@ REGISTRY = {
     ("docs/decoding.md", 'outs = generate_hypotheses(moe, tok, prompts, strategy="beam", budget=6, '
                          'num_sequences=3)'): Python("decoding", why="moe (LoRA-MoE, 3 experts), tok, prompts bound"),
     ("docs/decoding.md", "budget = equal_budget(6, 3)"): Python("decoding", why="mcl (K = 3), mle, tok, prompts"),
-    ("docs/decoding.md", "from loramcl.generation import spec_augment"): Python(
+    ("docs/decoding.md", "from loramcl.decoding import spec_augment"): Python(
         "audio", why="mle: a tiny Qwen2-Audio, processor, batch: one clip's generation batch"),
     ("docs/decoding.md", ".venv/bin/python benchmarks/generation_speed.py --repeats 7"): _BENCH,
     ("docs/decoding.md", ".venv/bin/python benchmarks/generation_speed.py --threads 1 --repeats 9"): _BENCH,

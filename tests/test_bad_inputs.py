@@ -13,17 +13,17 @@ import torch
 from tiny_models import build_model, word_tokenizer
 
 from loramcl import MCLConfig, get_mcl_model
-from loramcl.adapter_size import check_adapter_size, hypothesis_bytes
 from loramcl.cli import main
-from loramcl.config import TrainConfig
-from loramcl.finetune import check_max_length
-from loramcl.generation.options import DecodedModel, Decoding, plan
-from loramcl.generation.predictions import check_generated_positions, decoded_model_of
-from loramcl.inputs import PositionLimits, check_device, check_output, model_positions
-from loramcl.threads import check_threads, usable_cores, use_threads
-from loramcl.layers import MCLLoraLinear
-from loramcl.peft_interop import target_layer_names
-from loramcl.validate import OptionError
+from loramcl.decoding.options import DecodedModel, Decoding, plan
+from loramcl.decoding.predictions import check_generated_positions, decoded_model_of
+from loramcl.mcl.adapter_size import check_adapter_size, hypothesis_bytes
+from loramcl.mcl.layers import MCLLoraLinear
+from loramcl.mcl.peft_interop import target_layer_names
+from loramcl.training.config import TrainConfig
+from loramcl.training.fit import check_max_length
+from loramcl.utils.inputs import PositionLimits, check_device, check_output, model_positions
+from loramcl.utils.threads import check_threads, usable_cores, use_threads
+from loramcl.utils.validate import OptionError
 
 
 def run_main(argv, capsys) -> tuple[int, str]:
@@ -168,7 +168,7 @@ def test_a_saved_configuration_reads_what_its_settings_ignore_as_the_default():
     """Adapters saved before those values were refused (or whose loss was edited to continue training) still load:
     epsilon without the relaxed loss, scoring_weight without scores and router_std with a zero router act on
     nothing; given for training, they are refused."""
-    from loramcl.config import saved_values
+    from loramcl.mcl.config import saved_values
 
     saved = {"loss": "wta", "epsilon": 0.1, "scoring_weight": 2.0, "r": 4}
     assert saved_values(saved) == {"loss": "wta", "r": 4}
@@ -183,7 +183,7 @@ def test_the_recipes_keep_clear_of_the_new_bounds():
     import yaml
 
     from loramcl.baselines import MoEConfig, MultiHeadConfig
-    from loramcl.recipe.files import packaged_recipes
+    from loramcl.recipes.files import packaged_recipes
 
     blocks = {"mcl": MCLConfig, "moe": MoEConfig, "multihead": MultiHeadConfig, "training": TrainConfig}
     checked = 0
@@ -248,7 +248,7 @@ def test_generation_past_the_positions_is_refused_before_decoding(tmp_path):
 def test_the_library_refuses_decoding_past_the_positions():
     """generate_hypotheses (what the recipes decode images and audio with) checks the padded prompts and the new
     tokens against the model's configuration before it decodes."""
-    from loramcl.generation import generate_hypotheses
+    from loramcl.decoding import generate_hypotheses
 
     mcl = get_mcl_model(build_model("llama"), MCLConfig(num_hypotheses=2, r=2, target_modules=["q_proj"]))
     batch = {"input_ids": torch.full((2, 120), 5), "attention_mask": torch.ones(2, 120, dtype=torch.long)}
@@ -335,7 +335,7 @@ def test_generate_checks_the_decoding_against_the_adapters_before_the_model_load
                                                                                  monkeypatch):
     """The adapters' kind and K are read from their mcl_config.json: a decoding that cannot run on them is refused
     naming its option, before the model loads, and an earlier predictions file is left as it was."""
-    monkeypatch.setattr("loramcl.loading.load_model", lambda *args, **kwargs: pytest.fail("the model loaded"))
+    monkeypatch.setattr("loramcl.models.load_model", lambda *args, **kwargs: pytest.fail("the model loaded"))
     (scored / "gen-prompts.jsonl").write_text('{"prompt": "w5"}\n')
     (scored / "gen-preds.jsonl").write_text("earlier\n")
     code, line = run_main(["generate", "--model", str(scored / "tiny"), "--adapters", str(scored / "run"), "--input",
@@ -348,7 +348,7 @@ def test_generate_checks_the_decoding_against_the_adapters_before_the_model_load
 def test_a_generation_that_fails_leaves_the_earlier_predictions_file_whole(scored, capsys, monkeypatch):
     """The predictions are written under a temporary name beside --out and renamed once every prompt is decoded: a
     failure midway (here the second batch) leaves the earlier file as it was, and no temporary file."""
-    import loramcl.generation.decoding as decoding
+    import loramcl.decoding.strategies as decoding
 
     decode, calls = decoding.generate_hypotheses, []
 
@@ -493,7 +493,7 @@ def test_more_hypotheses_than_the_memory_holds_are_refused_with_the_estimate(mon
     model = build_model("llama")
     names = target_layer_names(model, config)
     one = hypothesis_bytes(model, names, config)[torch.device("cpu")]  # 2 layers x (32 + 32) x 4 x 4 bytes
-    monkeypatch.setattr("loramcl.adapter_size.available_memory", lambda device: 10 * one)
+    monkeypatch.setattr("loramcl.mcl.adapter_size.available_memory", lambda device: 10 * one)
     check_adapter_size(model, names, MCLConfig(num_hypotheses=10, r=4, target_modules=["q_proj"]))
     with pytest.raises(OptionError, match=r"^num_hypotheses 11: K hypotheses of rank 4 on 2 layers need 22.5 kB of "
                                           r"adapter weights, more than the 20.5 kB available on cpu: set "
@@ -501,7 +501,7 @@ def test_more_hypotheses_than_the_memory_holds_are_refused_with_the_estimate(mon
         check_adapter_size(model, names, config)
     with pytest.raises(OptionError, match=r"with their gradients and AdamW state, .* --mcl.num_hypotheses 2 or less"):
         check_adapter_size(model, names, MCLConfig(num_hypotheses=3, r=4, target_modules=["q_proj"]), training=True)
-    monkeypatch.setattr("loramcl.adapter_size.available_memory", lambda device: one - 1)
+    monkeypatch.setattr("loramcl.mcl.adapter_size.available_memory", lambda device: one - 1)
     with pytest.raises(OptionError, match="not one hypothesis fits: lower --mcl.r, or adapt fewer layers"):
         get_mcl_model(model, MCLConfig(num_hypotheses=1, r=4, target_modules=["q_proj"]))
 
@@ -516,7 +516,7 @@ def test_lora_moe_and_multi_head_copies_are_sized_before_they_are_made(monkeypat
     model = build_model("llama")
     one = hypothesis_bytes(model, target_layer_names(model, config.mle_config()), config)[torch.device("cpu")]
     assert one == 2 * ((32 + 32) * 4 + 32) * 4  # 2 layers, A [32, 4], B [4, 32], router column [32], float32
-    monkeypatch.setattr("loramcl.adapter_size.available_memory", lambda device: 3 * one)
+    monkeypatch.setattr("loramcl.mcl.adapter_size.available_memory", lambda device: 3 * one)
     moe = get_moe_model(build_model("llama"), config)
     made = sum(p.numel() * p.element_size() for _, layer in moe.mcl_layers() for p in layer.parameters()
                if p.requires_grad)
@@ -553,8 +553,8 @@ def test_blocks_that_hold_no_target_layer_are_named_by_layers_to_transform():
 def test_a_gradient_norm_that_is_not_finite_stops_training(tmp_path):
     """Clipping by an infinite norm scales every gradient to 0: the adapters would stay as initialised for the whole
     run (--mcl.alpha 1e30 did that, exit 0). Gradients of 1e30 per entry (finite, their norm is not) stop it."""
-    from transformers import TrainingArguments
     from tiny_models import token_rows
+    from transformers import TrainingArguments
 
     from loramcl import MCLTrainer
 

@@ -14,7 +14,7 @@ import pytest
 from tiny_models import build_model, word_tokenizer
 
 from loramcl.cli import DEBUG_ENV, commands, main
-from loramcl.recipe.files import packaged_recipes, read_recipe
+from loramcl.recipes.files import packaged_recipes, read_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,7 +171,7 @@ def test_generate_takes_every_decoding_option_as_a_flag(capsys):
     each with its help and checked before torch loads."""
     import dataclasses
 
-    from loramcl.generation.options import STRATEGIES, Decoding
+    from loramcl.decoding.options import STRATEGIES, Decoding
 
     code, out, _ = run_main(["generate", "--help"], capsys)
     assert code == 0
@@ -183,7 +183,7 @@ def test_generate_takes_every_decoding_option_as_a_flag(capsys):
 
 
 def test_convert_smollm2_command(tmp_path, monkeypatch, capsys):
-    import loramcl.pretrained as pretrained
+    import loramcl.models as pretrained
 
     monkeypatch.setattr(pretrained.importlib.util, "find_spec", lambda name: None)
     code, _, err = run_main(["convert-smollm2", "--out", str(tmp_path / "smol")], capsys)
@@ -208,7 +208,7 @@ def test_a_bare_true_false_option_means_true(capsys):
     """`--quick` alone (at the end, or before another option) is `--quick true`, as the issues and docs write it; a
     value given stays the value."""
     from loramcl.cli import _bare_booleans
-    from loramcl.generation.predictions import generate
+    from loramcl.decoding.predictions import generate
 
     assert _bare_booleans(["generate", "--strict", "--progress", "--model", "m", "--sort_by_score"], generate) == [
         "generate", "--strict", "true", "--progress", "true", "--model", "m", "--sort_by_score", "true"]
@@ -271,8 +271,8 @@ def test_the_hypotheses_need_no_option_and_another_method_refuses_changed_ones()
     that changes them is refused (it would be ignored), one equal to the defaults (the command line always gives one)
     is not."""
     from loramcl.baselines import MoEConfig
-    from loramcl.config import MCLConfig
-    from loramcl.finetune import method_config, train
+    from loramcl.mcl.config import MCLConfig
+    from loramcl.training.fit import method_config, train
 
     assert train.__defaults__[0] == MCLConfig()  # jsonargparse gives `--mcl.*` these defaults
     assert method_config("mcl", None, None, None) == MCLConfig()
@@ -283,7 +283,7 @@ def test_the_hypotheses_need_no_option_and_another_method_refuses_changed_ones()
 
 def test_a_bare_nested_true_false_option_means_true():
     from loramcl.cli import _bare_booleans
-    from loramcl.finetune import train
+    from loramcl.training.fit import train
 
     assert _bare_booleans(["train", "--mcl.scoring", "--data.chat_template"], train) == [
         "train", "--mcl.scoring", "true", "--data.chat_template", "true"]

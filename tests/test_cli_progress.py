@@ -8,12 +8,11 @@ import logging
 import warnings
 from pathlib import Path
 
-import pytest
 from test_cli import run_main, workdir  # noqa: F401 (workdir: the folder of docs/cli.md's table, a fixture)
 
 import loramcl
 from loramcl.cli import VERBOSITY_ENV, commands, main
-from loramcl.trainer import MCLTrainer
+from loramcl.training.trainer import MCLTrainer
 
 PACKAGE = Path(loramcl.__file__).parent
 
@@ -41,7 +40,7 @@ def test_every_warning_is_one_line_and_names_a_foreign_category(monkeypatch, cap
 
     def warns(x: int = 1):
         """A command that warns."""
-        from loramcl.inputs import PromptFormatWarning
+        from loramcl.utils.inputs import PromptFormatWarning
 
         warnings.warn("the prompts differ", PromptFormatWarning, stacklevel=1)
         warnings.warn_explicit("checkpoint 4 is incomplete;\n  resuming from 2", UserWarning,
@@ -66,8 +65,8 @@ def test_the_library_logs_its_progress_at_the_level_asked_for(monkeypatch, capsy
     warning."""
     def logs(x: int = 1):
         """A command whose library logs."""
-        logging.getLogger("loramcl.finetune").info("trained 10 of 20 parameters in 1 s: run")
-        logging.getLogger("loramcl.recipe").warning("a stage\nwas slow")
+        logging.getLogger("loramcl.training.fit").info("trained 10 of 20 parameters in 1 s: run")
+        logging.getLogger("loramcl.recipes").warning("a stage\nwas slow")
 
     fake_command(monkeypatch, logs)
     main(["fake"])
@@ -154,7 +153,7 @@ def test_an_interrupted_task_command_says_its_finished_stages_are_reused(monkeyp
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("loramcl.recipe.runner.run_recipe", interrupted)
+    monkeypatch.setattr("loramcl.recipes.runner.run_recipe", interrupted)
     tasks = [name for name, function in commands().items()
              if callable(function) and "recipes" in inspect.signature(function).parameters]
     assert set(tasks) == {"bilingual", "translation", "audio-captioning", "spoken-translation", "image-captioning"}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from loramcl.pretrained import WHISPER_PACKAGES, convert_whisper_base, read_ctranslate2
+from loramcl.models import WHISPER_PACKAGES, convert_whisper_base, read_ctranslate2
 
 
 def ct2_bytes(variables: list[tuple[str, np.ndarray, int]], aliases: list[tuple[str, str]]) -> bytes:

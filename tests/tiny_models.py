@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import transformers as tf
 
-from loramcl.pretrained import tiny_llava_next_config, tiny_llava_next_processor
+from loramcl.models import tiny_llava_next_config, tiny_llava_next_processor
 
 VOCAB = 97
 IMAGE_TOKEN = AUDIO_TOKEN = 90  # inside the vocabulary, never drawn as an ordinary token (< 80)

@@ -4,21 +4,22 @@ The public names load on first use, so that `loramcl --help` and `loramcl.metric
 transformers.
 """
 
-from loramcl._lazy import lazy_exports
+from loramcl.utils.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "MCLConfig": "loramcl.config", "DataConfig": "loramcl.config", "TrainConfig": "loramcl.config",
-    "MCLLoraLinear": "loramcl.layers",
-    "MCLModel": "loramcl.model", "MCLOutput": "loramcl.model", "get_mcl_model": "loramcl.model",
-    "load_mcl_model": "loramcl.model",
-    "MCLTrainer": "loramcl.trainer",
-    "generate_hypotheses": "loramcl.generation.decoding", "equal_budget": "loramcl.generation.budget",
-    "EqualBudget": "loramcl.generation.budget", "Candidate": "loramcl.generation.candidates",
-    "Decoding": "loramcl.generation.options",
-    "mcl_loss": "loramcl.losses", "wta_weights": "loramcl.losses", "relaxed_weights": "loramcl.losses",
-    "annealed_weights": "loramcl.losses", "temperature_at": "loramcl.losses",
+    "MCLConfig": "loramcl.mcl.config",
+    "DataConfig": "loramcl.training.config", "TrainConfig": "loramcl.training.config",
+    "MCLLoraLinear": "loramcl.mcl.layers",
+    "MCLModel": "loramcl.mcl.model", "MCLOutput": "loramcl.mcl.model", "get_mcl_model": "loramcl.mcl.model",
+    "load_mcl_model": "loramcl.mcl.model",
+    "MCLTrainer": "loramcl.training.trainer",
+    "generate_hypotheses": "loramcl.decoding.strategies", "equal_budget": "loramcl.decoding.budget",
+    "EqualBudget": "loramcl.decoding.budget", "Candidate": "loramcl.decoding.candidates",
+    "Decoding": "loramcl.decoding.options",
+    "mcl_loss": "loramcl.mcl.losses", "wta_weights": "loramcl.mcl.losses", "relaxed_weights": "loramcl.mcl.losses",
+    "annealed_weights": "loramcl.mcl.losses", "temperature_at": "loramcl.mcl.losses",
 }
 
 __all__ = list(_EXPORTS)

@@ -18,7 +18,7 @@ import re
 import sys
 import warnings
 
-from loramcl.threads import check_threads, settle_before_torch
+from loramcl.utils.threads import check_threads, settle_before_torch
 
 DEBUG_ENV = "LORAMCL_DEBUG"
 VERBOSITY_ENV = "LORAMCL_VERBOSITY"
@@ -28,17 +28,17 @@ EXIT_USAGE, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
 
 def commands() -> dict:
     """{name: function} of every `loramcl` command (light imports: torch loads inside the functions)."""
-    from loramcl.audio_captioning.reproduce import audio_captioning
-    from loramcl.bilingual.reproduce import bilingual
-    from loramcl.captioning.reproduce import image_captioning
-    from loramcl.finetune import nll, train
-    from loramcl.generation.predictions import generate
-    from loramcl.markov.reproduce import markov
-    from loramcl.metrics.cli import evaluate, plot_tradeoff
-    from loramcl.pretrained import convert_smollm2_command, convert_whisper_base_command
-    from loramcl.recipe.catalog import copy_recipe, list_recipes
-    from loramcl.spoken_translation.reproduce import spoken_translation
-    from loramcl.translation.reproduce import translation
+    from loramcl.decoding.predictions import generate
+    from loramcl.metrics.evaluate import evaluate, plot_tradeoff
+    from loramcl.models import convert_smollm2_command, convert_whisper_base_command
+    from loramcl.recipes.audio_captioning.reproduce import audio_captioning
+    from loramcl.recipes.bilingual.reproduce import bilingual
+    from loramcl.recipes.catalog import copy_recipe, list_recipes
+    from loramcl.recipes.image_captioning.reproduce import image_captioning
+    from loramcl.recipes.markov.reproduce import markov
+    from loramcl.recipes.spoken_translation.reproduce import spoken_translation
+    from loramcl.recipes.translation.reproduce import translation
+    from loramcl.training.fit import nll, train
 
     return {"markov": markov, "bilingual": bilingual, "translation": translation, "audio-captioning": audio_captioning,
             "spoken-translation": spoken_translation, "image-captioning": image_captioning, "train": train,
@@ -219,7 +219,7 @@ def _packaged_configs(args: list[str]) -> list[str]:
     """``args`` with each `--config` naming a packaged recipe file (`bilingual/common.yaml`, or its path inside the
     package) replaced by the file's text, so that its `./` paths are read relative to the current folder as the task
     commands read them (jsonargparse reads a --config file's paths relative to the file)."""
-    from loramcl.recipe.files import packaged_config
+    from loramcl.recipes.files import packaged_config
 
     args = list(args)
     for i, arg in enumerate(args):
@@ -252,12 +252,12 @@ def error_message(error: Exception, table: dict, command: str | None) -> str:
 
 def _named_as_typed(error: BaseException | None, text: str, function) -> str:
     """``text`` with the value it starts with named as the command line names it (`--training.learning_rate`,
-    `--top_p`), for an OptionError (loramcl.validate) about an option of ``function``: a field of the configuration
-    that one of its parameters takes, or one of its options."""
+    `--top_p`), for an OptionError (loramcl.utils.validate) about an option of ``function``: a field of the
+    configuration that one of its parameters takes, or one of its options."""
     import dataclasses
     import typing
 
-    from loramcl.validate import OptionError
+    from loramcl.utils.validate import OptionError
 
     while error is not None and not isinstance(error, OptionError):  # jsonargparse wraps a `Config | None`'s error
         error = error.__cause__

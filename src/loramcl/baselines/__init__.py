@@ -10,7 +10,7 @@ LoRA-MLE is LoRA-MCL with K = 1 (``MCLConfig(num_hypotheses=1, r=K*r)``). Models
 ``save_pretrained`` and loaded with ``loramcl.load_mcl_model``.
 """
 
-from loramcl._lazy import lazy_exports
+from loramcl.utils.lazy import lazy_exports
 
 _EXPORTS = {
     "MoEConfig": "loramcl.baselines.config", "MoEModel": "loramcl.baselines.moe",

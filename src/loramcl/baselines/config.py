@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from loramcl.config import MCLConfig
-from loramcl.validate import names_its_options, require, require_int, require_real
+from loramcl.mcl.config import MCLConfig
+from loramcl.utils.validate import names_its_options, require, require_int, require_real
 
 ROUTER_INITS: tuple[str, ...] = ("zeros", "normal")
 # A router's logits start with a standard deviation of about router_std x the norm of its input (sqrt(d_in) for

@@ -8,10 +8,10 @@ import os
 
 import torch
 
-from loramcl.adapter_files import CONFIG_NAME, WEIGHTS_NAME, read_adapter_files
-from loramcl.config import saved_values
-from loramcl.fingerprint import check_wrapped_base_weights
-from loramcl.model import MCLModel
+from loramcl.mcl.adapter_files import CONFIG_NAME, WEIGHTS_NAME, read_adapter_files
+from loramcl.mcl.config import saved_values
+from loramcl.mcl.fingerprint import check_wrapped_base_weights
+from loramcl.mcl.model import MCLModel
 
 
 def method_config(path, saved: dict, method: str, config_class):

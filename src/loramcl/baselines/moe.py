@@ -25,13 +25,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loramcl.adapter_size import check_adapter_size
 from loramcl.baselines.config import MoEConfig
 from loramcl.baselines.files import BaselineFiles, check_tensors_fit, copy_tensors, method_config
-from loramcl.fingerprint import check_base_weights, known_fingerprint
-from loramcl.layers import DISABLED, HypothesisRouting, MCLLoraLinear, linear_features
-from loramcl.model import MCLModel, replace_modules
-from loramcl.peft_interop import target_layer_names
+from loramcl.mcl.adapter_size import check_adapter_size
+from loramcl.mcl.fingerprint import check_base_weights, known_fingerprint
+from loramcl.mcl.layers import DISABLED, HypothesisRouting, MCLLoraLinear, linear_features
+from loramcl.mcl.model import MCLModel, replace_modules
+from loramcl.mcl.peft_interop import target_layer_names
 
 SOFT, SAMPLED = "soft", "sampled"
 

@@ -24,14 +24,14 @@ import math
 import torch
 from torch import nn
 
-from loramcl.adapter_size import check_heads_size
 from loramcl.baselines.config import MultiHeadConfig
 from loramcl.baselines.files import BaselineFiles, check_tensors_fit, copy_tensors, method_config
-from loramcl.copies import batch_size_of
-from loramcl.fingerprint import check_base_weights, known_fingerprint
-from loramcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting
-from loramcl.model import MCLModel, MCLOutput, replace_modules
-from loramcl.peft_interop import output_layer_of
+from loramcl.mcl.adapter_size import check_heads_size
+from loramcl.mcl.copies import batch_size_of
+from loramcl.mcl.fingerprint import check_base_weights, known_fingerprint
+from loramcl.mcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting
+from loramcl.mcl.model import MCLModel, MCLOutput, replace_modules
+from loramcl.mcl.peft_interop import output_layer_of
 
 
 class HypothesisHeads(nn.Module):

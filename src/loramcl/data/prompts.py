@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from loramcl.inputs import PositionLimits, record_line
-from loramcl.metrics.io import read_jsonl
+from loramcl.utils.files import read_jsonl
+from loramcl.utils.inputs import PositionLimits, record_line
 
 
 def prompt_text(tokenizer, prompt: str, chat_template: bool) -> str:
@@ -98,7 +98,7 @@ def read_pairs(path: str, prompt_key: str = "prompt", target_key: str = "target"
 def first_too_long(rows: Sequence[dict[str, list[int]]], limits: PositionLimits,
                    encoder_decoder: bool = False) -> tuple[int, str] | None:
     """(index, what does not fit) of the first pair of ``encode_pairs`` whose tokens the model's positions
-    (``loramcl.inputs.model_positions``) cannot hold; None when all fit."""
+    (``loramcl.utils.inputs.model_positions``) cannot hold; None when all fit."""
     for i, row in enumerate(rows):
         prompt = len(row["input_ids"]) if encoder_decoder else sum(label == -100 for label in row["labels"])
         target = len(row["labels"]) if encoder_decoder else len(row["input_ids"]) - prompt

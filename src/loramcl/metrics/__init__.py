@@ -10,6 +10,7 @@
     specialisation win_rates, win_rate_table
     suite          evaluate_candidates: all of them in one call (the Python side of `loramcl evaluate`)
     plot           tradeoff_plot (paper Fig. 3 style)
+    evaluate       `loramcl evaluate` and `loramcl plot-tradeoff`: files in, a report or a figure out
 
 The modules import their heavy libraries inside the functions.
 """

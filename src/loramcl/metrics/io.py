@@ -12,79 +12,11 @@ as `loramcl generate` and `loramcl nll` number the lines of the test file they r
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-
-def read_jsonl(path: str | Path, field: str, number_missing_ids: bool = False, hint: str = "") -> dict[object, dict]:
-    """{id: record} from a JSONL file whose records all have "id" and `field`; clear errors on bad lines.
-
-    number_missing_ids: a record without "id" gets its position among the records (0, 1, ...) instead.
-    hint: appended to the error of a record without `field`, e.g. the option that names the field.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist")
-    records, ids = {}, []
-    with path.open("rb") as lines:
-        for number, raw in enumerate(lines, start=1):
-            line = decode_line(raw, path, number)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                if line.startswith("\ufeff"):  # accepted on line 1 only (decode_line): files were joined?
-                    raise ValueError(f"{path}:{number} starts with a byte-order mark (U+FEFF), which only the first "
-                                     "line may have (were files joined?): remove it") from None
-                raise ValueError(f"{path}:{number} is not valid JSON ({error.msg})") from None
-            if not isinstance(record, dict) or field not in record or ("id" not in record and not number_missing_ids):
-                fields = f'"{field}"' if number_missing_ids else f'"id" and "{field}"'
-                if isinstance(record, dict):  # name the fields it has: the usual mistake is another field name
-                    has = ", ".join(f'"{key}"' for key in list(record)[:10]) or "none"
-                    raise ValueError(f"{path}:{number} must be an object with {fields}; its fields are {has}{hint}")
-                raise ValueError(f"{path}:{number} must be an object with {fields}, got {line.strip()[:120]}")
-            if number_missing_ids and "id" not in record:
-                record["id"] = len(ids)
-            if not isinstance(record["id"], (str, int)) or isinstance(record["id"], bool):
-                raise ValueError(f"{path}:{number}: id must be a string or an integer, got {record['id']!r}")
-            ids.append(record["id"])
-            records[record["id"]] = record
-    duplicated = [i for i, n in Counter(ids).items() if n > 1]
-    if duplicated:
-        raise ValueError(f"{path} has duplicate ids (each item once): {shown_ids(duplicated)}")
-    if not records:
-        raise ValueError(f"{path} has no record")
-    return records
-
-
-def decode_line(raw: bytes, path: str | Path, number: int) -> str:
-    """One line of a text file as str; a clear error naming the file and line if it is not UTF-8 (a byte-order mark
-    on the first line is accepted)."""
-    try:
-        return raw.decode("utf-8-sig" if number == 1 else "utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path}:{number} is not UTF-8 text (byte {raw[error.start]:#04x} at column "
-                         f"{error.start + 1}): save the file as UTF-8") from None
-
-
-def read_utf8(path: str | Path) -> str:
-    """A whole text file; a clear error naming the file and line if it is not UTF-8."""
-    raw = Path(path).read_bytes()
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        line = raw[:error.start].count(b"\n") + 1
-        column = error.start - (raw.rfind(b"\n", 0, error.start) + 1) + 1
-        raise ValueError(f"{path}:{line} is not UTF-8 text (byte {raw[error.start]:#04x} at column {column}): save "
-                         "the file as UTF-8") from None
-
-
-def shown_ids(ids: list) -> str:
-    shown = ", ".join(repr(i) for i in ids[:10])
-    return shown + (f" ... ({len(ids)} in all)" if len(ids) > 10 else "")
+from loramcl.utils.files import read_jsonl, shown_ids
 
 
 def align(predictions: dict[object, dict], references: dict[object, dict], what=("predictions", "references")) -> list:
@@ -120,7 +52,7 @@ def load_run(predictions_path: str | Path, references_path: str | Path, group_ke
     bad = [i for i, row in zip(ids, refs, strict=True)
            if not isinstance(row, list) or not row or not all(isinstance(t, str) and t.strip() for t in row)]
     if bad:  # an empty reference would score every candidate 0 (or crash a metric's tokenizer)
-        from loramcl.inputs import record_line
+        from loramcl.utils.inputs import record_line
 
         first = min(bad, key=order.get)
         raise ValueError(f'{references_path}:{record_line(references_path, order[first])}: "references" must be a '

@@ -24,7 +24,7 @@ def uses_corpus_statistics(metric: SentenceMetric) -> SentenceMetric:
     Such a metric is run once per candidate position k on the N items, so the corpus it sees has N reference
     groups, as in the COCO protocol. Giving it the N*K (item, k) pairs at once would count every reference group K
     times; the ratio N/df is unchanged but n-grams absent from all references get log(N*K) instead of log(N) in
-    the candidate's tf-idf norm, which changes the score (tests/test_metrics_quality.py checks both facts).
+    the candidate's tf-idf norm, which changes the score (tests/metrics/test_metrics_quality.py checks both facts).
     """
     metric.uses_corpus_statistics = True  # type: ignore[attr-defined]
     return metric

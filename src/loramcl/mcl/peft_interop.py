@@ -1,0 +1,243 @@
+"""PEFT interoperability: which layers get adapters (PEFT's target matching, quantized layers refused), and a
+hypothesis leaving the MCL model: exported as a standard PEFT LoRA adapter, merged into the base weights, or every
+adapter removed (``unload``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import re
+
+import safetensors.torch
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from loramcl.mcl.compat import peft_default_targets, peft_targets
+from loramcl.mcl.config import MCLConfig
+from loramcl.utils.validate import OptionError
+
+PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
+_ADAPTABLE = (nn.Linear, Conv1D)
+
+
+class PeftInterop:
+    """The methods of ``MCLModel`` that hand a hypothesis to PEFT or to plain transformers."""
+
+    def export_hypothesis(self, k: int, path: str | os.PathLike) -> str:
+        """Write hypothesis k as a standard PEFT LoRA adapter folder (``PeftModel.from_pretrained`` loads it)."""
+        from peft import LoraConfig
+
+        self._check_hypothesis(k)
+        self._refuse_position_dependent("exported as a PEFT LoRA adapter")
+        cfg = self.mcl_config
+        is_conv1d = [isinstance(layer.base_layer, Conv1D) for _, layer in self.mcl_layers()]
+        if any(is_conv1d) and not all(is_conv1d):
+            raise ValueError("cannot export a mix of nn.Linear and Conv1D layers as one PEFT adapter")
+        targets = self._peft_target_modules()
+        by_short_names = targets != sorted(self.layer_names)  # then PEFT must apply the same selection options
+        lora_config = LoraConfig(
+            r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none", use_rslora=cfg.use_rslora,
+            target_modules=targets, fan_in_fan_out=all(is_conv1d), task_type=_peft_task_type(self.base_model),
+            exclude_modules=cfg.exclude_modules if by_short_names else None,
+            layers_to_transform=cfg.layers_to_transform if by_short_names else None,
+            layers_pattern=cfg.layers_pattern if by_short_names else None,
+            base_model_name_or_path=getattr(self.config, "_name_or_path", None) or None,
+        )
+        os.makedirs(path, exist_ok=True)
+        lora_config.save_pretrained(path)
+        tensors = {}
+        for name, layer in self.mcl_layers():  # PEFT stores lora_A as [r, d_in] and lora_B as [d_out, r]
+            tensors[f"base_model.model.{name}.lora_A.weight"] = layer.lora_A[k].detach().T.contiguous().cpu()
+            tensors[f"base_model.model.{name}.lora_B.weight"] = layer.lora_B[k].detach().T.contiguous().cpu()
+        safetensors.torch.save_file(tensors, os.path.join(path, PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
+        return str(path)
+
+    def _peft_target_modules(self) -> list[str]:
+        """Short layer names (q_proj, ...) when PEFT's matching of them selects exactly our layers, else full names."""
+        ours = set(self.layer_names)
+        original = [n for n, _ in self.base_model.named_modules()
+                    if n and not any(n.startswith(layer + ".") for layer in ours)]
+        short = sorted({n.rsplit(".", 1)[-1] for n in ours})
+        if {n for n in original if peft_targets(self.mcl_config, short, n)} == ours:
+            return short
+        return sorted(ours)
+
+    def merge_hypothesis(self, k: int, inplace: bool = False) -> nn.Module:
+        """The base model with hypothesis k merged into its weights (W + alpha/r * (A_k B_k)^T), adapters removed.
+
+        By default the base model is copied first, so this MCLModel stays usable (e.g. to merge another k);
+        ``inplace=True`` saves the copy's memory on large models and leaves this MCLModel unusable.
+        """
+        self._check_hypothesis(k)
+        self._refuse_position_dependent("merged into the base weights")
+        return self._remove_adapters(k, inplace, "merged in place (merge_hypothesis(..., inplace=True))")
+
+    def _refuse_position_dependent(self, what: str) -> None:
+        if not self.mcl_config.adapt_context:
+            raise ValueError(
+                f"these hypotheses were trained with adapt_context=False: they act only from the first target "
+                f"position on, so hypothesis weights {what} (applied at every position, the context included) "
+                "would compute another model. Decode with this MCLModel (generate_hypotheses), or train with "
+                "adapt_context=True to export standard LoRA adapters")
+
+    def unload(self) -> nn.Module:
+        """Remove every adapter and return the base model as it was before ``get_mcl_model`` (its original layers,
+        untouched weights, the ``requires_grad`` flags it had), as PEFT's ``unload``. This MCLModel is unusable
+        afterwards."""
+        model = self._remove_adapters(None, True, "unloaded (unload())")
+        for param, flag in self._base_requires_grad:
+            param.requires_grad_(flag)
+        return model
+
+    def get_base_model(self) -> nn.Module:
+        """The transformers model holding the adapted layers (as PEFT's ``get_base_model``)."""
+        return self.base_model
+
+    def _remove_adapters(self, k: int | None, inplace: bool, how: str) -> nn.Module:
+        """Put the original layers back, hypothesis k merged into them (None: unchanged)."""
+        self._check_usable()
+        self._remove_hooks()
+        try:
+            model = self.base_model if inplace else copy.deepcopy(self.base_model)
+            with torch.no_grad():
+                for name in self.layer_names:
+                    layer = model.get_submodule(name)
+                    if k is not None:
+                        layer.base_layer.weight.add_(layer.delta_weight(k))
+                    model.set_submodule(name, layer.base_layer)
+        finally:
+            if not inplace:
+                self._install_hooks()
+        if inplace:
+            self._detached = how
+        return model
+
+
+def _peft_task_type(model: nn.Module) -> str | None:
+    """The PEFT task type whose model class passes this model's inputs through: PEFT's language-model wrappers
+    take ``input_ids`` as their first input, which suits text models only; others (Whisper's ``input_features``,
+    BLIP-2's ``pixel_values``) get PEFT's plain ``PeftModel``, which forwards every input as it is."""
+    if getattr(model, "main_input_name", "input_ids") != "input_ids":
+        return None
+    return "SEQ_2_SEQ_LM" if getattr(model.config, "is_encoder_decoder", False) else "CAUSAL_LM"
+
+
+def resolve_target_modules(model: nn.Module, config: MCLConfig) -> list[str] | str:
+    targets = config.target_modules
+    if targets is None:
+        defaults = peft_default_targets()
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type not in defaults:
+            raise ValueError(f"PEFT has no default target modules for model_type={model_type!r}; set "
+                             f"MCLConfig.target_modules, e.g. from the linear layers: {linear_layer_names(model)}")
+        targets = list(defaults[model_type])
+    return targets
+
+
+def output_layer_of(model: nn.Module) -> nn.Module | None:
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+
+def linear_layer_names(model: nn.Module) -> list[str]:
+    output_layer = output_layer_of(model)
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, _ADAPTABLE) and module is not output_layer})
+
+
+def _quantized_reason(module: nn.Module) -> str | None:
+    """Why ``module`` is a quantized (or otherwise non-float) layer that adapters must not wrap, or None.
+
+    A quantized layer cannot take W + alpha/r * (A B)^T when merging, and its ``weight`` may not be the matrix
+    that its forward uses (packed integers, a quantized tensor subclass): wrapping it silently would give wrong
+    merges and exports. Recognised: torch's quantized modules (dynamic or static), layers of quantization
+    libraries (bitsandbytes, GPTQ, AWQ, HQQ, quanto, torchao) and any layer whose weight is not a plain
+    floating-point tensor.
+    """
+    origin = type(module).__module__
+    libraries = ("bitsandbytes", "auto_gptq", "gptqmodel", "awq", "hqq", "optimum.quanto", "torchao", "fp_quant",
+                 "compressed_tensors", "aqlm", "eetq", "vptq", "higgs")
+    if origin.startswith(("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.nn.intrinsic.quantized")):
+        return f"torch quantized module {type(module).__name__}"
+    if any(origin == lib or origin.startswith(lib + ".") for lib in libraries):
+        return f"{type(module).__name__} from {origin.split('.')[0]}"
+    weight = getattr(module, "weight", None)
+    if isinstance(module, _ADAPTABLE) and torch.is_tensor(weight):
+        if not weight.is_floating_point():
+            return f"{type(module).__name__} with {weight.dtype} weights"
+        if type(weight) not in (torch.Tensor, nn.Parameter):
+            return f"{type(module).__name__} whose weight is a {type(weight).__name__}"
+    return None
+
+
+def refuse_quantized(model: nn.Module, names: list[str] | None = None) -> None:
+    """A clear error for quantized layers among ``names`` (default: every module of ``model``)."""
+    modules = model.named_modules() if names is None else ((n, model.get_submodule(n)) for n in names)
+    found: list[tuple[str, str]] = []
+    for name, module in modules:
+        if not any(name.startswith(outer + ".") for outer, _ in found) and (reason := _quantized_reason(module)):
+            found.append((name, reason))
+    if found:
+        name, reason = found[0]
+        raise ValueError(f"{type(model).__name__} has quantized layers ({len(found)}, e.g. '{name}': {reason}). "
+                         "LoRA-MCL adapters need floating-point base layers: merging a hypothesis into packed "
+                         "integer weights would be wrong. Load the base model unquantized (e.g. dtype="
+                         "torch.bfloat16, without quantization_config) or dequantize it first.")
+
+
+def matched_layer_names(model: nn.Module, targets: list[str] | str, config: MCLConfig) -> list[str]:
+    output_layer = output_layer_of(model)
+    if targets == "all-linear":
+        candidates = [name for name, module in model.named_modules()
+                      if isinstance(module, _ADAPTABLE) and module is not output_layer]
+        # matched by their short names, so that exclude_modules and layers_to_transform apply as in PEFT
+        names = [name for name in candidates if peft_targets(config, [name.rsplit(".", 1)[-1]], name)]
+        refuse_quantized(model, names)
+        return names
+    names = [name for name, _ in model.named_modules() if name and peft_targets(config, targets, name)]
+    refuse_quantized(model, names)
+    for name in names:
+        module = model.get_submodule(name)
+        if module is output_layer:
+            raise ValueError(f"'{name}' is the output layer: LoRA-MCL adapts hidden layers, not the LM head")
+        if isinstance(module, nn.Embedding):
+            raise ValueError(f"target '{name}' is an Embedding: embedding LoRA is not supported, MCL adapters wrap "
+                             f"nn.Linear and transformers Conv1D layers. Linear layers of this model: "
+                             f"{linear_layer_names(model)}")
+        if not isinstance(module, _ADAPTABLE):
+            raise ValueError(f"target '{name}' is a {type(module).__name__}; MCL adapters wrap nn.Linear and "
+                             "transformers Conv1D layers only. Linear layers of this model: "
+                             f"{linear_layer_names(model)}")
+    return names
+
+
+def target_layer_names(model: nn.Module, config: MCLConfig) -> list[str]:
+    """The layers of ``model`` that ``config.target_modules`` selects (PEFT's matching), checked non-empty."""
+    if isinstance(model, PeftInterop):  # an MCLModel, or a baseline built on it
+        raise ValueError("this model already has MCL adapters")
+    targets = resolve_target_modules(model, config)
+    names = matched_layer_names(model, targets, config)
+    if not names:
+        refuse_quantized(model)
+        _refuse_missing_blocks(model, targets, config)
+        raise ValueError(f"target_modules={targets!r} matched no layer of {type(model).__name__}. Its linear "
+                         f"layers are named: {linear_layer_names(model)}")
+    return names
+
+
+def _refuse_missing_blocks(model: nn.Module, targets: list[str] | str, config: MCLConfig) -> None:
+    """When ``target_modules`` matches layers but none in the blocks ``layers_to_transform`` names: an OptionError
+    naming it, with the blocks those layers are in."""
+    if config.layers_to_transform is None:
+        return
+    anywhere = matched_layer_names(model, targets, dataclasses.replace(config, layers_to_transform=None,
+                                                                       layers_pattern=None))
+    blocks = sorted({int(number) for name in anywhere for number in re.findall(r"\.(\d+)\.", name)})
+    if anywhere:
+        raise OptionError("layers_to_transform", f"layers_to_transform {config.layers_to_transform} names no block "
+                          f"of {type(model).__name__} holding a layer of target_modules={targets!r}: its blocks are "
+                          f"numbered {blocks[0]} to {blocks[-1]}" if blocks else "layers_to_transform: the target "
+                          "layers are in no numbered block", owner=MCLConfig)
+

@@ -1,0 +1,230 @@
+"""The one recipe runner: model -> data -> train -> decode -> NLL -> evaluate -> report for every task, each stage run
+once per settings (``stages.Stages``) and timed for the report. A task gives only what is its own (``Task``): its
+experiment settings, its model and data, how one run trains and how one system decodes, its report."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import ClassVar
+
+from loramcl.recipes.experiment import Experiment
+from loramcl.recipes.grid import DecodeConfig, System, chosen_budgets, one_per_strategy
+from loramcl.recipes.stages import Stages
+from loramcl.utils.inputs import check_device, check_output
+from loramcl.utils.threads import check_threads, use_threads
+from loramcl.utils.validate import require
+
+EXPERIMENT, COMMON = "experiment.yaml", "common.yaml"
+STOP_AFTER = ("data", "train")
+
+
+class Task(ABC):
+    """One task's part of a recipe run. The runner (``run_recipe``) calls the hooks in order and owns what is
+    skipped, the stage records and the timings; a hook that is a stage runs it through ``self.stages``."""
+
+    experiment_type: ClassVar[type[Experiment]]
+    default_recipes: ClassVar[str]
+    """The packaged recipe run when --recipes is not given."""
+
+    quick_settings: ClassVar[dict] = {}
+    """Run-file settings of a quick run, merged last (e.g. {"training": {"steps": 2}})."""
+
+    quick_decoding: ClassVar[dict] = {}
+    """DecodeConfig settings of a quick run (fewer tokens)."""
+
+    scores_references: ClassVar[bool] = False
+    """Whether the task scores every test reference under every hypothesis of the runs of its NLL table
+    (``score``; experiment.yaml's ``nll_table``)."""
+
+    def __init__(self, folder: Path, experiment: Experiment, stages: Stages, quick: bool, threads: int | None,
+                 device: str) -> None:
+        self.folder, self.experiment, self.stages = folder, experiment, stages
+        self.quick, self.threads, self.device = quick, threads, device
+        self.root = stages.root
+        self.data = self.root / "data"
+        self.test = self.data / "test.jsonl"
+        """The test inputs and references every system decodes and is scored on, written by ``prepare_data``."""
+
+    def build_model(self) -> str | None:
+        """The model folder this command builds or converts (e.g. a packaged model), or None: the run files name it."""
+        return None
+
+    def tiny_model(self, folder: str, builder: str, words: Sequence[str]) -> str | None:
+        """With experiment.yaml's `packaged_model: tiny-random`: the tiny random model this command builds into
+        root/<folder> with ``loramcl.models.<builder>(out, words)`` (its vocabulary: the synthetic data's
+        ``words``), once per vocabulary (the CPU recipes' model); else None (the run files name the model)."""
+        import importlib
+
+        if getattr(self.experiment, "packaged_model", None) != "tiny-random":
+            return None
+        model = self.root / folder
+        build = getattr(importlib.import_module("loramcl.models"), builder)
+        self.stages.run("build model", model / "built.json", {"words": words}, build, str(model), words)
+        return str(model)
+
+    def run_values(self, run: str, model: str | None) -> dict:
+        """The settings of one run: common.yaml + <run>.yaml, its output at root/<run>, ``model`` when given, the
+        quick run's settings last."""
+        from loramcl.recipes.files import run_values
+
+        return run_values(self.folder, run, self.root, model, self.quick_settings if self.quick else None, COMMON)
+
+    def check(self, model: str, values: dict[str, dict]) -> None:
+        """Checks of the runs' settings against each other, before any work (the runner has checked one model)."""
+        return None
+
+    @abstractmethod
+    def systems(self, values: dict[str, dict], budgets: list[int]) -> list[System]:
+        """The systems compared at the forward ``budgets``."""
+
+    def hypotheses(self, values: dict) -> int:
+        """How many candidates a run's model decodes as one model: its K (1 for a single model)."""
+        from loramcl.recipes.files import num_hypotheses
+
+        return num_hypotheses(values)
+
+    @abstractmethod
+    def prepare_data(self, model: str, values: dict[str, dict]) -> None:
+        """The data stage(s): write ``self.test`` and what the runs train on under ``self.data``."""
+
+    def trained_runs(self, runs: list[str], systems: list[System]) -> list[str]:
+        """The runs trained, in order: every run; for a task that scores its references, the decoded runs first, then
+        those of the NLL table (a quick run: the decoded runs only)."""
+        if not self.scores_references:
+            return runs
+        decoded = list(dict.fromkeys(system.run for system in systems))
+        return list(dict.fromkeys(decoded + ([] if self.quick else self.experiment.table_runs(runs))))
+
+    @abstractmethod
+    def train(self, run: str, values: dict) -> None:
+        """The training stage of one run (``self.stages.train``)."""
+
+    @abstractmethod
+    def decode(self, system: System, values: dict, arguments: dict, decode: DecodeConfig) -> None:
+        """Write ``self.stages.predictions(system.name)``: K candidates per test input (``generate_hypotheses``
+        ``arguments``)."""
+
+    def decoding_settings(self) -> dict:
+        """What else a decoding stage's candidates depend on (e.g. the prompt), beside its arguments and run."""
+        return {}
+
+    def scored_runs(self, runs: list[str], systems: list[System]) -> list[str]:
+        """The trained ``runs`` whose NLL of every test reference is computed (``score``): those of the NLL table, for
+        a task that scores its references."""
+        if not self.scores_references:
+            return []
+        table = self.experiment.nll_table
+        return list(runs) if table is None else [run for run in table if run in runs]
+
+    def score(self, run: str, values: dict, decode: DecodeConfig, out: Path) -> None:
+        """Write to ``out`` the NLL of every test reference under every hypothesis of ``run``."""
+        raise NotImplementedError(f"{type(self).__name__} scores no run")
+
+    def evaluate(self, systems: list[System]) -> None:
+        """Evaluation stages of their own, before the report (default: the report evaluates)."""
+        return None
+
+    @abstractmethod
+    def report(self, systems: list[System], runs: list[str]) -> dict:
+        """Write report.md (and figures) under the root; return what report.json holds."""
+
+
+def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | None = None, quick: bool = False,
+               budgets: list[int] | None = None, stop_after: str | None = None, runs: list[str] | None = None,
+               threads: int | None = None, device: str = "cpu", **settings) -> dict:
+    """Run a task's recipe folder (the arguments are those of every task command); ``settings`` replace
+    experiment.yaml's where given (not None)."""
+    import dataclasses
+
+    from loramcl.recipes.files import recipe_folder, run_names
+    from loramcl.training.runs import file_stamp, run_record, run_stamp
+
+    require(stop_after in (None, *STOP_AFTER), f"stop_after must be one of {STOP_AFTER}, got {stop_after!r}")
+    require(runs is None or stop_after == "train", "runs selects the runs to train: use it with stop_after: train")
+    check_threads(threads)
+    folder = recipe_folder(recipes, task_type.default_recipes, [EXPERIMENT, COMMON])
+    experiment = task_type.experiment_type.read(folder / EXPERIMENT)
+    given = {name: value for name, value in settings.items() if value is not None}
+    if given:
+        experiment = dataclasses.replace(experiment, **given)
+    check_data_files(folder, experiment, task_type.default_recipes)  # before torch loads: a second, not ten
+    check_output(out if out is not None else experiment.out, folder=True)
+    check_device(device)  # imports torch
+    threads = use_threads(threads)
+    stages = Stages(Path(out if out is not None else experiment.out))
+    root = stages.root
+    chosen = chosen_budgets(budgets, experiment.budgets, quick)
+    task = task_type(folder, experiment, stages, quick, threads, device)
+
+    model = task.build_model()
+    names = run_names(folder, reserved=(EXPERIMENT, COMMON))
+    unknown = sorted(set(runs or []) - set(names))
+    require(not unknown, f"runs: no run file for {unknown} (runs: {names})")
+    values = {run: task.run_values(run, model) for run in names}
+    model = values[names[0]]["model"]
+    for run, v in values.items():
+        require(v["model"] == model, f"run {run}: every run of a recipe folder trains the same model ({model})")
+    if task.scores_references:
+        experiment.table_runs(names)  # each run of the NLL table has its run file
+    else:
+        require(experiment.nll_table is None, f"nll_table: {task_type.__name__} scores no test reference")
+    task.check(model, values)
+    systems = task.systems(values, chosen)
+    if quick:  # every decoding code path, with fewer decodes
+        systems = one_per_strategy(systems)
+    trained = task.trained_runs(names, systems) if runs is None else runs
+
+    task.prepare_data(model, values)
+    if stop_after == "data":
+        return {"data": str(task.data)}
+    for run in trained:  # retrained when its recipe or its data changed, resumed when it was interrupted
+        task.train(run, values[run])
+    if stop_after == "train":
+        return {"runs": {run: str(root / run) for run in trained}}
+
+    decode = DecodeConfig(**(experiment.decoding | (task.quick_decoding if quick else {})))
+    for system in systems:
+        arguments = system.decoding(experiment.candidates, task.hypotheses(values[system.run]) == 1, decode)
+        stages.decode(system, arguments, decode.batch_size, task.test, task.decode, system, values[system.run],
+                      dict(arguments), decode, extra=task.decoding_settings())
+    for run in task.scored_runs(trained, systems):
+        path = root / "nll" / f"{run}.jsonl"
+        stages.run(f"nll {run}", path.with_suffix(".settings.json"),
+                   {"trained": run_stamp(root / run), "test": file_stamp(task.test)}, task.score, run, values[run],
+                   decode, path)
+    task.evaluate(systems)
+
+    report = stages.timed("report", task.report, systems, trained)
+    report["timing_s"] = stages.timings | {"runs": {run: run_record(root / run)["seconds"] for run in trained}}
+    (root / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print((root / "report.md").read_text(encoding="utf-8"))
+    print(f"report: {root / 'report.md'} (+ report.json, figures/)")
+    return report
+
+
+def check_data_files(folder: Path, experiment: Experiment, default_recipes: str) -> None:
+    """Before any work: each data file experiment.yaml names exists, else one line naming the first one missing, where
+    it comes from (experiment.yaml's ``sources``) and where to put it (nothing is downloaded at run time)."""
+    from loramcl.recipes.catalog import command_of
+    from loramcl.recipes.files import is_packaged, packaged_recipes
+
+    missing = [(name, path) for name, path in experiment.data_files().items() if not Path(path).is_file()]
+    if not missing:
+        return
+    name, path = missing[0]
+    others = f"; missing too: {', '.join(n for n, _ in missing[1:])}" if len(missing) > 1 else ""
+    source = experiment.sources.get(name)
+    if is_packaged(folder):
+        recipe = folder.resolve().relative_to(packaged_recipes().resolve()).as_posix()
+        elsewhere = (f"or point a copy of the recipe at it (loramcl recipes copy {recipe} DIR, then its {name} in "
+                     f"DIR/{EXPERIMENT})")
+        if recipe != default_recipes:
+            elsewhere += f"; the default recipe needs no download: loramcl {command_of(recipe)} without --recipes"
+    else:
+        elsewhere = f"or set {name} in {folder / EXPERIMENT} to where it is"
+    raise FileNotFoundError(f"{path} does not exist: the recipe {folder} reads it as its {name}"
+                            f"{f', {source}' if source else ''}{others}; nothing is downloaded at run time: put it "
+                            f"there, {elsewhere}")

@@ -1,0 +1,178 @@
+"""The checkpoint folders of a training run (``output_dir/checkpoint-N``, written by ``MCLTrainer``): published whole
+or not at all, checked, rotated, and the one to resume from chosen (docs/reliability.md, "Checkpoints and resuming
+after a kill"). Plain operations on folders: the trainer decides when they run and on which rank (the writing rank,
+``args.should_save``, publishes and rotates; every rank chooses the checkpoint to resume).
+
+A checkpoint is written into ``STAGING_PREFIX + "checkpoint-N"/checkpoint-N`` (``staging_folder``), then renamed next
+to the others (``publish``): a ``checkpoint-N`` folder that exists is whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+import zipfile
+from collections.abc import Iterable
+
+import safetensors
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
+
+from loramcl.mcl.adapter_files import CONFIG_NAME, WEIGHTS_NAME, read_adapters
+
+CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+# The name matches neither Trainer's `checkpoint-*` glob (rotation) nor its resume pattern.
+STAGING_PREFIX = "incomplete-"
+
+
+def checkpoint_problem(folder: str | os.PathLike, read_weights: bool = True) -> str | None:
+    """Why the Trainer checkpoint ``folder`` cannot be resumed from (a file missing, unreadable, cut short or
+    damaged), or None when it is whole.
+
+    read_weights: read the adapters in full as loading will (checksum, shapes, finite values: ``read_adapters``).
+        False reads headers only (the JSON files, the safetensors header, the end of each torch zip file): enough to
+        tell a write cut short, and cheap enough to look at every checkpoint when rotating.
+    """
+    path = os.path.join(folder, TRAINER_STATE_NAME)
+    if not os.path.isfile(path):
+        return f"no {TRAINER_STATE_NAME}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except ValueError as error:  # JSON or UTF-8
+        return f"{TRAINER_STATE_NAME} is not valid JSON ({error})"
+    try:
+        if read_weights:
+            read_adapters(folder)
+        else:
+            with open(os.path.join(folder, CONFIG_NAME), encoding="utf-8") as f:
+                json.load(f)
+            with safetensors.safe_open(os.path.join(folder, WEIGHTS_NAME), framework="pt"):
+                pass
+    except (OSError, ValueError, safetensors.SafetensorError) as error:  # ValueError: JSON, UTF-8, checksum
+        return str(error)
+    for name in sorted(os.listdir(folder)):  # optimizer, scheduler, scaler, RNG states (torch.save zip archives)
+        if name.endswith((".pt", ".pth")) and not zipfile.is_zipfile(os.path.join(folder, name)):
+            return f"{name} is cut short or damaged"
+    return None
+
+
+def checkpoint_step(folder: str | os.PathLike) -> int:
+    """The global step recorded in a whole checkpoint's trainer state."""
+    with open(os.path.join(folder, TRAINER_STATE_NAME), encoding="utf-8") as f:
+        return int(json.load(f)["global_step"])
+
+
+def _checkpoints_by_step(folder: str) -> list[tuple[int, str]]:
+    """[(N, folder/checkpoint-N)] of the checkpoint folders in ``folder``, highest N first."""
+    if not os.path.isdir(folder):
+        return []
+    found = [(int(match[1]), os.path.join(folder, name)) for name in os.listdir(folder)
+             if (match := CHECKPOINT_NAME.match(name)) and os.path.isdir(os.path.join(folder, name))]
+    return sorted(found, reverse=True)
+
+
+# ---- writing: staged, then published by one rename -------------------------------------------------------------
+
+def staging_folder(checkpoint: str) -> str:
+    """Where ``run_dir/checkpoint-N`` is written before it is published: ``run_dir/incomplete-checkpoint-N``, whose
+    ``checkpoint-N`` Trainer fills (Trainer's rotation inside it finds nothing to delete)."""
+    return os.path.join(os.path.dirname(checkpoint), STAGING_PREFIX + os.path.basename(checkpoint))
+
+
+def remove_staging_leftovers(run_dir: str) -> None:
+    """Remove the staging folders that writes killed earlier left in ``run_dir``."""
+    for leftover in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
+        if leftover.startswith(STAGING_PREFIX + PREFIX_CHECKPOINT_DIR):
+            shutil.rmtree(os.path.join(run_dir, leftover), ignore_errors=True)
+
+
+def publish(checkpoint: str) -> None:
+    """Rename the whole folder written in ``staging_folder(checkpoint)`` to ``checkpoint`` (one rename on the same file
+    system), then remove the staging folder."""
+    staging = staging_folder(checkpoint)
+    staged = os.path.join(staging, os.path.basename(checkpoint))
+    _fsync_tree(staged)
+    if os.path.isdir(checkpoint):  # the same step of an earlier, abandoned run: replaced as a whole
+        os.replace(checkpoint, os.path.join(staging, "replaced"))
+    os.replace(staged, checkpoint)
+    _fsync(os.path.dirname(checkpoint))  # the rename itself
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _fsync(path: str) -> None:
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:  # a folder cannot be opened on some systems (Windows): nothing to flush there
+        return
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_tree(folder: str) -> None:
+    """Flush every file and folder under ``folder`` to disk, so that after a power cut the renamed folder is not
+    an empty shell (a killed process alone loses nothing it wrote)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            _fsync(os.path.join(root, name))
+        _fsync(root)
+
+
+def rotate_checkpoints(run_dir: str, limit: int | None, keep: Iterable[str | None]) -> None:
+    """``save_total_limit`` (``limit``) as Trainer applies it (oldest first, by modification time), except that the
+    checkpoints in ``keep`` (the one just written, the best one) are always kept, and damaged checkpoints are deleted
+    first: an older or skewed folder must never push out the one a resume needs."""
+    if limit is None or limit <= 0:
+        return
+    kept = {os.path.abspath(path) for path in keep if path is not None and os.path.isdir(path)}
+    others = [path for path in sort_checkpoints(run_dir, use_mtime=True) if os.path.abspath(path) not in kept]
+    whole = [path for path in others if checkpoint_problem(path, read_weights=False) is None]
+    excess = len(whole) - max(limit - len(kept), 0)
+    for path in [path for path in others if path not in whole] + whole[:max(excess, 0)]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- resuming --------------------------------------------------------------------------------------------------
+
+def checkpoint_to_resume(request: str | os.PathLike | bool, output_dir: str, say: bool) -> str | None:
+    """The whole checkpoint to resume from for ``train(resume_from_checkpoint=request)``, or None to start from the
+    beginning: the newest whole one in ``output_dir`` for True; for a path, that checkpoint, or when it is damaged the
+    newest whole one before it. ``say``: warn about each checkpoint skipped (one rank warns)."""
+    chosen = folder = before = None
+    if request is True:
+        folder = output_dir
+    else:
+        path = os.fspath(request)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"resume_from_checkpoint={path!r} is not a folder; pass a checkpoint-N folder "
+                                    "written by the trainer, or True for the newest one in output_dir")
+        problem = checkpoint_problem(path)
+        if problem is None:
+            chosen = path
+        elif (match := CHECKPOINT_NAME.match(os.path.basename(os.path.normpath(path)))) is None:
+            raise ValueError(f"cannot resume from {path}: {problem}")
+        else:
+            if say:
+                warnings.warn(f"checkpoint {path} is incomplete ({problem}); resuming from the newest whole "
+                              "checkpoint before it", stacklevel=3)
+            folder, before = os.path.dirname(os.path.normpath(path)), int(match[1])
+    if folder is not None:
+        for step, candidate in _checkpoints_by_step(folder):
+            if before is not None and step >= before:
+                continue
+            problem = checkpoint_problem(candidate)
+            if problem is None:
+                chosen = candidate
+                break
+            if say:
+                warnings.warn(f"skipping the incomplete checkpoint {candidate} ({problem}); trying an earlier "
+                              "one", stacklevel=3)
+        if chosen is None and say:
+            warnings.warn(f"no whole checkpoint to resume from in {folder}: training starts from the beginning",
+                          stacklevel=3)
+    return chosen

@@ -1,0 +1,138 @@
+"""A training run's configuration, validated on construction: its data (DataConfig) and its schedule (TrainConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loramcl.utils.inputs import LocalPath
+from loramcl.utils.validate import names_its_options, require, require_int, require_real, require_seed
+
+# AdamW moves every weight by about the learning rate at each step, whatever the gradient's scale: past 1 an adapter
+# weight (about 0.1 at initialisation) is thrown around by more than its own size every step. LoRA recipes use 1e-5 to
+# 1e-3 (the packaged ones: 1e-5 to 1e-3; the Markov scores head 1e-2), far below.
+MAX_LEARNING_RATE = 1.0
+_LEARNING_RATE_HINT = (" (AdamW moves every adapter weight by about the learning rate at each step: past 1 training "
+                       "diverges; LoRA recipes use 1e-5 to 1e-3)")
+# AdamW's decoupled decay multiplies every weight by 1 - learning_rate x weight_decay at each step; the packaged
+# recipes use 0 to 0.05 (the paper's Markov runs 1e-3). Past 1 (with a learning rate up to 1) the decay can wipe or
+# flip every weight in one step.
+MAX_WEIGHT_DECAY = 1.0
+
+
+@names_its_options
+@dataclass(frozen=True)
+class DataConfig:
+    """Where a run's prompt -> target pairs come from and how they are tokenized (`loramcl train --data.*`)."""
+
+    train_file: LocalPath
+    """JSONL, one {"prompt": ..., "target": ...} object per line (field names: prompt_key, target_key)."""
+
+    validation_file: LocalPath | None = None
+    """JSONL like train_file, scored every `training.eval_every` steps (WTA loss, NLL and win rate per hypothesis)."""
+
+    prompt_key: str = "prompt"
+    """Field holding the prompt."""
+
+    target_key: str = "target"
+    """Field holding the target text."""
+
+    chat_template: bool = False
+    """Wrap the prompt as a user message with the tokenizer's chat template (decoding must then do the same)."""
+
+    max_length: int = 128
+    """Pairs longer than this (tokens) lose the end of their target (an encoder-decoder: prompt and target each at
+    most this long; a longer prompt is refused). At most the positions the model reads (`loramcl train` checks its
+    config.json)."""
+
+    eval_examples: int | None = 128
+    """Validation examples used (the first ones; None: all)."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_file", "prompt_key", "target_key"):
+            value = getattr(self, name)
+            require(isinstance(value, str) and value, f"{name} must be a non-empty string, got {value!r}")
+        require(self.validation_file is None or (isinstance(self.validation_file, str) and self.validation_file),
+               f"validation_file must be a path or None, got {self.validation_file!r}")
+        require(isinstance(self.chat_template, bool),
+                f"chat_template must be true or false, got {self.chat_template!r}")
+        require_int("max_length", self.max_length, minimum=2)
+        if self.eval_examples is not None:
+            require_int("eval_examples", self.eval_examples)
+
+
+@names_its_options
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, evaluation and checkpoint schedule of a training run (`loramcl train --training.*`)."""
+
+    steps: int = 200
+    """Optimizer steps."""
+
+    batch_size: int = 16
+    """Examples per optimizer step."""
+
+    learning_rate: float = 5e-4
+    """AdamW peak learning rate, in (0, 1]."""
+
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+    adam_beta2: float = 0.999
+    """AdamW β2 (the paper's audio runs: 0.98)."""
+
+    min_learning_rate: float = 0.0
+    """Floor of the cosine schedule (scheduler 'cosine' only; the paper's audio runs: 1e-6); 0: decay to zero."""
+
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0: none)."""
+
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+
+    scheduler: str = "cosine"
+    """transformers learning-rate schedule after warm-up (cosine, linear, constant, inverse_sqrt, ...)."""
+
+    eval_every: int = 50
+    """Validation every this many steps (0: only at the end)."""
+
+    logging_steps: int = 10
+    """Training loss and win rates logged every this many steps."""
+
+    save_every: int = 50
+    """A resumable checkpoint (adapters, optimizer, scheduler, RNG) every this many steps (0: none)."""
+
+    keep_checkpoints: int = 2
+    """Checkpoints kept (the newest ones)."""
+
+    seed: int = 0
+    """Model init, data order and dropout seed."""
+
+    scoring_learning_rate: float | None = None
+    """Learning rate of the hypothesis-scores head (MCLConfig(scoring=True)); None: learning_rate."""
+
+    def __post_init__(self) -> None:
+        require_int("steps", self.steps)
+        if self.scoring_learning_rate is not None:
+            require_real("scoring_learning_rate", self.scoring_learning_rate, low=0.0, high=MAX_LEARNING_RATE,
+                         low_open=True, hint=_LEARNING_RATE_HINT)
+        require_int("batch_size", self.batch_size)
+        require_real("learning_rate", self.learning_rate, low=0.0, high=MAX_LEARNING_RATE, low_open=True,
+                     hint=_LEARNING_RATE_HINT)
+        require_real("weight_decay", self.weight_decay, low=0.0, high=MAX_WEIGHT_DECAY,
+                     hint=" (AdamW multiplies every adapter weight by 1 - learning_rate x weight_decay at each step; "
+                          "recipes use 0 to 0.05)")
+        require_real("adam_beta2", self.adam_beta2, low=0.0, high=1.0, high_open=True)
+        require_real("min_learning_rate", self.min_learning_rate, low=0.0, high=self.learning_rate, high_open=True)
+        require(self.min_learning_rate == 0 or self.scheduler == "cosine", f"min_learning_rate floors the cosine "
+               f"schedule: set scheduler: cosine, or min_learning_rate: 0 (scheduler is {self.scheduler!r})")
+        require_real("max_grad_norm", self.max_grad_norm, low=0.0)
+        require_int("warmup_steps", self.warmup_steps, minimum=0)
+        require(isinstance(self.scheduler, str) and self.scheduler, f"scheduler must be a name, got {self.scheduler!r}")
+        require_int("eval_every", self.eval_every, minimum=0)
+        require_int("logging_steps", self.logging_steps)
+        require_int("save_every", self.save_every, minimum=0)
+        require_int("keep_checkpoints", self.keep_checkpoints)
+        require_seed("seed", self.seed)
+
+
+__all__ = ["DataConfig", "TrainConfig"]

@@ -1,0 +1,487 @@
+"""`loramcl train` and `loramcl nll`: fine-tune K LoRA hypotheses (or a baseline: LoRA-MoE, multi-head MCL) on
+prompt -> target JSONL, and score references.
+
+Each function's signature and docstring are its CLI (jsonargparse); `--config recipe.yaml` reads the same
+arguments from a file, its paths relative to it (the packaged recipes, `--config bilingual/common.yaml`, are read
+relative to the current folder: docs/cli.md). torch and transformers load inside the functions, after the files,
+their fields and the model folder are checked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Literal
+
+from loramcl.baselines.config import MoEConfig, MultiHeadConfig
+from loramcl.mcl.config import MCLConfig, saved_values
+from loramcl.training.config import DataConfig, TrainConfig
+from loramcl.training.runs import CHECKPOINTS, SETTINGS_NAME, run_stamp, stale_checkpoint_fields
+from loramcl.utils.files import sha256
+from loramcl.utils.inputs import (
+    MCL_CONFIG,
+    PEFT_FOLDER,
+    RUN_RECORD,
+    Dtype,
+    LocalPath,
+    ModelPath,
+    PositionLimits,
+    check_device,
+    check_file,
+    check_model_options,
+    check_output,
+    is_encoder_decoder,
+    model_positions,
+    prompt_format,
+    record_line,
+)
+from loramcl.utils.threads import check_threads, use_threads
+from loramcl.utils.validate import OptionError, require_int
+
+# No `if TYPE_CHECKING: import torch` here: jsonargparse runs such blocks to resolve the commands' annotations, which
+# would import torch before every `loramcl train` / `nll` could check its files (tests/test_cli.py).
+METHODS = ("mcl", "moe", "multihead")  # LoRA-MCL (K = 1: LoRA-MLE), LoRA-MoE, multi-head MCL
+MethodConfig = MCLConfig | MoEConfig | MultiHeadConfig
+logger = logging.getLogger(__name__)  # a run's progress, which `loramcl <command>` shows (docs/cli.md)
+
+
+def run_settings(model: str, mcl: MethodConfig, data: DataConfig, training: TrainConfig, dtype: str,
+                 method: str = "mcl") -> dict:
+    """Everything that decides a run's adapters, as JSON: its arguments and the SHA-256 of its data files (a
+    rebuilt file under the same name is another run). A finished run's run.json and its checkpoints record it.
+    ``mcl`` is the configuration of ``method`` (a baseline's is recorded under its method's name)."""
+    files = {"train": data.train_file, "validation": data.validation_file}
+    model_settings = {"mcl": mcl.to_dict()} if method == "mcl" else {"method": method, method: mcl.to_dict()}
+    settings = {"model": model, **model_settings, "data": asdict(data), "training": asdict(training),
+                "dtype": dtype, "data_sha256": {name: sha256(path) for name, path in files.items() if path}}
+    return json.loads(json.dumps(settings))  # as read back from a file (lists, not tuples)
+
+
+def method_config(method: str, mcl: MCLConfig | None, moe: MoEConfig | None,
+                  multihead: MultiHeadConfig | None) -> MethodConfig:
+    """The configuration of the trained method: no other method's block may be given, and a baseline's own must be;
+    LoRA-MCL's defaults to MCLConfig() (the `--mcl` block of the command line always holds one: a block of other
+    values than those defaults, with another method, is refused)."""
+    given = {"mcl": mcl if mcl is not None else MCLConfig(), "moe": moe, "multihead": multihead}
+    if method not in given:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    others = [name for name, config in given.items()
+              if name != method and config is not None and not (name == "mcl" and config == MCLConfig())]
+    if others:
+        raise ValueError(f"--{others[0]}.* configures method '{others[0]}' but method is '{method}': set --method "
+                         f"{others[0]} (method: {others[0]} in a recipe), or remove the {others[0]} block")
+    if given[method] is None:
+        raise ValueError(f"method '{method}' needs its configuration: --{method}.* options (a `{method}:` block in "
+                         "a recipe)")
+    return given[method]
+
+
+def method_model(base, method: str, config: MethodConfig):
+    """The trainable model of ``method`` on ``base`` (modified in place), its adapters' size checked first against
+    the memory training needs (weights, gradients, AdamW state)."""
+    from loramcl.mcl.adapter_size import check_adapter_size
+    from loramcl.mcl.peft_interop import target_layer_names
+
+    if method == "moe":
+        from loramcl.baselines.moe import get_moe_model
+
+        check_adapter_size(base, target_layer_names(base, config.mle_config()), config, training=True)
+        return get_moe_model(base, config)
+    if method == "multihead":
+        from loramcl.baselines.multihead import duplicated_module, get_multihead_model
+        from loramcl.mcl.adapter_size import check_heads_size
+
+        check_heads_size(duplicated_module(base, config), config, training=True)
+        return get_multihead_model(base, config)
+    from loramcl.mcl.model import get_mcl_model
+
+    check_adapter_size(base, target_layer_names(base, config), config, training=True)
+    return get_mcl_model(base, config)
+
+
+def train(
+    model: ModelPath,
+    out: LocalPath,
+    data: DataConfig,
+    mcl: MCLConfig = MCLConfig(),  # noqa: B008 (read, never changed: replace() makes the copies)
+    training: TrainConfig = TrainConfig(),  # noqa: B008 (frozen, so sharing it is safe)
+    method: Literal["mcl", "moe", "multihead"] = "mcl",
+    moe: MoEConfig | None = None,
+    multihead: MultiHeadConfig | None = None,
+    resume: bool = False,
+    threads: int | None = None,
+    dtype: Dtype = "float32",
+    scores_for: LocalPath | None = None,
+) -> str:
+    """Fine-tune LoRA hypotheses with MCLTrainer (K = 1: LoRA-MLE), or a LoRA-MoE or multi-head MCL baseline.
+
+    --mcl (MCLConfig) sets the hypotheses; the paper's other trained baselines go through the same trainer: LoRA-MoE
+    (--method moe) or multi-head MCL (--method multihead).
+
+    Writes to `out`: the adapters and tokenizer (MCLModel.save_pretrained: load with `--adapters OUT` in `loramcl
+    generate`), `peft/` for K = 1 (a standard PEFT LoRA adapter, for single-model decoders such as diverse beam
+    search), `checkpoints/` (the last `training.keep_checkpoints` resumable checkpoints, every
+    `training.save_every` steps), `train_log.json` (every logged loss, win rate and validation NLL) and `run.json`
+    (the settings, threads, trainable parameters, seconds), written last: a run with a run.json is finished.
+
+    A causal LM reads prompt + target and learns the target tokens; an encoder-decoder (T5, BART, Marian, NLLB...)
+    reads the prompt in its encoder and learns the target as its labels (docs/cli.md).
+
+    Args:
+        model: local folder of a causal or sequence-to-sequence LM (transformers format).
+        out: output folder.
+        mcl: the hypotheses and loss of method mcl (default: MCLConfig(), K = 2 hypotheses of rank 8 with vanilla
+            WTA on PEFT's default layers).
+        data: the training pairs and their tokenization (--data.train_file, --data.validation_file, ...).
+        training: optimisation, evaluation and checkpoint schedule (--training.steps, --training.learning_rate, ...).
+        method: what is trained: mcl (LoRA-MCL, the --mcl block), moe (LoRA-MoE: E LoRA experts mixed by a per-token
+            router, trained with plain NLL; the --moe block) or multihead (multi-head MCL: one module duplicated K
+            times; the --multihead block).
+        moe: LoRA-MoE's experts and router (--moe.num_experts, --moe.r, --moe.target_modules, ...); method moe.
+        multihead: the duplicated module, its initialisation and the loss (--multihead.module, --multihead.init,
+            --multihead.num_hypotheses, --multihead.loss, ...); method multihead.
+        resume: continue from the newest checkpoint in `out` (an interrupted run resumes exactly where it stopped);
+            refused if those checkpoints were trained with other settings. Without it, an `out` holding
+            checkpoints is refused, so that no run is overwritten by mistake.
+        threads: torch CPU threads (default: the cores that are free when the command starts).
+        dtype: the frozen model's dtype: float32, bfloat16 or float16 (adapters stay float32 by default).
+        scores_for: a finished LoRA-MCL run (its `out`) whose hypothesis scores p(k | c) are to be learned: its
+            hypotheses are loaded and stay frozen, and only a scoring head is trained (docs/scores.md); the run's
+            own MCL settings are used (leave --mcl out; --training.scoring_learning_rate sets the head's rate).
+    """
+    from loramcl.data.prompts import PairDataset, collate, encode_pairs, pad_token_id
+
+    # Mistakes in the files, their fields and the model folder are reported before torch loads (seconds).
+    check_model_options(model, dtype)
+    check_output(out, folder=True)
+    check_threads(threads)
+    check_max_length(data.max_length, model_positions(model))
+    train_pairs = training_pairs(data.train_file, data, "training file")
+    eval_pairs = training_pairs(data.validation_file, data, "validation file") if data.validation_file else None
+    encoder_decoder = is_encoder_decoder(model)
+
+    from transformers import AutoTokenizer
+
+    from loramcl.models import load_model
+
+    if scores_for is not None:
+        config = _scored_run_config(scores_for, method, mcl)
+        settings = run_settings(model, config, data, training, dtype, method) | {
+            "scores_for": str(scores_for), "scores_for_run": run_stamp(Path(scores_for))}
+    else:
+        config = method_config(method, mcl, moe, multihead)
+        settings = run_settings(model, config, data, training, dtype, method)
+    last = resumable_checkpoint(out, settings, resume)
+    use_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    pad_id = pad_token_id(tokenizer)
+
+    def dataset(path: str, pairs: tuple[list[str], list[str]], limit: int | None = None) -> PairDataset:
+        prompts, targets = pairs[0][:limit], pairs[1][:limit]
+        return PairDataset(encode_pairs(tokenizer, prompts, targets, data.chat_template, data.max_length,
+                                        encoder_decoder=encoder_decoder,
+                                        where=lambda i: f"{path}:{record_line(path, i)}"))
+
+    train_set = dataset(data.train_file, train_pairs)
+    eval_set = dataset(data.validation_file, eval_pairs, data.eval_examples) if eval_pairs else None
+    fit(lambda: load_model(model, dtype=dtype), out, config, training, settings, train_set, eval_set,
+        collator=lambda rows: collate(rows, pad_id), processor=tokenizer, last_checkpoint=last, method=method,
+        scores_for=scores_for)
+    return str(out)
+
+
+def check_max_length(max_length: int, limits: PositionLimits) -> None:
+    """``data.max_length`` tokens (a causal LM: prompt and target together; an encoder-decoder: each) fit the
+    model's positions."""
+    known = [limit for limit in (limits.prompt, limits.target) if limit is not None]
+    if known and max_length > min(known):
+        raise OptionError("max_length", f"max_length {max_length} is more than the {min(known)} positions the model "
+                          f"reads ({limits.source}): set --data.max_length {min(known)} or less", owner=DataConfig)
+
+
+def _scored_run_config(run: str, method: str, mcl: MCLConfig | None) -> MCLConfig:
+    """The MCLConfig of the finished LoRA-MCL run ``run``, with hypothesis scores on (``train(scores_for=run)``)."""
+    if method != "mcl" or mcl not in (None, MCLConfig()):
+        raise ValueError("scores_for learns the scores of a finished LoRA-MCL run with that run's own settings: "
+                         "leave out --mcl.* and --method")
+    record = Path(run) / MCL_CONFIG
+    if not (Path(run) / RUN_RECORD).is_file() or not record.is_file():
+        raise FileNotFoundError(f"scores_for: {run} is not a finished LoRA-MCL run (no {RUN_RECORD} and "
+                                f"{MCL_CONFIG}): give the `out` folder of a finished `loramcl train`")
+    saved = json.loads(record.read_text(encoding="utf-8"))
+    if saved.get("method", "mcl") != "mcl" or "mcl_config" not in saved:
+        raise ValueError(f"scores_for: {run} holds a {saved.get('method')!r} model; scores are learned for LoRA-MCL "
+                         "hypotheses")
+    config = MCLConfig.from_dict(saved_values(saved["mcl_config"]))
+    if config.num_hypotheses < 2:
+        raise ValueError(f"scores_for: {run} has one hypothesis; scores rank K >= 2 hypotheses")
+    return replace(config, scoring=True)
+
+
+def resumable_checkpoint(out: str | Path, settings: dict, resume: bool) -> str | None:
+    """The checkpoint a run with ``settings`` continues from (None: start afresh), checked before any work: an `out`
+    holding checkpoints is refused without ``resume`` (no run is overwritten by mistake), and so are checkpoints
+    trained with other settings."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    checkpoints = Path(out) / CHECKPOINTS
+    last = get_last_checkpoint(str(checkpoints)) if checkpoints.is_dir() else None
+    if last is not None and not resume:
+        raise ValueError(f"{out} already holds checkpoints of a training run ({Path(last).name}): pass --resume "
+                         f"true to continue it, or choose another --out (or delete {checkpoints})")
+    stale = stale_checkpoint_fields(out, settings)
+    if last is not None and stale:
+        raise ValueError(f"the checkpoints in {checkpoints} were trained with other settings ({', '.join(stale)} "
+                         "differ): resume with the same settings, or choose another --out")
+    return last
+
+
+def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: TrainConfig,
+        settings: dict, train_set, eval_set, collator: Callable, processor=None,
+        last_checkpoint: str | None = None, method: str = "mcl", scores_for: str | None = None) -> dict:
+    """Train K hypotheses on tokenized datasets with MCLTrainer and write a finished run to `out`; any task's
+    training stage (text pairs, audio, images) ends here, so every run has the same files and record.
+
+    build_model: loads the frozen base model (called after seeding, so the adapters' initialisation is seeded).
+    settings: everything that decides the run (JSON; ``run_settings`` for text pairs), recorded in run.json and
+        beside the checkpoints. last_checkpoint: from ``resumable_checkpoint``. processor: a tokenizer or processor
+        saved with the adapters. method: 'mcl' (``mcl`` an MCLConfig), 'moe' (a MoEConfig) or 'multihead' (a
+        MultiHeadConfig), see ``train``. scores_for: a finished LoRA-MCL run whose frozen hypotheses get a scoring
+        head trained (``load_mcl_model(..., fit_scores=True)``). Returns the run record (run.json).
+    """
+    import torch
+    from transformers import PrinterCallback, ProgressCallback, set_seed
+
+    from loramcl.training.trainer import MCLTrainer
+
+    out_dir = Path(out)
+    checkpoints = out_dir / CHECKPOINTS
+    set_seed(training.seed)
+    if scores_for is not None:
+        from loramcl.mcl.model import load_mcl_model
+
+        mcl_model = load_mcl_model(build_model(), scores_for, fit_scores=True)
+    else:
+        mcl_model = method_model(build_model(), method, mcl)
+    mcl_model.train()
+    evaluating = eval_set is not None and training.eval_every > 0
+    saving = training.save_every > 0
+    args = training_arguments(training, str(checkpoints), evaluating)
+    trainer = MCLTrainer(mcl_model, args=args, train_dataset=train_set, eval_dataset=eval_set,
+                         data_collator=collator, scoring_learning_rate=training.scoring_learning_rate)
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    progress = _log_lines_callback(ProgressCallback)()
+    trainer.add_callback(progress)
+    if hasattr(train_set, "set_epoch"):  # e.g. one caption drawn per image and epoch (data.textcaps)
+        trainer.add_callback(_epoch_callback(train_set))
+    if saving:
+        checkpoints.mkdir(parents=True, exist_ok=True)
+        (checkpoints / SETTINGS_NAME).write_text(json.dumps(settings, indent=1) + "\n")
+    if last_checkpoint is not None:
+        logger.info(f"resuming from the newest whole checkpoint in {checkpoints}")
+    started = time.perf_counter()
+    try:
+        trainer.train(resume_from_checkpoint=True if last_checkpoint is not None else None)  # the newest whole one
+        if eval_set is not None and not (evaluating and training.steps % training.eval_every == 0):
+            trainer.evaluate()  # the final validation point
+    finally:  # a failure or an interruption leaves no bar open for its message to share a line with
+        progress.close_bars()
+    seconds = time.perf_counter() - started
+
+    mcl_model.save_pretrained(out_dir)
+    if processor is not None:
+        processor.save_pretrained(out_dir)
+    if method == "mcl" and mcl.num_hypotheses == 1:
+        mcl_model.export_hypothesis(0, out_dir / PEFT_FOLDER)
+    trainable, total = mcl_model.parameter_counts()
+    (out_dir / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
+    run = {"settings": settings, "resumed_from": trainer.resumed_from and Path(trainer.resumed_from).name,
+           "threads": torch.get_num_threads(), "train_examples": len(train_set), "trainable_parameters": trainable,
+           "total_parameters": total, "seconds": round(seconds, 1)}
+    (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")
+    logger.info(f"trained {trainable:,} of {total:,} parameters in {seconds:.0f} s: {out_dir}")
+    return run
+
+
+def training_arguments(training: TrainConfig, output_dir: str, evaluating: bool, **overrides):
+    """transformers ``TrainingArguments`` of a ``TrainConfig`` (validation every ``eval_every`` steps when
+    ``evaluating``, a checkpoint every ``save_every``, the CPU when no GPU is seen); ``overrides`` replace any of them
+    (e.g. another evaluation batch size)."""
+    import torch
+    from transformers import TrainingArguments
+
+    saving = training.save_every > 0
+    values = dict(
+        output_dir=output_dir, max_steps=training.steps, per_device_train_batch_size=training.batch_size,
+        per_device_eval_batch_size=training.batch_size, learning_rate=training.learning_rate,
+        weight_decay=training.weight_decay, adam_beta2=training.adam_beta2, max_grad_norm=training.max_grad_norm,
+        warmup_steps=training.warmup_steps, logging_steps=training.logging_steps,
+        lr_scheduler_type="cosine_with_min_lr" if training.min_learning_rate else training.scheduler,
+        lr_scheduler_kwargs={"min_lr": training.min_learning_rate} if training.min_learning_rate else {},
+        eval_strategy="steps" if evaluating else "no", eval_steps=training.eval_every if evaluating else None,
+        save_strategy="steps" if saving else "no", save_steps=training.save_every if saving else None,
+        save_total_limit=training.keep_checkpoints, report_to=[], use_cpu=not torch.cuda.is_available(),
+        seed=training.seed, data_seed=training.seed, remove_unused_columns=False, disable_tqdm=False)
+    return TrainingArguments(**(values | overrides))
+
+
+def training_pairs(path: str, data: DataConfig, what: str) -> tuple[list[str], list[str]]:
+    """(prompts, targets) of a training or validation file, checked: the file, its fields, one text per target."""
+    from loramcl.data.prompts import read_pairs
+
+    check_file(path, what)
+    _, prompts, targets = read_pairs(path, data.prompt_key, data.target_key, what="data.prompt_key / "
+                                                                                   "data.target_key")
+    bad = [i for i, t in enumerate(targets) if not isinstance(t, str) or not t]
+    if bad:
+        raise ValueError(f'{path}: "{data.target_key}" must be a non-empty string (record {bad[0] + 1}); a '
+                         "training target is one text, not a list")
+    return prompts, targets
+
+
+def log_line(step: int, logs: dict) -> str:
+    """One logged step as text: `step 20: loss 1.234, win_rate_h0 0.5, ...` (numbers as numbers, 4 digits)."""
+    values = [f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}"
+              for key, value in logs.items() if key != "total_flos"]
+    return f"step {step}: " + ", ".join(values)
+
+
+def _log_lines_callback(progress_callback: type) -> type:
+    """transformers' ProgressCallback (the tqdm bars) printing each log as a ``log_line``: its own printing quotes
+    every number (transformers 5 formats floats as strings, then prints the dict)."""
+
+    class LogLines(progress_callback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and self.training_bar is not None and logs:
+                self.training_bar.write(log_line(state.global_step, logs))
+
+        def close_bars(self) -> None:
+            """Close the bars a training or evaluation that stopped midway left open (its end closes them)."""
+            for name in ("prediction_bar", "training_bar"):
+                if getattr(self, name, None) is not None:
+                    getattr(self, name).close()
+                    setattr(self, name, None)
+
+    return LogLines
+
+
+def _epoch_callback(dataset) -> object:
+    """Tells ``dataset`` the epoch at each epoch's start. Trainer's data loader does not always do it: accelerate
+    forwards ``set_epoch`` to the dataset only when the sampler has none, and its seedable sampler has one."""
+    from transformers import TrainerCallback
+
+    class SetEpoch(TrainerCallback):
+        def on_epoch_begin(self, args, state, control, **kwargs):
+            dataset.set_epoch(int((state.epoch or 0) + 1e-6))  # 1.0 after epoch 0's last step; 1.5 when resumed
+
+    return SetEpoch()
+
+
+def nll(
+    model: ModelPath,
+    adapters: LocalPath,
+    input: LocalPath,
+    out: LocalPath = "nll.jsonl",
+    prompt_key: str = "prompt",
+    references_key: str = "references",
+    chat_template: bool | None = None,
+    batch_size: int = 16,
+    dtype: Dtype = "float32",
+    device: str = "cpu",
+    threads: int | None = None,
+    progress: bool = True,
+    strict: bool = False,
+) -> str:
+    """Score every reference under every hypothesis: its mean NLL per target token, for `loramcl evaluate --nll`.
+
+    Nats per target token, end-of-sequence included: the oracle NLL and perplexity of paper App. E.1. The prompt
+    and reference are tokenized as `loramcl train` tokenized prompt and target (an encoder-decoder reads the prompt
+    in its encoder and scores the reference as its labels).
+
+    Args:
+        model: local folder of the base model (a causal or a sequence-to-sequence LM).
+        adapters: MCL adapters folder (K hypotheses; a K = 1 run is LoRA-MLE).
+        input: JSONL {"id", "prompt", "references": [R texts]} (or a single text) per line.
+        out: output JSONL {"id", "nll": [[K floats] per reference]} (+ "mixture_nll": [a float per reference],
+            -log sum_k p(k|c) p_k(x|c) per token, for adapters with hypothesis scores).
+        prompt_key: field holding the prompt.
+        references_key: field holding the reference text(s).
+        chat_template: wrap each prompt with the tokenizer's chat template (default: as the training run of
+            `adapters` did, from its run.json; without one, no).
+        batch_size: (prompt, reference) pairs per forward (x K hypotheses).
+        dtype: float32, bfloat16 or float16.
+        device: e.g. cpu, cuda.
+        threads: torch CPU threads (default: the cores that are free when the command starts).
+        progress: a progress bar (references scored) on stderr.
+        strict: refuse adapters saved on a base model with other weights (their recorded fingerprint differs from
+            the model's), and adapter files that cannot be verified (no checksum, no fingerprint) or whose tensors
+            were converted after save; by default each is a warning.
+    """
+    from loramcl.data.prompts import collate, encode_pairs, first_too_long, pad_token_id, read_pairs
+
+    require_int("batch_size", batch_size)
+    check_threads(threads)
+    check_model_options(model, dtype, adapters)
+    if not (Path(adapters) / MCL_CONFIG).is_file():
+        raise ValueError(f"{adapters} is not an MCL adapters folder: `loramcl nll` scores the K hypotheses of an "
+                         "MCL (or K = 1 MLE) run of `loramcl train`")
+    check_output(out, folder=False, example="nll.jsonl")
+    check_file(input, "input file")
+    ids, prompts, references = read_pairs(input, prompt_key, references_key, what="--prompt_key / --references_key")
+    references = [[r] if isinstance(r, str) else r for r in references]
+    bad = [i for i, refs in enumerate(references)
+           if not isinstance(refs, list) or not refs or not all(isinstance(r, str) and r.strip() for r in refs)]
+    if bad:
+        raise ValueError(f'{input}:{record_line(input, bad[0])}: "{references_key}" must be a non-empty text or list '
+                         "of non-empty texts")
+    chat_template = prompt_format(adapters, chat_template)
+    encoder_decoder = is_encoder_decoder(model)
+
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from loramcl.models import load_model
+
+    check_device(device)
+    use_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    pad_id = pad_token_id(tokenizer)
+    owner = [i for i, refs in enumerate(references) for _ in refs]
+    rows = encode_pairs(tokenizer, [prompts[i] for i in owner], [r for refs in references for r in refs],
+                        chat_template, encoder_decoder=encoder_decoder)
+    if (too_long := first_too_long(rows, model_positions(model), encoder_decoder)) is not None:
+        raise ValueError(f"{input}:{record_line(input, owner[too_long[0]])}: the prompt and reference need "
+                         f"{too_long[1]}: shorten them (a reference is scored whole)")
+    decoder = load_model(model, adapters, dtype, device, strict=strict)
+    nlls, mixtures = [], []
+    bar = tqdm(total=len(rows), unit="reference", desc="nll", file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
+    with bar, torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            batch = {k: v.to(device) for k, v in collate(rows[start:start + batch_size], pad_id).items()}
+            output = decoder(**batch)
+            nlls.append(output.nll.float().cpu())  # [b, K]
+            if output.mixture_nll is not None:  # a model with hypothesis scores
+                mixtures.append(output.mixture_nll.float().cpu())  # [b]
+            bar.update(len(batch["input_ids"]))
+    table = torch.cat(nlls).tolist()
+    mixture = torch.cat(mixtures).tolist() if mixtures else None
+    per_item: list[dict] = [{"nll": []} | ({"mixture_nll": []} if mixture else {}) for _ in ids]
+    for n, i in enumerate(owner):
+        per_item[i]["nll"].append(table[n])
+        if mixture:
+            per_item[i]["mixture_nll"].append(mixture[n])
+    out_path = Path(out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with out_path.open("w", encoding="utf-8") as f:
+        for item_id, values in zip(ids, per_item, strict=True):
+            f.write(json.dumps({"id": item_id, **values}) + "\n")
+    print(f"NLL of {len(rows)} references under {decoder.num_hypotheses} hypotheses: {out_path}")
+    return str(out_path)

@@ -1,0 +1,80 @@
+"""The record of a training run, read by ``loramcl train`` (to resume or skip it) and by the recipes' stages (to
+reuse what was made from it): the settings it was trained with, its checkpoints' settings, and stamps that change
+when a run is retrained or an input file changes. Imports nothing heavy."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from loramcl.baselines.config import MoEConfig, MultiHeadConfig
+from loramcl.mcl.config import MCLConfig
+from loramcl.training.config import DataConfig, TrainConfig
+from loramcl.utils.inputs import RUN_RECORD
+
+CHECKPOINTS = "checkpoints"  # Trainer's resumable checkpoints of a run, inside its `out` folder
+SETTINGS_NAME = "settings.json"  # in CHECKPOINTS: what the checkpoints were trained with, checked on resume
+
+
+def finished_run(out: str | Path, settings: dict) -> bool:
+    """Whether `out` holds a finished `loramcl train` run with these settings (from ``run_settings``)."""
+    path = Path(out) / RUN_RECORD
+    return path.is_file() and not _differing(json.loads(path.read_text()).get("settings") or {}, settings)
+
+
+METHOD_CONFIGS = {"mcl": MCLConfig, "moe": MoEConfig, "multihead": MultiHeadConfig}  # a run's method -> its settings
+# Fields that decide how a run is computed, not its adapters: a run resumed or compared with another value is the same
+_COMPUTATION_ONLY = {"mcl": ("logits_chunk_size",)}
+
+
+def _as_configs(settings: dict) -> dict:
+    """``settings`` with each configuration section rebuilt through its dataclass, so that a field added to
+    loramcl since a run was recorded compares at its default (an option added later is off by default: the run
+    is the same) rather than as a difference."""
+    result = dict(settings)
+    for key, value in settings.items():
+        try:
+            if key in METHOD_CONFIGS and isinstance(value, dict):
+                result[key] = METHOD_CONFIGS[key].from_dict(value).to_dict()
+                for name in _COMPUTATION_ONLY.get(key, ()):
+                    del result[key][name]
+            elif key in ("data", "training") and isinstance(value, dict):
+                result[key] = asdict((DataConfig if key == "data" else TrainConfig)(**value))
+        except (TypeError, ValueError):  # a field removed or renamed since: compared as recorded
+            pass
+    return json.loads(json.dumps(result))
+
+
+def _differing(saved: dict, settings: dict) -> list[str]:
+    saved, settings = _as_configs(saved), _as_configs(settings)
+    return sorted(key for key in saved.keys() | settings.keys() if saved.get(key) != settings.get(key))
+
+
+def stale_checkpoint_fields(out: str | Path, settings: dict) -> list[str]:
+    """The settings in which the checkpoints under `out` differ from ``settings`` ([] if none or no checkpoints)."""
+    folder = Path(out) / CHECKPOINTS
+    if not any(folder.glob("checkpoint-*")):
+        return []
+    path = folder / SETTINGS_NAME
+    if not path.is_file():
+        return [f"unknown: no {SETTINGS_NAME} beside them"]
+    return _differing(json.loads(path.read_text()), settings)
+
+
+def file_stamp(path: str | Path) -> str:
+    """Identifies a stage's input file by the hash of its bytes: a decoding or scoring stage keyed by it is redone
+    when the test set changes under the same name."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def run_stamp(run: Path) -> str:
+    """Identifies a finished training run by the hash of its run.json (which holds its wall time to 0.1 s), so that
+    outputs made from an older run of the same name are not reused."""
+    return file_stamp(Path(run) / RUN_RECORD)
+
+
+def run_record(run: Path) -> dict:
+    """The run.json of a finished training run (``training.fit.fit``)."""
+    return json.loads((Path(run) / RUN_RECORD).read_text())

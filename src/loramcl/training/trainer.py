@@ -1,0 +1,511 @@
+"""MCLTrainer: transformers.Trainer for an MCLModel (DESIGN decisions 3 and 4).
+
+Distribution (DDP, DeepSpeed, FSDP through accelerate/torchrun) is the Trainer's; this subclass computes the MCL
+loss, logs how often each hypothesis wins, saves the adapters in our format, and makes checkpoints atomic: a
+``checkpoint-N`` folder appears only once it is whole, and resuming skips a damaged newest one.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import math
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType
+from torch import nn
+from transformers import Trainer, default_data_collator
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from loramcl.mcl.compat import check_trainer_methods
+from loramcl.mcl.losses import temperature_at
+from loramcl.mcl.losses import winners as loss_winners
+from loramcl.mcl.model import MCLModel
+from loramcl.mcl.nll import IGNORE_INDEX, examples_without_targets
+from loramcl.training.checkpoints import (
+    checkpoint_step,
+    checkpoint_to_resume,
+    publish,
+    remove_staging_leftovers,
+    rotate_checkpoints,
+    staging_folder,
+)
+
+TRAINING_ARGS_NAME = "training_args.json"  # TrainingArguments.to_dict(), tokens masked; never read back
+# Private Trainer methods MCLTrainer overrides, each where no public hook or callback event computes the same (the
+# comment on each says why), and those it calls (docs/architecture.md, "What we rely on in transformers and PEFT"):
+# checked to exist when a trainer is built, and by a test to be complete.
+PRIVATE_TRAINER_OVERRIDES = ("_build_accelerator_args", "_clip_grad_norm", "_set_signature_columns_if_needed", "_save",
+                             "_get_output_dir", "_save_checkpoint", "_push_from_checkpoint", "_init_training_state",
+                             "_load_from_checkpoint", "_load_best_model")
+PRIVATE_TRAINER_CALLS = ("_has_mixed_mesh_grads", "_prepare_inputs")
+
+
+def scoring_block(batch: int, num_hypotheses: int) -> int:
+    """Examples per block of two-pass WTA's scoring pass: about as many rows per block (K*n) as the winners' pass
+    has (B), so that the scoring pass, which keeps no activations, peaks below the winners' forward + backward."""
+    return max(1, -(-batch // num_hypotheses))  # ceil(B / K)
+
+
+class PadExamples:
+    """The collator of an MCLTrainer given none: rows of one length are collated by transformers'
+    ``default_data_collator``; rows of different lengths are right-padded, each field to its own longest row (as
+    ``loramcl train`` pads): token ids with ``pad_token_id``, masks with 0 (made from the lengths where rows have
+    none), labels with -100, so padding is never attended to nor predicted (any id in the vocabulary would do).
+    Other fields go to ``default_data_collator``."""
+
+    def __init__(self, pad_token_id: int | None) -> None:
+        self.pad_token_id = pad_token_id
+        self.padded = {"input_ids": pad_token_id, "attention_mask": 0, "labels": IGNORE_INDEX,
+                       "decoder_input_ids": pad_token_id, "decoder_attention_mask": 0}
+
+    def __call__(self, rows: list[dict]) -> dict:
+        sequences = {name: [torch.as_tensor(row[name]) for row in rows] for name in self.padded if name in rows[0]}
+        lengths = {name: {len(value) for value in values} for name, values in sequences.items()}
+        if all(len(found) == 1 for found in lengths.values()):
+            return default_data_collator(rows)
+        for name in ("input_ids", "decoder_input_ids"):
+            if self.pad_token_id is None and len(lengths.get(name, ())) > 1:
+                raise ValueError(f"the rows of a batch have {name} of different lengths ({min(lengths[name])} to "
+                                 f"{max(lengths[name])} tokens) and no padding id is known: give MCLTrainer the "
+                                 "tokenizer (processing_class=tokenizer), set the model's config.pad_token_id, or "
+                                 "pass a data_collator")
+        if "attention_mask" not in sequences and "input_ids" in sequences:
+            sequences["attention_mask"] = [torch.ones_like(ids) for ids in sequences["input_ids"]]
+        batch = {name: nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=self.padded[name] or 0)
+                 for name, values in sequences.items()}  # [B, longest row of that field]
+        rest = [{name: value for name, value in row.items() if name not in self.padded} for row in rows]
+        return {**(default_data_collator(rest) if rest[0] else {}), **batch}
+
+
+def padding_id(processing_class, model: nn.Module) -> int | None:
+    """The id that pads token rows: the tokenizer's padding (else end-of-sequence) id, else the model config's."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)  # a processor holds its tokenizer
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else None
+    for source in (tokenizer, config, text_config):
+        for name in ("pad_token_id", "eos_token_id"):
+            value = getattr(source, name, None)
+            value = value[0] if isinstance(value, list) and value else value
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
+class CollapseWatch:
+    """The share of the examples each hypothesis won over the last ``window`` optimizer steps, from the win counts of
+    each training log; a warning (once) when one has won less than ``share`` of them."""
+
+    def __init__(self, window: int, share: float) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"collapse_window must be a number of steps >= 1, got {window!r}")
+        if not 0.0 <= share < 1.0:
+            raise ValueError(f"collapse_share must be in [0, 1), got {share!r}")
+        self.window, self.share = window, share
+        self._recent: collections.deque = collections.deque()  # (first step, last step, wins [K]) per log
+        self._since_step = 0
+        self._warned = False
+
+    def observe(self, step: int, wins: torch.Tensor, loss: Callable[[], str]) -> str | None:
+        """Record the wins [K] of the training steps up to ``step``; the warning to give, once, or None. ``loss``:
+        the training loss's name, named in the warning."""
+        self._recent.append((self._since_step, step, wins))
+        self._since_step = step
+        while self._recent and self._recent[0][1] <= step - self.window:
+            self._recent.popleft()  # entirely before the window
+        if self._warned or len(wins) < 2 or not self._recent:
+            return None
+        first = self._recent[0][0]
+        if step - first < self.window:
+            return None  # the window is not covered yet
+        recent = torch.stack([w for _, _, w in self._recent]).sum(dim=0).double()  # [K]
+        if recent.sum() == 0:
+            return None
+        shares = recent / recent.sum()
+        idle = [k for k, share in enumerate(shares.tolist()) if share < self.share]
+        if not idle:
+            return None
+        self._warned = True
+        named = ", ".join(f"h{k} ({100 * shares[k]:.1f}%)" for k in idle)
+        return (f"hypothesis collapse: {named} won less than {100 * self.share:g}% of the examples over steps "
+                f"{first}-{step} (loss={loss()!r}); a hypothesis that never wins gets no gradient under vanilla WTA "
+                "and stays where it is. Remedies: relaxed WTA (MCLConfig(loss='relaxed', epsilon=0.05)), annealed "
+                "MCL (loss='annealed'), random tie-breaking at initialisation (tie_break='random'), or fewer "
+                "hypotheses than the data has modes.")
+
+
+class MCLTrainer(Trainer):
+    """Train an ``MCLModel`` exactly as a ``Trainer`` trains any model.
+
+    two_pass_wta: with ``loss='wta'`` only the winner of each example gets a gradient, so the trainer
+        scores all K hypotheses under ``torch.no_grad()``, then runs forward + backward on the winner rows
+        only: the same gradient for about (K+2)/2 MLE steps of compute instead of K, and K times less
+        activation memory. Set False to backpropagate through all K (the one-pass reference). With dropout,
+        the two passes draw different dropout masks, so the winner is picked on another draw of the noise.
+
+    scoring_examples_per_block: two-pass WTA's scoring pass runs the batch this many examples at a time
+        (``MCLModel.forward(examples_per_block=)``), so that its peak memory, K*n rows at once, stays within that of
+        the winners' forward + backward on B rows. "auto" (default): ``scoring_block(B, K)``; None: the whole
+        batch at once (K*B rows). The winners and the gradient are the same either way.
+    collapse_window, collapse_share: a warning (once) when a hypothesis has won less than ``collapse_share`` of the
+        examples over the last ``collapse_window`` optimizer steps, naming the remedies.
+    scoring_learning_rate: the learning rate of the hypothesis-scores head (``MCLConfig(scoring=True)``); default
+        the trainer's. With Adam the scoring loss's weight beta barely matters (the step is normalised), this does.
+
+    Logged while training: ``loss``, ``win_rate_h{k}`` (share of examples won by hypothesis k since the last
+    log: a hypothesis near 0 has collapsed) and ``temperature`` for the annealed loss (0 once hard WTA).
+    Evaluation reports ``eval_loss`` as the vanilla WTA loss (mean over examples of min_k NLL, eq. 2)
+    whatever the training loss, plus ``eval_nll_h{k}``, ``eval_win_rate_h{k}`` and, with hypothesis scores
+    (``MCLConfig(scoring=True)``), ``eval_mixture_nll``. A ``compute_metrics`` function receives the per-example
+    NLLs [N, K] as its predictions.
+
+    Checkpoints are atomic: ``checkpoint-N`` is written as ``incomplete-checkpoint-N/checkpoint-N`` and renamed into
+    place once every rank has written its part, so a ``checkpoint-N`` folder that exists is whole. ``train(
+    resume_from_checkpoint=True)`` resumes from the newest whole checkpoint in ``output_dir``, skipping a damaged one
+    with a warning (a folder left by another writer, or cut short on disk), and starts from the beginning with a
+    warning when there is none; a path to a damaged ``checkpoint-N`` falls back to the newest whole one before it.
+    ``save_total_limit`` rotation never deletes the checkpoint just written and drops damaged ones first. The
+    training arguments are saved as ``training_args.json`` (not Trainer's pickled ``training_args.bin``).
+    DDP runs without the unused-parameter search unless ``ddp_find_unused_parameters`` is set. Without a
+    ``data_collator``, rows of different lengths are right-padded (``PadExamples``; the padding id from
+    ``processing_class``, else from the model's config).
+    """
+
+    def __init__(self, model: MCLModel | None = None, *args, two_pass_wta: bool = True,
+                 scoring_examples_per_block: int | str | None = "auto", collapse_window: int = 100,
+                 collapse_share: float = 0.01, scoring_learning_rate: float | None = None, **kwargs) -> None:
+        if not isinstance(model, MCLModel):
+            raise TypeError(f"MCLTrainer trains an MCLModel (from get_mcl_model), got {type(model).__name__}")
+        if not (scoring_examples_per_block in (None, "auto") or isinstance(scoring_examples_per_block, int)
+                and not isinstance(scoring_examples_per_block, bool) and scoring_examples_per_block >= 1):
+            raise ValueError(f"scoring_examples_per_block must be 'auto', None or a number of examples >= 1, got "
+                             f"{scoring_examples_per_block!r}")
+        self._collapse = CollapseWatch(collapse_window, collapse_share)  # checks them
+        if scoring_learning_rate is not None and not (math.isfinite(scoring_learning_rate)
+                                                      and scoring_learning_rate > 0):
+            raise ValueError(f"scoring_learning_rate must be a finite number > 0, got {scoring_learning_rate!r}")
+        _refuse_float16_adapters(model)
+        check_trainer_methods(type(self), PRIVATE_TRAINER_OVERRIDES + PRIVATE_TRAINER_CALLS)
+        self.two_pass_wta = two_pass_wta
+        self.scoring_examples_per_block = scoring_examples_per_block
+        self.scoring_learning_rate = scoring_learning_rate
+        self._staging_dir: str | None = None  # while a checkpoint is being written: where Trainer must write it
+        self._push_when_published = False
+        given = inspect.signature(Trainer.__init__).bind_partial(self, model, *args, **kwargs).arguments
+        super().__init__(model, *args, **kwargs)
+        if given.get("data_collator") is None:  # Trainer's default cannot pad labels: rows of any length work
+            self.data_collator = PadExamples(padding_id(self.processing_class, model))
+        # compute_loss is ours: these Trainer options would otherwise be silently ignored.
+        if self.args.label_smoothing_factor:
+            raise ValueError("label_smoothing_factor is not supported: the MCL losses are computed on the plain "
+                             "per-example NLL (paper eq. 2-5); set it to 0")
+        if self.compute_loss_func is not None:
+            raise ValueError("compute_loss_func is not used by MCLTrainer: the loss is MCLConfig.loss; choose it there")
+        k = model.num_hypotheses
+        self._train_wins = torch.zeros(k, dtype=torch.long, device=self.args.device)  # [K] since the last log
+        self._last_temperature: float | None = None  # tau used by the latest training step (annealed loss)
+        self._nonfinite_loss = torch.zeros((), dtype=torch.bool, device=self.args.device)  # checked when logging
+        self._nonfinite_grad_norm = torch.zeros((), dtype=torch.bool, device=self.args.device)  # likewise
+        self._eval_nll: list[torch.Tensor] = []
+        self._eval_mixture: list[torch.Tensor] = []  # [B] per batch, with hypothesis scores
+
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        # The public route, ddp_find_unused_parameters=False, would alter the caller's arguments and training_args.json.
+        accelerator_args = super()._build_accelerator_args(**kwargs)
+        if self.args.ddp_find_unused_parameters is None:
+            # Every adapter tensor takes part in every MCL forward (all routings index the stacked tensors), so DDP
+            # need not search the graph for unused ones; Trainer assumes it must for a non-PreTrainedModel. Set on
+            # the DDP options Trainer builds from the arguments, which stay as the caller made them.
+            for handler in accelerator_args["kwargs_handlers"]:
+                if isinstance(handler, DistributedDataParallelKwargs):
+                    handler.find_unused_parameters = False
+        return accelerator_args
+
+    # ---- loss -------------------------------------------------------------------------------------------
+
+    def _mcl_model(self) -> MCLModel:
+        return self.accelerator.unwrap_model(self.model)
+
+    def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None):
+        mcl = self._mcl_model()
+        mcl.training_step = self.state.global_step
+        if model.training and self.two_pass_wta and mcl.mcl_config.loss == "wta" and mcl.num_hypotheses > 1:
+            per_block = self.scoring_examples_per_block
+            if per_block == "auto" and torch.is_tensor(inputs.get("labels")):
+                per_block = scoring_block(inputs["labels"].shape[0], mcl.num_hypotheses)
+            elif per_block == "auto":
+                per_block = None
+            with torch.no_grad():  # nll [B, K]; the scoring head, if any, learns from this pass
+                scored = model(**inputs, examples_per_block=per_block)
+            winners = loss_winners(scored.nll, mcl.mcl_config.tie_break)  # [B], as the one-pass loss picks them
+            outputs = model(**inputs, hypotheses=winners)  # forward + backward of the winner rows only
+            outputs.nll = scored.nll
+            if scored.scoring_loss is not None:
+                outputs.loss = outputs.loss + mcl.mcl_config.scoring_weight * scored.scoring_loss
+                outputs.log_scores, outputs.mixture_nll = scored.log_scores, scored.mixture_nll
+        else:
+            outputs = model(**inputs)
+            winners = outputs.weights.argmax(dim=1)  # [B]: the loss's winners (ties broken as the loss broke them)
+        if model.training:
+            self._nonfinite_loss |= ~torch.isfinite(outputs.loss.detach())  # no host sync here
+            self._last_temperature = temperature_at(mcl.training_step, mcl.mcl_config)
+            wins = torch.bincount(winners, minlength=mcl.num_hypotheses)  # [K]
+            self._train_wins += wins.to(self._train_wins.device)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
+              ignore_keys_for_eval: list[str] | None = None):
+        self._check_targets(self.train_dataset, "train_dataset")
+        if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
+            resume_from_checkpoint = self._same_on_every_rank(checkpoint_to_resume(  # a whole one, or None
+                resume_from_checkpoint, self.args.output_dir, say=self.is_world_process_zero()))
+        self.resumed_from = resume_from_checkpoint  # the checkpoint actually resumed (None: from the beginning)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                             ignore_keys_for_eval=ignore_keys_for_eval)
+
+    def _check_targets(self, dataset, name: str) -> None:
+        """Every example needs a target token (its mean NLL is 0/0 otherwise): checked on the whole dataset before
+        training, so that the error names dataset indices instead of a position in some later batch."""
+        checked = self.__dict__.setdefault("_datasets_with_targets", set())  # ids: each dataset is read once
+        if dataset is None or id(dataset) in checked:
+            return
+        mcl = self._mcl_model()
+        empty = examples_without_targets(dataset, causal=not getattr(mcl.config, "is_encoder_decoder", False))
+        if empty:
+            shown = ", ".join(map(str, empty[:10])) + (f" ... ({len(empty)} in all)" if len(empty) > 10 else "")
+            raise ValueError(f"{name} examples {shown} have no label token (every label is {IGNORE_INDEX} after the "
+                             "causal shift), so their NLL is undefined: keep at least one target token per example "
+                             "(e.g. truncate the prompt, not the target), or drop them")
+        checked.add(id(dataset))
+
+    # ---- evaluation -------------------------------------------------------------------------------------
+
+    def prediction_step(self, model: nn.Module, inputs: dict, prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            outputs = model(**inputs)
+        nll = outputs.nll.detach()  # [B, K]
+        self._eval_nll.append(self.accelerator.gather_for_metrics(nll).float().cpu())
+        if outputs.mixture_nll is not None:
+            self._eval_mixture.append(self.accelerator.gather_for_metrics(outputs.mixture_nll).float().cpu())
+        loss = nll.min(dim=1).values.mean()  # vanilla WTA, eq. 2
+        return loss, (None if prediction_loss_only else nll), None
+
+    def evaluate(self, eval_dataset=None, *args, **kwargs):
+        if isinstance(eval_dataset, dict) or (eval_dataset is None and isinstance(self.eval_dataset, dict)):
+            for key, dataset in (eval_dataset or self.eval_dataset).items():
+                self._check_targets(dataset, f"eval_dataset[{key!r}]")
+        else:
+            self._check_targets(eval_dataset if eval_dataset is not None else self.eval_dataset, "eval_dataset")
+        return super().evaluate(eval_dataset, *args, **kwargs)
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        self._eval_nll, self._eval_mixture = [], []
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                         metric_key_prefix)
+        if self._eval_nll:
+            nll = torch.cat(self._eval_nll)  # [N, K]
+            wins = torch.bincount(nll.argmin(dim=1), minlength=nll.shape[1]).float() / nll.shape[0]
+            for k in range(nll.shape[1]):
+                output.metrics[f"{metric_key_prefix}_nll_h{k}"] = nll[:, k].mean().item()
+                output.metrics[f"{metric_key_prefix}_win_rate_h{k}"] = wins[k].item()
+        if self._eval_mixture:
+            output.metrics[f"{metric_key_prefix}_mixture_nll"] = torch.cat(self._eval_mixture).mean().item()
+        self._eval_nll, self._eval_mixture = [], []
+        return output
+
+    # ---- logging ----------------------------------------------------------------------------------------
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training log: every rank gets here at the same step (Trainer gathers the loss too)
+            if self.accelerator.reduce(self._nonfinite_loss.int(), reduction="sum"):
+                self._raise_nonfinite()
+            if self.accelerator.reduce(self._nonfinite_grad_norm.int(), reduction="sum"):
+                self._raise_nonfinite_grad_norm()
+            wins = self.accelerator.reduce(self._train_wins.clone(), reduction="sum")
+            total = int(wins.sum())
+            if total:
+                for k, count in enumerate(wins.tolist()):
+                    logs[f"win_rate_h{k}"] = count / total
+            self._train_wins.zero_()
+            self._watch_for_collapse(wins.cpu())
+            if self._mcl_model().mcl_config.loss == "annealed":
+                logs["temperature"] = self._last_temperature or 0.0  # of the latest step; 0 once hard WTA
+        super().log(logs, start_time)
+
+    def create_optimizer(self, model=None):
+        """Trainer's optimizer, with the scoring head (if any) in its own parameter group at
+        ``scoring_learning_rate`` (the same schedule applies): a probe on detached features may learn faster than the
+        hypotheses without disturbing them."""
+        optimizer = super().create_optimizer(model)
+        head = self._mcl_model().scoring_head
+        if head is not None and self.scoring_learning_rate is not None:
+            head_parameters = set(head.parameters())
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if p not in head_parameters]
+            # with the hypotheses frozen (fitting the scores of a finished run) only the head's group is left
+            optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
+            optimizer.add_param_group({"params": list(head_parameters), "lr": self.scoring_learning_rate,
+                                       "weight_decay": 0.0})
+        return optimizer
+
+    def _clip_grad_norm(self, model):
+        """Gradient clipping, the hypotheses and the scoring head each by their own norm: the head's gradients must not
+        shrink the hypotheses' step (with them separate, the hypotheses train bit-identically with and without
+        scores). The returned (logged) norm is the hypotheses'. Under DeepSpeed or FSDP, whose clipping spans the
+        whole model, Trainer's own clipping applies. A norm that is not finite is recorded: clipping by it zeroes the
+        step (or makes it NaN), so training would go on without learning (checked when logging and saving)."""
+        # Trainer clips all gradients by one norm before on_pre_optimizer_step: no callback can clip the head apart.
+        head = self._mcl_model().scoring_head
+        if head is None or self.accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP) \
+                or self._has_mixed_mesh_grads(model):
+            norm = super()._clip_grad_norm(model)
+        else:
+            head_parameters = set(head.parameters())
+            hypotheses = [p for p in model.parameters() if p not in head_parameters]
+            head_norm = self.accelerator.clip_grad_norm_(list(head_parameters), self.args.max_grad_norm)
+            self._record_grad_norm(head_norm)
+            norm = self.accelerator.clip_grad_norm_(hypotheses, self.args.max_grad_norm)
+        self._record_grad_norm(norm)
+        return norm
+
+    def _record_grad_norm(self, norm) -> None:
+        # fp16's loss scaler skips a step whose gradients overflowed, and lowers its scale: that is its job. DeepSpeed
+        # returns no norm here.
+        if norm is not None and self.accelerator.scaler is None:
+            norm = norm.to_local() if hasattr(norm, "to_local") else norm  # FSDP2: a replicated DTensor
+            finite = torch.isfinite(torch.as_tensor(norm)).to(self._nonfinite_grad_norm.device)
+            self._nonfinite_grad_norm |= ~finite  # no host sync here
+
+    def _watch_for_collapse(self, wins: torch.Tensor) -> None:
+        """Warn once (``CollapseWatch``) when a hypothesis has stopped winning: under vanilla WTA it then gets no
+        gradient and never recovers."""
+        message = self._collapse.observe(self.state.global_step, wins, lambda: self._mcl_model().mcl_config.loss)
+        if message is not None and self.is_world_process_zero():
+            warnings.warn(message, stacklevel=2)
+
+    # ---- inputs, files ----------------------------------------------------------------------------------
+
+    def _set_signature_columns_if_needed(self) -> None:
+        # Trainer reads MCLModel.forward's (**inputs); no setting names the columns to keep (False keeps them all).
+        if self._signature_columns is None:  # the base model's inputs, not MCLModel.forward's **inputs
+            base = self._mcl_model().base_model
+            self._signature_columns = list(inspect.signature(base.forward).parameters)
+            self._signature_columns += list({"label", "label_ids", *self.label_names})
+
+    def _raise_nonfinite(self) -> None:
+        raise FloatingPointError(
+            f"the training loss became NaN or infinite before step {self.state.global_step}; stopping before any "
+            "checkpoint is written with broken adapters. Lower the learning rate, train in bf16 or fp32 rather than "
+            "fp16, or check the inputs of the base model.")
+
+    def _raise_nonfinite_grad_norm(self) -> None:
+        raise FloatingPointError(
+            f"the gradient norm became infinite or NaN before step {self.state.global_step}: clipping by it zeroes "
+            "the update, so the adapters stop learning; stopping before any checkpoint is written. Lower the "
+            "adapters' scaling alpha / r (the paper's: 1 to 4) or the learning rate, or check the inputs of the base "
+            "model.")
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        # save_model gathers the state dict (DeepSpeed, FSDP) and hands it here: the one place to write our files.
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        if self._nonfinite_loss:  # this rank's own flags: _save runs on the writing rank only
+            self._raise_nonfinite()
+        if self._nonfinite_grad_norm:
+            self._raise_nonfinite_grad_norm()
+        self._mcl_model().save_pretrained(output_dir, state_dict=state_dict)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        with open(os.path.join(output_dir, TRAINING_ARGS_NAME), "w", encoding="utf-8") as f:
+            f.write(self.args.to_json_string())
+
+    # ---- checkpoints: written whole or not at all, resumed from the newest whole one ------------------------
+
+    def _get_output_dir(self, trial) -> str:
+        # No public setting redirects Trainer's checkpoint write: while one is written, its staging folder.
+        return self._staging_dir if self._staging_dir is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model: nn.Module, trial) -> None:
+        # Trainer writes checkpoint-N in place and rotates before on_save: no callback event comes before the write.
+        run_dir = self._get_output_dir(trial)
+        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        staging = staging_folder(checkpoint)
+        if self.args.should_save:
+            remove_staging_leftovers(run_dir)  # what writes killed earlier left behind
+        self.accelerator.wait_for_everyone()  # no rank writes its RNG state into a folder being removed
+        self._staging_dir = staging  # Trainer writes staging/checkpoint-N (and rotates inside staging: a no-op)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        self.accelerator.wait_for_everyone()  # every rank's files (RNG states, shards) are in the folder
+        staged = os.path.join(staging, os.path.basename(checkpoint))
+        if self.state.best_model_checkpoint == staged:  # Trainer recorded the staging path (on every rank)
+            self.state.best_model_checkpoint = checkpoint
+            if self.args.should_save:
+                self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+        if self.args.should_save:
+            publish(checkpoint)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, keep=(checkpoint, self.state.best_model_checkpoint))
+        self.accelerator.wait_for_everyone()  # on_save callbacks of every rank see the published checkpoint
+        if self._push_when_published:
+            self._push_when_published = False
+            super()._push_from_checkpoint(checkpoint)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # Trainer pushes from inside its checkpoint write, before the folder is published: pushed once renamed.
+        if self._staging_dir is not None:
+            self._push_when_published = True
+            return
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
+                             trial) -> tuple[int, int]:
+        # No callback event can skip the loop's first step (on_train_begin's stop is read only after a step).
+        epochs_trained, batches_to_skip = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
+        if resume_from_checkpoint is not None and self.state.global_step >= max_steps:
+            # The checkpoint ends the run. Trainer would still take one more optimizer step before it checks
+            # max_steps (and write a checkpoint-{max_steps + 1}): no epoch left to run instead.
+            return num_train_epochs, 0
+        return epochs_trained, batches_to_skip
+
+    def _same_on_every_rank(self, checkpoint: str | None) -> str | None:
+        """``checkpoint``, once every rank has chosen the same step to resume from (they resume the same or none)."""
+        step = -1 if checkpoint is None else checkpoint_step(checkpoint)
+        steps = self.accelerator.gather(torch.tensor([step], device=self.args.device))  # [world size]
+        if (steps != step).any():
+            raise RuntimeError(f"the ranks found different checkpoints to resume from (global steps {steps.tolist()}, "
+                               "-1 = none): every rank must see the same files")
+        return checkpoint
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # Trainer loads only its own weight files; ours are mcl_adapters.safetensors, checked as load_adapters does.
+        mcl = self.accelerator.unwrap_model(model if model is not None else self.model)
+        mcl.load_adapters(resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        # As _load_from_checkpoint, for load_best_model_at_end (before the on_train_end callbacks see the model).
+        self._mcl_model().load_adapters(self.state.best_model_checkpoint)
+
+
+def _refuse_float16_adapters(model: MCLModel) -> None:
+    """float16 adapter tensors train silently wrong: Adam's second moment (the squared gradient) underflows in
+    float16 for gradients below about 2.4e-4 and its epsilon (1e-8) rounds to 0, so the normalised update is no
+    longer bounded by the learning rate (measured: |lora_B| 3.8 after 40 steps against 0.015 in float32)."""
+    half = sorted({name.rsplit(".", 1)[0] for name, p in model.named_parameters()
+                   if p.requires_grad and p.dtype == torch.float16})
+    if half:
+        raise ValueError(
+            f"{len(half)} adapted layers have float16 adapter tensors (e.g. {half[0]}): Adam's moments underflow in "
+            "float16 and the updates blow up without any error. Keep MCLConfig(adapter_dtype='float32') (the "
+            "default: the base model stays float16, only the small adapters are float32) or use bfloat16.")

@@ -1,0 +1,96 @@
+"""The benchmark suite (benchmarks/suite.py): its shapes are the real models' (built on the meta device, never in
+memory), it refuses runs that would mean nothing, and it runs end to end on a tiny shape."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import suite  # noqa: E402
+from common import twin  # noqa: E402
+
+from loramcl import MCLConfig, get_mcl_model  # noqa: E402
+from loramcl.mcl.layers import MCLLoraLinear  # noqa: E402
+
+
+@pytest.mark.parametrize("name, parameters", [("llama-1b", 1.24e9), ("llama-8b", 8.03e9), ("qwen2-audio", 8.40e9)])
+def test_gpu_shapes_have_the_real_models_sizes(name, parameters):
+    shape = suite.SHAPES[name]
+    model = shape.build("meta", torch.bfloat16)  # shapes only: nothing is allocated
+    assert shape.gpu
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(parameters, rel=0.005)
+    assert min(shape.seqs) >= 64 and max(shape.seqs + shape.context_target) >= 256
+    context, target = shape.context_target
+    assert shape.family != "llama" or context == 8 * target  # the issue's context:target 8:1
+    if shape.audio_frames:  # the audio tokens the suite puts in the prompt are the encoder's output length
+        assert shape.audio_tokens == model.model.audio_tower._get_feat_extract_output_lengths(
+            torch.tensor(shape.audio_frames))[1].item() == 250
+
+
+def test_refuses_runs_that_would_mean_nothing():
+    with pytest.raises(ValueError, match="GPU shape.*--device cuda.*--allow-cpu"):
+        suite.check_request(suite.SHAPES["llama-8b"], "cpu", "float32", allow_cpu=False)
+    suite.check_request(suite.SHAPES["llama-8b"], "cpu", "float32", allow_cpu=True)
+    with pytest.raises(ValueError, match="--dtype bfloat16 on the CPU.*float32"):
+        suite.check_request(suite.SHAPES["cpu-small"], "cpu", "bfloat16", allow_cpu=False)
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        suite.check_request(suite.SHAPES["cpu-small"], "cpu", "float33", allow_cpu=False)
+    with pytest.raises(SystemExit):  # the command line says it as an argparse error
+        suite.parse(["--shape", "llama-1b"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            suite.check_request(suite.SHAPES["llama-1b"], "cuda", "bfloat16", allow_cpu=False)
+
+
+def test_twin_shares_the_frozen_base_and_leaves_it_unwrapped():
+    base = suite.SHAPES["tiny"].build("cpu", torch.float32)
+    copy = twin(base)
+    assert all(a is b for a, b in zip(base.parameters(), copy.parameters(), strict=True))
+    assert copy.model.embed_tokens.weight is copy.lm_head.weight or not base.config.tie_word_embeddings
+    get_mcl_model(copy, MCLConfig(num_hypotheses=2, target_modules=["q_proj"]))
+    assert not any(isinstance(module, MCLLoraLinear) for module in base.modules())
+    assert isinstance(copy.model.layers[0].self_attn.q_proj, MCLLoraLinear)
+    assert copy.model.layers[0].self_attn.q_proj.base_layer.weight is base.model.layers[0].self_attn.q_proj.weight
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-audio"])
+def test_suite_runs_end_to_end_on_a_tiny_shape(name, tmp_path):
+    lengths = ["--seqs", "16", "24"] if name == "tiny" else []  # two lengths: the models step on between them
+    args = suite.parse(["--shape", name, "--steps", "1", "--repeats", "1", "--out", str(tmp_path), *lengths])
+    results = suite.run(args)
+    json_path, markdown_path = suite.write(results, tmp_path)
+    assert json.loads(json_path.read_text()) == json.loads(json.dumps(results))
+    assert results["environment"]["device"] == "cpu" and results["environment"]["dtype"] == "float32"
+
+    training = {(row["seq"], row["variant"], row["k"]): row for row in results["training"]}
+    assert set(training) == {(seq, variant, k) for seq in args.seqs for variant, k in suite.TRAINING}
+    for (seq, _, _), row in training.items():
+        one = training[(seq, "stacked", 1)]
+        assert row["time_ratio"] == pytest.approx(row["ms"] / one["ms"])
+        assert row["tokens_per_s"] == pytest.approx(args.batch * (seq + suite.SHAPES[name].audio_tokens)
+                                                    / row["ms"] * 1000)
+        assert math.isfinite(row["peak_mib"])
+
+    if name == "tiny":
+        context = {(row["variant"], row["k"]) for row in results["context_once"]}
+        assert context == {(kind, k) for kind in ("full", "once") for k in suite.KS}
+    else:  # audio inputs are refused by the context computed once, and the suite says so
+        assert "not measured" in results["context_once"]
+    decoding = results["decoding"]
+    assert {(row["k"], row["strategy"], row["context"]) for row in decoding} >= {(5, "greedy", "full")}
+    assert all(row["same_tokens"] == 1 and row["speedup"] > 0 for row in decoding)
+
+    checked = {target["target"].split(": ", 1)[-1] for target in results["targets"]}
+    assert any("two-pass" in target for target in checked) and any("never slower" in target for target in checked)
+    assert any("batched / loop throughput >= 1.5" in target for target in checked)  # the CPU's target
+    assert all(isinstance(target["met"], bool) for target in results["targets"])
+    text = markdown_path.read_text()
+    assert "| issue 18 target |" in text and "wta-two-pass" in text and "Decoding" in text

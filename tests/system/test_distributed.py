@@ -1,0 +1,60 @@
+"""A 2-process CPU run of MCLTrainer (torchrun, gloo) ends with identical adapters on both ranks, without DDP's
+unused-parameter search, and its checkpoint holds both ranks' RNG states."""
+
+import os
+import subprocess
+import sys
+
+import safetensors.torch
+import torch
+
+
+def test_two_process_training_keeps_ranks_identical(tmp_path):
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed_train.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", script,
+               str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [safetensors.torch.load_file(tmp_path / f"rank{r}.safetensors") for r in (0, 1)]
+    assert ranks[0].keys() == ranks[1].keys() and ranks[0]
+    for key in ranks[0]:
+        assert torch.equal(ranks[0][key], ranks[1][key]), key
+    # published once every rank had written into it: the rank-1 RNG state is inside, no staging folder is left
+    assert sorted(os.listdir(tmp_path / "checkpoint-2")) == sorted([
+        "mcl_adapters.safetensors", "mcl_config.json", "optimizer.pt", "rng_state_0.pth", "rng_state_1.pth",
+        "scheduler.pt", "trainer_state.json", "training_args.json"])
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-3", "rank0.safetensors", "rank1.safetensors"]
+
+
+def test_fsdp2_sharded_training_equals_one_process_and_saves_whole_adapters(tmp_path):
+    """PyTorch's FSDP2 (`fully_shard`, gloo): 2 ranks, each on half of every batch, end with the adapters of one
+    process on the whole batches; save_pretrained gathers the shards (rank 0 writes) and the file loads back."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from fsdp_train import CONFIG, train
+    from tiny_models import build_model
+
+    from loramcl import get_mcl_model, load_mcl_model
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fsdp_train.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", script,
+               str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    torch.manual_seed(0)
+    reference = get_mcl_model(build_model("llama"), CONFIG)
+    train(reference, slice(None))
+    expected = reference.adapter_state_dict()
+    saved = safetensors.torch.load_file(tmp_path / "fsdp" / "mcl_adapters.safetensors")
+    gathered = safetensors.torch.load_file(tmp_path / "dcp.safetensors")
+    assert saved.keys() == expected.keys() and len(gathered) == len(expected)
+    for key, value in expected.items():
+        assert saved[key].shape == value.shape, key  # whole tensors, not one rank's shard
+        torch.testing.assert_close(saved[key], value, rtol=0, atol=1e-5)
+        torch.testing.assert_close(gathered[f"base_model.{key}"], saved[key], rtol=0, atol=0)
+    assert any(v.abs().sum() > 0 for k, v in saved.items() if k.endswith("lora_B"))  # it trained
+    torch.manual_seed(0)
+    loaded = load_mcl_model(build_model("llama"), tmp_path / "fsdp")  # checksum verified
+    assert all(torch.equal(loaded.adapter_state_dict()[k], saved[k]) for k in saved)
