@@ -81,6 +81,33 @@ def test_matches_transformers_4_56_group_beam_search(models, case):
     torch.testing.assert_close(out.sequences_scores, torch.tensor(case["sequences_scores"]), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("index", [1, 7])  # llama N6 G3 R3 and bart N6 G3 R2, both with repetition_penalty
+def test_generate_hypotheses_gives_transformers_4_56_group_beam_search(models, index):
+    """The single-model baseline as the library calls it (``generate_hypotheses(strategy="diverse_beam")``): each
+    input's candidates are transformers 4.56.2's returned sequences, in its order, without the prompt, the end token
+    and the padding after it, with a log-probability."""
+    from loramcl.decoding import generate_hypotheses
+
+    case = CASES[index]
+    kwargs, model = case["generate_kwargs"], models[case["model"]]
+    inputs = inputs_of(case["model"])
+    outs = generate_hypotheses(model, None, inputs, strategy="diverse_beam", num_beams=kwargs["num_beams"],
+                               num_beam_groups=kwargs["num_beam_groups"], num_sequences=kwargs["num_return_sequences"],
+                               diversity_penalty=kwargs["diversity_penalty"], max_new_tokens=kwargs["max_new_tokens"],
+                               repetition_penalty=kwargs["repetition_penalty"], eos_token_id=kwargs["eos_token_id"],
+                               pad_token_id=kwargs["pad_token_id"])
+    start = inputs["input_ids"].shape[1] if case["model"] == "llama" else 1  # the prompt, or the decoder start
+    expected = []
+    for row in case["sequences"]:
+        tokens = row[start:]
+        # a generated pad token (the random model's) stays; padding only follows the end token
+        expected.append(tokens[:tokens.index(kwargs["eos_token_id"])] if kwargs["eos_token_id"] in tokens else tokens)
+    returned = kwargs["num_return_sequences"]
+    assert [[c.token_ids for c in row] for row in outs] == [expected[i:i + returned]
+                                                           for i in range(0, len(expected), returned)]
+    assert all(c.log_prob < 0 for row in outs for c in row)
+
+
 @pytest.mark.parametrize("index", [1, 7])  # a causal and an encoder-decoder case, both with repetition_penalty
 def test_without_cache_gives_the_same(models, index):
     """The KV cache is reordered by beam correctly: recomputing everything at each step agrees."""

@@ -1,10 +1,11 @@
 """Decoding: K hypotheses in one batched generate, the single-model baselines, sampling statistics, errors."""
 
+import copy
 import math
 
 import pytest
 import torch
-from conftest import randomize_adapters, wrapped_model
+from conftest import peft_reference, randomize_adapters, wrapped_model
 from tiny_models import VOCAB, build_batch, build_model, word_tokenizer
 from torch import nn
 
@@ -352,18 +353,6 @@ def test_tta_with_spec_augment_on_audio_features():
     assert all(torch.equal(a, b) for a, b in zip(seen[:K], seen[K:], strict=True))
 
 
-def test_diverse_beam_baseline():
-    pytest.importorskip("loramcl.decoding.diverse_beam")
-    model = build_model("llama").eval()
-    inputs = left_padded_prompts()
-    outs = generate_hypotheses(model, None, inputs, strategy="diverse_beam", num_beams=6, num_sequences=3,
-                               diversity_penalty=1.0, max_new_tokens=NEW_TOKENS, pad_token_id=0)
-    assert [len(row) for row in outs] == [3, 3, 3]
-    for row in outs:
-        assert len({tuple(c.token_ids) for c in row}) == 3
-        assert all(c.token_ids and c.log_prob < 0 for c in row)
-
-
 # ---- diverse MCL decoding: hypothesis k is group k of one diverse beam search ----------------------------------------
 
 
@@ -518,13 +507,24 @@ def test_a_decoding_object_and_its_fields_as_keywords_decode_alike(mcl_and_plain
 
 def test_diverse_beam_on_a_one_hypothesis_mcl_model_is_the_single_model_baseline():
     """K = 1 is LoRA-MLE: no hypotheses to diversify, so diverse MCL decoding is refused, while diverse beam search
-    of the single model (num_sequences) runs."""
-    mcl, _, _, _ = wrapped_model("llama", num_hypotheses=1)
+    of the single model (num_sequences) runs, through the adapter."""
+    mcl, pristine, _, _ = wrapped_model("llama", num_hypotheses=1)
+    plain = generate_hypotheses(copy.deepcopy(pristine), None, left_padded_prompts(), num_sequences=2,
+                                strategy="diverse_beam", num_beams=2, diversity_penalty=1.0, max_new_tokens=3,
+                                pad_token_id=0)
     settings = dict(strategy="diverse_beam", num_beams=2, diversity_penalty=1.0, max_new_tokens=3, pad_token_id=0)
     with pytest.raises(ValueError, match="needs 2 or more hypotheses.*has K=1"):
         generate_hypotheses(mcl, None, left_padded_prompts(), **settings)
     outs = generate_hypotheses(mcl, None, left_padded_prompts(), num_sequences=2, **settings)
     assert [len(row) for row in outs] == [2, 2, 2]
+    # the same adapter as a PEFT LoRA on the same base: the same candidates
+    reference = generate_hypotheses(peft_reference(pristine, mcl).eval(), None, left_padded_prompts(),
+                                    num_sequences=2, **settings)
+    assert [[c.token_ids for c in row] for row in outs] == [[c.token_ids for c in row] for row in reference]
+    assert [c.log_prob for row in outs for c in row] == pytest.approx([c.log_prob for row in reference for c in row],
+                                                                      abs=1e-4)
+    assert [c.log_prob for row in outs for c in row] != pytest.approx([c.log_prob for row in plain for c in row],
+                                                                      abs=1e-4)  # the adapter acts
 
 
 @pytest.mark.parametrize("call,match", [

@@ -73,6 +73,20 @@ def test_diverse_mcl_decoding_from_the_command_line(saved):
 
 
 def test_peft_adapter_is_a_single_model_baseline(saved):
+    """A PEFT adapter decodes as the hypothesis it was exported from (its best beam, token for token), not as the
+    base model; sampling gives num_sequences seeded candidates."""
+    beams = saved / "peft_beams.jsonl"
+    generate(model=str(saved / "base"), adapters=str(saved / "peft"), input=str(saved / "prompts.jsonl"),
+             out=str(beams), strategy="beam", num_beams=2, num_sequences=2, max_new_tokens=5)
+    best = [r["candidates"][0] for r in read(beams)]
+    mcl = load_mcl_model(AutoModelForCausalLM.from_pretrained(saved / "base"), saved / "mcl")
+    hypothesis = generate_hypotheses(mcl, word_tokenizer(), PROMPTS, strategy="beam", num_beams=2, hypotheses=[1],
+                                     max_new_tokens=5)
+    base = generate_hypotheses(AutoModelForCausalLM.from_pretrained(saved / "base"), word_tokenizer(), PROMPTS,
+                               strategy="beam", num_beams=2, num_sequences=2, max_new_tokens=5)
+    assert best == [row[0].text for row in hypothesis]
+    assert best != [row[0].text for row in base]
+
     out = saved / "peft_preds.jsonl"
     generate(model=str(saved / "base"), adapters=str(saved / "peft"), input=str(saved / "prompts.jsonl"),
              out=str(out), strategy="sample", num_sequences=4, max_new_tokens=5, top_k=10)
