@@ -321,3 +321,14 @@ def llava_next_processor():
     """The LlavaNextProcessor of ``build_model('llava_next')`` (``pretrained.tiny_llava_next_processor``): its
     '<image>' is the model's image token."""
     return tiny_llava_next_processor(CAPTION_WORDS, image_token_id=IMAGE_TOKEN)
+
+
+def uneven_batch(mcl, inputs: dict, labels: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """Rows with contexts of different lengths, one left-padded and one right-padded: labels from position 5 in
+    row 0; row 1 padded on the left (2), labelled from 4 and right-padded (the base batch's last 2)."""
+    labels = labels.clone()
+    labels[0, :5] = -100
+    mask = inputs["attention_mask"].clone()
+    mask[1, :2] = 0
+    labels[1, :4] = -100
+    return {**inputs, "attention_mask": mask}, labels

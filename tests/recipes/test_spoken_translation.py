@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_bilingual_data import locale
+from catalogs import locale
 from tiny_models import build_batch, build_model
 
 from loramcl.data.gettext_pairs import normalise

@@ -5,7 +5,7 @@ tokenizer, and the multi-reference set built from gettext catalogs."""
 import json
 
 import pytest
-from test_bilingual_data import locale
+from catalogs import locale
 
 from loramcl.data.gettext_references import MultiReferenceSettings, multi_reference_splits
 from loramcl.recipes.translation.readers import (
