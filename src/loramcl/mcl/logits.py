@@ -29,9 +29,10 @@ class LabelLogits:
 
     base_model: the model; output_layer_name: its output layer (None: none found, the model's logits are used whole);
     scope: the call in progress (``logit_positions``, ``context_positions``, ``chunked``); config: the model's
-    ``MCLConfig``, whose ``logits_chunk_size`` is read at every forward (it may be changed between them); routing: the routing of the adapted modules, re-indexed per label token when the
-    output layer is one of them (``routes_output_layer``: multi-head MCL's heads at the output, which also rules out
-    chunks: K heads route their rows by hypothesis and must see every label row at once).
+    ``MCLConfig``, whose ``logits_chunk_size`` is read at every forward (it may be changed between them); routing:
+    the routing of the adapted modules, re-indexed per label token when the output layer is one of them
+    (``routes_output_layer``: multi-head MCL's heads at the output, which also rules out chunks: K heads route their
+    rows by hypothesis and must see every label row at once).
     """
 
     def __init__(self, base_model: nn.Module, output_layer_name: str | None, scope: CallScope, config: MCLConfig,
