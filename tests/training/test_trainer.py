@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import os
 import warnings
 
 import pytest
@@ -273,3 +274,23 @@ def test_the_readme_trainer_trains_rows_of_different_lengths_without_a_collator(
         trainer.train()
     collator = MCLTrainer(mcl, args=_args(tmp_path), data_collator=collate).data_collator
     assert collator is collate  # a collator given is kept
+
+
+def test_best_only_saves_are_published_whole_and_evaluations_that_save_nothing_leave_output_dir_alone(tmp_path):
+    """save_strategy="best": the trainer stages each evaluated step's checkpoint before it knows whether it will be
+    saved; the steps that save nothing must leave output_dir (and the files) as they were."""
+    from checkpoint_train import trainer as checkpoint_trainer
+
+    run = checkpoint_trainer(str(tmp_path), max_steps=4, eval_examples=8, eval_strategy="steps", eval_steps=1,
+                             save_strategy="best", metric_for_best_model="eval_loss", greater_is_better=False)
+    outputs = []
+    run.add_callback(type("Watch", (TrainerCallback,), {"on_log": lambda self, args, *a, **k: outputs.append(
+        args.output_dir)})())
+    run.train()
+    best = [log["eval_loss"] for log in run.state.log_history if "eval_loss" in log]
+    saved = [step for step, loss in enumerate(best, 1) if loss < min(best[:step - 1], default=float("inf"))]
+    assert sorted(os.listdir(tmp_path)) == sorted(f"checkpoint-{step}" for step in saved)
+    assert run.args.output_dir == str(tmp_path) and run.state.best_model_checkpoint == str(tmp_path /
+                                                                                             f"checkpoint-{saved[-1]}")
+    assert outputs and all(path == str(tmp_path) or "incomplete-" in path for path in outputs)
+    assert run.evaluate()["eval_nll_h0"] > 0 and run.predict(run.eval_dataset).metrics["test_win_rate_h0"] >= 0
