@@ -254,23 +254,18 @@ REGISTRY = {
     ("README.md", "pip install -c constraints.txt dist/loramcl-0.1.0-py3-none-any.whl[all]"):
         Check(pinned, _WHEEL, "installs: the wheel test installs the wheel into a fresh venv"),
     ("README.md", "loramcl --version"): Run(),
-    ("README.md", "loramcl recipes"): Run(),
-    ("README.md", "loramcl audio-captioning --quick true --out /tmp/q"):
-        Run(replace=(("/tmp/q", "tmp/q"),), append=_QUICK_DATA[2:], outputs=("tmp/q/data",), covered_by=_AUDIO,
-            why=f"/tmp moved into the test's folder; {_CUT}"),
-    ("README.md", "loramcl image-captioning --quick true --out /tmp/qi"):
-        Run(replace=(("/tmp/qi", "tmp/qi"),), append=_QUICK_DATA[2:], outputs=("tmp/qi/data/test.jsonl",),
-            covered_by=_IMAGE, why=f"/tmp moved into the test's folder; {_CUT}"),
-    ("README.md", "loramcl recipes copy audio_captioning/clotho my-clotho"):
-        Run(outputs=("my-clotho/experiment.yaml",)),
-    ("README.md", "from loramcl import MCLConfig, MCLTrainer, get_mcl_model, load_mcl_model"): Python(
+    ("README.md", "loramcl convert-smollm2 --out models/SmolLM2-135M-Instruct"):
+        Run(outputs=("models/SmolLM2-135M-Instruct/config.json",),
+            why="the packaged model replaced by the tiny one (the conversion: tests/conftest.py smollm2_folder)"),
+    ("README.md", "from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments"): Python(
+        "plain", why="the quickstart as written, on the tiny SmolLM2 that the line before it writes in the harness"),
+    (G + "python.md", "from loramcl import MCLConfig, MCLTrainer, get_mcl_model, load_mcl_model"): Python(
         "use", subs=(("input_ids=..., attention_mask=..., labels=...", "**batch"),
                      ("train_dataset=..., eval_dataset=...", "train_dataset=rows, eval_dataset=rows"),
                      ('["a prompt", ...]', '["a prompt", "another prompt"]'),
                      ("input_ids=..., labels=...", "input_ids=batch['input_ids'], labels=batch['labels']")),
         why="hf_model, training_args (2 steps), tokenizer, prompt, fresh_hf_model, i, k bound; the `...` to a batch "
             "of tokenized pairs"),
-    ("README.md", "src/loramcl/"): Output("the package's layout"),
     ("docs/architecture.md", "inputs [B, ...]"): Output("a diagram of the MCL forward"),
     ("docs/architecture.md", "src/loramcl/"): Output("the package's tree and its floors"),
     (E + "audio_captioning.md", "loramcl audio-captioning --quick true --out /tmp/ac"):

@@ -138,8 +138,8 @@ def test_recipe_paths_resolve_against_the_recipe_file(tmp_path, monkeypatch, cap
     assert f"model: {tmp_path / 'models' / 'tiny'}\n" in printed and f"out: {tmp_path / 'runs' / 'a'}\n" in printed
     assert f"train_file: {recipes / 'data' / 'train.jsonl'}\n" in printed
     assert f"validation_file: {elsewhere / 'valid.jsonl'}\n" in printed  # the command line: the current folder
-    # the packaged recipes write to the current folder's runs/ (docs/bilingual.md's command), named by their id
-    # (bilingual/common.yaml) or given by their path inside the package, as the task commands read them
+    # the packaged recipes write to the current folder's runs/ (docs/experiments/bilingual.md's command), named by
+    # their id (bilingual/common.yaml) or given by their path inside the package, as the task commands read them
     monkeypatch.chdir(tmp_path)
     folder = packaged_recipes() / "bilingual"
     runs = sorted(p for p in folder.glob("*.yaml") if p.name not in ("common.yaml", "experiment.yaml"))

@@ -120,6 +120,16 @@ def test_every_link_and_docs_path_of_the_docs_resolves():
     assert not broken, "dead links in the docs: " + "; ".join(broken)
 
 
+def test_the_readme_tables_commands_are_doc_lines_that_run():
+    """Each `loramcl ...` command quoted in README.md's prose (the table of tasks) is a line of a doc block that the
+    registry exercises, so that the table's commands run as written too."""
+    quoted = re.findall(r"`(loramcl [^`]+)`", _prose("README.md"))
+    assert quoted, "README.md quotes no loramcl command"
+    items = {item for _, item in REGISTRY}
+    assert not [c for c in quoted if c not in items], \
+        f"README.md quotes commands that no doc block runs: {[c for c in quoted if c not in items]}"
+
+
 def test_code_blocks_say_their_language_and_output_blocks_hold_no_command():
     for block in BLOCKS:
         kinds = {type(REGISTRY.get((block.file, i))) for i in block.items()}
