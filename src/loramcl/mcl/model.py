@@ -552,8 +552,8 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
 
     ``fit_scores=True``: to learn the hypothesis scores p(k | c) of a run trained without them (or to refit them):
     the scoring head is trainable (a new zero one, p uniform, when the run has none) and the hypotheses stay frozen.
-    The head's loss never reaches the hypotheses (docs/scores.md), so this fits the scores that joint training would
-    fit for the final hypotheses.
+    The head's loss never reaches the hypotheses (docs/guide/scores.md), so this fits the scores that joint training
+    would fit for the final hypotheses.
 
     Adapters saved on a base model of the same class but other weights (their ``base_fingerprint`` differs from
     ``model``'s, see ``loramcl.mcl.fingerprint``) give a warning naming both; so do files that cannot be verified (no

@@ -1,5 +1,5 @@
 """The checkpoint folders of a training run (``output_dir/checkpoint-N``, written by ``MCLTrainer``): published whole
-or not at all, checked, rotated, and the one to resume from chosen (docs/reliability.md, "Checkpoints and resuming
+or not at all, checked, rotated, and the one to resume from chosen (docs/guide/reliability.md, "Checkpoints and resuming
 after a kill"). Plain operations on folders, and ``StagedCheckpoints``, the two ``TrainerCallback`` s through which
 ``MCLTrainer`` runs them: the writing rank (``args.should_save``) publishes and rotates; every rank chooses the
 checkpoint to resume.
