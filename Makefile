@@ -36,9 +36,10 @@ main: setup
 test: setup
 	$(VENV)/bin/pytest
 
-# The unit tests alone (everything but tests/recipes/ and tests/system/): a quick check while changing the library.
+# The unit tests alone (everything but tests/recipes/ and tests/system/), on every core (pytest-xdist): a quick check
+# while changing the library, about 1.5 minutes on 2 cores.
 test-fast: setup
-	$(VENV)/bin/pytest -m "not slow and not recipe and not system"
+	$(VENV)/bin/pytest -n auto -m "not slow and not recipe and not system"
 
 test-latest:
 	rm -rf $(LATEST)

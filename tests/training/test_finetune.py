@@ -1,6 +1,8 @@
 """`loramcl train` / `loramcl nll` on prompt -> target JSONL: the tokenization generation will see, labels only on
 the target, adapters and logs written, the K = 1 PEFT export, and reference NLLs equal to a direct computation."""
 
+import contextlib
+import io
 import json
 import re
 
@@ -60,14 +62,33 @@ def folders(tmp_path_factory):
     return root
 
 
-def test_train_writes_adapters_logs_and_learns(folders, capsys):
-    out = folders / "mcl"
-    train(model=str(folders / "base"), out=str(out),
-          mcl=MCLConfig(num_hypotheses=2, r=4, alpha=8, target_modules=TARGETS, loss="relaxed", epsilon=0.1),
-          data=DataConfig(train_file=str(folders / "train.jsonl"), validation_file=str(folders / "train.jsonl")),
-          training=TrainConfig(steps=12, batch_size=8, learning_rate=1e-2, eval_every=6, logging_steps=3),
-          threads=1)
-    printed = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def trained(folders):
+    """The MCL run (K = 2) the tests below read, trained once per module (or per worker of `pytest -n`), and the
+    lines its training printed."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train(model=str(folders / "base"), out=str(folders / "mcl"),
+              mcl=MCLConfig(num_hypotheses=2, r=4, alpha=8, target_modules=TARGETS, loss="relaxed", epsilon=0.1),
+              data=DataConfig(train_file=str(folders / "train.jsonl"), validation_file=str(folders / "train.jsonl")),
+              training=TrainConfig(steps=12, batch_size=8, learning_rate=1e-2, eval_every=6, logging_steps=3),
+              threads=1)
+    return folders / "mcl", printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def exported(folders):
+    """A K = 1 run, which `loramcl train` also exports as a PEFT adapter (OUT/peft)."""
+    out = folders / "mle"
+    train(model=str(folders / "base"), out=str(out), mcl=MCLConfig(num_hypotheses=1, r=8, alpha=16,
+                                                                  target_modules=TARGETS),
+          data=DataConfig(train_file=str(folders / "train.jsonl")),
+          training=TrainConfig(steps=3, batch_size=8, learning_rate=1e-2), threads=1)
+    return out
+
+
+def test_train_writes_adapters_logs_and_learns(folders, trained):
+    out, printed = trained
     assert re.search(r"^step 3: loss \d\.\d+, grad_norm [\d.e-]+, learning_rate [\d.e-]+, win_rate_h0 [\d.]+, "
                      r"win_rate_h1 [\d.]+, epoch [\d.]+$", printed, re.M)  # numbers, not quoted strings
     assert "step 6: eval_loss " in printed and "'" not in printed
@@ -82,14 +103,10 @@ def test_train_writes_adapters_logs_and_learns(folders, capsys):
     load_mcl_model(AutoModelForCausalLM.from_pretrained(folders / "base"), out)
 
 
-def test_k1_run_exports_a_peft_adapter_equal_to_it(folders):
+def test_k1_run_exports_a_peft_adapter_equal_to_it(folders, exported):
     from peft import PeftModel
 
-    out = folders / "mle"
-    train(model=str(folders / "base"), out=str(out), mcl=MCLConfig(num_hypotheses=1, r=8, alpha=16,
-                                                                  target_modules=TARGETS),
-          data=DataConfig(train_file=str(folders / "train.jsonl")),
-          training=TrainConfig(steps=3, batch_size=8, learning_rate=1e-2), threads=1)
+    out = exported
     mcl = load_mcl_model(AutoModelForCausalLM.from_pretrained(folders / "base"), out).eval()
     # B starts at 0: trained, it must not be, or the adapter would be the base model on both sides
     assert all(layer.lora_B.abs().max() > 1e-3 for _, layer in mcl.mcl_layers())
@@ -102,7 +119,7 @@ def test_k1_run_exports_a_peft_adapter_equal_to_it(folders):
     assert (logits - base).abs().max() > 1e-3  # the adapter changes the outputs: the comparison above has a subject
 
 
-def test_nll_scores_every_reference_under_every_hypothesis(folders, capsys):
+def test_nll_scores_every_reference_under_every_hypothesis(folders, trained, capsys):
     out = folders / "nll.jsonl"
     nll(model=str(folders / "base"), adapters=str(folders / "mcl"), input=str(folders / "test.jsonl"), out=str(out),
         batch_size=2, threads=1)
@@ -119,7 +136,7 @@ def test_nll_scores_every_reference_under_every_hypothesis(folders, capsys):
         assert records[0]["nll"][1][k] == pytest.approx(expected.item(), abs=1e-5)
 
 
-def test_bad_inputs_say_what_to_change(folders, tmp_path):
+def test_bad_inputs_say_what_to_change(folders, exported, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "w5", "target": ["w6", "w7"]}) + "\n")
     with pytest.raises(ValueError, match="a training target is one text"):
@@ -229,7 +246,7 @@ def test_encoder_decoders_read_the_source_alone_and_learn_the_target(name, tmp_p
             assert scores[r][k] == pytest.approx(expected.item(), abs=1e-5)
 
 
-def test_decoding_takes_the_prompt_format_of_the_training_run(folders, tmp_path, capsys):
+def test_decoding_takes_the_prompt_format_of_the_training_run(folders, trained, tmp_path, capsys):
     """generate and nll format prompts as the run that trained the adapters did (its run.json), unless told
     otherwise, which contradicting the record is a warning; the PEFT export of a K = 1 run reads OUT/run.json."""
     import shutil
