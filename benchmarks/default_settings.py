@@ -1,4 +1,4 @@
-"""Which MCLConfig defaults specialise: the first `loramcl train` of docs/cli.md, shortened, on an ambiguous task.
+"""Which MCLConfig defaults specialise: the first `loramcl train` of docs/guide/cli.md, shortened, on an ambiguous task.
 
 Every candidate setting trains K = 3 hypotheses (LoRA r = 8 on q_proj and v_proj, the docs' first command) through
 `loramcl train`'s own code (`finetune.train`, its TrainConfig defaults: 200 steps of 16, lr 5e-4, cosine) on 200
@@ -24,7 +24,7 @@ hypotheses' NLLs on the training prompts) and the oracle NLL there (mean over pr
     python benchmarks/default_settings.py --seeds 5            # both bases, every setting (about 15 min, 1 thread)
     python benchmarks/default_settings.py --bases pretrained --settings "wta, random" --hypotheses 5
 
-The results are in docs/scores.md ("Default settings that specialise").
+The results are in docs/guide/scores.md ("Default settings that specialise").
 """
 
 from __future__ import annotations

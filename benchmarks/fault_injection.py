@@ -28,7 +28,7 @@ counts (it must be 0); it is loaded again with ``strict=True``, which must refus
   the sample of 8 evenly spaced rows missed (random trials);
 - ``base_fingerprint`` deleted or null, on the right base and on another seed's.
 With ``PYTHONPATH`` pointing at another checkout's ``src``, the same trials measure that version (the table of
-docs/reliability.md has a "before" column made so).
+docs/guide/reliability.md has a "before" column made so).
 
 **Kills**: every run is the same command, `fault_injection.py --child OUT`: it trains a tiny Llama (built here from a
 config, K=3, relaxed WTA, adapter dropout so that the restored RNG state matters) for 16 steps with a checkpoint every 2

@@ -2,7 +2,7 @@
 with OpenMP's waiting threads asleep, and the commands' default (the free cores, waiting threads asleep).
 
 Times two documented commands end to end, each in a fresh process as a user runs them: `loramcl markov --seeds 1`
-(the main job, shortened) and docs/cli.md's first `loramcl train` on a small Qwen2 with SmolLM2's tokenizer and an
+(the main job, shortened) and docs/guide/cli.md's first `loramcl train` on a small Qwen2 with SmolLM2's tokenizer and an
 ambiguous question set. "Beside another job" is a process spinning on one core (busy), or another torch program on
 every core (torch-job), for the whole run. Prints each setting's seconds and its ratio to the fastest setting of the
 same command and load, measured in one run, and the load average after each (nothing else should run):

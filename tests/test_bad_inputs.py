@@ -1,5 +1,5 @@
 """Nothing silent (issue 36, 35.5): every bad value is refused before the work starts, in one line that names the
-option as typed and its bound. The commands' usual mistakes are rows of docs/cli.md (tests/test_cli.py runs them,
+option as typed and its bound. The commands' usual mistakes are rows of docs/guide/cli.md (tests/test_cli.py runs them,
 most before torch loads); here, the checks behind them: Decoding's bounds and its checks against the adapters, the
 configurations' values that would train nothing, the model's positions, the output paths, the devices, the threads,
 the rank against each layer and K (E, the copies of a module) against the memory."""

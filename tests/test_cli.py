@@ -1,4 +1,4 @@
-"""`loramcl <command>` as a user meets it: every mistake of docs/cli.md gives its one-line message and exit status
+"""`loramcl <command>` as a user meets it: every mistake of docs/guide/cli.md gives its one-line message and exit status
 (most of them before torch loads), --debug shows the traceback, recipe paths resolve against the recipe file, and
 each command's help summary is a whole sentence."""
 
@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def documented_mistakes() -> list[tuple[str, list[str], int, bool, str]]:
-    """(mistake, argv, exit status, found before torch, message) for each row of docs/cli.md's table."""
-    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    """(mistake, argv, exit status, found before torch, message) for each row of docs/guide/cli.md's table."""
+    text = (ROOT / "docs" / "guide" / "cli.md").read_text(encoding="utf-8")
     table = text.split("## Mistakes and messages", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in table.splitlines():
@@ -37,7 +37,7 @@ MISTAKES = documented_mistakes()
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    """The folder the table's commands run in (docs/cli.md says what it holds)."""
+    """The folder the table's commands run in (docs/guide/cli.md says what it holds)."""
     root = tmp_path_factory.mktemp("cli")
     build_model("llama").save_pretrained(root / "tiny")
     word_tokenizer().save_pretrained(root / "tiny")
@@ -138,8 +138,8 @@ def test_recipe_paths_resolve_against_the_recipe_file(tmp_path, monkeypatch, cap
     assert f"model: {tmp_path / 'models' / 'tiny'}\n" in printed and f"out: {tmp_path / 'runs' / 'a'}\n" in printed
     assert f"train_file: {recipes / 'data' / 'train.jsonl'}\n" in printed
     assert f"validation_file: {elsewhere / 'valid.jsonl'}\n" in printed  # the command line: the current folder
-    # the packaged recipes write to the current folder's runs/ (docs/bilingual.md's command), named by their id
-    # (bilingual/common.yaml) or given by their path inside the package, as the task commands read them
+    # the packaged recipes write to the current folder's runs/ (docs/experiments/bilingual.md's command), named by
+    # their id (bilingual/common.yaml) or given by their path inside the package, as the task commands read them
     monkeypatch.chdir(tmp_path)
     folder = packaged_recipes() / "bilingual"
     runs = sorted(p for p in folder.glob("*.yaml") if p.name not in ("common.yaml", "experiment.yaml"))

@@ -1,4 +1,4 @@
-"""What `loramcl <command>` says while it works (docs/cli.md, "Progress, warnings, logs and interruptions"): every
+"""What `loramcl <command>` says while it works (docs/guide/cli.md, "Progress, warnings, logs and interruptions"): every
 warning as one line, the library's progress through the `loramcl` logger, no message written after a progress bar's
 text, and an interruption that says how to continue."""
 
@@ -8,7 +8,7 @@ import logging
 import warnings
 from pathlib import Path
 
-from test_cli import run_main, workdir  # noqa: F401 (workdir: the folder of docs/cli.md's table, a fixture)
+from test_cli import run_main, workdir  # noqa: F401 (workdir: the folder of docs/guide/cli.md's table, a fixture)
 
 import loramcl
 from loramcl.cli import VERBOSITY_ENV, commands, main

@@ -4,7 +4,7 @@ paths relative to that file).
 
 A mistake ends the command with one line on stderr, `loramcl <command>: error: <what to change>`, and exit status
 2 (a wrong option or value) or 1 (anything else); `--debug` or LORAMCL_DEBUG=1 shows the traceback instead.
-docs/cli.md lists the usual mistakes and their messages.
+docs/guide/cli.md lists the usual mistakes and their messages.
 """
 
 from __future__ import annotations

@@ -464,7 +464,8 @@ def whisper_with_context(source: str | Path, out: str | Path, seconds: int) -> P
     """A Whisper folder whose encoder reads ``seconds`` of audio instead of 30: its position embeddings cut to the
     first 50 x ``seconds`` rows and its feature extractor padding to ``seconds`` (whisper.cpp's `audio_ctx`). The
     encoder's cost falls about as fast as the context (its attention faster); the other weights are the model's.
-    Short clips (a spoken UI message lasts 1-5 s) lose little: measured on espeak-ng speech in docs/spoken.md.
+    Short clips (a spoken UI message lasts 1-5 s) lose little: measured on espeak-ng speech in
+    docs/experiments/spoken_translation.md.
     Returns ``out``."""
     from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForConditionalGeneration
 

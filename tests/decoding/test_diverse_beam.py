@@ -264,7 +264,8 @@ def test_bad_copies_settings(models, overrides, message):
 def test_one_beam_per_group_is_greedy_but_its_repetition_penalty_acts_on_log_probs(models, model_name):
     """With one beam per group and lambda = 0, every group is greedy decoding, except for the logits processors:
     beam search (transformers' and ours) applies them to log-probabilities, greedy decoding to logits, so a
-    repetition penalty of 1.1 is a weaker push in beam search (docs/translation.md measured what that changes)."""
+    repetition penalty of 1.1 is a weaker push in beam search (docs/experiments/translation.md measured what that
+    changes)."""
     model, config = models[model_name], REFERENCE["models"][model_name]["config"]
     inputs = inputs_of(model_name)
     kwargs = dict(max_new_tokens=10, eos_token_id=config["eos_token_id"], pad_token_id=config["pad_token_id"])

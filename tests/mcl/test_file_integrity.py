@@ -179,9 +179,19 @@ def test_one_edited_row_of_the_base_is_caught(tmp_path, where):
 
 
 def test_a_folder_without_a_base_fingerprint_warns_and_strict_refuses(tmp_path):
-    """With base_fingerprint deleted, a base of another seed used to pass without a word."""
-    _, _, _, folder = _saved(tmp_path)
+    """With base_fingerprint deleted, a base of another seed used to pass without a word. On the right base the
+    folder still loads the saved adapters whole: the same tensors, the same logits as the model that saved them."""
+    mcl, pristine, inputs, folder = _saved(tmp_path)
     _edit_json(folder, lambda meta: meta.pop("base_fingerprint"))
+    with pytest.warns(AdapterFilesWarning, match="record no base_fingerprint"):
+        same_base = load_mcl_model(copy.deepcopy(pristine), folder)
+    saved = dict(mcl.mcl_layers())
+    for name, layer in same_base.mcl_layers():
+        assert torch.equal(layer.lora_A, saved[name].lora_A) and torch.equal(layer.lora_B, saved[name].lora_B)
+    with torch.no_grad():
+        expected = mcl(**inputs).logits  # [B, K, T, V]
+        torch.testing.assert_close(same_base.eval()(**inputs).logits, expected, rtol=0, atol=0)
+        assert not torch.allclose(pristine(**inputs).logits, expected[:, 0])  # the adapters change the logits
     torch.manual_seed(2)
     other = build_model("llama")
     with pytest.warns(AdapterFilesWarning, match=r"record no base_fingerprint .* are not verified"):

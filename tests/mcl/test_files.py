@@ -128,7 +128,7 @@ def test_a_failure_while_wrapping_rolls_the_model_back(monkeypatch):
     def broken(self):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(model_module.MCLModel, "_install_hooks", broken)
+    monkeypatch.setattr(model_module.MCLModel, "install_hooks", broken)
     with pytest.raises(RuntimeError, match="injected"):
         get_mcl_model(base, MCLConfig(target_modules=CASES["llama"].targets))
     assert {name: module for name, module in base.named_modules()} == layers

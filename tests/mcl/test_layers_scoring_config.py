@@ -79,12 +79,23 @@ def test_init_matches_peft_lora():
 
 
 def test_dropout_only_in_training():
+    """Eval: exactly the LoRA of the undropped input. Training: the LoRA of the input with dropout's mask, the same
+    mask torch draws from the same seed (entries zeroed, the rest scaled by 1/(1-p)), on the adapter input only."""
     layer = _layer(dropout=0.5)
     x = torch.randn(K * B, T, D_IN)
+    expected = torch.cat([_lora(layer, x[k * B:(k + 1) * B], k) for k in range(K)])
     layer.eval()
-    torch.testing.assert_close(layer(x), layer(x))
+    torch.testing.assert_close(layer(x), expected)  # fails if dropout ran in eval
     layer.train()
-    assert not torch.allclose(layer(x), layer(x))
+    torch.manual_seed(3)
+    trained = layer(x)
+    torch.manual_seed(3)
+    dropped = F.dropout(x, p=0.5, training=True)
+    assert (dropped == 0).any() and not torch.equal(dropped, x)
+    with torch.no_grad():
+        delta = torch.cat([dropped[k * B:(k + 1) * B] @ layer.lora_A[k] @ layer.lora_B[k] for k in range(K)])
+    torch.testing.assert_close(trained, layer.base_layer(x) + delta * (8 / R))  # fails if it did not run
+    assert not torch.allclose(trained, expected)
 
 
 def test_sequence_nll_is_the_mean_cross_entropy_of_each_example():

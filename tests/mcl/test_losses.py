@@ -32,13 +32,21 @@ def test_relaxed_weights_follow_eq4():
 
 
 def test_relaxed_with_zero_epsilon_equals_wta():
-    nll = _nll().requires_grad_()
-    wta, _ = mcl_loss(nll, MCLConfig(num_hypotheses=3, loss="wta"))
-    relaxed, weights = mcl_loss(nll, MCLConfig(num_hypotheses=3, loss="relaxed", epsilon=0.0))
-    assert torch.equal(weights, wta_weights(nll))
+    """Against weights written by hand (not built from wta_weights): eq. 4 at epsilon = 0 puts all the weight on the
+    winner, ties to the lowest k (the paper's rule), and the loss and its gradient are the winners' NLL alone."""
+    nll = torch.tensor([[3.0, 1.0, 2.0],
+                        [0.5, 0.5, 0.7],   # a tie between hypotheses 0 and 1
+                        [4.0, 4.0, 4.0],   # all tied
+                        [2.0, 3.0, 0.25]], requires_grad=True)
+    by_hand = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    config = dict(num_hypotheses=3, tie_break="lowest")
+    wta, wta_q = mcl_loss(nll, MCLConfig(loss="wta", **config))
+    relaxed, weights = mcl_loss(nll, MCLConfig(loss="relaxed", epsilon=0.0, **config))
+    assert torch.equal(weights, by_hand) and torch.equal(wta_q, by_hand)
+    assert relaxed.item() == wta.item() == pytest.approx((1.0 + 0.5 + 4.0 + 0.25) / 4)
     (grad_wta,) = torch.autograd.grad(wta, nll)
     (grad_relaxed,) = torch.autograd.grad(relaxed, nll)
-    assert relaxed.item() == wta.item() and torch.equal(grad_wta, grad_relaxed)
+    assert torch.equal(grad_relaxed, by_hand / 4) and torch.equal(grad_wta, by_hand / 4)
 
 
 def test_the_gradient_reaches_each_hypothesis_with_its_weight():

@@ -224,3 +224,27 @@ def test_gradients_equal_those_of_separate_peft_adapters(num_hypotheses):
             torch.testing.assert_close(layer.lora_A.grad[k], module.lora_A[f"h{k}"].weight.grad.T, atol=1e-6, rtol=0)
             torch.testing.assert_close(layer.lora_B.grad[k], module.lora_B[f"h{k}"].weight.grad.T, atol=1e-6, rtol=0)
     assert any(layer.lora_B.grad.abs().sum() > 0 for _, layer in mcl.mcl_layers())
+
+
+def test_the_model_is_built_from_components_not_mixins():
+    """Issue 37: at most two bases besides nn.Module; the hooks' state lives in components made with explicit
+    arguments, and the baselines extend the model through its declared contract, never a private method of it."""
+    from torch import nn
+
+    from loramcl.baselines.moe import MoEModel
+    from loramcl.baselines.multihead import MultiHeadModel
+    from loramcl.mcl.model import MCLModel
+
+    assert len([b for b in MCLModel.__bases__ if b is not nn.Module]) <= 2
+    private = {name for cls in MCLModel.__mro__ for name in vars(cls)
+               if name.startswith("_") and not name.startswith("__")}
+    for baseline in (MoEModel, MultiHeadModel):
+        overridden = {name for cls in baseline.__mro__[:baseline.__mro__.index(MCLModel)] for name in vars(cls)}
+        assert not overridden & private, f"{baseline.__name__} overrides {sorted(overridden & private)}"
+    mcl, _, inputs, labels = wrapped_model("llama")
+    assert not hasattr(mcl, "_pending")
+    assert mcl.copy_hooks.scope is mcl.label_logits.scope is mcl.scope
+    assert mcl.scope.call.expand_batch is None  # idle between calls: the scope is armed for one call only
+    out = mcl(**inputs, labels=labels)
+    assert out.nll.shape == (labels.shape[0], mcl.num_hypotheses)
+    assert mcl.scope.call.expand_batch is None and mcl.scope.call.logit_positions is None

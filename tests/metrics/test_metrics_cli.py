@@ -184,7 +184,7 @@ def test_a_byte_order_mark_at_the_start_of_a_file_is_accepted_and_elsewhere_name
 
 
 def test_the_docs_pipeline_reads_one_test_file_without_ids(tmp_path, capsys):
-    """docs/cli.md's pipeline: `loramcl generate`, `loramcl nll` and `loramcl evaluate --metrics translation` read
+    """docs/guide/cli.md's pipeline: `loramcl generate`, `loramcl nll` and `loramcl evaluate --metrics translation` read
     the same test file, whose lines have no id (each numbered by its position, the same way by the three commands)
     and 1 to 3 references, one of them given as a string."""
     from conftest import wrapped_model

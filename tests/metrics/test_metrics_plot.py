@@ -12,10 +12,12 @@ from loramcl.metrics.plot import MARKER_SIZE, draw_tradeoff, marker_boxes
 
 matplotlib.use("Agg")
 
-# The figures of docs/spoken_translation.md and docs/translation.md (their tables), where the labels used to collide:
+# The figures of docs/experiments/spoken_translation.md and docs/experiments/translation.md (their tables), where the
+# labels used to collide:
 # "B=2B=4" side by side, two "B=2" on each other, "B=3" over "B=6", top-p hidden under typical-p.
 SPOKEN = [  # (mBLEU-4, oracle chrF, budget, method, decoding)
-    (0.033, 61.60, 2, "MCL", "beam search"), (0.033, 61.51, 2, "MCL", "greedy"), (0.333, 67.86, 2, "MLE", "beam search"),
+    (0.033, 61.60, 2, "MCL", "beam search"), (0.033, 61.51, 2, "MCL", "greedy"),
+    (0.333, 67.86, 2, "MLE", "beam search"),
     (0.008, 64.83, 2, "MLE", "diverse beam"), (0.049, 52.28, 2, "MLE", "TTA"), (0.335, 65.58, 4, "MCL", "beam search"),
     (0.329, 69.32, 4, "MLE", "beam search"), (0.350, 67.86, 4, "MLE", "diverse beam"), (0.063, 54.21, 4, "MLE", "TTA"),
     (0.046, 46.45, 2, "MCL", "top_k=50"), (0.046, 43.22, 2, "MCL", "top_p=0.95"),
@@ -58,7 +60,8 @@ def test_axes_carry_the_metric_names_and_the_better_direction():
     figure = figure_of(TRANSLATION, "pairwise_bleu", "loo_bleu")
     ax = figure.axes[0]
     # the y label is turned a quarter turn: its → points up, to the better end
-    assert (ax.get_xlabel(), ax.get_ylabel()) == ("Pairwise-BLEU (lower = more diverse) ←", "Loo-BLEU (higher = better) →")
+    assert ax.get_xlabel() == "Pairwise-BLEU (lower = more diverse) ←"
+    assert ax.get_ylabel() == "Loo-BLEU (higher = better) →"
     plt.close(figure)
     figure = figure_of(SPOKEN, "mbleu4", "chrf")
     assert (figure.axes[0].get_xlabel(), figure.axes[0].get_ylabel()) == (

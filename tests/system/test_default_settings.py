@@ -1,4 +1,4 @@
-"""The defaults a new user gets: the first `loramcl train` of docs/cli.md specialises (issue 35.2)."""
+"""The defaults a new user gets: the first `loramcl train` of docs/guide/cli.md specialises (issue 35.2)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from loramcl.cli import main  # noqa: E402
 
 
 def _train(base: Path, train_file: Path, out: Path, *options: str) -> tuple[list[list[float]], list[float]]:
-    """docs/cli.md's first `loramcl train`, 40 steps: (win_rate_h{k} of every training log, |B| of each hypothesis)."""
+    """docs/guide/cli.md's first `loramcl train`, 40 steps: (win_rate_h{k} of every training log, |B| of each
+    hypothesis)."""
     main(["train", "--model", str(base), "--out", str(out), "--data.train_file", str(train_file),
           "--mcl.num_hypotheses", "3", "--mcl.target_modules", "[q_proj, v_proj]", "--training.steps", "40", *options])
     logs = [entry for entry in json.loads((out / "train_log.json").read_text()) if "loss" in entry]
@@ -31,7 +32,7 @@ def test_the_first_train_command_of_the_docs_trains_every_hypothesis(tmp_path):
     """The issue's run: a tiny random model, 200 ambiguous prompts (three target languages, never indicated), K = 3.
     The paper's rule gave every tie of the first step (B = 0: all of them) to hypothesis 0, which then won every
     example of every log, and h1, h2 stayed the untrained base model. With the default, every hypothesis wins a share
-    at every log and trains (benchmarks/default_settings.py measures it over 10 bases, docs/scores.md)."""
+    at every log and trains (benchmarks/default_settings.py measures it over 10 bases, docs/guide/scores.md)."""
     assert MCLConfig().tie_break == "random" and MCLConfig().loss == "wta"
     base, train_file, _ = ambiguous_task(tmp_path, pretrain_steps=0)
     win_rates, norms = _train(base, train_file, tmp_path / "default")

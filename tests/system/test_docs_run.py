@@ -1,5 +1,6 @@
-"""Docs run as written (issue 35): every fenced block of README.md and docs/*.md is named in the REGISTRY of
-tests/docs_blocks.py, which says how each line is exercised on tiny models, and a block the registry does not name (or an entry no block has) fails the suite.
+"""Docs run as written (issue 35): every fenced block of README.md and docs/**/*.md is named in the REGISTRY of
+tests/docs_blocks.py, which says how each line is exercised on tiny models, and a block the registry does not name
+(or an entry no block has) fails the suite.
 
 Each block runs in its own folder, a copy of one prepared per module (`base`), holding what the docs assume:
   models/SmolLM2-135M-Instruct   a tiny random LlamaForCausalLM with SmolLM2-135M-Instruct's own tokenizer and
@@ -9,11 +10,11 @@ Each block runs in its own folder, a copy of one prepared per module (`base`), h
                                  tests/conftest.py smollm2_folder). Whisper-base is converted for real, once.
   train.jsonl, test.jsonl        prompt -> target pairs; prompts with their references, no "id" (as `generate` and
                                  `nll` read them)
-  prompts.jsonl, preds.jsonl, refs.jsonl, nll.jsonl   small files in the formats of docs/metrics.md and decoding.md
+  prompts.jsonl, preds.jsonl, refs.jsonl, nll.jsonl   small files in the formats of docs/guide/metrics.md, decoding.md
   runs/bilingual, runs/translation   the tiny model and data/ as the first stages of `loramcl bilingual --quick` and
                                  `loramcl translation --quick` write them (bilingual's train.jsonl cut to 32 pairs)
   runs/mcl                       a K = 2 LoRA-MCL run of 2 steps (the docs' BASE / CKPT / MCL_RUN placeholders)
-  my_chains.json                 three 2-state chains (docs/markov.md's --chains file)
+  my_chains.json                 three 2-state chains (docs/experiments/markov.md's --chains file)
 `loramcl` lines run in-process through loramcl.cli.main. What the harness changes in a command is in its entry (`why`);
 long runs are cut short (training steps, `--quick true`, `--stop_after data` with `covered_by` naming the test that
 runs the rest), and a paper-scale command stops, as written, with its one-line message naming the missing model or
@@ -27,6 +28,7 @@ import ast
 import contextlib
 import json
 import os
+import re
 import runpy
 import shutil
 import sys
@@ -75,6 +77,57 @@ def test_each_change_to_a_doc_command_says_why_and_names_tests_that_exist():
         if changed or isinstance(spec, (Make, Check, Launch)):
             assert spec.why, f"{file}: {item!r}: the registry changes or does not run it: say why"
         _covered(getattr(spec, "covered_by", None))
+
+
+LINKED = ("README.md", "CHANGELOG.md", *(p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "docs").rglob("*.md"))))
+
+
+def _prose(file: str) -> str:
+    """The file's text without its fenced blocks (a `# comment` in a bash block is no heading)."""
+    return re.sub(r"(?ms)^\s*(```+|~~~+).*?^\s*\1\s*$", "", (ROOT / file).read_text(encoding="utf-8"))
+
+
+def _anchors(file: str) -> set[str]:
+    """The anchors GitHub gives the headings of a markdown file: lower case, punctuation dropped, spaces to hyphens,
+    a repeated one numbered -1, -2, ..."""
+    anchors, seen = set(), {}
+    for heading in re.findall(r"(?m)^#{1,6}\s+(.+?)\s*#*\s*$", _prose(file)):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_every_link_and_docs_path_of_the_docs_resolves():
+    """A relative link of README.md, CHANGELOG.md and docs/ names a file that exists, and its #anchor a heading of
+    that file; a `docs/....md` path named in their prose exists (the docs moved into docs/guide/ and
+    docs/experiments/: a stale path is a dead end for the reader)."""
+    broken = []
+    for file in LINKED:
+        text = _prose(file)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (ROOT / file).parent / path if path else ROOT / file
+            if not resolved.exists():
+                broken.append(f"{file}: ({target}): no file {path}")
+            elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved.relative_to(ROOT).as_posix()):
+                broken.append(f"{file}: ({target}): no heading #{anchor} in {path or file}")
+        for path in re.findall(r"(?<![\w/.-])docs/[\w/]+\.md", text):
+            if not (ROOT / path).is_file():
+                broken.append(f"{file}: {path} does not exist")
+    assert not broken, "dead links in the docs: " + "; ".join(broken)
+
+
+def test_the_readme_tables_commands_are_doc_lines_that_run():
+    """Each `loramcl ...` command quoted in README.md's prose (the table of tasks) is a line of a doc block that the
+    registry exercises, so that the table's commands run as written too."""
+    quoted = re.findall(r"`(loramcl [^`]+)`", _prose("README.md"))
+    assert quoted, "README.md quotes no loramcl command"
+    items = {item for _, item in REGISTRY}
+    assert not [c for c in quoted if c not in items], \
+        f"README.md quotes commands that no doc block runs: {[c for c in quoted if c not in items]}"
 
 
 def test_code_blocks_say_their_language_and_output_blocks_hold_no_command():
@@ -234,8 +287,6 @@ def _apply(words, replace, append, what) -> list[str]:
 
 
 def _run_cli(argv, run: Run, what: str, folder) -> None:
-    import re
-
     fails = run.fails
     if run.espeak and shutil.which("espeak-ng") is None:
         fails = "espeak-ng is not installed: .*apt-get install espeak-ng"
@@ -331,7 +382,7 @@ def exercise(block, folder) -> None:
         for old, new in spec.subs:
             assert old in code, f"{block.name}: the registry binds {old!r}, which the block no longer has"
             code = code.replace(old, new)
-        with _logging_restored():  # a block may configure logging (docs/cli.md): not for the tests after it
+        with _logging_restored():  # a block may configure logging (docs/guide/cli.md): not for the tests after it
             exec(compile(code, block.name, "exec"), NAMESPACES[spec.namespace](folder))  # noqa: S102
         return
     variables = {}
@@ -379,8 +430,6 @@ def _block_params():
 
 @pytest.mark.parametrize("block", _block_params())
 def test_doc_block_runs_as_written(block, workdir):
-    import re
-
     expected = EXPECTED.get((block.file, block.items()[0]))
     try:
         exercise(block, workdir)
@@ -474,5 +523,5 @@ def _metrics(folder) -> dict:
                 texts=["A dog, barking!", "Two men talk."], cands_tok=candidates, refs_tok=references)
 
 
-NAMESPACES = {"plain": lambda folder: {}, "use": _use, "baselines": _baselines, "decoding": _decoding, "diverse": lambda f: _decoding(f, 2),
-              "audio": _audio, "metrics": _metrics}
+NAMESPACES = {"plain": lambda folder: {}, "use": _use, "baselines": _baselines, "decoding": _decoding,
+              "diverse": lambda f: _decoding(f, 2), "audio": _audio, "metrics": _metrics}

@@ -91,10 +91,15 @@ def test_k1_run_exports_a_peft_adapter_equal_to_it(folders):
           data=DataConfig(train_file=str(folders / "train.jsonl")),
           training=TrainConfig(steps=3, batch_size=8, learning_rate=1e-2), threads=1)
     mcl = load_mcl_model(AutoModelForCausalLM.from_pretrained(folders / "base"), out).eval()
+    # B starts at 0: trained, it must not be, or the adapter would be the base model on both sides
+    assert all(layer.lora_B.abs().max() > 1e-3 for _, layer in mcl.mcl_layers())
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folders / "base"), out / "peft").eval()
     ids = torch.tensor([[5, 20, 40, 60]])
     with torch.no_grad():
-        torch.testing.assert_close(mcl(input_ids=ids).logits[:, 0], peft(input_ids=ids).logits)
+        logits = mcl(input_ids=ids).logits[:, 0]  # [1, T, V]
+        torch.testing.assert_close(logits, peft(input_ids=ids).logits)
+        base = AutoModelForCausalLM.from_pretrained(folders / "base").eval()(input_ids=ids).logits
+    assert (logits - base).abs().max() > 1e-3  # the adapter changes the outputs: the comparison above has a subject
 
 
 def test_nll_scores_every_reference_under_every_hypothesis(folders, capsys):

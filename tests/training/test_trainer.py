@@ -2,14 +2,17 @@
 
 import dataclasses
 import math
+import os
+import warnings
 
 import pytest
 import torch
 from conftest import randomize_adapters
 from tiny_models import build_model, token_rows
-from transformers import TrainingArguments
+from transformers import TrainerCallback, TrainingArguments
 
 from loramcl import MCLConfig, MCLTrainer, get_mcl_model, load_mcl_model
+from loramcl.utils.inputs import BaseWeightsMismatch
 
 
 def _dataset(n=16, length=8, seed=0):
@@ -107,22 +110,43 @@ def test_logs_win_rates_temperature_and_wta_eval(tmp_path):
         assert metrics[f"eval_win_rate_h{k}"] == pytest.approx((nll.argmin(dim=1) == k).float().mean().item())
 
 
+class _AdaptersAtSave(TrainerCallback):
+    """The adapters of the model at each checkpoint save, by global step."""
+
+    def __init__(self, mcl):
+        self.mcl, self.saved = mcl, {}
+
+    def on_save(self, args, state, control, **kwargs):
+        self.saved[state.global_step] = {k: v.clone() for k, v in self.mcl.adapter_state_dict().items()}
+
+
 def test_resuming_from_a_checkpoint_continues_the_same_run(tmp_path):
     data = _dataset(16)
     straight = _model(loss="relaxed", epsilon=0.05)
     MCLTrainer(straight, args=_args(tmp_path / "a", max_steps=4), train_dataset=data).train()
     first = _model(loss="relaxed", epsilon=0.05)
+    at_save = _AdaptersAtSave(first)
     MCLTrainer(first, args=_args(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2),
-               train_dataset=data).train()
+               train_dataset=data, callbacks=[at_save]).train()
     checkpoint = tmp_path / "b" / "checkpoint-2"
     resumed = _model(loss="relaxed", epsilon=0.05)
     MCLTrainer(resumed, args=_args(tmp_path / "c", max_steps=4), train_dataset=data).train(
         resume_from_checkpoint=str(checkpoint))
     for (_, a), (_, b) in zip(straight.mcl_layers(), resumed.mcl_layers(), strict=True):
+        torch.testing.assert_close(a.lora_A, b.lora_A, atol=1e-6, rtol=0)
         torch.testing.assert_close(a.lora_B, b.lora_B, atol=1e-6, rtol=0)
-    # a trainer checkpoint is an MCL folder too
-    loaded = load_mcl_model(build_model("llama"), checkpoint)
+    # a trainer checkpoint is an MCL folder too: onto the base it was trained on (the seed _model builds it with), it
+    # loads the adapters the run had when it saved step 2, neither the initial nor the final ones
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BaseWeightsMismatch)
+        loaded = load_mcl_model(build_model("llama"), checkpoint)
     assert loaded.num_hypotheses == 3
+    expected, final = at_save.saved[2], first.adapter_state_dict()
+    got = loaded.adapter_state_dict()
+    assert got.keys() == expected.keys() and any(k.endswith("lora_A") for k in got)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert not all(torch.equal(got[k], final[k]) for k in final)
 
 
 def test_trainer_refuses_a_plain_model_and_options_it_would_ignore(tmp_path):
@@ -250,3 +274,23 @@ def test_the_readme_trainer_trains_rows_of_different_lengths_without_a_collator(
         trainer.train()
     collator = MCLTrainer(mcl, args=_args(tmp_path), data_collator=collate).data_collator
     assert collator is collate  # a collator given is kept
+
+
+def test_best_only_saves_are_published_whole_and_evaluations_that_save_nothing_leave_output_dir_alone(tmp_path):
+    """save_strategy="best": the trainer stages each evaluated step's checkpoint before it knows whether it will be
+    saved; the steps that save nothing must leave output_dir (and the files) as they were."""
+    from checkpoint_train import trainer as checkpoint_trainer
+
+    run = checkpoint_trainer(str(tmp_path), max_steps=4, eval_examples=8, eval_strategy="steps", eval_steps=1,
+                             save_strategy="best", metric_for_best_model="eval_loss", greater_is_better=False)
+    outputs = []
+    run.add_callback(type("Watch", (TrainerCallback,), {"on_log": lambda self, args, *a, **k: outputs.append(
+        args.output_dir)})())
+    run.train()
+    best = [log["eval_loss"] for log in run.state.log_history if "eval_loss" in log]
+    saved = [step for step, loss in enumerate(best, 1) if loss < min(best[:step - 1], default=float("inf"))]
+    assert sorted(os.listdir(tmp_path)) == sorted(f"checkpoint-{step}" for step in saved)
+    assert run.args.output_dir == str(tmp_path) and run.state.best_model_checkpoint == str(tmp_path /
+                                                                                             f"checkpoint-{saved[-1]}")
+    assert outputs and all(path == str(tmp_path) or "incomplete-" in path for path in outputs)
+    assert run.evaluate()["eval_nll_h0"] > 0 and run.predict(run.eval_dataset).metrics["test_win_rate_h0"] >= 0

@@ -61,26 +61,24 @@ def copy_tensors(model: MCLModel, tensors: dict[str, torch.Tensor], is_trainable
                     param.requires_grad_(is_trainable)
 
 
-class BaselineFiles:
-    """``load_adapters`` for a baseline model (e.g. resuming a Trainer checkpoint): the folder must hold a model of
-    the same method and structure (``_structure``), checked before any weight is copied."""
+class BaselineModel(MCLModel):
+    """A baseline on the declared contract of ``MCLModel``: a subclass sets ``method``, ``method_config`` (its own
+    configuration, written by ``save_pretrained``), ``export_refusal`` and ``merge_refusal``, and ``structure_of``
+    (the configuration fields its weights' values depend on beyond their shapes); ``load_adapters`` (e.g. resuming a
+    Trainer checkpoint) then checks a folder holds a model of the same method and structure before any weight is
+    copied."""
 
-    method: str
-
-    def _method_config(self):
-        raise NotImplementedError
-
-    def _structure(self, config) -> dict:
-        """The configuration fields the weights' values depend on beyond their shapes."""
+    @staticmethod
+    def structure_of(config) -> dict:
         raise NotImplementedError
 
     def load_adapters(self, path, verify: bool = True, strict: bool = False) -> None:
         saved, tensors = read_adapter_files(path, verify, strict)
-        ours = self._method_config()
+        ours = self.method_config
         theirs = method_config(path, saved, self.method, type(ours))
-        if self._structure(theirs) != self._structure(ours):
-            raise ValueError(f"{path} holds a {self.method} model with {self._structure(theirs)}; this model has "
-                             f"{self._structure(ours)}")
+        if self.structure_of(theirs) != self.structure_of(ours):
+            raise ValueError(f"{path} holds a {self.method} model with {self.structure_of(theirs)}; this model has "
+                             f"{self.structure_of(ours)}")
         check_tensors_fit(path, saved, tensors, self.layer_names, expected_shapes(self))
-        check_wrapped_base_weights(path, saved, self.base_model, getattr(self, "_base_fingerprint", None), strict)
+        check_wrapped_base_weights(path, saved, self.base_model, self.frozen_base.fingerprint, strict)
         copy_tensors(self, tensors)

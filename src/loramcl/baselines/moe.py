@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 from loramcl.baselines.config import MoEConfig
-from loramcl.baselines.files import BaselineFiles, check_tensors_fit, copy_tensors, method_config
+from loramcl.baselines.files import BaselineModel, check_tensors_fit, copy_tensors, method_config
 from loramcl.mcl.adapter_size import check_adapter_size
-from loramcl.mcl.fingerprint import check_base_weights, known_fingerprint
+from loramcl.mcl.fingerprint import FrozenBase, check_base_weights, known_fingerprint
 from loramcl.mcl.layers import DISABLED, HypothesisRouting, MCLLoraLinear, linear_features
-from loramcl.mcl.model import MCLModel, replace_modules
+from loramcl.mcl.model import replace_modules
 from loramcl.mcl.peft_interop import target_layer_names
 
 SOFT, SAMPLED = "soft", "sampled"
@@ -118,19 +118,27 @@ class MoELoraLinear(MCLLoraLinear):
                 f"scaling={self.scaling:g}")
 
 
-class MoEModel(BaselineFiles, MCLModel):
+class MoEModel(BaselineModel):
     """A frozen transformers model with a LoRA-MoE layer at each target layer. Build it with ``get_moe_model``.
 
     For ``MCLTrainer`` and ``generate_hypotheses`` it is an MCL model with one hypothesis (an MLE model).
     """
 
     method = "moe"
+    export_refusal = ("a LoRA-MoE model is not K LoRA adapters: its router mixes the experts per token, which PEFT's "
+                      "LoRA format cannot hold. Save it with save_pretrained and load it with loramcl.load_mcl_model")
+    merge_refusal = ("merge is not defined for LoRA-MoE: the router mixes the experts differently for every token, "
+                     "so no single weight update equals the model. Keep the MoE layers (save_pretrained)")
 
     def __init__(self, model: nn.Module, config: MoEConfig, routing: HypothesisRouting, router_state: RouterState,
-                 layer_names: list[str]) -> None:
-        super().__init__(model, config.mle_config(), routing, layer_names)
+                 layer_names: list[str], base: FrozenBase = FrozenBase()) -> None:
+        super().__init__(model, config.mle_config(), routing, layer_names, base)
         self.moe_config = config
         self.router_state = router_state
+
+    @property
+    def method_config(self) -> MoEConfig:
+        return self.moe_config
 
     @property
     def num_experts(self) -> int:
@@ -157,7 +165,7 @@ class MoEModel(BaselineFiles, MCLModel):
             raise ValueError(f"candidates must be an integer >= 1, got {candidates!r}")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
-        device = self._adapter_device()
+        device = self.adapter_device()
         state = self.router_state
         saved = (state.mode, state.generators)
         state.mode = SAMPLED
@@ -167,23 +175,9 @@ class MoEModel(BaselineFiles, MCLModel):
         finally:
             state.mode, state.generators = saved
 
-    def _config_metadata(self) -> dict:
-        return {"method": self.method, "moe_config": self.moe_config.to_dict()}
-
-    def _method_config(self) -> MoEConfig:
-        return self.moe_config
-
-    def _structure(self, config: MoEConfig) -> dict:
+    @staticmethod
+    def structure_of(config: MoEConfig) -> dict:
         return {"num_experts": config.num_experts, "r": config.r, "alpha": config.alpha}
-
-    def export_hypothesis(self, k: int, path) -> str:
-        raise ValueError("a LoRA-MoE model is not K LoRA adapters: its router mixes the experts per token, which "
-                         "PEFT's LoRA format cannot hold. Save it with save_pretrained and load it with "
-                         "loramcl.load_mcl_model")
-
-    def merge_hypothesis(self, k: int, inplace: bool = False) -> nn.Module:
-        raise ValueError("merge is not defined for LoRA-MoE: the router mixes the experts differently for every "
-                         "token, so no single weight update equals the model. Keep the MoE layers (save_pretrained)")
 
 
 def get_moe_model(model: nn.Module, config: MoEConfig) -> MoEModel:
@@ -200,7 +194,7 @@ def get_moe_model(model: nn.Module, config: MoEConfig) -> MoEModel:
     return replace_modules(
         model, names,
         lambda layer: MoELoraLinear(layer, routing, router_state, config, adapter_dtype=adapter_dtype),
-        lambda names: MoEModel(model, config, routing, router_state, names))
+        lambda names, base: MoEModel(model, config, routing, router_state, names, base))
 
 
 def load_from_files(model: nn.Module, path, saved: dict, tensors: dict[str, torch.Tensor],

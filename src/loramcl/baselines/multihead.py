@@ -25,13 +25,14 @@ import torch
 from torch import nn
 
 from loramcl.baselines.config import MultiHeadConfig
-from loramcl.baselines.files import BaselineFiles, check_tensors_fit, copy_tensors, method_config
+from loramcl.baselines.files import BaselineModel, check_tensors_fit, copy_tensors, method_config
 from loramcl.mcl.adapter_size import check_heads_size
 from loramcl.mcl.copies import batch_size_of
-from loramcl.mcl.fingerprint import check_base_weights, known_fingerprint
+from loramcl.mcl.fingerprint import FrozenBase, check_base_weights, known_fingerprint
 from loramcl.mcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting
 from loramcl.mcl.model import MCLModel, MCLOutput, replace_modules
 from loramcl.mcl.peft_interop import output_layer_of
+from loramcl.mcl.routing import set_routing
 
 
 class HypothesisHeads(nn.Module):
@@ -136,19 +137,28 @@ class HypothesisHeads(nn.Module):
         return f"hypotheses={self.num_hypotheses}"
 
 
-class MultiHeadModel(BaselineFiles, MCLModel):
-    """A frozen transformers model with one module duplicated K times. Build it with ``get_multihead_model``."""
+class MultiHeadModel(BaselineModel):
+    """A frozen transformers model with one module duplicated K times. Build it with ``get_multihead_model``.
+
+    Heads at the output (the LM head duplicated) are routed modules at the output layer: ``MCLModel`` then makes the
+    K copies at their input and computes their logits whole (``LabelLogits.routes_output_layer``).
+    """
 
     method = "multihead"
+    export_refusal = ("multi-head hypotheses are copies of a module, not LoRA adapters: save them with "
+                      "save_pretrained, or take one copy as a plain module with model.heads().module_for(k)")
+    merge_refusal = ("merge is a LoRA operation; a multi-head hypothesis is a whole module: "
+                     "model.heads().module_for(k) gives copy k as a plain module")
 
-    def __init__(self, model: nn.Module, config: MultiHeadConfig, routing: HypothesisRouting) -> None:
-        super().__init__(model, config.loss_config(), routing, [config.module])
+    def __init__(self, model: nn.Module, config: MultiHeadConfig, routing: HypothesisRouting,
+                 base: FrozenBase = FrozenBase()) -> None:
+        super().__init__(model, config.loss_config(), routing, [config.module], base)
         self.multihead_config = config
-        self.heads_at_output = config.module == self._output_layer_name
-        if self.heads_at_output:  # the K copies are made at the heads' input, after the whole network
-            self._remove_hooks()
-            self.expansion_module_name = config.module
-            self._install_hooks()
+        self.heads_at_output = self.label_logits.routes_output_layer
+
+    @property
+    def method_config(self) -> MultiHeadConfig:
+        return self.multihead_config
 
     def heads(self) -> HypothesisHeads:
         return self.base_model.get_submodule(self.multihead_config.module)
@@ -160,7 +170,7 @@ class MultiHeadModel(BaselineFiles, MCLModel):
         # One copy per example of an internal module: which of its rows belong to which example is the model's
         # business (e.g. a varying number of image patches), so all K copies run and each example keeps its own.
         batch = labels.shape[0] if labels is not None else batch_size_of(inputs)
-        self._set_routing(hypotheses, rows=batch)  # checks the indices
+        set_routing(self.routing, hypotheses, self.num_hypotheses, rows=batch, device=self.adapter_device())
         index = self.routing.index  # [B]
         out = super().forward(labels=labels, **inputs)
         if labels is None:
@@ -168,35 +178,9 @@ class MultiHeadModel(BaselineFiles, MCLModel):
         nll = out.nll.gather(1, index.unsqueeze(1).to(out.nll.device)).squeeze(1)  # [B]
         return MCLOutput(loss=nll.mean(), nll=nll)
 
-    def _logits_in_chunks(self) -> bool:
-        # K heads at the output route their rows by hypothesis (and train): they must see every label row at once
-        return not self.heads_at_output and super()._logits_in_chunks()
-
-    def _keep_label_positions(self, module: nn.Module, args: tuple):
-        positions = self._pending.logit_positions
-        kept = super()._keep_label_positions(module, args)
-        if positions is not None and self.heads_at_output and self.routing.mode == INDEXED:
-            # one hypothesis per example -> one per label token, the rows the heads now see
-            index = self.routing.index  # [B]
-            self.routing.index = index.repeat_interleave(positions.sum(dim=1).to(index.device))  # [N label tokens]
-        return kept
-
-    def _config_metadata(self) -> dict:
-        return {"method": self.method, "multihead_config": self.multihead_config.to_dict()}
-
-    def _method_config(self) -> MultiHeadConfig:
-        return self.multihead_config
-
-    def _structure(self, config: MultiHeadConfig) -> dict:
+    @staticmethod
+    def structure_of(config: MultiHeadConfig) -> dict:
         return {"num_hypotheses": config.num_hypotheses, "module": config.module}
-
-    def export_hypothesis(self, k: int, path) -> str:
-        raise ValueError("multi-head hypotheses are copies of a module, not LoRA adapters: save them with "
-                         "save_pretrained, or take one copy as a plain module with model.heads().module_for(k)")
-
-    def merge_hypothesis(self, k: int, inplace: bool = False) -> nn.Module:
-        raise ValueError("merge is a LoRA operation; a multi-head hypothesis is a whole module: "
-                         "model.heads().module_for(k) gives copy k as a plain module")
 
 
 def _reinitialised(module: nn.Module, model: nn.Module) -> nn.Module:
@@ -260,7 +244,7 @@ def get_multihead_model(model: nn.Module, config: MultiHeadConfig) -> MultiHeadM
     dtype = torch.float32 if config.dtype == "float32" else None
     return replace_modules(model, [config.module],
                            lambda original: HypothesisHeads(original, routing, k, copies, dtype=dtype),
-                           lambda names: MultiHeadModel(model, config, routing))
+                           lambda names, base: MultiHeadModel(model, config, routing, base))
 
 
 def load_from_files(model: nn.Module, path, saved: dict, tensors: dict[str, torch.Tensor],

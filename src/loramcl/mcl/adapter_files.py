@@ -46,90 +46,93 @@ TRAINING_SETTINGS = frozenset({"dropout", "loss", "epsilon", "temperature0", "te
 STRICT_HINT = "strict=True, or --strict true in loramcl generate / nll, refuses this"
 
 
-class AdapterFiles:
-    """The saving and loading methods of ``MCLModel`` (they use its ``mcl_layers``, ``mcl_config`` and
-    ``scoring_head``)."""
+def adapter_state_dict(model, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """{'<layer>.lora_A': [K, d_in, r], '<layer>.lora_B': [K, r, d_out]} on CPU, from ``state_dict`` (e.g.
+    one Trainer gathered from DeepSpeed/FSDP) when given, else from this model. Adapters sharded by FSDP2
+    (``fully_shard``: DTensors) are gathered whole, a collective that every rank must call."""
+    tensors = {}
+    for name, layer in model.mcl_layers():
+        for part, param in layer.adapter_tensors().items():
+            key = f"{name}.{part}"
+            value = (param if state_dict is None else state_dict[f"base_model.{key}"]).detach()
+            tensors[key] = _full_tensor(value).to("cpu").contiguous()
+    if model.scoring_head is not None:  # 'scoring.weight' [K, d], 'scoring.bias' [K]
+        for part, param in model.scoring_head.named_parameters():
+            value = (param if state_dict is None else state_dict[f"scoring_head.{part}"]).detach()
+            tensors[f"{SCORING_PREFIX}.{part}"] = _full_tensor(value).to("cpu").contiguous()
+    return tensors
 
-    def adapter_state_dict(self, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """{'<layer>.lora_A': [K, d_in, r], '<layer>.lora_B': [K, r, d_out]} on CPU, from ``state_dict`` (e.g.
-        one Trainer gathered from DeepSpeed/FSDP) when given, else from this model. Adapters sharded by FSDP2
-        (``fully_shard``: DTensors) are gathered whole, a collective that every rank must call."""
-        tensors = {}
-        for name, layer in self.mcl_layers():
-            for part, param in layer.adapter_tensors().items():
-                key = f"{name}.{part}"
-                value = (param if state_dict is None else state_dict[f"base_model.{key}"]).detach()
-                tensors[key] = _full_tensor(value).to("cpu").contiguous()
-        if self.scoring_head is not None:  # 'scoring.weight' [K, d], 'scoring.bias' [K]
-            for part, param in self.scoring_head.named_parameters():
-                value = (param if state_dict is None else state_dict[f"scoring_head.{part}"]).detach()
-                tensors[f"{SCORING_PREFIX}.{part}"] = _full_tensor(value).to("cpu").contiguous()
-        return tensors
 
-    def save_pretrained(self, path: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> str:
-        """Write the K hypotheses: ``mcl_adapters.safetensors`` and ``mcl_config.json`` (no pickle), each file
-        written under a temporary name and renamed when whole. The config records the weights' SHA-256 and the
-        settings' (see the module docstring), which loading verifies."""
-        tensors = self.adapter_state_dict(state_dict)
-        if _sharded(self) and torch.distributed.get_rank() != 0:
-            return str(path)  # FSDP2: every rank gathers the shards (above), rank 0 writes
-        os.makedirs(path, exist_ok=True)
-        weights = os.path.join(path, WEIGHTS_NAME)
-        meta = {"loramcl_format": FORMAT_VERSION, **self._config_metadata(), "weights_dtypes": dtypes_of(tensors)}
-        settings = output_settings(meta)
-        write_atomically(weights, lambda tmp: safetensors.torch.save_file(
-            tensors, tmp, metadata={"format": "pt", "loramcl_format": str(FORMAT_VERSION),
-                                    SETTINGS_METADATA: json.dumps(settings, sort_keys=True)}))
-        meta.update({
-            "base_model_name_or_path": getattr(self.config, "_name_or_path", None) or None,
-            "base_model_class": type(self.base_model).__name__,
-            "adapted_modules": self.layer_names,
-            "weights_sha256": sha256(weights),
-            "settings_sha256": _digest(canonical(settings)),
-            "base_fingerprint": getattr(self, "_base_fingerprint", None),
-        })
-        write_atomically(os.path.join(path, CONFIG_NAME),
-                          lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8"))
-        return str(path)
+def save_pretrained(model, path: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> str:
+    """Write the K hypotheses: ``mcl_adapters.safetensors`` and ``mcl_config.json`` (no pickle), each file
+    written under a temporary name and renamed when whole. The config records the weights' SHA-256 and the
+    settings' (see the module docstring), which loading verifies."""
+    tensors = model.adapter_state_dict(state_dict)
+    if _sharded(model) and torch.distributed.get_rank() != 0:
+        return str(path)  # FSDP2: every rank gathers the shards (above), rank 0 writes
+    os.makedirs(path, exist_ok=True)
+    weights = os.path.join(path, WEIGHTS_NAME)
+    meta = {"loramcl_format": FORMAT_VERSION, **method_metadata(model), "weights_dtypes": dtypes_of(tensors)}
+    settings = output_settings(meta)
+    write_atomically(weights, lambda tmp: safetensors.torch.save_file(
+        tensors, tmp, metadata={"format": "pt", "loramcl_format": str(FORMAT_VERSION),
+                                SETTINGS_METADATA: json.dumps(settings, sort_keys=True)}))
+    meta.update({
+        "base_model_name_or_path": getattr(model.config, "_name_or_path", None) or None,
+        "base_model_class": type(model.base_model).__name__,
+        "adapted_modules": model.layer_names,
+        "weights_sha256": sha256(weights),
+        "settings_sha256": _digest(canonical(settings)),
+        "base_fingerprint": model.frozen_base.fingerprint,
+    })
+    write_atomically(os.path.join(path, CONFIG_NAME),
+                      lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8"))
+    return str(path)
 
-    def _config_metadata(self) -> dict:
-        """What ``save_pretrained`` writes to rebuild the model: its method's configuration."""
-        return {"mcl_config": self.mcl_config.to_dict()}
 
-    def load_adapters(self, path: str | os.PathLike, verify: bool = True, strict: bool = False) -> None:
-        """Load adapter weights written by ``save_pretrained`` into this model (same layers and the same settings
-        that change the outputs: K, r, alpha, use_rslora, adapt_context, ...).
+def method_metadata(model) -> dict:
+    """What ``save_pretrained`` writes to rebuild the model: its method's configuration (``method`` and
+    ``method_config``); LoRA-MCL's files name no method."""
+    if model.method == "mcl":
+        return {"mcl_config": model.method_config.to_dict()}
+    return {"method": model.method, f"{model.method}_config": model.method_config.to_dict()}
 
-        Everything is checked before any weight is copied (see ``read_adapters``; ``verify=False`` skips the
-        checksums), so a failed load leaves the model as it was. Adapters saved on other base weights, and files that
-        cannot be verified, warn (raise with ``strict=True``), as in ``load_mcl_model``."""
-        saved, config, tensors = read_adapters(path, verify, strict)
-        ours = self.mcl_config
-        if config.scoring != ours.scoring:
-            raise ValueError(f"{path} {'has' if config.scoring else 'has no'} hypothesis scores (scoring="
-                             f"{config.scoring}); this model was built with scoring={ours.scoring}")
-        theirs, mine = (output_settings({"mcl_config": c.to_dict()})["mcl_config"] for c in (config, ours))
-        differing = [name for name in sorted(mine) if canonical(theirs.get(name)) != canonical(mine[name])]
-        if differing:
-            raise ValueError(f"{path} holds adapters with {', '.join(f'{n}={theirs.get(n)!r}' for n in differing)}; "
-                             f"this model has {', '.join(f'{n}={mine[n]!r}' for n in differing)}")
-        layers = dict(self.mcl_layers())
-        check_adapters_fit(path, saved, config, tensors, self.layer_names,
-                            {name: (layer.in_features, layer.out_features) for name, layer in layers.items()})
-        check_scoring_fits(path, tensors, self.scoring_head)
-        check_wrapped_base_weights(path, saved, self.base_model, getattr(self, "_base_fingerprint", None), strict)
+
+def load_adapters(model, path: str | os.PathLike, verify: bool = True, strict: bool = False) -> None:
+    """Load adapter weights written by ``save_pretrained`` into this model (same layers and the same settings
+    that change the outputs: K, r, alpha, use_rslora, adapt_context, ...).
+
+    Everything is checked before any weight is copied (see ``read_adapters``; ``verify=False`` skips the
+    checksums), so a failed load leaves the model as it was. Adapters saved on other base weights, and files that
+    cannot be verified, warn (raise with ``strict=True``), as in ``load_mcl_model``."""
+    saved, config, tensors = read_adapters(path, verify, strict)
+    ours = model.mcl_config
+    if config.scoring != ours.scoring:
+        raise ValueError(f"{path} {'has' if config.scoring else 'has no'} hypothesis scores (scoring="
+                         f"{config.scoring}); this model was built with scoring={ours.scoring}")
+    theirs, mine = (output_settings({"mcl_config": c.to_dict()})["mcl_config"] for c in (config, ours))
+    differing = [name for name in sorted(mine) if canonical(theirs.get(name)) != canonical(mine[name])]
+    if differing:
+        raise ValueError(f"{path} holds adapters with {', '.join(f'{n}={theirs.get(n)!r}' for n in differing)}; "
+                         f"this model has {', '.join(f'{n}={mine[n]!r}' for n in differing)}")
+    layers = dict(model.mcl_layers())
+    check_adapters_fit(path, saved, config, tensors, model.layer_names,
+                        {name: (layer.in_features, layer.out_features) for name, layer in layers.items()})
+    check_scoring_fits(path, tensors, model.scoring_head)
+    check_wrapped_base_weights(path, saved, model.base_model, model.frozen_base.fingerprint, strict)
+    with torch.no_grad():
+        for name, layer in layers.items():
+            layer.lora_A.copy_(tensors[f"{name}.lora_A"])
+            layer.lora_B.copy_(tensors[f"{name}.lora_B"])
+        copy_scoring_head(model.scoring_head, tensors)
+
+
+def copy_scoring_head(head: HypothesisScores | None, tensors: dict[str, torch.Tensor]) -> None:
+    """The saved head's values, if ``tensors`` has one (else the head keeps its zero initialisation)."""
+    if head is not None and f"{SCORING_PREFIX}.weight" in tensors:
         with torch.no_grad():
-            for name, layer in layers.items():
-                layer.lora_A.copy_(tensors[f"{name}.lora_A"])
-                layer.lora_B.copy_(tensors[f"{name}.lora_B"])
-            self._copy_scoring_head(tensors)
-
-    def _copy_scoring_head(self, tensors: dict[str, torch.Tensor]) -> None:
-        """The saved head's values, if ``tensors`` has one (else the head keeps its zero initialisation)."""
-        if self.scoring_head is not None and f"{SCORING_PREFIX}.weight" in tensors:
-            with torch.no_grad():
-                for part, param in self.scoring_head.named_parameters():
-                    param.copy_(tensors[f"{SCORING_PREFIX}.{part}"])
+            for part, param in head.named_parameters():
+                param.copy_(tensors[f"{SCORING_PREFIX}.{part}"])
 
 
 def _full_tensor(value: torch.Tensor) -> torch.Tensor:

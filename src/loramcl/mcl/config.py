@@ -32,7 +32,7 @@ class MCLConfig:
     Defaults follow the paper where it has one value; the loss defaults to vanilla WTA (eq. 2), with one exception
     chosen by measurement: exact ties (every example at initialisation) go to a random hypothesis
     (``tie_break="random"``), since the paper's rule, ties to hypothesis 0, collapsed a short run on a small model
-    (docs/scores.md, "Default settings that specialise"); ``tie_break="lowest"`` is the paper's method exactly.
+    (docs/guide/scores.md, "Default settings that specialise"); ``tie_break="lowest"`` is the paper's method exactly.
     The paper's settings are: audio r=alpha=8, dropout 0.1, K=5, relaxed epsilon in
     {0.0005, 0.05} or annealed; vision r=8 alpha=32, K=3, relaxed epsilon=0.1; translation
     r=16 alpha=32, K=3, relaxed epsilon=0.05.
@@ -79,7 +79,7 @@ class MCLConfig:
     """Which hypothesis wins an example on which several have exactly the same NLL: one of them at random ('random',
     the default: seeded by the trainer) or the 'lowest' k (the paper's eq. 2). Ties are certain at initialisation
     (LoRA's B = 0 makes every hypothesis the base model), where 'lowest' gives hypothesis 0 every example of the
-    first step, and the others may never win one (measured in docs/scores.md). Only exact ties are drawn; with
+    first step, and the others may never win one (measured in docs/guide/scores.md). Only exact ties are drawn; with
     K = 1 nothing is."""
 
     scoring: bool = False

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from loramcl.mcl.compat import upstream_error
+from loramcl.mcl.compat import cache_argument, checkpointing_keeps_cache, upstream_error
+from loramcl.mcl.nll import IGNORE_INDEX
+from loramcl.mcl.scope import ForwardCall
+from loramcl.mcl.scores import context_positions
 
 # The inputs of a causal LM that the context / target split knows how to cut; anything else (images, audio, embeddings,
 # token types) may carry positions of its own, so it is refused rather than misplaced.
@@ -147,3 +150,46 @@ def split_context(inputs: dict, context_lengths: torch.Tensor) -> tuple[dict, di
     target_inputs = {"input_ids": input_ids.gather(1, index), "position_ids": positions.gather(1, index),
                      "attention_mask": torch.cat([context_mask, target_mask], dim=1)}  # [B, C + L]
     return context_inputs, target_inputs, torch.where(raw < length, index, -1)
+
+
+def without_context(model, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, copies: int
+                     ) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """adapt_context=False: (inputs, targets [B, L], positions [B, L]) of a call of ``model`` (an MCLModel) that runs
+    only the target positions, attending to the context run once on B rows without adapters; or, with
+    ``model.context_once = False``, the full sequence with the adapters masked on the context."""
+    base = model.base_model
+    if getattr(base.config, "is_encoder_decoder", False):  # the encoder is the context
+        return encoder_once(model, inputs), targets, positions
+    check_split_inputs(inputs, type(base).__name__)
+    lengths = context_positions(positions)  # [B] c_b: positions before the first that predicts a label
+    if not model.context_once:
+        steps = torch.arange(positions.shape[1], device=positions.device)
+        mask = (steps >= lengths.unsqueeze(1)).repeat(copies, 1)  # [rows, T]
+        model.routing.positions = mask.unsqueeze(-1).to(model.adapter_dtype())  # [rows, T, 1]
+        return inputs, targets, positions
+    if int(lengths.max()) == 0:  # every row predicts from its first position: there is no context
+        return inputs, targets, positions
+    context_inputs, target_inputs, index = split_context(inputs, lengths)
+    nothing = torch.zeros_like(context_inputs["input_ids"], dtype=torch.bool)  # no logits on the context
+    cache, name = DynamicCache(config=base.config), cache_argument(base)
+    with torch.no_grad(), model.disable_adapters(), checkpointing_keeps_cache(base):
+        model.run_base({**context_inputs, name: cache, "use_cache": True}, ForwardCall(
+            logit_positions=nothing if model.label_logits.output_layer_name is not None else None))
+    # recomputing a checkpointed layer finds the shared cache as the forward did
+    cache = share_context(cache, copies, length=context_inputs["input_ids"].shape[1])
+    targets = torch.where(index >= 0, targets.gather(1, index.clamp(min=0)), IGNORE_INDEX)  # [B, L]
+    return {**target_inputs, name: cache}, targets, targets != IGNORE_INDEX
+
+
+def encoder_once(model, inputs: dict) -> dict:
+    """An encoder-decoder's inputs with the encoder run once, on B rows without adapters: its outputs go to the
+    decoder in place of the encoder's inputs (and are made K-fold where the hypotheses start)."""
+    if inputs.get("encoder_outputs") is not None:
+        return inputs
+    decoder = {name: value for name, value in inputs.items() if name.startswith("decoder_") or name in (
+        "use_cache", "attention_mask", "cache", "past_key_values")}
+    encoder_inputs = {name: value for name, value in inputs.items() if name not in decoder or
+                      name == "attention_mask"}
+    with torch.no_grad(), model.disable_adapters():
+        encoded = model.base_model.get_encoder()(**encoder_inputs, return_dict=True)
+    return {**decoder, "encoder_outputs": encoded}

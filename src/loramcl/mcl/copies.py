@@ -19,7 +19,8 @@ from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
 from loramcl.mcl.context import is_shared_context
-from loramcl.mcl.layers import INDEXED
+from loramcl.mcl.layers import INDEXED, HypothesisRouting
+from loramcl.mcl.scope import CallScope, ForwardCall
 
 # Keyword inputs that never carry a batch dimension even when one of their sizes happens to equal B.
 NOT_PER_EXAMPLE = frozenset({"cache_position"})
@@ -192,7 +193,7 @@ def find_branches(model: nn.Module, expansion_name: str, layer_names: list[str])
     """The modules inside the expansion module through which the adapted layers are reached: its children that
     hold adapters (a list of blocks gives its blocks), e.g. the vision tower and the language model of a VLM, the
     encoder and decoder of T5, the decoder blocks of Llama. Their inputs tell whether each example has its own
-    rows (``MCLModel._check_rows_per_example``)."""
+    rows (``CopyHooks._check_rows_per_example``)."""
     branches = []
 
     def visit(prefix: str, module: nn.Module) -> None:
@@ -214,7 +215,7 @@ def find_shared_modules(model: nn.Module, expansion_name: str, layer_names: list
     """The frozen modules beside the path from the model's root to the expansion module (their siblings along it),
     without adapters and other than the output layer: e.g. the vision tower and projector of a VLM whose adapters
     are in its language model, an audio tower, an encoder without adapters. They run before the K copies in training;
-    ``MCLModel._run_on_one_copy`` runs them once when decoding copies of a batch too."""
+    ``CopyHooks._run_on_one_copy`` runs them once when decoding copies of a batch too."""
     if not expansion_name:
         return []
     # A module also used inside the expansion module (T5's `shared` embeddings are its decoder's embed_tokens) sees
@@ -237,37 +238,59 @@ def find_shared_modules(model: nn.Module, expansion_name: str, layer_names: list
     return names
 
 
-class BatchCopies:
-    """The hooks of ``MCLModel`` that make and check the K copies of a batch inside the base model's call. They read
-    the model's ``routing``, ``_pending`` (what the next call must do), ``base_model``, ``expansion_module_name``,
-    ``shared_module_names``, ``branch_names`` and ``share_frozen_modules``."""
+class CopyHooks:
+    """The hooks that make and check the K copies of a batch inside the base model's call, and their state.
 
-    def _install_hooks(self) -> None:
-        expansion = self.base_model.get_submodule(self.expansion_module_name)
-        self._hooks.append(self.base_model.register_forward_pre_hook(self._record_main_rows, with_kwargs=True))
-        self._hooks.append(expansion.register_forward_pre_hook(self._expand_rows, with_kwargs=True))
+    base_model: the model holding the adapted layers; routing: the routing its layers share; scope: the call in
+    progress (``expand_batch``); expansion_module_name, shared_module_names, branch_names: where the copies are made,
+    the frozen modules run once on one copy, the modules whose rows per example are checked (the ``find_*`` functions
+    of this module compute them).
+    """
+
+    def __init__(self, base_model: nn.Module, routing: HypothesisRouting, num_hypotheses: int, scope: CallScope,
+                 expansion_module_name: str, shared_module_names: list[str], branch_names: list[str]) -> None:
+        self.base_model, self.routing, self.num_hypotheses, self.scope = base_model, routing, num_hypotheses, scope
+        self.expansion_module_name = expansion_module_name
+        self.shared_module_names = shared_module_names
+        self.branch_names = branch_names
+        # Decoding K copies of a batch runs each shared module (a frozen tower before the adapters) once, on one
+        # copy; False runs it on all K copies (the same result, K times the work; for benchmarks).
+        self.share_frozen_modules = True
+        self.main_rows: int | None = None  # rows of the base model's main input in the current call
+        self._shared_calls: dict[int, int] = {}  # id(shared module) -> copies its running call was given
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def install(self) -> None:
+        base = self.base_model
+        self._handles.append(base.register_forward_pre_hook(self._record_main_rows, with_kwargs=True))
+        expansion = base.get_submodule(self.expansion_module_name)
+        self._handles.append(expansion.register_forward_pre_hook(self._expand_rows, with_kwargs=True))
         for name in self.shared_module_names:
-            module = self.base_model.get_submodule(name)
-            self._hooks.append(module.register_forward_pre_hook(self._run_on_one_copy, with_kwargs=True))
-            self._hooks.append(module.register_forward_hook(self._copy_outputs, with_kwargs=True))
+            module = base.get_submodule(name)
+            self._handles.append(module.register_forward_pre_hook(self._run_on_one_copy, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._copy_outputs, with_kwargs=True))
         for name in self.branch_names:
             check = functools.partial(self._check_rows_per_example, name)
-            self._hooks.append(self.base_model.get_submodule(name).register_forward_pre_hook(check, with_kwargs=True))
-        if self._output_layer_name is not None:
-            output_layer = self.base_model.get_submodule(self._output_layer_name)
-            self._hooks.append(output_layer.register_forward_pre_hook(self._keep_label_positions))
+            self._handles.append(base.get_submodule(name).register_forward_pre_hook(check, with_kwargs=True))
 
-    def _remove_hooks(self) -> None:
-        for handle in self._hooks:
+    def remove(self) -> None:
+        for handle in self._handles:
             handle.remove()
-        self._hooks.clear()
+        self._handles.clear()
+
+    def check_ran(self, call: ForwardCall) -> None:
+        if call.expand_batch is not None:
+            raise RuntimeError(
+                f"the batch was never duplicated for the K hypotheses: module '{self.expansion_module_name}' did not "
+                "run during this forward. Please report this model class to loramcl.")
 
     def _expand_rows(self, module: nn.Module, args: tuple, kwargs: dict):
         """Make the K copies of every per-example input, hypothesis-major: [B, ...] -> [K*B, ...]."""
-        batch = self._pending.expand_batch
+        call = self.scope.call
+        batch = call.expand_batch
         if batch is None:
             return None
-        self._pending.expand_batch = None
+        call.expand_batch = None
         k = self.num_hypotheses
         self.routing.rows = k * batch
         return repeat_examples(args, k, batch), {n: repeat_examples(v, k, batch, n) for n, v in kwargs.items()}
@@ -299,7 +322,7 @@ class BatchCopies:
 
     def _record_main_rows(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         inputs = kwargs if kwargs else dict(zip(("input_ids",), args, strict=False))
-        self._main_rows = batch_size_of(inputs, strict=False)
+        self.main_rows = batch_size_of(inputs, strict=False)
 
     def _check_rows_per_example(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """With one hypothesis per example (indexed routing, not copies), the adapted layers of ``name`` give each
@@ -315,7 +338,7 @@ class BatchCopies:
             size = value.shape[batch_dim(input_name, value)]
             if size == 1:  # a broadcast over the batch tells nothing
                 continue
-            if size not in (examples, self._main_rows or examples):
+            if size not in (examples, self.main_rows or examples):
                 raise RowsPerExampleUnknown(
                     f"one hypothesis per example cannot be routed in '{name}': its input {input_name or '#0'} has "
                     f"{size} rows for {examples} examples (e.g. image patches or crops whose number varies per "

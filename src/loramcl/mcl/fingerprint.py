@@ -28,6 +28,7 @@ import contextlib
 import hashlib
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,6 +44,18 @@ CHUNK, DEVICE_CHUNK = 1 << 18, 1 << 22  # on a GPU: 40 MB of buffers
 ROWS, COLUMNS = 8, 64  # the legacy sample
 _known: dict[int, str] = {}  # id(model) -> its fingerprint, while ``known_fingerprint`` holds it
 
+
+@dataclass(frozen=True)
+class FrozenBase:
+    """The base model as it was before any adapter was added (``replace_modules`` measures it and passes it in).
+
+    fingerprint: of its weights (``base_fingerprint``), written by ``save_pretrained`` and checked by
+        ``load_adapters``; None where the weights could not be read (meta device, a shard).
+    requires_grad: (parameter, flag) before it was frozen, restored by ``unload``.
+    """
+
+    fingerprint: str | None = None
+    requires_grad: tuple[tuple[nn.Parameter, bool], ...] = ()
 
 def _readable(param: torch.Tensor) -> bool:
     return param.device.type != "meta" and not hasattr(param, "placements")  # not on meta, not an FSDP2 shard

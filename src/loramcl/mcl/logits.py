@@ -11,61 +11,124 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+from loramcl.mcl.config import MCLConfig
 from loramcl.mcl.copies import ExamplesNotSeparable, select_examples
+from loramcl.mcl.layers import INDEXED, HypothesisRouting
+from loramcl.mcl.scope import CallScope, ForwardCall
 
 
-class ForwardMemory:
-    """The methods of ``MCLModel`` behind its memory devices. They read the model's ``_pending`` (what the next call
-    of the base model must do), ``_generation_context``, ``_output_layer_name``, ``base_model`` and ``mcl_config``,
-    and keep ``_unchunkable`` and ``_whole_batch_warned``."""
+class LabelLogits:
+    """The output layer's hook and the forward's memory devices, with their state.
+
+    base_model: the model; output_layer_name: its output layer (None: none found, the model's logits are used whole);
+    scope: the call in progress (``logit_positions``, ``context_positions``, ``chunked``); config: the model's
+    ``MCLConfig``, whose ``logits_chunk_size`` is read at every forward (it may be changed between them); routing:
+    the routing of the adapted modules, re-indexed per label token when the output layer is one of them
+    (``routes_output_layer``: multi-head MCL's heads at the output, which also rules out chunks: K heads route their
+    rows by hypothesis and must see every label row at once).
+    """
+
+    def __init__(self, base_model: nn.Module, output_layer_name: str | None, scope: CallScope, config: MCLConfig,
+                 routing: HypothesisRouting, routes_output_layer: bool = False) -> None:
+        self.base_model, self.output_layer_name, self.scope = base_model, output_layer_name, scope
+        self.config, self.routing, self.routes_output_layer = config, routing, routes_output_layer
+        self.unchunkable: str | None = None  # why this model's logits cannot be computed in chunks, once found
+        self.whole_batch_warned = False  # examples_per_block met inputs it cannot cut (warned once)
+        self._capture: list[torch.Tensor] | None = None  # armed by capturing()
+        self._handle: torch.utils.hooks.RemovableHandle | None = None
+
+    def install(self) -> None:
+        if self.output_layer_name is not None:
+            output_layer = self.base_model.get_submodule(self.output_layer_name)
+            self._handle = output_layer.register_forward_pre_hook(self._keep_label_positions)
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.config.logits_chunk_size
+
+    def check_ran(self, call: ForwardCall) -> None:
+        if call.logit_positions is not None:
+            raise RuntimeError(f"the output layer '{self.output_layer_name}' did not run during this forward")
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[list[torch.Tensor]]:
+        """Record the hidden state at the last position of every row of the next output-layer call (a generate's
+        prefill: the last context position), without another forward; the list holds [rows, d] after the block."""
+        captured: list[torch.Tensor] = []
+        self._capture = captured
+        try:
+            yield captured
+        finally:
+            self._capture = None
+
+    @contextlib.contextmanager
+    def not_capturing(self) -> Iterator[None]:
+        """A call inside ``capturing`` whose hidden states are not the ones to record (a context run before it)."""
+        capture, self._capture = self._capture, None
+        try:
+            yield
+        finally:
+            self._capture = capture
 
     # ---- logits only where labels are (the output layer's pre-hook) ---------------------------------------------
 
     def _keep_label_positions(self, module: nn.Module, args: tuple):
         """Give the LM head only the hidden states that predict a label: [rows, T, d] -> [N, d]."""
         hidden = args[0]
-        if self._generation_context is not None and not self._generation_context:
+        if self._capture is not None and not self._capture:
             # the prefill of a generate: the last position is the last context position of every row
-            self._generation_context.append(hidden[:, -1].detach())  # [rows, d]
-        positions = self._pending.logit_positions
+            self._capture.append(hidden[:, -1].detach())  # [rows, d]
+        call = self.scope.call
+        positions = call.logit_positions
         if positions is None:
             return None
-        self._pending.logit_positions = None
+        call.logit_positions = None
         if tuple(hidden.shape[:2]) != tuple(positions.shape):
             raise RuntimeError(
                 f"the output layer received hidden states of shape {tuple(hidden.shape)} but the labels give "
                 f"{tuple(positions.shape)} (rows, positions); labels must be aligned with the sequence the model "
                 "processes (e.g. image/audio tokens already expanded in input_ids, as current processors do).")
-        if self._pending.context_positions is not None:
+        if call.context_positions is not None:
             rows = torch.arange(hidden.shape[0], device=hidden.device)
-            self._pending.context_states = hidden[rows, self._pending.context_positions].detach()  # [rows, d]
-        if self._pending.chunked:
-            self._pending.label_states = hidden[positions]  # [N, d]
-            return (self._pending.label_states[:1], *args[1:])  # the probe row
+            call.context_states = hidden[rows, call.context_positions].detach()  # [rows, d]
+        if self.routes_output_layer and self.routing.mode == INDEXED:
+            # one hypothesis per example -> one per label token, the rows the routed output layer now sees
+            index = self.routing.index  # [B]
+            self.routing.index = index.repeat_interleave(positions.sum(dim=1).to(index.device))  # [N label tokens]
+        if call.chunked:
+            call.label_states = hidden[positions]  # [N, d]
+            return (call.label_states[:1], *args[1:])  # the probe row
         return (hidden[positions], *args[1:])
 
     # ---- logits in chunks (MCLConfig.logits_chunk_size) ----------------------------------------------------
 
-    def _logits_in_chunks(self) -> bool:
+    def in_chunks(self) -> bool:
         """Whether this forward computes the vocabulary logits and their cross-entropy chunk by chunk: asked for, an
-        output layer that is found and frozen (its weight would get no gradient), and no transformation of the
-        logits that ``_logits_of`` fails to reproduce."""
-        if self.mcl_config.logits_chunk_size is None or self._output_layer_name is None or self._unchunkable:
+        output layer that is found, not routed and frozen (its weight would get no gradient), and no transformation
+        of the logits that ``logits_of`` fails to reproduce."""
+        if self.chunk_size is None or self.output_layer_name is None or self.unchunkable or self.routes_output_layer:
             return False
-        layer = self.base_model.get_submodule(self._output_layer_name)
+        layer = self.base_model.get_submodule(self.output_layer_name)
         return not any(param.requires_grad for param in layer.parameters())
 
-    def _logits_of(self):
+    def logits_of(self):
         """hidden states at label positions [n, d] -> the logits [n, V] the model returns for them: its output layer,
         then what transformers' models apply after it: BART-family ``final_logits_bias`` (added), Gemma-family
         ``final_logit_softcapping`` (cap * tanh(logits / cap)), in their own order of operations."""
         base = self.base_model
-        layer = base.get_submodule(self._output_layer_name)
+        layer = base.get_submodule(self.output_layer_name)
         bias = getattr(base, "final_logits_bias", None)  # [1, V]
         text_config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
         cap = getattr(text_config, "final_logit_softcapping", None)
@@ -80,7 +143,7 @@ class ForwardMemory:
 
         return logits_of
 
-    def _reproduces_logits(self, logits_of, label_states: torch.Tensor, probe: torch.Tensor) -> bool:
+    def reproduces_logits(self, logits_of, label_states: torch.Tensor, probe: torch.Tensor) -> bool:
         """Whether ``logits_of`` gives exactly the logits the model returned for the probe row (the first label
         position); if not, warn once and compute the full logits from now on (any other post-processing of the
         logits, e.g. Cohere's logit_scale or Granite's logits_scaling, is the model's own)."""
@@ -90,20 +153,22 @@ class ForwardMemory:
         if probe.numel() == ours.numel() and torch.allclose(probe.detach().reshape(ours.shape).to(ours.dtype), ours,
                                                             rtol=0, atol=0, equal_nan=True):
             return True
-        self._unchunkable = (f"{type(self.base_model).__name__} transforms the output of its output layer in a way "
+        self.unchunkable = (f"{type(self.base_model).__name__} transforms the output of its output layer in a way "
                              "loramcl does not reproduce")
-        warnings.warn(f"{self._unchunkable}: its logits are computed whole ([N label tokens, V]), not in chunks of "
-                      f"MCLConfig.logits_chunk_size={self.mcl_config.logits_chunk_size}. Please report this model "
+        warnings.warn(f"{self.unchunkable}: its logits are computed whole ([N label tokens, V]), not in chunks of "
+                      f"MCLConfig.logits_chunk_size={self.chunk_size}. Please report this model "
                       "class to loramcl.", stacklevel=4)
         return False
 
     # ---- blocks of examples (examples_per_block) ----------------------------------------------------------------
 
-    def _check_examples_per_block(self, examples_per_block, labels: torch.Tensor | None, hypotheses) -> None:
+    @staticmethod
+    def check_examples_per_block(examples_per_block, labels: torch.Tensor | None, hypotheses,
+                                 adapters_disabled: bool) -> None:
         if isinstance(examples_per_block, bool) or not isinstance(examples_per_block, int) or examples_per_block < 1:
             raise ValueError(f"examples_per_block must be a number of examples >= 1 or None, got "
                              f"{examples_per_block!r}")
-        if labels is None or hypotheses is not None or self._adapters_disabled:
+        if labels is None or hypotheses is not None or adapters_disabled:
             raise ValueError("examples_per_block cuts the forward of all K hypotheses with labels (hypotheses=None, "
                              "adapters enabled) into blocks of examples; leave it out here")
         if torch.is_grad_enabled():
@@ -111,7 +176,7 @@ class ForwardMemory:
                              "WTA's scoring pass); with gradients every block's activations stay alive until the "
                              "backward, so blocks save nothing: run it under torch.no_grad(), or leave it out")
 
-    def _example_blocks(self, inputs: dict, batch: int, examples_per_block: int | None
+    def example_blocks(self, inputs: dict, batch: int, examples_per_block: int | None
                         ) -> list[tuple[slice, dict]]:
         """(examples, their inputs) of each block; the whole batch where it is one block or cannot be cut."""
         if examples_per_block is None or examples_per_block >= batch:
@@ -120,8 +185,8 @@ class ForwardMemory:
         try:
             return [(block, select_examples(inputs, block, batch)) for block in blocks]
         except ExamplesNotSeparable as error:
-            if not self._whole_batch_warned:
-                self._whole_batch_warned = True
+            if not self.whole_batch_warned:
+                self.whole_batch_warned = True
                 warnings.warn(f"{error}: the forward of all K hypotheses runs the batch whole, not "
                               f"{examples_per_block} example{'s' if examples_per_block > 1 else ''} at a time (the "
                               "same result, a higher peak memory); examples_per_block=None (MCLTrainer: "

@@ -8,10 +8,11 @@ Data flow of one MCL forward (labels given, all K hypotheses):
   -> the LM head sees only the hidden states at label positions (decision 5)
   -> nll [B, K] (scoring) -> loss (losses).
 
-``MCLModel`` is this module's forward and routing, with its other responsibilities in their own modules:
-the K copies' hooks (``loramcl.mcl.copies.BatchCopies``), the forward's memory devices (``loramcl.mcl.logits``),
-generation (``loramcl.mcl.generate``), the files (``loramcl.mcl.adapter_files``), PEFT interoperability
-(``loramcl.mcl.peft_interop``) and activation checkpointing (``loramcl.mcl.activation_checkpointing``).
+``MCLModel`` is this module's forward and routing. It owns two components, each made with explicit arguments and
+holding its own state: the K copies' hooks (``loramcl.mcl.copies.CopyHooks``) and the output layer's hook with the
+forward's memory devices (``loramcl.mcl.logits.LabelLogits``); both read the call in progress from one
+``CallScope``. Generation (``loramcl.mcl.generate``), the files (``loramcl.mcl.adapter_files``) and PEFT
+interoperability (``loramcl.mcl.peft_interop``) are free functions of the model, each behind a one-line method.
 """
 
 from __future__ import annotations
@@ -28,43 +29,44 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache
 from transformers.utils import ModelOutput
 
+from loramcl.mcl import adapter_files, peft_interop
+from loramcl.mcl import generate as generation
 from loramcl.mcl.activation_checkpointing import ActivationCheckpointing
 from loramcl.mcl.adapter_files import (
     SCORING_PREFIX,
-    AdapterFiles,
     check_adapters_fit,
     check_scoring_fits,
     checked_mcl_config,
+    copy_scoring_head,
     read_adapter_files,
 )
 from loramcl.mcl.adapter_size import check_adapter_size
-from loramcl.mcl.compat import cache_argument, check_token_ids, checkpointing_keeps_cache, given_cache
+from loramcl.mcl.compat import check_token_ids, checkpointing_keeps_cache, given_cache
 from loramcl.mcl.config import MCLConfig
-from loramcl.mcl.context import check_context_read, check_split_inputs, is_shared_context, share_context, split_context
+from loramcl.mcl.context import check_context_read, is_shared_context, without_context
 from loramcl.mcl.copies import (
-    BatchCopies,
+    CopyHooks,
     RowsPerExampleUnknown,
     batch_size_of,
     find_branches,
     find_expansion_module,
     find_shared_modules,
 )
-from loramcl.mcl.fingerprint import base_fingerprint, check_base_weights, known_fingerprint
-from loramcl.mcl.generate import HypothesisGeneration
-from loramcl.mcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting, MCLLoraLinear, linear_features
-from loramcl.mcl.logits import ForwardMemory
+from loramcl.mcl.fingerprint import FrozenBase, base_fingerprint, check_base_weights, known_fingerprint
+from loramcl.mcl.layers import DISABLED, INDEXED, SINGLE, HypothesisRouting, MCLLoraLinear, linear_features
+from loramcl.mcl.logits import LabelLogits
 from loramcl.mcl.losses import mcl_loss
 from loramcl.mcl.nll import IGNORE_INDEX, aligned_targets, check_targets, chunked_token_nll, mean_token_nll, row_means
 from loramcl.mcl.peft_interop import (
-    PeftInterop,
     matched_layer_names,
     output_layer_of,
     resolve_target_modules,
     target_layer_names,
 )
+from loramcl.mcl.routing import check_hypothesis, set_routing
+from loramcl.mcl.scope import CallScope, ForwardCall
 from loramcl.mcl.scores import HypothesisScores, context_positions, mixture_nll
 
 # Models of the baselines: method in mcl_config.json -> "module:function(base_model, path, saved, tensors,
@@ -97,61 +99,97 @@ class MCLOutput(ModelOutput):
     scoring_loss: torch.Tensor | None = None
 
 
-@dataclass
-class _PendingForward:
-    """What the hooks must do during the next base-model call (cleared by the hook that does it)."""
+class MCLModel(ActivationCheckpointing, nn.Module):
+    """A frozen transformers model with K LoRA hypotheses. Build it with ``get_mcl_model``.
 
-    expand_batch: int | None = None  # B: repeat per-example inputs K times at the expansion module
-    logit_positions: torch.Tensor | None = None  # [rows, T] bool: hidden states the LM head must see
-    context_positions: torch.Tensor | None = None  # [rows]: the last context position, whose state the scores read
-    context_states: torch.Tensor | None = None  # [rows, d]: those states (detached), filled by the output-layer hook
-    # logits in chunks: the output-layer hook keeps the hidden states at label positions [N, d] here and gives the
-    # layer only the first of them (a probe row: checks that logits_of reproduces what the model does to them)
-    chunked: bool = False
-    label_states: torch.Tensor | None = None
-
-
-class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, PeftInterop, ActivationCheckpointing,
-               nn.Module):
-    """A frozen transformers model with K LoRA hypotheses. Build it with ``get_mcl_model``."""
+    What a method built on it (``loramcl.baselines``) declares: its adapted modules (the layer class it puts in
+    place with ``replace_modules``: ``adapter_tensors()`` and the shared ``HypothesisRouting``), ``method`` and
+    ``method_config`` (what ``save_pretrained`` writes: ``{"method": m, "<m>_config": ...}``), and
+    ``export_refusal`` / ``merge_refusal`` (why its hypotheses are not LoRA adapters PEFT can hold, None where they
+    are). Logits in chunks follow from the modules: never when the output layer is one of them.
+    """
 
     # Our loss is a mean over examples: let Trainer divide it for gradient accumulation.
     accepts_loss_kwargs = False
+    method = "mcl"
+    export_refusal: str | None = None
+    merge_refusal: str | None = None
 
-    def __init__(self, model: nn.Module, config: MCLConfig, routing: HypothesisRouting,
-                 layer_names: list[str]) -> None:
+    def __init__(self, model: nn.Module, config: MCLConfig, routing: HypothesisRouting, layer_names: list[str],
+                 base: FrozenBase = FrozenBase()) -> None:
         super().__init__()
         self.base_model = model
         self.mcl_config = config
         self.routing = routing
         self.layer_names = layer_names
+        self.frozen_base = base
         self.training_step = 0  # optimizer step, for the annealed temperature; MCLTrainer keeps it current
-        self._pending = _PendingForward()
         self._explicit_routing = 0
         self._adapters_disabled = 0
         self._detached: str | None = None  # how the adapters left the base model: 'merged in place' / 'unloaded'
-        self._main_rows: int | None = None  # rows of the base model's main input in the current call
-        self._base_requires_grad: list[tuple[nn.Parameter, bool]] = []  # the base's flags before it was frozen
-        self.expansion_module_name = find_expansion_module(model, layer_names)
-        self.branch_names = find_branches(model, self.expansion_module_name, layer_names)
-        output_layer = output_layer_of(model)
-        self._output_layer_name = next((n for n, m in model.named_modules() if m is output_layer), None)
-        self.shared_module_names = find_shared_modules(model, self.expansion_module_name, layer_names,
-                                                        self._output_layer_name)
-        # Decoding K copies of a batch runs each shared module (a frozen tower before the adapters) once, on one
-        # copy; False runs it on all K copies (the same result, K times the work; for benchmarks).
-        self.share_frozen_modules = True
         # adapt_context=False: run the context once on B rows and the targets on K*B rows (loramcl.mcl.context); False
         # computes the same on the full sequence with the adapters masked on the context (the reference, for tests
         # and benchmarks).
         self.context_once = True
-        self._shared_calls: dict[int, int] = {}  # id(shared module) -> copies its running call was given
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._generation_context: list[torch.Tensor] | None = None  # armed by capture_context()
-        self._unchunkable: str | None = None  # why this model's logits cannot be computed in chunks, once found
-        self._whole_batch_warned = False  # examples_per_block met inputs it cannot cut (warned once)
-        self.scoring_head = self._build_scoring_head(output_layer) if config.scoring else None
-        self._install_hooks()
+        output_layer = output_layer_of(model)
+        output_layer_name = next((n for n, m in model.named_modules() if m is output_layer), None)
+        expansion = find_expansion_module(model, layer_names)
+        shared = find_shared_modules(model, expansion, layer_names, output_layer_name)
+        branches = find_branches(model, expansion, layer_names)
+        routes_output_layer = output_layer_name in layer_names  # e.g. multi-head MCL's heads at the output
+        if routes_output_layer:  # the K copies are made at its input, after the whole network
+            expansion = output_layer_name
+        self.scope = CallScope()
+        self.copy_hooks = CopyHooks(model, routing, config.num_hypotheses, self.scope, expansion, shared, branches)
+        self.label_logits = LabelLogits(model, output_layer_name, self.scope, config, routing,
+                                  routes_output_layer)
+        self.scoring_head = scoring_head_for(output_layer, model, config.num_hypotheses,
+                                             self.adapter_device()) if config.scoring else None
+        self.install_hooks()
+
+    def install_hooks(self) -> None:
+        """The copies' hooks, then the output layer's (on a module holding both, in this order)."""
+        self.copy_hooks.install()
+        self.label_logits.install()
+
+    def remove_hooks(self) -> None:
+        self.copy_hooks.remove()
+        self.label_logits.remove()
+
+    @property
+    def expansion_module_name(self) -> str:
+        return self.copy_hooks.expansion_module_name
+
+    @property
+    def shared_module_names(self) -> list[str]:
+        return self.copy_hooks.shared_module_names
+
+    @property
+    def branch_names(self) -> list[str]:
+        return self.copy_hooks.branch_names
+
+    @property
+    def share_frozen_modules(self) -> bool:
+        return self.copy_hooks.share_frozen_modules
+
+    @share_frozen_modules.setter
+    def share_frozen_modules(self, value: bool) -> None:
+        self.copy_hooks.share_frozen_modules = value
+
+    @property
+    def method_config(self):
+        """The method's own configuration, as ``save_pretrained`` writes it."""
+        return self.mcl_config
+
+    @property
+    def adapters_disabled(self) -> bool:
+        """Inside ``disable_adapters()``."""
+        return bool(self._adapters_disabled)
+
+    @property
+    def hypotheses_chosen(self) -> bool:
+        """Inside ``use_hypotheses(...)`` or ``disable_adapters()``: the routing is the caller's."""
+        return bool(self._explicit_routing)
 
 
     @property
@@ -188,7 +226,7 @@ class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, P
         including towers whose rows per example vary; one hypothesis per example is checked and may be refused
         there (``RowsPerExampleUnknown``).
         """
-        self._check_usable()
+        self.check_usable()
         saved = copy.copy(self.routing)
         self._set_routing(hypotheses, rows=None, copies=copies)
         self._explicit_routing += 1
@@ -203,7 +241,7 @@ class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, P
         """Run the frozen base model, every hypothesis off (as PEFT's ``disable_adapter``), e.g. for a reference
         pass: inside the block, ``model(**inputs, labels=labels)`` returns the base model's ``nll`` [B] and
         ``model.generate(...)`` decodes with the base model."""
-        self._check_usable()
+        self.check_usable()
         saved = copy.copy(self.routing)
         self.routing.mode, self.routing.index = DISABLED, None
         self._explicit_routing += 1
@@ -216,35 +254,13 @@ class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, P
             vars(self.routing).update(vars(saved))
 
     def _set_routing(self, hypotheses: int | torch.Tensor | None, rows: int | None, copies: bool = False) -> None:
-        routing, k_max = self.routing, self.num_hypotheses
-        routing.per_copy, routing.rows, routing.copies, self._main_rows = False, None, None, None
-        routing.positions = None
-        if hypotheses is None:
-            routing.mode, routing.index = STACKED, None
-        elif isinstance(hypotheses, int) and not isinstance(hypotheses, bool):
-            self._check_hypothesis(hypotheses)
-            routing.mode, routing.hypothesis, routing.index = SINGLE, hypotheses, None
-        elif torch.is_tensor(hypotheses) and not hypotheses.is_floating_point():
-            index = hypotheses.flatten().long()
-            routing.copies = index.numel() if copies else None
-            if rows is not None and index.numel() != rows:
-                raise ValueError(f"hypotheses must give one hypothesis per example ({rows}), got {index.numel()}")
-            if index.numel() == 0 or int(index.min()) < 0 or int(index.max()) >= k_max:
-                raise ValueError(f"hypothesis indices must be in [0, {k_max - 1}], got {hypotheses.tolist()}")
-            if bool((index == index[0]).all()):  # one hypothesis for every row: no per-row routing to check
-                routing.mode, routing.hypothesis, routing.index = SINGLE, int(index[0]), None
-            else:
-                routing.mode, routing.index = INDEXED, index.to(self._adapter_device())
-                routing.per_copy = copies
-        else:
-            raise TypeError(f"hypotheses must be None, an int or a LongTensor, got {type(hypotheses).__name__}")
+        self.copy_hooks.main_rows = None
+        set_routing(self.routing, hypotheses, self.num_hypotheses, rows, copies, self.adapter_device())
 
-    def _check_hypothesis(self, k: int) -> None:
-        if not (isinstance(k, int) and 0 <= k < self.num_hypotheses):
-            raise ValueError(f"hypothesis {k!r} does not exist: this model has K={self.num_hypotheses} "
-                             f"(0..{self.num_hypotheses - 1})")
+    def check_hypothesis(self, k: int) -> None:
+        check_hypothesis(k, self.num_hypotheses)
 
-    def _adapter_device(self) -> torch.device:
+    def adapter_device(self) -> torch.device:
         return next(iter(self.base_model.get_submodule(self.layer_names[0]).adapter_tensors().values())).device
 
     # ---- forward ----------------------------------------------------------------------------------------
@@ -268,7 +284,7 @@ class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, P
         inputs: every other input of the base model (input_ids, attention_mask, pixel_values,
             input_features, decoder_input_ids, ...), passed through untouched.
         """
-        self._check_usable()
+        self.check_usable()
         check_token_ids(self.base_model, inputs.get("input_ids"))
         if self._adapters_disabled and hypotheses is not None:
             raise ValueError("the adapters are disabled in this block (disable_adapters): leave hypotheses out")
@@ -276,7 +292,7 @@ class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, P
         if hypotheses is None and self._explicit_routing and not self._adapters_disabled:
             hypotheses, copies = self._chosen_hypotheses()
         if examples_per_block is not None:
-            self._check_examples_per_block(examples_per_block, labels, hypotheses)
+            LabelLogits.check_examples_per_block(examples_per_block, labels, hypotheses, self.adapters_disabled)
         if labels is None:
             return self._forward_logits(hypotheses, inputs, copies)
         base = self.base_model
@@ -314,7 +330,7 @@ class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, P
             return MCLOutput(loss=nll.mean(), nll=nll)
         k, batch = self.num_hypotheses, targets.shape[0]
         nll, states = [], []
-        for block, block_inputs in self._example_blocks(inputs, batch, examples_per_block):
+        for block, block_inputs in self.label_logits.example_blocks(inputs, batch, examples_per_block):
             block_nll, block_states = self._nll_of_rows(block_inputs, targets[block], positions[block], stacked=True)
             nll.append(block_nll.view(k, -1))  # [K, n]: rows are hypothesis-major within the block
             if block_states is not None:
@@ -339,16 +355,18 @@ class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, P
         given = inputs, targets, positions  # the arguments as passed: an unchunked retry starts again from them
         keep_cache = contextlib.nullcontext()
         if not self.mcl_config.adapt_context and not self._adapters_disabled:
-            inputs, targets, positions = self._without_context(inputs, targets, positions, k if stacked else 1)
+            inputs, targets, positions = without_context(self, inputs, targets, positions, k if stacked else 1)
             keep_cache = checkpointing_keeps_cache(base)
         row_positions = positions.repeat(k, 1) if stacked else positions  # [rows, T]
         scoring = stacked and self.scoring_head is not None
-        chunked = self._logits_in_chunks()
+        chunked = self.label_logits.in_chunks()
+        has_output_layer = self.label_logits.output_layer_name is not None
+        call = ForwardCall(expand_batch=batch if stacked else None,
+                           logit_positions=row_positions if has_output_layer else None,
+                           context_positions=context_positions(row_positions) if scoring else None, chunked=chunked)
         with keep_cache:
-            outputs, states, label_states = self._call_base(
-                {**inputs, "use_cache": False}, expand_batch=batch if stacked else None,
-                logit_positions=row_positions if self._output_layer_name else None,
-                context_positions=context_positions(row_positions) if scoring else None, chunked=chunked)
+            outputs = self.run_base({**inputs, "use_cache": False}, call)
+        states, label_states = call.context_states, call.label_states
         logits = getattr(outputs, "logits", None)
         if logits is None:
             raise ValueError(f"{type(base).__name__} returns no logits: LoRA-MCL needs a model with a language-"
@@ -358,58 +376,17 @@ class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, P
             token_targets = token_targets.repeat(k)  # [K*N_B], hypothesis-major like the rows
         rows = row_positions.nonzero()[:, 0]  # [N]
         if chunked:
-            logits_of = self._logits_of()
-            if not self._reproduces_logits(logits_of, label_states, logits):
+            logits_of = self.label_logits.logits_of()
+            if not self.label_logits.reproduces_logits(logits_of, label_states, logits):
                 return self._nll_of_rows(*given, stacked)  # again, unchunked from now on
             token_nll = chunked_token_nll(label_states, token_targets, logits_of, self.mcl_config.logits_chunk_size)
             nll = row_means(token_nll, rows, row_positions.shape[0])  # [rows]
         else:
-            token_logits = logits if self._output_layer_name else logits[row_positions]  # [N, V]
+            token_logits = logits if has_output_layer else logits[row_positions]  # [N, V]
             nll = mean_token_nll(token_logits, token_targets, rows, row_positions.shape[0])  # [rows]
         return nll, (states if scoring else None)
 
-    def _without_context(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, copies: int
-                         ) -> tuple[dict, torch.Tensor, torch.Tensor]:
-        """adapt_context=False: (inputs, targets [B, L], positions [B, L]) of a call that runs only the target
-        positions, attending to the context run once on B rows without adapters (loramcl.mcl.context); or, with
-        ``context_once=False``, the full sequence with the adapters masked on the context."""
-        base = self.base_model
-        if getattr(base.config, "is_encoder_decoder", False):  # the encoder is the context
-            return self._encoder_once(inputs), targets, positions
-        check_split_inputs(inputs, type(base).__name__)
-        lengths = context_positions(positions)  # [B] c_b: positions before the first that predicts a label
-        if not self.context_once:
-            steps = torch.arange(positions.shape[1], device=positions.device)
-            mask = (steps >= lengths.unsqueeze(1)).repeat(copies, 1)  # [rows, T]
-            self.routing.positions = mask.unsqueeze(-1).to(self._adapter_dtype())  # [rows, T, 1]
-            return inputs, targets, positions
-        if int(lengths.max()) == 0:  # every row predicts from its first position: there is no context
-            return inputs, targets, positions
-        context_inputs, target_inputs, index = split_context(inputs, lengths)
-        nothing = torch.zeros_like(context_inputs["input_ids"], dtype=torch.bool)  # no logits on the context
-        cache, name = DynamicCache(config=base.config), cache_argument(base)
-        with torch.no_grad(), self.disable_adapters(), checkpointing_keeps_cache(base):
-            self._call_base({**context_inputs, name: cache, "use_cache": True}, expand_batch=None,
-                            logit_positions=nothing if self._output_layer_name else None)
-        # recomputing a checkpointed layer finds the shared cache as the forward did
-        cache = share_context(cache, copies, length=context_inputs["input_ids"].shape[1])
-        targets = torch.where(index >= 0, targets.gather(1, index.clamp(min=0)), IGNORE_INDEX)  # [B, L]
-        return {**target_inputs, name: cache}, targets, targets != IGNORE_INDEX
-
-    def _encoder_once(self, inputs: dict) -> dict:
-        """An encoder-decoder's inputs with the encoder run once, on B rows without adapters: its outputs go to the
-        decoder in place of the encoder's inputs (and are made K-fold where the hypotheses start)."""
-        if inputs.get("encoder_outputs") is not None:
-            return inputs
-        decoder = {name: value for name, value in inputs.items() if name.startswith("decoder_") or name in (
-            "use_cache", "attention_mask", "cache", "past_key_values")}
-        encoder_inputs = {name: value for name, value in inputs.items() if name not in decoder or
-                          name == "attention_mask"}
-        with torch.no_grad(), self.disable_adapters():
-            encoded = self.base_model.get_encoder()(**encoder_inputs, return_dict=True)
-        return {**decoder, "encoder_outputs": encoded}
-
-    def _adapter_dtype(self) -> torch.dtype:
+    def adapter_dtype(self) -> torch.dtype:
         return next(iter(self.base_model.get_submodule(self.layer_names[0]).adapter_tensors().values())).dtype
 
     def _chosen_hypotheses(self) -> tuple[int | torch.Tensor, bool]:
@@ -429,46 +406,85 @@ class MCLModel(BatchCopies, ForwardMemory, HypothesisGeneration, AdapterFiles, P
         stacked = hypotheses is None and not self._adapters_disabled
         if not self._adapters_disabled:
             self._set_routing(hypotheses, rows=None if copies else batch, copies=copies)
-        logits = self._call_base(inputs, expand_batch=batch if stacked else None)[0].logits  # [K*B|B, T, V]
+        logits = self.run_base(inputs, ForwardCall(expand_batch=batch if stacked else None)).logits  # [K*B|B, T, V]
         if stacked:
             logits = logits.view(self.num_hypotheses, batch, *logits.shape[1:]).transpose(0, 1)  # [B, K, T, V]
         return MCLOutput(logits=logits)
 
-    def _call_base(self, inputs: dict, expand_batch: int | None, logit_positions: torch.Tensor | None = None,
-                   context_positions: torch.Tensor | None = None, chunked: bool = False) -> tuple:
-        """Run the base model with the hooks armed for this call, and check that they fired: (outputs, the hidden
-        states at ``context_positions`` [rows, d] or None, with ``chunked`` the hidden states at ``logit_positions``
-        [N, d] else None)."""
-        self._pending = _PendingForward(expand_batch, logit_positions, context_positions, chunked=chunked)
-        try:
+    def run_base(self, inputs: dict, call: ForwardCall):
+        """The base model's outputs on ``inputs``, its hooks doing what ``call`` asks (the K copies, the label
+        positions, ...; the hooks fill ``call.context_states`` and ``call.label_states``), checked to have run."""
+        with self.scope.armed(call):
             outputs = self.base_model(**inputs)
-            self._check_hooks_ran()
+            self.copy_hooks.check_ran(call)
+            self.label_logits.check_ran(call)
             cache = given_cache(inputs)
             if is_shared_context(cache):
                 check_context_read(cache, self.base_model)
-            return outputs, self._pending.context_states, self._pending.label_states
-        finally:
-            self._pending = _PendingForward()
+            return outputs
 
-    def _check_hooks_ran(self) -> None:
-        if self._pending.expand_batch is not None:
-            raise RuntimeError(
-                f"the batch was never duplicated for the K hypotheses: module '{self.expansion_module_name}' did not "
-                "run during this forward. Please report this model class to loramcl.")
-        if self._pending.logit_positions is not None:
-            raise RuntimeError(f"the output layer '{self._output_layer_name}' did not run during this forward")
-
-    def _build_scoring_head(self, output_layer: nn.Module | None) -> HypothesisScores:
-        if output_layer is None or getattr(output_layer, "weight", None) is None or output_layer.weight.dim() != 2:
-            raise ValueError(f"scoring=True reads the hidden state the output layer receives; "
-                             f"{type(self.base_model).__name__} has no output layer with a weight matrix")
-        hidden_size = output_layer.weight.shape[1]  # nn.Linear's weight is [V, d]
-        return HypothesisScores(self.num_hypotheses, hidden_size, device=self._adapter_device())
-
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
         if self._detached:
             raise RuntimeError(f"this MCLModel's adapters were {self._detached}; use the returned base model, or "
                                "load the adapters again with load_mcl_model")
+
+    def close(self, how: str) -> None:
+        """The adapters left the base model (``how``: merged in place, unloaded): this model is unusable from now on."""
+        self.remove_hooks()
+        self._detached = how
+
+    # ---- generation, files and PEFT: free functions of the model (loramcl.mcl.generate, adapter_files, peft_interop)
+
+    def generate(self, *args, **kwargs):
+        """``base_model.generate`` with the hypotheses chosen by an enclosing ``use_hypotheses`` block."""
+        return generation.generate(self, *args, **kwargs)
+
+    def capture_context(self) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+        """Record the hidden state at the last position of every row of the next output-layer call (a generate's
+        prefill: the last context position), without another forward; the list holds [rows, d] after the block."""
+        return self.label_logits.capturing()
+
+    def context_masked(self, inputs: dict, prompt_length: int) -> contextlib.AbstractContextManager[dict]:
+        """The inputs of a teacher-forced forward of prompts and generated tokens, as ``generate`` decodes them."""
+        return generation.context_masked(self, inputs, prompt_length)
+
+    def adapter_state_dict(self, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """{'<layer>.lora_A': [K, d_in, r], '<layer>.lora_B': [K, r, d_out], ...} on CPU."""
+        return adapter_files.adapter_state_dict(self, state_dict)
+
+    def save_pretrained(self, path: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> str:
+        """Write the K hypotheses: ``mcl_adapters.safetensors`` and ``mcl_config.json``."""
+        return adapter_files.save_pretrained(self, path, state_dict)
+
+    def load_adapters(self, path: str | os.PathLike, verify: bool = True, strict: bool = False) -> None:
+        """Load adapter weights written by ``save_pretrained`` into this model, everything checked first."""
+        adapter_files.load_adapters(self, path, verify, strict)
+
+    def export_hypothesis(self, k: int, path: str | os.PathLike) -> str:
+        """Write hypothesis k as a standard PEFT LoRA adapter folder (``PeftModel.from_pretrained`` loads it)."""
+        return peft_interop.export_hypothesis(self, k, path)
+
+    def merge_hypothesis(self, k: int, inplace: bool = False) -> nn.Module:
+        """The base model with hypothesis k merged into its weights (W + alpha/r * (A_k B_k)^T), adapters removed."""
+        return peft_interop.merge_hypothesis(self, k, inplace)
+
+    def unload(self) -> nn.Module:
+        """Remove every adapter and return the base model as it was before ``get_mcl_model``."""
+        return peft_interop.unload(self)
+
+    def get_base_model(self) -> nn.Module:
+        """The transformers model holding the adapted layers (as PEFT's ``get_base_model``)."""
+        return self.base_model
+
+
+def scoring_head_for(output_layer: nn.Module | None, model: nn.Module, num_hypotheses: int,
+                     device: torch.device) -> HypothesisScores:
+    """A new hypothesis-scores head reading the hidden states ``output_layer`` receives."""
+    if output_layer is None or getattr(output_layer, "weight", None) is None or output_layer.weight.dim() != 2:
+        raise ValueError(f"scoring=True reads the hidden state the output layer receives; "
+                         f"{type(model).__name__} has no output layer with a weight matrix")
+    hidden_size = output_layer.weight.shape[1]  # nn.Linear's weight is [V, d]
+    return HypothesisScores(num_hypotheses, hidden_size, device=device)
 
 
 def decoder_input_ids_from_labels(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
@@ -501,24 +517,23 @@ def get_mcl_model(model: nn.Module, config: MCLConfig) -> MCLModel:
     check_adapter_size(model, names, config)
     return replace_modules(model, names, lambda layer: MCLLoraLinear(
         layer, routing, config.num_hypotheses, config.r, config.alpha, config.dropout, adapter_dtype=adapter_dtype,
-        use_rslora=config.use_rslora), lambda names: MCLModel(model, config, routing, names))
+        use_rslora=config.use_rslora), lambda names, base: MCLModel(model, config, routing, names, base))
 
 
 def replace_modules(model: nn.Module, names: list[str], make_module, make_model):
     """Freeze ``model``, replace each module ``names[i]`` with ``make_module(module)`` and return
-    ``make_model(names)``; if anything fails, the model is left as it was."""
+    ``make_model(names, base)``, ``base`` the ``FrozenBase`` measured before; if anything fails, the model is left as
+    it was."""
     originals = {name: model.get_submodule(name) for name in names}
-    fingerprint = base_fingerprint(model)  # of the base weights as they are now, before any adapter is added
-    trainable = [(param, param.requires_grad) for param in model.parameters()]
+    trainable = tuple((param, param.requires_grad) for param in model.parameters())
+    # of the base weights as they are now, before any adapter is added
+    base = FrozenBase(fingerprint=base_fingerprint(model), requires_grad=trainable)
     try:
         for param in model.parameters():
             param.requires_grad_(False)
         for name, module in originals.items():
             model.set_submodule(name, make_module(module))
-        wrapped = make_model(names)
-        wrapped._base_requires_grad = trainable  # for unload(): the base model as it was
-        wrapped._base_fingerprint = fingerprint  # written by save_pretrained, checked by load_adapters
-        return wrapped
+        return make_model(names, base)
     except BaseException:
         for name, module in originals.items():  # roll back: the caller's model must not stay half-wrapped
             model.set_submodule(name, module)
@@ -537,8 +552,8 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
 
     ``fit_scores=True``: to learn the hypothesis scores p(k | c) of a run trained without them (or to refit them):
     the scoring head is trainable (a new zero one, p uniform, when the run has none) and the hypotheses stay frozen.
-    The head's loss never reaches the hypotheses (docs/scores.md), so this fits the scores that joint training would
-    fit for the final hypotheses.
+    The head's loss never reaches the hypotheses (docs/guide/scores.md), so this fits the scores that joint training
+    would fit for the final hypotheses.
 
     Adapters saved on a base model of the same class but other weights (their ``base_fingerprint`` differs from
     ``model``'s, see ``loramcl.mcl.fingerprint``) give a warning naming both; so do files that cannot be verified (no
@@ -575,7 +590,7 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
             layer.lora_B.copy_(tensors[f"{name}.lora_B"])
             layer.lora_A.requires_grad_(is_trainable)
             layer.lora_B.requires_grad_(is_trainable)
-    mcl._copy_scoring_head(tensors)
+    copy_scoring_head(mcl.scoring_head, tensors)
     if mcl.scoring_head is not None:
         mcl.scoring_head.requires_grad_(is_trainable or fit_scores)
     return mcl

@@ -23,97 +23,102 @@ PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
 _ADAPTABLE = (nn.Linear, Conv1D)
 
 
-class PeftInterop:
-    """The methods of ``MCLModel`` that hand a hypothesis to PEFT or to plain transformers."""
+def export_hypothesis(model, k: int, path: str | os.PathLike) -> str:
+    """Write hypothesis k of ``model`` as a standard PEFT LoRA adapter folder (``PeftModel.from_pretrained`` loads
+    it); refused for a method whose hypotheses are not LoRA adapters (``export_refusal``)."""
+    from peft import LoraConfig
 
-    def export_hypothesis(self, k: int, path: str | os.PathLike) -> str:
-        """Write hypothesis k as a standard PEFT LoRA adapter folder (``PeftModel.from_pretrained`` loads it)."""
-        from peft import LoraConfig
+    if model.export_refusal:
+        raise ValueError(model.export_refusal)
+    model.check_hypothesis(k)
+    _refuse_position_dependent(model, "exported as a PEFT LoRA adapter")
+    cfg = model.mcl_config
+    is_conv1d = [isinstance(layer.base_layer, Conv1D) for _, layer in model.mcl_layers()]
+    if any(is_conv1d) and not all(is_conv1d):
+        raise ValueError("cannot export a mix of nn.Linear and Conv1D layers as one PEFT adapter")
+    targets = _peft_target_modules(model)
+    by_short_names = targets != sorted(model.layer_names)  # then PEFT must apply the same selection options
+    lora_config = LoraConfig(
+        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none", use_rslora=cfg.use_rslora,
+        target_modules=targets, fan_in_fan_out=all(is_conv1d), task_type=_peft_task_type(model.base_model),
+        exclude_modules=cfg.exclude_modules if by_short_names else None,
+        layers_to_transform=cfg.layers_to_transform if by_short_names else None,
+        layers_pattern=cfg.layers_pattern if by_short_names else None,
+        base_model_name_or_path=getattr(model.config, "_name_or_path", None) or None,
+    )
+    os.makedirs(path, exist_ok=True)
+    lora_config.save_pretrained(path)
+    tensors = {}
+    for name, layer in model.mcl_layers():  # PEFT stores lora_A as [r, d_in] and lora_B as [d_out, r]
+        tensors[f"base_model.model.{name}.lora_A.weight"] = layer.lora_A[k].detach().T.contiguous().cpu()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = layer.lora_B[k].detach().T.contiguous().cpu()
+    safetensors.torch.save_file(tensors, os.path.join(path, PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
+    return str(path)
 
-        self._check_hypothesis(k)
-        self._refuse_position_dependent("exported as a PEFT LoRA adapter")
-        cfg = self.mcl_config
-        is_conv1d = [isinstance(layer.base_layer, Conv1D) for _, layer in self.mcl_layers()]
-        if any(is_conv1d) and not all(is_conv1d):
-            raise ValueError("cannot export a mix of nn.Linear and Conv1D layers as one PEFT adapter")
-        targets = self._peft_target_modules()
-        by_short_names = targets != sorted(self.layer_names)  # then PEFT must apply the same selection options
-        lora_config = LoraConfig(
-            r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none", use_rslora=cfg.use_rslora,
-            target_modules=targets, fan_in_fan_out=all(is_conv1d), task_type=_peft_task_type(self.base_model),
-            exclude_modules=cfg.exclude_modules if by_short_names else None,
-            layers_to_transform=cfg.layers_to_transform if by_short_names else None,
-            layers_pattern=cfg.layers_pattern if by_short_names else None,
-            base_model_name_or_path=getattr(self.config, "_name_or_path", None) or None,
-        )
-        os.makedirs(path, exist_ok=True)
-        lora_config.save_pretrained(path)
-        tensors = {}
-        for name, layer in self.mcl_layers():  # PEFT stores lora_A as [r, d_in] and lora_B as [d_out, r]
-            tensors[f"base_model.model.{name}.lora_A.weight"] = layer.lora_A[k].detach().T.contiguous().cpu()
-            tensors[f"base_model.model.{name}.lora_B.weight"] = layer.lora_B[k].detach().T.contiguous().cpu()
-        safetensors.torch.save_file(tensors, os.path.join(path, PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
-        return str(path)
 
-    def _peft_target_modules(self) -> list[str]:
-        """Short layer names (q_proj, ...) when PEFT's matching of them selects exactly our layers, else full names."""
-        ours = set(self.layer_names)
-        original = [n for n, _ in self.base_model.named_modules()
-                    if n and not any(n.startswith(layer + ".") for layer in ours)]
-        short = sorted({n.rsplit(".", 1)[-1] for n in ours})
-        if {n for n in original if peft_targets(self.mcl_config, short, n)} == ours:
-            return short
-        return sorted(ours)
+def _peft_target_modules(model) -> list[str]:
+    """Short layer names (q_proj, ...) when PEFT's matching of them selects exactly our layers, else full names."""
+    ours = set(model.layer_names)
+    original = [n for n, _ in model.base_model.named_modules()
+                if n and not any(n.startswith(layer + ".") for layer in ours)]
+    short = sorted({n.rsplit(".", 1)[-1] for n in ours})
+    if {n for n in original if peft_targets(model.mcl_config, short, n)} == ours:
+        return short
+    return sorted(ours)
 
-    def merge_hypothesis(self, k: int, inplace: bool = False) -> nn.Module:
-        """The base model with hypothesis k merged into its weights (W + alpha/r * (A_k B_k)^T), adapters removed.
 
-        By default the base model is copied first, so this MCLModel stays usable (e.g. to merge another k);
-        ``inplace=True`` saves the copy's memory on large models and leaves this MCLModel unusable.
-        """
-        self._check_hypothesis(k)
-        self._refuse_position_dependent("merged into the base weights")
-        return self._remove_adapters(k, inplace, "merged in place (merge_hypothesis(..., inplace=True))")
+def merge_hypothesis(model, k: int, inplace: bool = False) -> nn.Module:
+    """The base model with hypothesis k merged into its weights (W + alpha/r * (A_k B_k)^T), adapters removed.
 
-    def _refuse_position_dependent(self, what: str) -> None:
-        if not self.mcl_config.adapt_context:
-            raise ValueError(
-                f"these hypotheses were trained with adapt_context=False: they act only from the first target "
-                f"position on, so hypothesis weights {what} (applied at every position, the context included) "
-                "would compute another model. Decode with this MCLModel (generate_hypotheses), or train with "
-                "adapt_context=True to export standard LoRA adapters")
+    By default the base model is copied first, so the MCL model stays usable (e.g. to merge another k);
+    ``inplace=True`` saves the copy's memory on large models and leaves the MCL model unusable. Refused for a method
+    whose hypotheses are no single weight update (``merge_refusal``).
+    """
+    if model.merge_refusal:
+        raise ValueError(model.merge_refusal)
+    model.check_hypothesis(k)
+    _refuse_position_dependent(model, "merged into the base weights")
+    return _remove_adapters(model, k, inplace, "merged in place (merge_hypothesis(..., inplace=True))")
 
-    def unload(self) -> nn.Module:
-        """Remove every adapter and return the base model as it was before ``get_mcl_model`` (its original layers,
-        untouched weights, the ``requires_grad`` flags it had), as PEFT's ``unload``. This MCLModel is unusable
-        afterwards."""
-        model = self._remove_adapters(None, True, "unloaded (unload())")
-        for param, flag in self._base_requires_grad:
-            param.requires_grad_(flag)
-        return model
 
-    def get_base_model(self) -> nn.Module:
-        """The transformers model holding the adapted layers (as PEFT's ``get_base_model``)."""
-        return self.base_model
+def _refuse_position_dependent(model, what: str) -> None:
+    if not model.mcl_config.adapt_context:
+        raise ValueError(
+            f"these hypotheses were trained with adapt_context=False: they act only from the first target "
+            f"position on, so hypothesis weights {what} (applied at every position, the context included) "
+            "would compute another model. Decode with this MCLModel (generate_hypotheses), or train with "
+            "adapt_context=True to export standard LoRA adapters")
 
-    def _remove_adapters(self, k: int | None, inplace: bool, how: str) -> nn.Module:
-        """Put the original layers back, hypothesis k merged into them (None: unchanged)."""
-        self._check_usable()
-        self._remove_hooks()
-        try:
-            model = self.base_model if inplace else copy.deepcopy(self.base_model)
-            with torch.no_grad():
-                for name in self.layer_names:
-                    layer = model.get_submodule(name)
-                    if k is not None:
-                        layer.base_layer.weight.add_(layer.delta_weight(k))
-                    model.set_submodule(name, layer.base_layer)
-        finally:
-            if not inplace:
-                self._install_hooks()
-        if inplace:
-            self._detached = how
-        return model
+
+def unload(model) -> nn.Module:
+    """Remove every adapter and return the base model as it was before ``get_mcl_model`` (its original layers,
+    untouched weights, the ``requires_grad`` flags it had: ``model.frozen_base``), as PEFT's ``unload``. The MCL model
+    is unusable afterwards."""
+    base = _remove_adapters(model, None, True, "unloaded (unload())")
+    for param, flag in model.frozen_base.requires_grad:
+        param.requires_grad_(flag)
+    return base
+
+
+def _remove_adapters(model, k: int | None, inplace: bool, how: str) -> nn.Module:
+    """Put the original layers back, hypothesis k merged into them (None: unchanged); ``inplace`` closes ``model``
+    (``how`` says why in its later errors)."""
+    model.check_usable()
+    model.remove_hooks()  # a deep copy must not take the model's hooks with it
+    try:
+        base = model.base_model if inplace else copy.deepcopy(model.base_model)
+        with torch.no_grad():
+            for name in model.layer_names:
+                layer = base.get_submodule(name)
+                if k is not None:
+                    layer.base_layer.weight.add_(layer.delta_weight(k))
+                base.set_submodule(name, layer.base_layer)
+    finally:
+        if not inplace:
+            model.install_hooks()
+    if inplace:
+        model.close(how)
+    return base
 
 
 def _peft_task_type(model: nn.Module) -> str | None:
@@ -215,7 +220,7 @@ def matched_layer_names(model: nn.Module, targets: list[str] | str, config: MCLC
 
 def target_layer_names(model: nn.Module, config: MCLConfig) -> list[str]:
     """The layers of ``model`` that ``config.target_modules`` selects (PEFT's matching), checked non-empty."""
-    if isinstance(model, PeftInterop):  # an MCLModel, or a baseline built on it
+    if hasattr(model, "mcl_layers"):  # an MCLModel, or a baseline built on it
         raise ValueError("this model already has MCL adapters")
     targets = resolve_target_modules(model, config)
     names = matched_layer_names(model, targets, config)

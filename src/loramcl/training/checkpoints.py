@@ -1,10 +1,12 @@
 """The checkpoint folders of a training run (``output_dir/checkpoint-N``, written by ``MCLTrainer``): published whole
-or not at all, checked, rotated, and the one to resume from chosen (docs/reliability.md, "Checkpoints and resuming
-after a kill"). Plain operations on folders: the trainer decides when they run and on which rank (the writing rank,
-``args.should_save``, publishes and rotates; every rank chooses the checkpoint to resume).
+or not at all, checked, rotated, and the one to resume from chosen (docs/guide/reliability.md, "Checkpoints and resuming
+after a kill"). Plain operations on folders, and ``StagedCheckpoints``, the two ``TrainerCallback`` s through which
+``MCLTrainer`` runs them: the writing rank (``args.should_save``) publishes and rotates; every rank chooses the
+checkpoint to resume.
 
 A checkpoint is written into ``STAGING_PREFIX + "checkpoint-N"/checkpoint-N`` (``staging_folder``), then renamed next
-to the others (``publish``): a ``checkpoint-N`` folder that exists is whole.
+to the others (``publish``): a ``checkpoint-N`` folder that exists is whole. The name is the completion marker (a file
+inside would change the folder's contents); the adapters' checksum is in its ``mcl_config.json``, checked on resume.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import re
 import shutil
 import warnings
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import safetensors
+from accelerate import PartialState
+from transformers import TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 
 from loramcl.mcl.adapter_files import CONFIG_NAME, WEIGHTS_NAME, read_adapters
 
@@ -135,6 +139,77 @@ def rotate_checkpoints(run_dir: str, limit: int | None, keep: Iterable[str | Non
     excess = len(whole) - max(limit - len(kept), 0)
     for path in [path for path in others if path not in whole] + whole[:max(excess, 0)]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+class StagedCheckpoints(TrainerCallback):
+    """Checkpoints written whole or not at all, through two callbacks: this one, last of the trainer's callbacks (so
+    that ``control.should_save`` is final), points ``args.output_dir`` (the trainer's own copy of the arguments) at
+    ``staging_folder`` once the step that saves has ended, so that Trainer writes ``checkpoint-N`` there; ``publisher``,
+    first of the callbacks (so that every other ``on_save`` sees the published folder), points it back, waits for
+    every rank's files, publishes and rotates.
+
+    wait_for_pushes: returns once the Hub uploads Trainer started from the staged folder are done (``push_to_hub``).
+    """
+
+    def __init__(self, wait_for_pushes: Callable[[], None]) -> None:
+        self.run_dir: str | None = None  # while a checkpoint may be written: the output_dir it is published to
+        self.wait_for_pushes = wait_for_pushes
+        self.publisher = _Publish(self)
+
+    def unstage(self, args) -> None:
+        """Point ``args.output_dir`` back at the run's folder (after a save, an evaluation that saved nothing, an
+        error)."""
+        if self.run_dir is not None:
+            args.output_dir, self.run_dir = self.run_dir, None
+
+    def _stage(self, args, state, control) -> None:
+        self.unstage(args)
+        saving = control.should_save or (args.save_strategy == SaveStrategy.BEST and control.should_evaluate)
+        if not saving or state.is_hyper_param_search:  # a trial writes under output_dir/run-*: in place
+            return
+        if args.should_save:
+            remove_staging_leftovers(args.output_dir)  # what writes killed earlier left behind
+        PartialState().wait_for_everyone()  # no rank writes its RNG state into a folder being removed
+        self.run_dir = args.output_dir
+        args.output_dir = staging_folder(os.path.join(self.run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._stage(args, state, control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._stage(args, state, control)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.unstage(args)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.unstage(args)
+
+    def publish(self, args, state) -> None:
+        if self.run_dir is None:
+            return
+        staging, run_dir = args.output_dir, self.run_dir
+        self.unstage(args)
+        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        PartialState().wait_for_everyone()  # every rank's files (RNG states, shards) are in the folder
+        staged = os.path.join(staging, os.path.basename(checkpoint))
+        if state.best_model_checkpoint == staged:  # Trainer recorded the staging path (on every rank)
+            state.best_model_checkpoint = checkpoint
+            if args.should_save:
+                state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+        if args.should_save:
+            self.wait_for_pushes()  # an upload reads the staged folder
+            publish(checkpoint)
+            rotate_checkpoints(run_dir, args.save_total_limit, keep=(checkpoint, state.best_model_checkpoint))
+        PartialState().wait_for_everyone()  # on_save callbacks of every rank see the published checkpoint
+
+
+class _Publish(TrainerCallback):
+    def __init__(self, staged: StagedCheckpoints) -> None:
+        self.staged = staged
+
+    def on_save(self, args, state, control, **kwargs):
+        self.staged.publish(args, state)
 
 
 # ---- resuming --------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ prompt -> target JSONL, and score references.
 
 Each function's signature and docstring are its CLI (jsonargparse); `--config recipe.yaml` reads the same
 arguments from a file, its paths relative to it (the packaged recipes, `--config bilingual/common.yaml`, are read
-relative to the current folder: docs/cli.md). torch and transformers load inside the functions, after the files,
+relative to the current folder: docs/guide/cli.md). torch and transformers load inside the functions, after the files,
 their fields and the model folder are checked.
 """
 
@@ -47,7 +47,7 @@ from loramcl.utils.validate import OptionError, require_int
 # would import torch before every `loramcl train` / `nll` could check its files (tests/test_cli.py).
 METHODS = ("mcl", "moe", "multihead")  # LoRA-MCL (K = 1: LoRA-MLE), LoRA-MoE, multi-head MCL
 MethodConfig = MCLConfig | MoEConfig | MultiHeadConfig
-logger = logging.getLogger(__name__)  # a run's progress, which `loramcl <command>` shows (docs/cli.md)
+logger = logging.getLogger(__name__)  # a run's progress, which `loramcl <command>` shows (docs/guide/cli.md)
 
 
 def run_settings(model: str, mcl: MethodConfig, data: DataConfig, training: TrainConfig, dtype: str,
@@ -130,7 +130,7 @@ def train(
     (the settings, threads, trainable parameters, seconds), written last: a run with a run.json is finished.
 
     A causal LM reads prompt + target and learns the target tokens; an encoder-decoder (T5, BART, Marian, NLLB...)
-    reads the prompt in its encoder and learns the target as its labels (docs/cli.md).
+    reads the prompt in its encoder and learns the target as its labels (docs/guide/cli.md).
 
     Args:
         model: local folder of a causal or sequence-to-sequence LM (transformers format).
@@ -151,7 +151,7 @@ def train(
         threads: torch CPU threads (default: the cores that are free when the command starts).
         dtype: the frozen model's dtype: float32, bfloat16 or float16 (adapters stay float32 by default).
         scores_for: a finished LoRA-MCL run (its `out`) whose hypothesis scores p(k | c) are to be learned: its
-            hypotheses are loaded and stay frozen, and only a scoring head is trained (docs/scores.md); the run's
+            hypotheses are loaded and stay frozen, and only a scoring head is trained (docs/guide/scores.md); the run's
             own MCL settings are used (leave --mcl out; --training.scoring_learning_rate sets the head's rate).
     """
     from loramcl.data.prompts import PairDataset, collate, encode_pairs, pad_token_id

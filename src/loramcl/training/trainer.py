@@ -8,41 +8,33 @@ loss, logs how often each hypothesis wins, saves the adapters in our format, and
 from __future__ import annotations
 
 import collections
+import copy
 import inspect
+import json
 import math
 import os
 import warnings
 from collections.abc import Callable
 
 import torch
-from accelerate.utils import DistributedDataParallelKwargs, DistributedType
+from accelerate.utils import DistributedType
 from torch import nn
-from transformers import Trainer, default_data_collator
-from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from torch.distributed.tensor import DTensor
+from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
 from loramcl.mcl.compat import check_trainer_methods
 from loramcl.mcl.losses import temperature_at
 from loramcl.mcl.losses import winners as loss_winners
 from loramcl.mcl.model import MCLModel
 from loramcl.mcl.nll import IGNORE_INDEX, examples_without_targets
-from loramcl.training.checkpoints import (
-    checkpoint_step,
-    checkpoint_to_resume,
-    publish,
-    remove_staging_leftovers,
-    rotate_checkpoints,
-    staging_folder,
-)
+from loramcl.training.checkpoints import StagedCheckpoints, checkpoint_step, checkpoint_to_resume
 
 TRAINING_ARGS_NAME = "training_args.json"  # TrainingArguments.to_dict(), tokens masked; never read back
 # Private Trainer methods MCLTrainer overrides, each where no public hook or callback event computes the same (the
 # comment on each says why), and those it calls (docs/architecture.md, "What we rely on in transformers and PEFT"):
 # checked to exist when a trainer is built, and by a test to be complete.
-PRIVATE_TRAINER_OVERRIDES = ("_build_accelerator_args", "_clip_grad_norm", "_set_signature_columns_if_needed", "_save",
-                             "_get_output_dir", "_save_checkpoint", "_push_from_checkpoint", "_init_training_state",
-                             "_load_from_checkpoint", "_load_best_model")
-PRIVATE_TRAINER_CALLS = ("_has_mixed_mesh_grads", "_prepare_inputs")
+PRIVATE_TRAINER_OVERRIDES = ("_set_signature_columns_if_needed", "_save", "_load_from_checkpoint", "_load_best_model")
+PRIVATE_TRAINER_CALLS = ()
 
 
 def scoring_block(batch: int, num_hypotheses: int) -> int:
@@ -169,8 +161,10 @@ class MCLTrainer(Trainer):
     with a warning (a folder left by another writer, or cut short on disk), and starts from the beginning with a
     warning when there is none; a path to a damaged ``checkpoint-N`` falls back to the newest whole one before it.
     ``save_total_limit`` rotation never deletes the checkpoint just written and drops damaged ones first. The
-    training arguments are saved as ``training_args.json`` (not Trainer's pickled ``training_args.bin``).
-    DDP runs without the unused-parameter search unless ``ddp_find_unused_parameters`` is set. Without a
+    training arguments are saved as ``training_args.json`` (not Trainer's pickled ``training_args.bin``). The trainer
+    works on a copy of ``args`` (``trainer.args``), which it may change: while a checkpoint is written, its
+    ``output_dir`` is the staging folder (``StagedCheckpoints``), and ``ddp_find_unused_parameters`` is False unless
+    set, so DDP runs without the unused-parameter search; the caller's object stays as it was. Without a
     ``data_collator``, rows of different lengths are right-padded (``PadExamples``; the padding id from
     ``processing_class``, else from the model's config).
     """
@@ -193,10 +187,15 @@ class MCLTrainer(Trainer):
         self.two_pass_wta = two_pass_wta
         self.scoring_examples_per_block = scoring_examples_per_block
         self.scoring_learning_rate = scoring_learning_rate
-        self._staging_dir: str | None = None  # while a checkpoint is being written: where Trainer must write it
-        self._push_when_published = False
+        self._resume_step: int | None = None  # the global step of the checkpoint train() resumes from
         given = inspect.signature(Trainer.__init__).bind_partial(self, model, *args, **kwargs).arguments
-        super().__init__(model, *args, **kwargs)
+        del given["self"]
+        given["args"] = _own_arguments(given.get("args"))
+        self._checkpoints = StagedCheckpoints(self._wait_for_pushes)
+        self._scoring_gradients = _ScoringGradients(self)
+        super().__init__(**given)
+        for callback in (self._checkpoints, self._scoring_gradients):
+            self.add_callback(callback)
         if given.get("data_collator") is None:  # Trainer's default cannot pad labels: rows of any length work
             self.data_collator = PadExamples(padding_id(self.processing_class, model))
         # compute_loss is ours: these Trainer options would otherwise be silently ignored.
@@ -210,20 +209,11 @@ class MCLTrainer(Trainer):
         self._last_temperature: float | None = None  # tau used by the latest training step (annealed loss)
         self._nonfinite_loss = torch.zeros((), dtype=torch.bool, device=self.args.device)  # checked when logging
         self._nonfinite_grad_norm = torch.zeros((), dtype=torch.bool, device=self.args.device)  # likewise
+        # Evaluation's per-example NLL [B, K] and mixture NLL [B] of each batch, recorded in compute_loss and
+        # turned into metrics when the evaluation logs (or predict returns): metric name prefix, records.
+        self._eval_prefix = "eval"
         self._eval_nll: list[torch.Tensor] = []
-        self._eval_mixture: list[torch.Tensor] = []  # [B] per batch, with hypothesis scores
-
-    def _build_accelerator_args(self, **kwargs) -> dict:
-        # The public route, ddp_find_unused_parameters=False, would alter the caller's arguments and training_args.json.
-        accelerator_args = super()._build_accelerator_args(**kwargs)
-        if self.args.ddp_find_unused_parameters is None:
-            # Every adapter tensor takes part in every MCL forward (all routings index the stacked tensors), so DDP
-            # need not search the graph for unused ones; Trainer assumes it must for a non-PreTrainedModel. Set on
-            # the DDP options Trainer builds from the arguments, which stay as the caller made them.
-            for handler in accelerator_args["kwargs_handlers"]:
-                if isinstance(handler, DistributedDataParallelKwargs):
-                    handler.find_unused_parameters = False
-        return accelerator_args
+        self._eval_mixture: list[torch.Tensor] = []
 
     # ---- loss -------------------------------------------------------------------------------------------
 
@@ -233,8 +223,10 @@ class MCLTrainer(Trainer):
     def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None):
         mcl = self._mcl_model()
+        if not model.training:
+            return self._evaluation_loss(model, inputs, return_outputs)
         mcl.training_step = self.state.global_step
-        if model.training and self.two_pass_wta and mcl.mcl_config.loss == "wta" and mcl.num_hypotheses > 1:
+        if self.two_pass_wta and mcl.mcl_config.loss == "wta" and mcl.num_hypotheses > 1:
             per_block = self.scoring_examples_per_block
             if per_block == "auto" and torch.is_tensor(inputs.get("labels")):
                 per_block = scoring_block(inputs["labels"].shape[0], mcl.num_hypotheses)
@@ -251,12 +243,29 @@ class MCLTrainer(Trainer):
         else:
             outputs = model(**inputs)
             winners = outputs.weights.argmax(dim=1)  # [B]: the loss's winners (ties broken as the loss broke them)
-        if model.training:
-            self._nonfinite_loss |= ~torch.isfinite(outputs.loss.detach())  # no host sync here
-            self._last_temperature = temperature_at(mcl.training_step, mcl.mcl_config)
-            wins = torch.bincount(winners, minlength=mcl.num_hypotheses)  # [K]
-            self._train_wins += wins.to(self._train_wins.device)
+        self._nonfinite_loss |= ~torch.isfinite(outputs.loss.detach())  # no host sync here
+        self._last_temperature = temperature_at(mcl.training_step, mcl.mcl_config)
+        wins = torch.bincount(winners, minlength=mcl.num_hypotheses)  # [K]
+        self._train_wins += wins.to(self._train_wins.device)
         return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    def _evaluation_loss(self, model: nn.Module, inputs: dict, return_outputs: bool):
+        """The vanilla WTA loss (eq. 2) whatever the training loss; the per-example NLL recorded for the metrics the
+        evaluation logs, and the predictions ``compute_metrics`` receives ({"nll": [B, K]})."""
+        with torch.no_grad():
+            outputs = model(**inputs)
+        nll = outputs.nll.detach()  # [B, K]
+        self._eval_nll.append(self.accelerator.gather_for_metrics(nll).float().cpu())
+        if outputs.mixture_nll is not None:
+            self._eval_mixture.append(self.accelerator.gather_for_metrics(outputs.mixture_nll).float().cpu())
+        loss = nll.min(dim=1).values.mean()
+        return (loss, {"nll": nll}) if return_outputs else loss
+
+    def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.sync_gradients and self.args.max_grad_norm > 0:  # the gradients Trainer clips next
+            self._scoring_gradients.before_clipping(model)
+        return loss
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
               ignore_keys_for_eval: list[str] | None = None):
@@ -265,8 +274,28 @@ class MCLTrainer(Trainer):
             resume_from_checkpoint = self._same_on_every_rank(checkpoint_to_resume(  # a whole one, or None
                 resume_from_checkpoint, self.args.output_dir, say=self.is_world_process_zero()))
         self.resumed_from = resume_from_checkpoint  # the checkpoint actually resumed (None: from the beginning)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                             ignore_keys_for_eval=ignore_keys_for_eval)
+        self._resume_step = None if resume_from_checkpoint is None else checkpoint_step(resume_from_checkpoint)
+        callbacks = self.callback_handler.callbacks  # staging last, publishing first, whatever was added since
+        for callback in (self._checkpoints, self._checkpoints.publisher):
+            if callback in callbacks:
+                callbacks.remove(callback)
+        callbacks.insert(0, self._checkpoints.publisher)
+        callbacks.append(self._checkpoints)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval)
+        finally:
+            self._checkpoints.unstage(self.args)
+            self._scoring_gradients.restore()
+
+    def set_initial_training_values(self, args: TrainingArguments, dataloader) -> tuple:
+        values = super().set_initial_training_values(args, dataloader)
+        num_train_epochs, num_update_steps_per_epoch, *rest, max_steps = values
+        if self._resume_step is not None and self._resume_step >= max_steps:
+            # The checkpoint ends the run. Trainer would still take one more optimizer step before it checks
+            # max_steps (and write a checkpoint-{max_steps + 1}): no epoch is left to run instead.
+            num_train_epochs = min(num_train_epochs, self._resume_step // num_update_steps_per_epoch)
+        return (num_train_epochs, num_update_steps_per_epoch, *rest, max_steps)
 
     def _check_targets(self, dataset, name: str) -> None:
         """Every example needs a target token (its mean NLL is 0/0 otherwise): checked on the whole dataset before
@@ -285,41 +314,37 @@ class MCLTrainer(Trainer):
 
     # ---- evaluation -------------------------------------------------------------------------------------
 
-    def prediction_step(self, model: nn.Module, inputs: dict, prediction_loss_only: bool,
-                        ignore_keys: list[str] | None = None):
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad():
-            outputs = model(**inputs)
-        nll = outputs.nll.detach()  # [B, K]
-        self._eval_nll.append(self.accelerator.gather_for_metrics(nll).float().cpu())
-        if outputs.mixture_nll is not None:
-            self._eval_mixture.append(self.accelerator.gather_for_metrics(outputs.mixture_nll).float().cpu())
-        loss = nll.min(dim=1).values.mean()  # vanilla WTA, eq. 2
-        return loss, (None if prediction_loss_only else nll), None
-
-    def evaluate(self, eval_dataset=None, *args, **kwargs):
+    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):
         if isinstance(eval_dataset, dict) or (eval_dataset is None and isinstance(self.eval_dataset, dict)):
             for key, dataset in (eval_dataset or self.eval_dataset).items():
                 self._check_targets(dataset, f"eval_dataset[{key!r}]")
+        elif isinstance(eval_dataset, str):  # one of the named eval datasets (Trainer evaluates each in turn)
+            self._check_targets(self.eval_dataset[eval_dataset], f"eval_dataset[{eval_dataset!r}]")
         else:
             self._check_targets(eval_dataset if eval_dataset is not None else self.eval_dataset, "eval_dataset")
-        return super().evaluate(eval_dataset, *args, **kwargs)
+        self._eval_prefix, self._eval_nll, self._eval_mixture = metric_key_prefix, [], []
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)  # log() adds the hypotheses' metrics
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix: str = "eval"):
-        self._eval_nll, self._eval_mixture = [], []
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                         metric_key_prefix)
+    def predict(self, test_dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"):
+        self._eval_prefix, self._eval_nll, self._eval_mixture = metric_key_prefix, [], []
+        output = super().predict(test_dataset, ignore_keys, metric_key_prefix)  # logs nothing
+        output.metrics.update(self._hypothesis_metrics())
+        return output
+
+    def _hypothesis_metrics(self) -> dict[str, float]:
+        """``{prefix}_nll_h{k}``, ``{prefix}_win_rate_h{k}`` and ``{prefix}_mixture_nll`` of the evaluation recorded
+        since it began; the records are dropped."""
+        metrics, prefix = {}, self._eval_prefix
         if self._eval_nll:
             nll = torch.cat(self._eval_nll)  # [N, K]
             wins = torch.bincount(nll.argmin(dim=1), minlength=nll.shape[1]).float() / nll.shape[0]
             for k in range(nll.shape[1]):
-                output.metrics[f"{metric_key_prefix}_nll_h{k}"] = nll[:, k].mean().item()
-                output.metrics[f"{metric_key_prefix}_win_rate_h{k}"] = wins[k].item()
+                metrics[f"{prefix}_nll_h{k}"] = nll[:, k].mean().item()
+                metrics[f"{prefix}_win_rate_h{k}"] = wins[k].item()
         if self._eval_mixture:
-            output.metrics[f"{metric_key_prefix}_mixture_nll"] = torch.cat(self._eval_mixture).mean().item()
+            metrics[f"{prefix}_mixture_nll"] = torch.cat(self._eval_mixture).mean().item()
         self._eval_nll, self._eval_mixture = [], []
-        return output
+        return metrics
 
     # ---- logging ----------------------------------------------------------------------------------------
 
@@ -338,6 +363,8 @@ class MCLTrainer(Trainer):
             self._watch_for_collapse(wins.cpu())
             if self._mcl_model().mcl_config.loss == "annealed":
                 logs["temperature"] = self._last_temperature or 0.0  # of the latest step; 0 once hard WTA
+        elif f"{self._eval_prefix}_loss" in logs:  # evaluate() logs its metrics: in place, it returns the same dict
+            logs.update(self._hypothesis_metrics())
         super().log(logs, start_time)
 
     def create_optimizer(self, model=None):
@@ -356,31 +383,10 @@ class MCLTrainer(Trainer):
                                        "weight_decay": 0.0})
         return optimizer
 
-    def _clip_grad_norm(self, model):
-        """Gradient clipping, the hypotheses and the scoring head each by their own norm: the head's gradients must not
-        shrink the hypotheses' step (with them separate, the hypotheses train bit-identically with and without
-        scores). The returned (logged) norm is the hypotheses'. Under DeepSpeed or FSDP, whose clipping spans the
-        whole model, Trainer's own clipping applies. A norm that is not finite is recorded: clipping by it zeroes the
-        step (or makes it NaN), so training would go on without learning (checked when logging and saving)."""
-        # Trainer clips all gradients by one norm before on_pre_optimizer_step: no callback can clip the head apart.
-        head = self._mcl_model().scoring_head
-        if head is None or self.accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP) \
-                or self._has_mixed_mesh_grads(model):
-            norm = super()._clip_grad_norm(model)
-        else:
-            head_parameters = set(head.parameters())
-            hypotheses = [p for p in model.parameters() if p not in head_parameters]
-            head_norm = self.accelerator.clip_grad_norm_(list(head_parameters), self.args.max_grad_norm)
-            self._record_grad_norm(head_norm)
-            norm = self.accelerator.clip_grad_norm_(hypotheses, self.args.max_grad_norm)
-        self._record_grad_norm(norm)
-        return norm
-
     def _record_grad_norm(self, norm) -> None:
-        # fp16's loss scaler skips a step whose gradients overflowed, and lowers its scale: that is its job. DeepSpeed
-        # returns no norm here.
-        if norm is not None and self.accelerator.scaler is None:
-            norm = norm.to_local() if hasattr(norm, "to_local") else norm  # FSDP2: a replicated DTensor
+        """Record a gradient norm that is not finite: clipping by it zeroes the step (or makes it NaN), so training
+        would go on without learning (checked when logging and saving)."""
+        if norm is not None:
             finite = torch.isfinite(torch.as_tensor(norm)).to(self._nonfinite_grad_norm.device)
             self._nonfinite_grad_norm |= ~finite  # no host sync here
 
@@ -425,59 +431,17 @@ class MCLTrainer(Trainer):
         self._mcl_model().save_pretrained(output_dir, state_dict=state_dict)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
+        arguments = self.args.to_dict()  # tokens masked
+        arguments["output_dir"] = self._checkpoints.run_dir or arguments["output_dir"]  # not the staging folder
         with open(os.path.join(output_dir, TRAINING_ARGS_NAME), "w", encoding="utf-8") as f:
-            f.write(self.args.to_json_string())
+            f.write(json.dumps(arguments, indent=2))
 
-    # ---- checkpoints: written whole or not at all, resumed from the newest whole one ------------------------
+    # ---- checkpoints: written whole or not at all (StagedCheckpoints), resumed from the newest whole one -------
 
-    def _get_output_dir(self, trial) -> str:
-        # No public setting redirects Trainer's checkpoint write: while one is written, its staging folder.
-        return self._staging_dir if self._staging_dir is not None else super()._get_output_dir(trial)
-
-    def _save_checkpoint(self, model: nn.Module, trial) -> None:
-        # Trainer writes checkpoint-N in place and rotates before on_save: no callback event comes before the write.
-        run_dir = self._get_output_dir(trial)
-        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        staging = staging_folder(checkpoint)
-        if self.args.should_save:
-            remove_staging_leftovers(run_dir)  # what writes killed earlier left behind
-        self.accelerator.wait_for_everyone()  # no rank writes its RNG state into a folder being removed
-        self._staging_dir = staging  # Trainer writes staging/checkpoint-N (and rotates inside staging: a no-op)
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._staging_dir = None
-        self.accelerator.wait_for_everyone()  # every rank's files (RNG states, shards) are in the folder
-        staged = os.path.join(staging, os.path.basename(checkpoint))
-        if self.state.best_model_checkpoint == staged:  # Trainer recorded the staging path (on every rank)
-            self.state.best_model_checkpoint = checkpoint
-            if self.args.should_save:
-                self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
-        if self.args.should_save:
-            publish(checkpoint)
-            rotate_checkpoints(run_dir, self.args.save_total_limit, keep=(checkpoint, self.state.best_model_checkpoint))
-        self.accelerator.wait_for_everyone()  # on_save callbacks of every rank see the published checkpoint
-        if self._push_when_published:
-            self._push_when_published = False
-            super()._push_from_checkpoint(checkpoint)
-
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        # Trainer pushes from inside its checkpoint write, before the folder is published: pushed once renamed.
-        if self._staging_dir is not None:
-            self._push_when_published = True
-            return
-        super()._push_from_checkpoint(checkpoint_folder)
-
-    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
-                             trial) -> tuple[int, int]:
-        # No callback event can skip the loop's first step (on_train_begin's stop is read only after a step).
-        epochs_trained, batches_to_skip = super()._init_training_state(
-            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial)
-        if resume_from_checkpoint is not None and self.state.global_step >= max_steps:
-            # The checkpoint ends the run. Trainer would still take one more optimizer step before it checks
-            # max_steps (and write a checkpoint-{max_steps + 1}): no epoch left to run instead.
-            return num_train_epochs, 0
-        return epochs_trained, batches_to_skip
+    def _wait_for_pushes(self) -> None:
+        pushing = getattr(self, "push_in_progress", None)  # set by Trainer when push_to_hub is on
+        if pushing is not None:
+            pushing.wait_until_done()
 
     def _same_on_every_rank(self, checkpoint: str | None) -> str | None:
         """``checkpoint``, once every rank has chosen the same step to resume from (they resume the same or none)."""
@@ -496,6 +460,66 @@ class MCLTrainer(Trainer):
     def _load_best_model(self) -> None:
         # As _load_from_checkpoint, for load_best_model_at_end (before the on_train_end callbacks see the model).
         self._mcl_model().load_adapters(self.state.best_model_checkpoint)
+
+
+def _own_arguments(args: TrainingArguments | None) -> TrainingArguments:
+    """The trainer's copy of the caller's arguments (Trainer's default when None), with ``ddp_find_unused_parameters``
+    False unless set: every adapter tensor takes part in every MCL forward (all routings index the stacked tensors), so
+    DDP need not search the graph for unused ones, which Trainer assumes it must for a model that is not a
+    ``PreTrainedModel``."""
+    args = TrainingArguments(output_dir="tmp_trainer") if args is None else copy.copy(args)
+    if args.ddp_find_unused_parameters is None:
+        args.ddp_find_unused_parameters = False
+    return args
+
+
+def _norm(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """The 2-norm of the gradients of ``parameters`` (of this rank's shards, where sharded: enough to tell a norm that
+    is not finite, which the ranks then share)."""
+    return torch.nn.utils.get_total_norm([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                                          for p in parameters])
+
+
+class _ScoringGradients(TrainerCallback):
+    """Gradient clipping, the hypotheses and the scoring head each by their own norm: the head's gradients must not
+    shrink the hypotheses' step (with them separate, the hypotheses train bit-identically with and without scores).
+    Trainer clips every gradient by one norm after the step's last backward, then calls ``on_pre_optimizer_step``. So
+    the trainer's ``training_step``, after that backward, clips the head's gradients by their norm and holds them back
+    (``before_clipping``) while Trainer clips the hypotheses' (the norm it logs); ``on_pre_optimizer_step`` gives them
+    back. Under DeepSpeed or FSDP (whose clipping spans the whole model), with gradients on device meshes (DTensor) or
+    with fp16's loss scaler (which must unscale every gradient at once), Trainer clips them all together. Every norm
+    that is not finite is recorded (``MCLTrainer._record_grad_norm``); fp16's scaler skips such a step itself, and
+    DeepSpeed keeps its gradients out of reach."""
+
+    def __init__(self, trainer: MCLTrainer) -> None:
+        self.trainer = trainer
+        self.held: list[tuple[nn.Parameter, torch.Tensor]] = []  # the head's clipped gradients, until the step
+
+    def before_clipping(self, model: nn.Module) -> None:
+        trainer = self.trainer
+        distributed = trainer.accelerator.distributed_type
+        if distributed == DistributedType.DEEPSPEED or trainer.accelerator.scaler is not None:
+            return
+        parameters = [p for p in model.parameters() if p.grad is not None]
+        head = trainer._mcl_model().scoring_head
+        if head is None or distributed == DistributedType.FSDP or any(isinstance(p.grad, DTensor) for p in parameters):
+            trainer._record_grad_norm(_norm(parameters))
+            return
+        head_parameters = set(head.parameters())
+        head_gradients = [p for p in parameters if p in head_parameters]
+        trainer._record_grad_norm(trainer.accelerator.clip_grad_norm_(head_gradients, trainer.args.max_grad_norm))
+        trainer._record_grad_norm(_norm([p for p in parameters if p not in head_parameters]))
+        self.held = [(p, p.grad) for p in head_gradients]
+        for p in head_gradients:
+            p.grad = None
+
+    def restore(self) -> None:
+        for parameter, gradient in self.held:
+            parameter.grad = gradient
+        self.held = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.restore()
 
 
 def _refuse_float16_adapters(model: MCLModel) -> None:
