@@ -310,3 +310,73 @@ def test_the_nll_table_decides_which_runs_are_trained_and_scored(tmp_path):
     toy = type(_task(tmp_path, Experiment(), False))  # its hooks are never reached
     with pytest.raises(ValueError, match="nll_table: Toy scores no test reference"):
         run_recipe(toy, out=str(tmp_path / "out"), recipes=str(tmp_path))
+
+
+TASK_COMMANDS = ("bilingual", "translation", "audio-captioning", "image-captioning", "spoken-translation")
+
+
+@pytest.mark.parametrize("name", TASK_COMMANDS)
+def test_every_task_command_is_generated_with_the_shared_options_and_their_help(name, capsys):
+    """Each task command has the shared options (device included) with their defaults, and `--help` shows each
+    option's help as written once in recipes.command (or the task's own text)."""
+    import inspect
+
+    from loramcl.cli import commands, main
+    from loramcl.recipes.command import OPTIONS
+
+    command = commands()[name]
+    parameters = inspect.signature(command).parameters
+    assert {key: p.default for key, p in parameters.items() if key in OPTIONS} == {
+        key: option.default for key, option in OPTIONS.items()}
+    with pytest.raises(SystemExit) as stopped:
+        main([name, "--help"])
+    assert stopped.value.code == 0
+    shown = "".join(capsys.readouterr().out.split())
+    given = commands()[name].__doc__.split("Args:")[1]
+    for key in parameters:  # every option, with the words of its help as the docstring gives them
+        documented = given.split(f"    {key}: ")[1].split("\n    ")[0]
+        assert f"--{key}" in shown and "".join(documented.split()) in shown, key
+    assert "".join(OPTIONS["threads"].help.split()) in shown and "".join(OPTIONS["device"].help.split()) in shown
+
+
+def test_a_generated_command_binds_its_arguments_as_a_function_does(monkeypatch):
+    """Positional arguments in the command's order (bilingual's own order kept), a task's own option passed on as an
+    experiment setting, an unknown argument refused as Python refuses it."""
+    from loramcl.recipes.bilingual.reproduce import Bilingual, bilingual
+
+    called = {}
+    monkeypatch.setattr("loramcl.recipes.runner.run_recipe",
+                        lambda task, **arguments: called.update(task=task, **arguments))
+    bilingual("o", True, [2], locale_dir="/l")
+    assert called == {"task": Bilingual, "out": "o", "quick": True, "budgets": [2], "recipes": None,
+                      "stop_after": None, "runs": None, "threads": None, "device": "cpu", "locale_dir": "/l"}
+    with pytest.raises(TypeError, match="unexpected keyword argument 'depth'"):
+        bilingual(depth=3)
+
+
+def test_a_task_command_with_help_for_no_option_or_a_partial_order_is_refused():
+    from loramcl.recipes.command import task_command
+    from loramcl.recipes.runner import Task
+
+    class Help(Task):
+        """A task."""
+        options = {"outt": "a misspelt option"}
+
+    class Order(Task):
+        """A task."""
+        option_order = ("out", "quick")
+
+    with pytest.raises(TypeError, match=r"Help.options: help for no option \['outt'\]"):
+        task_command(Help, "help")
+    with pytest.raises(TypeError, match="Order.option_order must name each option once"):
+        task_command(Order, "order")
+
+
+@pytest.mark.parametrize("name", TASK_COMMANDS)
+def test_a_bad_device_is_refused_before_any_work(name, tmp_path):
+    from loramcl.cli import commands
+    from loramcl.utils.validate import OptionError
+
+    with pytest.raises(OptionError, match="device 'cuda:x' is not a device torch knows"):
+        commands()[name](out=str(tmp_path / "out"), device="cuda:x")
+    assert not (tmp_path / "out").exists()

@@ -292,3 +292,90 @@ def test_plain_generate_lets_the_model_write_the_task_tokens_whisper_suppresses(
     plain_generate(model, allowed=first)
     assert model.generation_config.suppress_tokens == [3]
     assert {row[0].token_ids[0] for row in generate_hypotheses(model, None, inputs, **settings)} == first
+
+
+def _tiny_whisper_run(folder, hypotheses: int = 2):
+    """A tiny random Whisper folder as the recipe builds it (config, feature extractor, tokenizer; context cut to
+    1 s) and a run of ``hypotheses`` random adapters on it: (model folder, run folder)."""
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    from loramcl import MCLConfig, get_mcl_model
+    from loramcl.models import whisper_with_context
+
+    config = WhisperConfig(vocab_size=12, num_mel_bins=80, d_model=16, encoder_layers=1, decoder_layers=1,
+                           encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16,
+                           decoder_ffn_dim=16, max_source_positions=1500, max_target_positions=32, pad_token_id=0,
+                           bos_token_id=0, eos_token_id=0, decoder_start_token_id=0, suppress_tokens=None,
+                           begin_suppress_tokens=None)
+    torch.manual_seed(0)
+    WhisperForConditionalGeneration(config).save_pretrained(folder / "full")
+    WhisperFeatureExtractor().save_pretrained(folder / "full")
+    _whisper_tokenizer().save_pretrained(folder / "full")
+    model = whisper_with_context(folder / "full", folder / "model", 1)
+    mcl = get_mcl_model(WhisperForConditionalGeneration.from_pretrained(model),
+                        MCLConfig(num_hypotheses=hypotheses, r=2, target_modules=r".*decoder.*\.(q_proj|v_proj)"))
+    for p in mcl.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.3)
+    mcl.save_pretrained(folder / "out" / "mcl")
+    return str(model), folder / "out" / "mcl"
+
+
+def test_decoding_loads_the_run_on_the_device_given(tmp_path, monkeypatch):
+    """spoken-translation takes --device as every task does: its decoding loads the run's model there (the model is
+    loaded on the CPU here, the device recorded), and writes each message's K candidates and their modes."""
+    import numpy as np
+    from scipy.io import wavfile
+
+    import loramcl.models
+    from loramcl.recipes.grid import DecodeConfig, System
+    from loramcl.recipes.spoken_translation.reproduce import Experiment, SpokenTranslation
+    from loramcl.recipes.stages import Stages
+
+    model, run = _tiny_whisper_run(tmp_path)
+    load, devices = loramcl.models.load_model, []
+
+    def load_on_cpu(model, adapters=None, dtype="float32", device="cpu", strict=False):
+        devices.append(device)
+        return load(model, adapters, dtype, "cpu", strict)
+
+    monkeypatch.setattr(loramcl.models, "load_model", load_on_cpu)
+    task = SpokenTranslation(None, Experiment(), Stages(tmp_path / "out"), False, None, "cuda:1")
+    task.model = model
+    task.test.parent.mkdir()
+    rows = []
+    for i, seconds in enumerate((0.4, 0.9, 0.6)):
+        wavfile.write(tmp_path / f"{i}.wav", 16_000, (np.sin(np.arange(int(16_000 * seconds)) / (3 + i)) * 9000)
+                      .astype(np.int16))
+        rows.append(json.dumps({"id": f"m{i}", "audio": str(tmp_path / f"{i}.wav")}))
+    task.test.write_text("\n".join(rows) + "\n")
+    decode = DecodeConfig(max_new_tokens=3, batch_size=2)
+    system = System("mcl-beam-b2", "mcl", "beam", 2)
+    task.decode(system, {"model": model}, system.decoding(2, False, decode), decode)
+    assert devices == ["cuda:1"]
+    lines = [json.loads(line) for line in task.stages.predictions(system.name).read_text().splitlines()]
+    assert [line["id"] for line in lines] == ["m0", "m1", "m2"]
+    assert all(len(line["candidates"]) == len(line["modes"]) == 2 and line["hypotheses"] == [0, 1] for line in lines)
+
+
+def test_a_run_records_its_methods_configuration_under_the_methods_name(tmp_path, monkeypatch):
+    """A LoRA-MoE run's settings hold {"method": "moe", "moe": ...} (the way `loramcl train` records it), a LoRA-MCL
+    run's {"mcl": ...}: the settings its checkpoints and run.json are checked against."""
+    from loramcl.recipes.spoken_translation.reproduce import Experiment, SpokenTranslation
+    from loramcl.recipes.stages import Stages
+
+    task = SpokenTranslation(None, Experiment(), Stages(tmp_path), False, None, "cpu")
+    task.data.mkdir()
+    for role in ("train", "validation"):
+        (task.data / f"{role}.jsonl").write_text("{}\n")
+    recorded = {}
+    monkeypatch.setattr(task.stages, "train", lambda name, out, settings, *rest: recorded.update({name: settings}))
+    block = {"r": 2, "target_modules": ["q_proj"]}
+    task.train("moe", {"model": "m", "out": str(tmp_path / "moe"), "method": "moe", "moe": {"num_experts": 2, **block}})
+    task.train("mcl", {"model": "m", "out": str(tmp_path / "mcl"), "mcl": {"num_hypotheses": 2, **block}})
+    moe, mcl = recorded["train moe"], recorded["train mcl"]
+    assert moe["method"] == "moe" and moe["moe"]["num_experts"] == 2 and "mcl" not in moe
+    assert "method" not in mcl and mcl["mcl"]["num_hypotheses"] == 2
+    for settings in (moe, mcl):
+        assert set(settings["data_sha256"]) == {"train", "validation"}
+        assert (settings["context_seconds"], settings["train_modes"]) == (6, "both")

@@ -7,6 +7,9 @@ The shared runner is what every task recipe is made of, so that recipes stay thi
 
 - ``runner``: ``run_recipe``, the stage loop every task command runs, and ``Task``, what a task gives it (its
   experiment settings, data, the training of a run, the decoding of a system, its report).
+- ``steps``: the step library (a run's settings, the training stage, decoding to JSONL, scoring the references to
+  JSONL) and ``ProcessorTask``, which composes them for the tasks whose examples are built from a processor.
+- ``command``: each task command generated from its Task, the options every task command shares written once.
 - ``experiment``: the settings every experiment.yaml holds; ``text``: what the two text tasks share.
 - ``files``: recipe files (a common file + one per run, merged section by section), the packaged recipes by name;
   ``catalog``: `loramcl recipes` (list, copy).

@@ -39,11 +39,20 @@ class Task(ABC):
     """Whether the task scores every test reference under every hypothesis of the runs of its NLL table
     (``score``; experiment.yaml's ``nll_table``)."""
 
+    options: ClassVar[dict] = {}
+    """The task command's help of a shared option where the task says more (name -> text), and its own options
+    (name -> ``recipes.command.Option``, an experiment setting); the Task's docstring is the command's description."""
+
+    option_order: ClassVar[tuple[str, ...] | None] = None
+    """The command's options in this order (default: the shared ones, then the task's own)."""
+
     def __init__(self, folder: Path, experiment: Experiment, stages: Stages, quick: bool, threads: int | None,
                  device: str) -> None:
         self.folder, self.experiment, self.stages = folder, experiment, stages
         self.quick, self.threads, self.device = quick, threads, device
         self.root = stages.root
+        self.model: str | None = None
+        """The model folder every run trains, once the runner has read the runs."""
         self.data = self.root / "data"
         self.test = self.data / "test.jsonl"
         """The test inputs and references every system decodes and is scored on, written by ``prepare_data``."""
@@ -167,6 +176,7 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     model = values[names[0]]["model"]
     for run, v in values.items():
         require(v["model"] == model, f"run {run}: every run of a recipe folder trains the same model ({model})")
+    task.model = model
     if task.scores_references:
         experiment.table_runs(names)  # each run of the NLL table has its run file
     else:

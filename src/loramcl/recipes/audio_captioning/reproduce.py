@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loramcl.data.audio_captions import CAPTIONS_PER_CLIP, LAYOUTS, MISSING_AUDIO, SPLITS, csv_path
-from loramcl.recipes import runner
 from loramcl.recipes.audio_captioning.prompts import DEFAULT_INSTRUCTION
+from loramcl.recipes.command import task_command
 from loramcl.recipes.experiment import Experiment as RecipeExperiment
-from loramcl.recipes.grid import DecodeConfig, System, check_sampling, check_tta, systems_of
+from loramcl.recipes.grid import System, check_sampling, check_tta
+from loramcl.recipes.steps import ProcessorTask
 from loramcl.utils.validate import require, require_int, require_real
 
 DEFAULT_RECIPES = "audio_captioning/tiny"
@@ -222,107 +223,33 @@ def training_config(values: dict, experiment: Experiment, train_examples: int, q
     return TrainConfig(**settings)
 
 
-def train_captioner(model: str, out: str, method: str, config, training, settings: dict, data: Path,
-                    experiment: Experiment, eval_examples: int | None, dtype: str) -> dict:
-    """Train one run on the data stage's manifests with ``training.fit.fit`` (resuming from its checkpoints)."""
-    from transformers import AutoProcessor
-
-    from loramcl.data.audio_captions import CaptionExamples, load_audio
-    from loramcl.data.prompts import pad_token_id
-    from loramcl.models import load_model
-    from loramcl.recipes.audio_captioning.prompts import CaptionEncoder, collate_audio
-    from loramcl.training.fit import fit, resumable_checkpoint
-
-    processor = AutoProcessor.from_pretrained(model)
-    encoder = CaptionEncoder(processor, experiment.chat_template, experiment.instruction)
-
-    def encode(clip, caption: str) -> dict:
-        return encoder.encode(load_audio(clip.audio, max_seconds=experiment.max_seconds), caption)
-
-    train_set = CaptionExamples(read_manifest(data / "train.jsonl"), encode, experiment.captions_per_clip,
-                                seed=training.seed)
-    validation = read_manifest(data / "validation.jsonl")[:eval_examples]
-    eval_set = CaptionExamples(validation, encode, "all") if validation else None
-    pad = pad_token_id(processor.tokenizer)
-    return fit(lambda: load_model(model, dtype=dtype), out, config, training, settings, train_set, eval_set,
-               collator=lambda rows: collate_audio(rows, pad), processor=processor,
-               last_checkpoint=resumable_checkpoint(out, settings, True), method=method)
-
-
-# ---- decoding ------------------------------------------------------------------------------------------------
-
-
-def decode_captions(model: str, adapters: str, test: Path, out: Path, arguments: dict, experiment: Experiment,
-                    batch_size: int, dtype: str, device: str) -> Path:
-    """K candidates per test clip with ``generate_hypotheses``; written as `loramcl evaluate` reads predictions:
-    {"id", "candidates": [K], "log_probs": [K]} (+ "hypotheses" for an MCL model)."""
-    from transformers import AutoProcessor
-
-    from loramcl.data.audio_captions import load_audio
-    from loramcl.decoding.augment import tta_augment
-    from loramcl.decoding.predictions import prediction_record
-    from loramcl.decoding.strategies import generate_hypotheses
-    from loramcl.models import load_model
-    from loramcl.recipes.audio_captioning.prompts import CaptionEncoder
-
-    arguments = dict(arguments)
-    strength = arguments.pop("tta_strength", None)
-    if arguments["strategy"] == "tta":
-        arguments["augment"] = tta_augment(*strength)
-    processor = AutoProcessor.from_pretrained(model)
-    encoder = CaptionEncoder(processor, experiment.chat_template, experiment.instruction)
-    decoder = load_model(model, adapters, dtype, device)
-    clips = read_manifest(test)
-    seed = arguments.pop("seed")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f:
-        for b, start in enumerate(range(0, len(clips), batch_size)):
-            chunk = clips[start:start + batch_size]
-            batch = encoder.generation_batch([load_audio(c.audio, max_seconds=experiment.max_seconds) for c in chunk])
-            outs = generate_hypotheses(decoder, processor, batch, seed=seed + b, **arguments)
-            for clip, candidates in zip(chunk, outs, strict=True):
-                f.write(json.dumps(prediction_record(clip.id, candidates), ensure_ascii=False) + "\n")
-    return out
-
-
-def score_references(model: str, adapters: str, test: Path, out: Path, experiment: Experiment, batch_size: int,
-                     dtype: str, device: str) -> Path:
-    """The mean NLL per caption token (end token included) of every reference caption of every test clip under
-    every hypothesis of a run, tokenized as in training: {"id", "nll": [[K] per reference]} per clip, what `loramcl
-    evaluate --nll` reads for the oracle test NLL (paper App. E.1)."""
-    import torch
-    from transformers import AutoProcessor
-
-    from loramcl.data.audio_captions import load_audio
-    from loramcl.data.prompts import pad_token_id
-    from loramcl.models import load_model
-    from loramcl.recipes.audio_captioning.prompts import CaptionEncoder, collate_audio
-
-    processor = AutoProcessor.from_pretrained(model)
-    encoder = CaptionEncoder(processor, experiment.chat_template, experiment.instruction)
-    scorer = load_model(model, adapters, dtype, device)
-    pad = pad_token_id(processor.tokenizer)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f, torch.no_grad():
-        for clip in read_manifest(test):
-            waveform = load_audio(clip.audio, max_seconds=experiment.max_seconds)
-            rows = [encoder.encode(waveform, caption) for caption in clip.captions]
-            scores = [scorer(**{k: v.to(device) for k, v in collate_audio(rows[i:i + batch_size], pad).items()})
-                      .nll.float().cpu() for i in range(0, len(rows), batch_size)]  # each [b, K]
-            f.write(json.dumps({"id": clip.id, "nll": torch.cat(scores).tolist()}) + "\n")
-    return out
-
-
 # ---- the command ---------------------------------------------------------------------------------------------
 
 
-class AudioCaptioning(runner.Task):
-    """Qwen2-Audio captions: the clips of an official distribution (or the synthetic one), one run per run file."""
+class AudioCaptioning(ProcessorTask):
+    """Audio captioning with Qwen2-Audio (paper §4.2, Fig. 3): LoRA-MCL against LoRA-MLE and LoRA-MoE at equal budget.
+
+    Trains every run of the recipe folder, decodes K captions per clip at equal forward budgets (MCL beam B/K per
+    hypothesis; MLE and MoE beam, diverse beam, SpecAugment test-time augmentation; sampling), scores them
+    (`loramcl evaluate`: oracle SPIDEr / CIDEr-D / METEOR / sBERT, mBLEU-4, Div-n) and plots quality against
+    diversity.
+
+    Writes to `out`: data/, one folder per run (adapters, logs), predictions/, eval/, figures/, report.json and
+    report.md. Finished stages are reused when their settings are unchanged; an interrupted training resumes.
+    """
 
     experiment_type = Experiment
     default_recipes = DEFAULT_RECIPES
     quick_settings = {"training": QUICK_TRAIN}
     quick_decoding = QUICK_DECODING
+    options = {
+        "recipes": "recipe folder with experiment.yaml, common.yaml and one file per run, or a packaged recipe's name "
+                   "(default: tiny; clotho and audiocaps are the paper's scale; `loramcl recipes` lists them).",
+        "quick": "a few clips, two training steps per run, the smallest budget: checks the whole pipeline (numbers "
+                 "meaningless).",
+        "stop_after": '"data" or "train": stop after that stage (e.g. to train each run with `accelerate launch`, see '
+                      "the paper-scale common.yaml, then run this command again to decode and report).",
+        "runs": "train only these runs (with stop_after train; e.g. one run per `accelerate launch`)."}
 
     def build_model(self) -> str | None:
         return self.tiny_model(TINY_MODEL_FOLDER, "tiny_qwen2_audio", SYNTHETIC_WORDS)
@@ -331,10 +258,6 @@ class AudioCaptioning(runner.Task):
         from loramcl.utils.inputs import check_model_folder
 
         check_model_folder(model)  # before hours of data preparation
-
-    def systems(self, values: dict[str, dict], budgets: list[int]) -> list[System]:
-        decoded = self.experiment.decoded_runs(list(values))
-        return systems_of(self.experiment, {run: self.hypotheses(values[run]) for run in decoded}, budgets)
 
     def prepare_data(self, model: str, values: dict[str, dict]) -> None:
         from loramcl.utils.files import sha256
@@ -351,37 +274,66 @@ class AudioCaptioning(runner.Task):
         self.stages.run("prepare data", self.data / "prepare.json", settings, prepare_data, self.data, experiment,
                         root, self.quick)
 
-    def train(self, run: str, values: dict) -> None:
-        from loramcl.recipes.files import method_of
-        from loramcl.utils.files import sha256
-
-        experiment = self.experiment
+    def training_config(self, values: dict):
         stats = json.loads((self.data / "stats.json").read_text())
-        examples = stats["splits"]["train"]["clips" if experiment.captions_per_clip == "one" else "captions"]
-        method, config = method_of(values)
-        training = training_config(values, experiment, examples, self.quick)
-        dtype, eval_examples = values.get("dtype", "float32"), values.get("eval_examples", 64)
-        captions = {"captions_per_clip": experiment.captions_per_clip, "max_seconds": experiment.max_seconds,
-                    "chat_template": experiment.chat_template, "instruction": experiment.instruction}
-        settings = json.loads(json.dumps({
-            "model": values["model"], **({"mcl": config.to_dict()} if method == "mcl" else {
-                "method": method, method: config.to_dict()}),
-            "training": asdict(training), "dtype": dtype, "eval_examples": eval_examples, "captions": captions,
-            "data_sha256": {role: sha256(self.data / f"{role}.jsonl") for role in ROLES[:2]}}))
-        self.stages.train(f"train {run}", Path(values["out"]), settings, train_captioner, values["model"],
-                          values["out"], method, config, training, settings, self.data, experiment, eval_examples,
-                          dtype)
+        examples = stats["splits"]["train"]["clips" if self.experiment.captions_per_clip == "one" else "captions"]
+        return training_config(values, self.experiment, examples, self.quick)
 
-    def decode(self, system: System, values: dict, arguments: dict, decode: DecodeConfig) -> None:
-        decode_captions(values["model"], str(self.root / system.run), self.test, self.stages.predictions(system.name),
-                        arguments, self.experiment, decode.batch_size, values.get("dtype", "float32"), self.device)
+    def example_settings(self, values: dict) -> dict:
+        experiment = self.experiment
+        return {"eval_examples": values.get("eval_examples", 64), "captions": {
+            "captions_per_clip": experiment.captions_per_clip, "max_seconds": experiment.max_seconds,
+            "chat_template": experiment.chat_template, "instruction": experiment.instruction}}
+
+    def encoder(self, processor):
+        from loramcl.recipes.audio_captioning.prompts import CaptionEncoder
+
+        return CaptionEncoder(processor, self.experiment.chat_template, self.experiment.instruction)
+
+    def audio(self, clip):
+        from loramcl.data.audio_captions import load_audio
+
+        return load_audio(clip.audio, max_seconds=self.experiment.max_seconds)
+
+    def training_sets(self, values: dict, training, processor) -> tuple:
+        from loramcl.data.audio_captions import CaptionExamples
+
+        encoder = self.encoder(processor)
+
+        def encode(clip, caption: str) -> dict:
+            return encoder.encode(self.audio(clip), caption)
+
+        train_set = CaptionExamples(read_manifest(self.data / "train.jsonl"), encode,
+                                    self.experiment.captions_per_clip, seed=training.seed)
+        validation = read_manifest(self.data / "validation.jsonl")[:values.get("eval_examples", 64)]
+        return train_set, CaptionExamples(validation, encode, "all") if validation else None
+
+    def collator(self, processor):
+        from loramcl.data.prompts import pad_token_id
+        from loramcl.recipes.audio_captioning.prompts import collate_audio
+
+        pad = pad_token_id(processor.tokenizer)
+        return lambda rows: collate_audio(rows, pad)
+
+    def test_inputs(self) -> dict:
+        return {clip.id: clip for clip in read_manifest(self.test)}
+
+    def inputs(self, processor, batch: list, strength) -> tuple:
+        from loramcl.decoding.augment import tta_augment
+
+        return (self.encoder(processor).generation_batch([self.audio(clip) for clip in batch]),
+                tta_augment(*strength) if strength else None)
 
     def scored_runs(self, runs: list[str], systems: list[System]) -> list[str]:
         return list(dict.fromkeys(system.run for system in systems))
 
-    def score(self, run: str, values: dict, decode: DecodeConfig, out: Path) -> None:
-        score_references(values["model"], str(self.root / run), self.test, out, self.experiment, decode.batch_size,
-                         values.get("dtype", "float32"), self.device)
+    def reference_examples(self, processor):
+        """The reference captions of each test clip, tokenized as in training: the mean NLL per caption token (end
+        token included)."""
+        encoder = self.encoder(processor)
+        for clip in read_manifest(self.test):
+            waveform = self.audio(clip)
+            yield clip.id, [encoder.encode(waveform, caption) for caption in clip.captions]
 
     def evaluate(self, systems: list[System]) -> None:
         from loramcl.metrics.evaluate import evaluate
@@ -401,33 +353,7 @@ class AudioCaptioning(runner.Task):
         return build_report(self.root, self.experiment, systems, runs)
 
 
-def audio_captioning(out: str | None = None, recipes: str | None = None, quick: bool = False,
-                     budgets: list[int] | None = None, stop_after: str | None = None, runs: list[str] | None = None,
-                     threads: int | None = None, device: str = "cpu") -> dict:
-    """Audio captioning with Qwen2-Audio (paper §4.2, Fig. 3): LoRA-MCL against LoRA-MLE and LoRA-MoE at equal budget.
-
-    Trains every run of the recipe folder, decodes K captions per clip at equal forward budgets (MCL beam B/K per
-    hypothesis; MLE and MoE beam, diverse beam, SpecAugment test-time augmentation; sampling), scores them
-    (`loramcl evaluate`: oracle SPIDEr / CIDEr-D / METEOR / sBERT, mBLEU-4, Div-n) and plots quality against
-    diversity.
-
-    Writes to `out`: data/, one folder per run (adapters, logs), predictions/, eval/, figures/, report.json and
-    report.md. Finished stages are reused when their settings are unchanged; an interrupted training resumes.
-
-    Args:
-        out: output folder (default: experiment.yaml's `out`).
-        recipes: recipe folder with experiment.yaml, common.yaml and one file per run, or a packaged recipe's name
-            (default: tiny; clotho and audiocaps are the paper's scale; `loramcl recipes` lists them).
-        quick: a few clips, two training steps per run, the smallest budget: checks the whole pipeline (numbers
-            meaningless).
-        budgets: forward budgets to decode at (default: experiment.yaml's).
-        stop_after: "data" or "train": stop after that stage (e.g. to train each run with `accelerate launch`, see
-            the paper-scale common.yaml, then run this command again to decode and report).
-        runs: train only these runs (with stop_after train; e.g. one run per `accelerate launch`).
-        threads: torch CPU threads (default: the cores that are free when the command starts).
-        device: e.g. cpu or cuda.
-    """
-    return runner.run_recipe(AudioCaptioning, out, recipes, quick, budgets, stop_after, runs, threads, device)
+audio_captioning = task_command(AudioCaptioning, "audio_captioning")
 
 
 __all__ = ["AudioCaptioning", "Experiment", "audio_captioning", "prepare_data", "write_synthetic_clotho"]

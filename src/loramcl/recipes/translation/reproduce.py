@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loramcl.recipes import runner
+from loramcl.recipes.command import task_command
 from loramcl.recipes.grid import System
 from loramcl.recipes.text import TextExperiment, TextTask
 from loramcl.utils.validate import require
@@ -171,13 +171,29 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 class Translation(TextTask):
-    """Translation with K candidates per source sentence, against references written by several translators."""
+    """Diverse machine translation (paper §4.4, App. H.6) from a recipe folder, data to report.
+
+    Trains LoRA-MLE and LoRA-MCL runs, decodes K candidates per source at equal forward budgets, and reports
+    Loo-BLEU against Pairwise-BLEU (paper Fig. 4), #references covered, oracle sentence BLEU / chrF, the oracle
+    test NLL per K (paper Table 1) and how the hypotheses differ.
+
+    Writes to `out`: data/, one folder per run (adapters, logs), predictions/, nll/, figures/, report.json and
+    report.md. Finished stages are reused when their settings are unchanged; an interrupted training resumes.
+    """
 
     experiment_type = Experiment
     default_recipes = DEFAULT_RECIPES
     quick_settings = QUICK_TRAIN
     quick_decoding = QUICK_DECODING
     references_key = "targets"  # the references after the separator the tokenizer reads first
+    options = {
+        "out": "output folder (default: experiment.yaml's `out`, where the run files point).",
+        "recipes": "recipe folder with experiment.yaml, common.yaml and one file per run, or a packaged recipe's name "
+                   "(default: smollm2; alma is the paper's scale; `loramcl recipes` lists them).",
+        "quick": "a few sentences, one training step of the decoded runs only, the smallest budget: checks the whole "
+                 "pipeline in about a minute (numbers meaningless).",
+        "stop_after": '"data" or "train": stop after that stage (e.g. to train each run with `accelerate launch ... '
+                      'loramcl train` on several GPUs, then run this command again to decode and report).'}
 
     def prepare_data(self, model: str, values: dict[str, dict]) -> None:
         from loramcl.utils.files import sha256
@@ -195,32 +211,7 @@ class Translation(TextTask):
         return build_report(self.root, self.experiment, systems, self.scored_runs(runs, systems), runs)
 
 
-def translation(out: str | None = None, recipes: str | None = None, quick: bool = False,
-                budgets: list[int] | None = None, stop_after: str | None = None, runs: list[str] | None = None,
-                threads: int | None = None, device: str = "cpu") -> dict:
-    """Diverse machine translation (paper §4.4, App. H.6) from a recipe folder, data to report.
-
-    Trains LoRA-MLE and LoRA-MCL runs, decodes K candidates per source at equal forward budgets, and reports
-    Loo-BLEU against Pairwise-BLEU (paper Fig. 4), #references covered, oracle sentence BLEU / chrF, the oracle
-    test NLL per K (paper Table 1) and how the hypotheses differ.
-
-    Writes to `out`: data/, one folder per run (adapters, logs), predictions/, nll/, figures/, report.json and
-    report.md. Finished stages are reused when their settings are unchanged; an interrupted training resumes.
-
-    Args:
-        out: output folder (default: experiment.yaml's `out`, where the run files point).
-        recipes: recipe folder with experiment.yaml, common.yaml and one file per run, or a packaged recipe's name
-            (default: smollm2; alma is the paper's scale; `loramcl recipes` lists them).
-        quick: a few sentences, one training step of the decoded runs only, the smallest budget: checks the whole
-            pipeline in about a minute (numbers meaningless).
-        budgets: forward budgets to decode at (default: experiment.yaml's).
-        stop_after: "data" or "train": stop after that stage (e.g. to train each run with `accelerate launch ...
-            loramcl train` on several GPUs, then run this command again to decode and report).
-        runs: train only these runs (with stop_after train).
-        threads: torch CPU threads (default: the cores that are free when the command starts).
-        device: e.g. cpu or cuda.
-    """
-    return runner.run_recipe(Translation, out, recipes, quick, budgets, stop_after, runs, threads, device)
+translation = task_command(Translation, "translation")
 
 
 __all__ = ["Experiment", "Translation", "translation", "prepare_data"]
