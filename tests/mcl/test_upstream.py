@@ -138,5 +138,20 @@ def test_a_trainer_without_a_private_method_we_rely_on_is_refused(tmp_path, monk
     mcl, _, _ = _decoder()
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no")
     monkeypatch.delattr(transformers.Trainer, name)
-    with pytest.raises(UpstreamChanged, match=rf"Trainer has no {name}, which MCLTrainer overrides or calls"):
+    with pytest.raises(UpstreamChanged, match=rf"Trainer has no {name}, which MCLTrainer overrides"):
         MCLTrainer(mcl, args=args)
+
+
+def test_a_trainer_that_writes_checkpoints_elsewhere_is_refused_at_the_first_save(tmp_path, monkeypatch):
+    """MCLTrainer stages a checkpoint by pointing its arguments' output_dir at a staging folder, where Trainer writes
+    it (then it is published whole): a Trainer that no longer writes there is an UpstreamChanged, not a checkpoint
+    published half-written or lost."""
+    mcl, inputs, labels = _decoder()
+    rows = [{"input_ids": inputs["input_ids"][i].tolist(), "attention_mask": inputs["attention_mask"][i].tolist(),
+             "labels": labels[i].tolist()} for i in range(len(labels))]
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1, save_steps=1,
+                             per_device_train_batch_size=2)
+    monkeypatch.setattr(transformers.Trainer, "_get_output_dir", lambda self, trial=None: str(tmp_path))
+    with pytest.raises(UpstreamChanged, match="did not write checkpoint-1 into the output_dir of its arguments"):
+        MCLTrainer(mcl, args=args, train_dataset=rows).train()
+

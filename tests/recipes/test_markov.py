@@ -286,7 +286,7 @@ def test_chain_posterior_and_the_optimal_loss_of_a_sample():
     assert optimal_nll(mixture, x) == pytest.approx(theory(mixture).mle_optimum, abs=1e-3)  # its expectation: H(x)
 
 
-@pytest.mark.slow  # 3 x 500 steps: about 22 minutes on a shared 2-core CPU (docs/scores.md has the measurement)
+@pytest.mark.slow  # 3 x 500 steps: about 22 minutes on a shared 2-core CPU (docs/guide/scores.md has the measurement)
 def test_random_ties_keep_vanilla_wta_on_three_chains(tmp_path):
     from loramcl.recipes.markov.reproduce import markov
 

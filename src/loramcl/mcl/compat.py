@@ -13,9 +13,9 @@ than let a moved internal compute something else.
   ``_can_checkpoint_with_cache`` (``checkpointing_keeps_cache``); the context computed once checks afterwards that
   every layer read its shared cache (``loramcl.mcl.context.check_context_read``), which also catches this attribute
   being renamed.
-- ``Trainer`` methods that ``MCLTrainer`` overrides or calls although they are private (``check_trainer_methods``):
-  an override of a method the base class no longer has is never called, and its behaviour (atomic checkpoints, the
-  DDP options) would silently stop.
+- ``Trainer`` methods that ``MCLTrainer`` overrides although they are private (``check_trainer_methods``): an
+  override of a method the base class no longer has is never called, and its behaviour (resuming from a checked
+  checkpoint, the adapters' own files, the columns the model takes) would silently stop.
 - The generation loop's own steps, which diverse beam search drives (``check_generation_steps``).
 - PEFT's matching of target modules (``peft_targets``), so that our layers are the ones a PEFT LoRA with the same
   options adapts, and its table of default targets per model type (``peft_default_targets``).
@@ -97,7 +97,7 @@ def check_trainer_methods(trainer_class: type, names: Iterable[str]) -> None:
     missing = sorted(name for name in names if not callable(getattr(transformers.Trainer, name, None)))
     if missing:
         raise upstream_error(f"transformers.Trainer has no {', '.join(missing)}, which {trainer_class.__name__} "
-                             "overrides or calls (checkpoint publishing, resuming, DDP options, gradient clipping)",
+                             "overrides (resuming, loading the best model, saving the adapters, the model's columns)",
                              "train with the versions loramcl was tested with")
 
 

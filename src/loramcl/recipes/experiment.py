@@ -36,7 +36,7 @@ class Experiment:
     mcl_decodings: list[str] = field(default_factory=lambda: ["beam", "greedy"])
     """How runs with K hypotheses decode: 'beam' (beam B/K per hypothesis; at B = K one beam through beam search, so
     the repetition penalty acts on log-probabilities as in the single models' beam search: equal footing), 'greedy'
-    (at B = K: the paper's protocol, the penalty on the logits; docs/decoding.md) and 'diverse_beam' (diverse MCL
+    (at B = K: the paper's protocol, the penalty on the logits; docs/guide/decoding.md) and 'diverse_beam' (diverse MCL
     decoding: hypothesis k is group k of one diverse beam search)."""
 
     decoding: dict = field(default_factory=dict)

@@ -95,7 +95,7 @@ class System:
             if strategy == "beam" and budget.mcl_num_beams == 1:
                 # beam 1 per hypothesis through beam search (diverse MCL decoding with λ = 0: the groups independent),
                 # which applies the repetition penalty to log-probabilities as the single models' beam search does;
-                # transformers' num_beams=1 would decode greedily, the penalty on the logits (docs/decoding.md)
+                # transformers' num_beams=1 would decode greedily, the penalty on the logits (docs/guide/decoding.md)
                 arguments |= {"strategy": "diverse_beam", "diversity_penalty": 0.0}
         if strategy in ("greedy", "sample"):
             per_candidate = budget.mcl_num_beams if not single_model else budget.budget // k

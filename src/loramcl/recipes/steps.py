@@ -16,7 +16,7 @@ from pathlib import Path
 from loramcl.recipes import runner
 from loramcl.recipes.grid import DecodeConfig, System, systems_of
 
-logger = logging.getLogger(__name__)  # a stage's progress, which the command shows (docs/cli.md)
+logger = logging.getLogger(__name__)  # a stage's progress, which the command shows (docs/guide/cli.md)
 TRAINING_FILES = ("train", "validation")
 """The data stage's files a run trains on (those written), whose SHA-256 its settings record."""
 

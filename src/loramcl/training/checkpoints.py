@@ -26,6 +26,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 
 from loramcl.mcl.adapter_files import CONFIG_NAME, WEIGHTS_NAME, read_adapters
+from loramcl.mcl.compat import upstream_error
 
 CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 # The name matches neither Trainer's `checkpoint-*` glob (rotation) nor its resume pattern.
@@ -193,6 +194,10 @@ class StagedCheckpoints(TrainerCallback):
         checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         PartialState().wait_for_everyone()  # every rank's files (RNG states, shards) are in the folder
         staged = os.path.join(staging, os.path.basename(checkpoint))
+        if args.should_save and not os.path.isdir(staged):  # Trainer no longer writes into args.output_dir
+            raise upstream_error(f"Trainer did not write {os.path.basename(checkpoint)} into the output_dir of its "
+                                 f"arguments ({staging}), where MCLTrainer stages checkpoints to publish them whole",
+                                 "train with the versions loramcl was tested with")
         if state.best_model_checkpoint == staged:  # Trainer recorded the staging path (on every rank)
             state.best_model_checkpoint = checkpoint
             if args.should_save:

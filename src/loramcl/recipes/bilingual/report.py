@@ -61,7 +61,8 @@ def build_report(root: Path, systems, runs: list[str], scored: list[str], metric
         candidates = [predictions[r["id"]]["candidates"] for r in test]
         outputs[system.name] = candidates
         ids, nll_path = [r["id"] for r in test], root / "nll" / f"{system.run}.jsonl"
-        scores = load_scores(path, ids, candidates)  # p(k | c): runs trained with hypothesis scores (docs/scores.md)
+        # p(k | c): runs trained with hypothesis scores (docs/guide/scores.md)
+        scores = load_scores(path, ids, candidates)
         report = evaluate_candidates(candidates, references, metrics=metrics, nll=load_nll(nll_path, ids, references),
                                      winner_metric="chrf", mixture_nll=load_mixture_nll(nll_path, ids, references),
                                      scores=scores)
@@ -128,7 +129,7 @@ def markdown(report: dict) -> str:
 
     scored = {name: result for name, result in systems.items() if "mean_scores" in result}
     if scored:
-        lines += ["", "## Hypothesis scores p(k | c) (docs/scores.md)", "",
+        lines += ["", "## Hypothesis scores p(k | c) (docs/guide/scores.md)", "",
                   "Top-1: how often the most probable candidate is the best one by sentence chrF (chance 1/K); ECE: "
                   "calibration of p(k | c) against those wins. Mixture NLL: -log sum_k p(k | c) p_k(x | c) of the "
                   "references (nats per token), a proper likelihood to compare with LoRA-MLE's NLL; oracle NLL: the "

@@ -55,7 +55,7 @@ class RunSettings:
     heads: int = 2
     window: int = 5  # local attention window of every layer
     # std of the frozen random weights. transformers' default, 0.02, is the paper's; it caps the logit gaps the
-    # frozen tied output layer can produce (docs/markov.md): `loramcl markov`'s own presets raise it.
+    # frozen tied output layer can produce (docs/experiments/markov.md): `loramcl markov`'s own presets raise it.
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:

@@ -20,7 +20,8 @@ OUR_NOTE = (
     "(sqrt(64) = 8), so with std 0.02 the largest logit gap it can produce is about 8 x ||w_0 - w_1|| ~ 1.6: no "
     "adapter can predict a probability above ~0.83, and fig2's first chain needs 0.9. (2) The learning rate is "
     "{lr:g}, not 1e-4: at 1e-4 for 500 steps each hypothesis learns its chain's stationary distribution (the "
-    "same row for every current token) but not yet the transitions. docs/markov.md has the measured numbers.")
+    "same row for every current token) but not yet the transitions. docs/experiments/markov.md has the measured "
+    "numbers.")
 DEFAULT_INIT, DEFAULT_LR = 0.1, 1e-3
 OURS = {"initializer_range": DEFAULT_INIT, "learning_rate": DEFAULT_LR}
 PRESETS = {
@@ -33,14 +34,14 @@ PRESETS = {
                "before the first prediction is x_1, so the scores must learn the chain's posterior p(z | x_1) = "
                "w_z pi_z(x_1) / sum_j w_j pi_j(x_1), and the mixture sum_k p(k|x_1) p_k(x_2..x_T | x_1) must be as "
                "good a density as LoRA-MLE, while the oracle loss stays in the MCL band. The scores' head learns at "
-               "1e-2 (10x the adapters). docs/markov.md has the numbers."),
+               "1e-2 (10x the adapters). docs/experiments/markov.md has the numbers."),
     "three": ("three", {**OURS, "hypotheses": 3, "rank": 21, "loss": "annealed", "temperature0": 1.0,
                         "temperature_decay": 0.985},
               "Three chains over three states, K = 3 hypotheses of rank 21 (LoRA-MLE: rank 63), trained with annealed "
               "MCL (eq. 5; tau = 0.985^t, vanilla WTA from step 458). With vanilla WTA, 2 of 3 seeds ended with two "
               "hypotheses on the same chain and the third averaging the other two (max error 0.71); relaxed WTA "
               "(epsilon 0.1) found the three chains but shrinks every hypothesis towards the average (error 0.06). "
-              "docs/markov.md has the numbers."),
+              "docs/experiments/markov.md has the numbers."),
 }
 QUICK = {"steps": 100, "eval_every": 25, "eval_sequences": 500}
 

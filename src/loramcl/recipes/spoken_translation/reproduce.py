@@ -65,7 +65,7 @@ class Experiment(RecipeExperiment):
     """The targets of a training message: "both", its transcript and its most used French translation (two examples
     on the same clip: the speech never tells the mode, as at test time); "drawn", the one mode drawn for it
     (data.seed), which every epoch asks of the same clip, so the mode can be learnt from the clip itself
-    (docs/spoken_translation.md)."""
+    (docs/experiments/spoken_translation.md)."""
 
     sampling: list[dict] = field(default_factory=list)
     """Sampling systems of every run at B = K, one per entry of generate_hypotheses arguments (e.g. {"top_p": 0.95};

@@ -6,7 +6,7 @@ which runs are decoded and which enter the NLL table), `common.yaml` and one fil
 train --config` file). Two ship inside the package (`loramcl recipes`):
 
 - translation/smollm2 (the default): SmolLM2-135M on a multi-reference set built from the machine's gettext
-  catalogs, on the CPU (docs/translation.md);
+  catalogs, on the CPU (docs/experiments/translation.md);
 - translation/alma (`--recipes alma`): the paper's scale, ALMA-7B-Pretrain on ALMA's human-written en->de pairs,
   evaluated on the newstest2014 subset of Ott et al. 2018 with ten references (fairseq's extra_refs file); its files
   say how to launch the training on several GPUs.
