@@ -8,13 +8,19 @@ import sys
 import safetensors.torch
 import torch
 
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the training scripts the processes run
+
+
+def run_on_two_processes(script: str, out) -> subprocess.CompletedProcess:
+    """``tests/<script>`` on 2 CPU processes (torchrun, one thread each), writing into ``out``."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+               os.path.join(TESTS, script), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+
 
 def test_two_process_training_keeps_ranks_identical(tmp_path):
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed_train.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", script,
-               str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    result = run_on_two_processes("distributed_train.py", tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [safetensors.torch.load_file(tmp_path / f"rank{r}.safetensors") for r in (0, 1)]
     assert ranks[0].keys() == ranks[1].keys() and ranks[0]
@@ -30,17 +36,13 @@ def test_two_process_training_keeps_ranks_identical(tmp_path):
 def test_fsdp2_sharded_training_equals_one_process_and_saves_whole_adapters(tmp_path):
     """PyTorch's FSDP2 (`fully_shard`, gloo): 2 ranks, each on half of every batch, end with the adapters of one
     process on the whole batches; save_pretrained gathers the shards (rank 0 writes) and the file loads back."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, TESTS)
     from fsdp_train import CONFIG, train
     from tiny_models import build_model
 
     from loramcl import get_mcl_model, load_mcl_model
 
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fsdp_train.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", script,
-               str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    result = run_on_two_processes("fsdp_train.py", tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     torch.manual_seed(0)
