@@ -38,7 +38,8 @@ def commands() -> dict:
     from loramcl.recipes.markov.reproduce import markov
     from loramcl.recipes.spoken_translation.reproduce import spoken_translation
     from loramcl.recipes.translation.reproduce import translation
-    from loramcl.training.fit import nll, train
+    from loramcl.training.fit import train
+    from loramcl.training.reference_nll import nll
 
     return {"markov": markov, "bilingual": bilingual, "translation": translation, "audio-captioning": audio_captioning,
             "spoken-translation": spoken_translation, "image-captioning": image_captioning, "train": train,

@@ -15,7 +15,8 @@ from loramcl.baselines.multihead import MultiHeadModel
 from loramcl.cli import main
 from loramcl.decoding.predictions import generate
 from loramcl.recipes.files import packaged_recipes
-from loramcl.training.fit import nll, train
+from loramcl.training.fit import train
+from loramcl.training.reference_nll import nll
 
 
 @pytest.fixture(scope="module")

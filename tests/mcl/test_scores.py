@@ -208,7 +208,8 @@ def test_the_commands_write_and_read_scores_and_the_mixture_nll(tmp_path):
     from loramcl import DataConfig, TrainConfig
     from loramcl.decoding.predictions import generate
     from loramcl.metrics.evaluate import evaluate
-    from loramcl.training.fit import nll, train
+    from loramcl.training.fit import train
+    from loramcl.training.reference_nll import nll
 
     write_base_and_training_pairs(tmp_path)
     test = [{"id": i, "prompt": f"w{5 + i} w20", "references": [f"w4{i} w60", "w41"]} for i in range(4)]

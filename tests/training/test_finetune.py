@@ -15,7 +15,8 @@ from loramcl import DataConfig, MCLConfig, TrainConfig, load_mcl_model
 from loramcl.cli import main
 from loramcl.data.prompts import collate, encode_pairs, prompt_text
 from loramcl.decoding import tokenize_prompts
-from loramcl.training.fit import nll, train
+from loramcl.training.fit import train
+from loramcl.training.reference_nll import nll
 
 TARGETS = ["q_proj", "v_proj"]
 

@@ -99,8 +99,8 @@ def score_to_jsonl(out: Path, model, references: Iterable[tuple[object, list]], 
 class ProcessorTask(runner.Task):
     """A task whose runs train with ``training.fit.fit`` on examples it builds from the model folder's processor, and
     whose systems decode and references score with the step functions above. A subclass gives, beside the runner's
-    hooks (experiment, systems, data, report): ``training_sets``, ``collator``, ``test_inputs``, ``inputs`` and, to
-    score its references, ``reference_examples``."""
+    hooks (experiment, systems, data, report): ``training_sets``, ``collate`` (or a whole ``collator``),
+    ``test_inputs``, ``inputs`` and, to score its references, ``reference_examples``."""
 
     def systems(self, values: dict[str, dict], budgets: list[int]) -> list[System]:
         """The decoded runs' systems at each budget as ``recipes.grid.systems_of`` lists them from the experiment's
@@ -129,9 +129,16 @@ class ProcessorTask(runner.Task):
         """(training examples, validation examples or None) of a run, from the data stage's files."""
         raise NotImplementedError(f"{type(self).__name__} gives no training_sets")
 
+    def collate(self) -> Callable[[list, int], dict]:
+        """The task's batching of training examples into the model's inputs (with labels), given the padding id."""
+        raise NotImplementedError(f"{type(self).__name__} gives no collate")
+
     def collator(self, processor) -> Callable[[list], dict]:
-        """Batches a list of training examples into the model's inputs (with labels)."""
-        raise NotImplementedError(f"{type(self).__name__} gives no collator")
+        """Batches a list of training examples: ``collate`` with the padding id of the processor's tokenizer."""
+        from loramcl.data.prompts import pad_token_id
+
+        pad, collate = pad_token_id(processor.tokenizer), self.collate()
+        return lambda rows: collate(rows, pad)
 
     def test_inputs(self) -> dict:
         """{id: test input} of ``self.test``, in its order."""

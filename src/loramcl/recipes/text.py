@@ -1,7 +1,7 @@
 """The text tasks' part of a recipe run (translation, bilingual): each run is a `loramcl train --config` file trained
 by ``training.fit.train`` on data/{train,validation}.jsonl, decoded by ``decoding.predictions.generate`` at equal
-forward budget and scored by ``training.fit.nll`` (the NLL of every test reference under every hypothesis: paper
-Table 1)."""
+forward budget and scored by ``training.reference_nll.nll`` (the NLL of every test reference under every
+hypothesis: paper Table 1)."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ class TextTask(runner.Task):
                  dtype=values.get("dtype", "float32"), **arguments)
 
     def score(self, run: str, values: dict, decode: DecodeConfig, out: Path) -> None:
-        from loramcl.training.fit import nll
+        from loramcl.training.reference_nll import nll
 
         nll(model=values["model"], adapters=str(self.root / run), input=str(self.test), out=str(out),
             references_key=self.references_key, chat_template=self.chat_template, batch_size=decode.batch_size,

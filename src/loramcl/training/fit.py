@@ -1,17 +1,16 @@
-"""`loramcl train` and `loramcl nll`: fine-tune K LoRA hypotheses (or a baseline: LoRA-MoE, multi-head MCL) on
-prompt -> target JSONL, and score references.
+"""`loramcl train`: fine-tune K LoRA hypotheses (or a baseline: LoRA-MoE, multi-head MCL) on prompt -> target JSONL;
+``fit``, the training stage of `loramcl train` and of every recipe.
 
-Each function's signature and docstring are its CLI (jsonargparse); `--config recipe.yaml` reads the same
-arguments from a file, its paths relative to it (the packaged recipes, `--config bilingual/common.yaml`, are read
-relative to the current folder: docs/guide/cli.md). torch and transformers load inside the functions, after the files,
-their fields and the model folder are checked.
+``train``'s signature and docstring are its CLI (jsonargparse); `--config recipe.yaml` reads the same arguments from
+a file, its paths relative to it (the packaged recipes, `--config bilingual/common.yaml`, are read relative to the
+current folder: docs/guide/cli.md). torch and transformers load inside the functions, after the files, their fields
+and the model folder are checked.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -31,17 +30,15 @@ from loramcl.utils.inputs import (
     LocalPath,
     ModelPath,
     PositionLimits,
-    check_device,
     check_file,
     check_model_options,
     check_output,
     is_encoder_decoder,
     model_positions,
-    prompt_format,
     record_line,
 )
 from loramcl.utils.threads import check_threads, use_threads
-from loramcl.utils.validate import OptionError, require_int
+from loramcl.utils.validate import OptionError
 
 # No `if TYPE_CHECKING: import torch` here: jsonargparse runs such blocks to resolve the commands' annotations, which
 # would import torch before every `loramcl train` / `nll` could check its files (tests/test_cli.py).
@@ -381,107 +378,3 @@ def _epoch_callback(dataset) -> object:
             dataset.set_epoch(int((state.epoch or 0) + 1e-6))  # 1.0 after epoch 0's last step; 1.5 when resumed
 
     return SetEpoch()
-
-
-def nll(
-    model: ModelPath,
-    adapters: LocalPath,
-    input: LocalPath,
-    out: LocalPath = "nll.jsonl",
-    prompt_key: str = "prompt",
-    references_key: str = "references",
-    chat_template: bool | None = None,
-    batch_size: int = 16,
-    dtype: Dtype = "float32",
-    device: str = "cpu",
-    threads: int | None = None,
-    progress: bool = True,
-    strict: bool = False,
-) -> str:
-    """Score every reference under every hypothesis: its mean NLL per target token, for `loramcl evaluate --nll`.
-
-    Nats per target token, end-of-sequence included: the oracle NLL and perplexity of paper App. E.1. The prompt
-    and reference are tokenized as `loramcl train` tokenized prompt and target (an encoder-decoder reads the prompt
-    in its encoder and scores the reference as its labels).
-
-    Args:
-        model: local folder of the base model (a causal or a sequence-to-sequence LM).
-        adapters: MCL adapters folder (K hypotheses; a K = 1 run is LoRA-MLE).
-        input: JSONL {"id", "prompt", "references": [R texts]} (or a single text) per line.
-        out: output JSONL {"id", "nll": [[K floats] per reference]} (+ "mixture_nll": [a float per reference],
-            -log sum_k p(k|c) p_k(x|c) per token, for adapters with hypothesis scores).
-        prompt_key: field holding the prompt.
-        references_key: field holding the reference text(s).
-        chat_template: wrap each prompt with the tokenizer's chat template (default: as the training run of
-            `adapters` did, from its run.json; without one, no).
-        batch_size: (prompt, reference) pairs per forward (x K hypotheses).
-        dtype: float32, bfloat16 or float16.
-        device: e.g. cpu, cuda.
-        threads: torch CPU threads (default: the cores that are free when the command starts).
-        progress: a progress bar (references scored) on stderr.
-        strict: refuse adapters saved on a base model with other weights (their recorded fingerprint differs from
-            the model's), and adapter files that cannot be verified (no checksum, no fingerprint) or whose tensors
-            were converted after save; by default each is a warning.
-    """
-    from loramcl.data.prompts import collate, encode_pairs, first_too_long, pad_token_id, read_pairs
-
-    require_int("batch_size", batch_size)
-    check_threads(threads)
-    check_model_options(model, dtype, adapters)
-    if not (Path(adapters) / MCL_CONFIG).is_file():
-        raise ValueError(f"{adapters} is not an MCL adapters folder: `loramcl nll` scores the K hypotheses of an "
-                         "MCL (or K = 1 MLE) run of `loramcl train`")
-    check_output(out, folder=False, example="nll.jsonl")
-    check_file(input, "input file")
-    ids, prompts, references = read_pairs(input, prompt_key, references_key, what="--prompt_key / --references_key")
-    references = [[r] if isinstance(r, str) else r for r in references]
-    bad = [i for i, refs in enumerate(references)
-           if not isinstance(refs, list) or not refs or not all(isinstance(r, str) and r.strip() for r in refs)]
-    if bad:
-        raise ValueError(f'{input}:{record_line(input, bad[0])}: "{references_key}" must be a non-empty text or list '
-                         "of non-empty texts")
-    chat_template = prompt_format(adapters, chat_template)
-    encoder_decoder = is_encoder_decoder(model)
-
-    import torch
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-
-    from loramcl.models import load_model
-
-    check_device(device)
-    use_threads(threads)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    pad_id = pad_token_id(tokenizer)
-    owner = [i for i, refs in enumerate(references) for _ in refs]
-    rows = encode_pairs(tokenizer, [prompts[i] for i in owner], [r for refs in references for r in refs],
-                        chat_template, encoder_decoder=encoder_decoder)
-    if (too_long := first_too_long(rows, model_positions(model), encoder_decoder)) is not None:
-        raise ValueError(f"{input}:{record_line(input, owner[too_long[0]])}: the prompt and reference need "
-                         f"{too_long[1]}: shorten them (a reference is scored whole)")
-    decoder = load_model(model, adapters, dtype, device, strict=strict)
-    nlls, mixtures = [], []
-    bar = tqdm(total=len(rows), unit="reference", desc="nll", file=sys.stderr, disable=not progress,
-               dynamic_ncols=True)
-    with bar, torch.no_grad():
-        for start in range(0, len(rows), batch_size):
-            batch = {k: v.to(device) for k, v in collate(rows[start:start + batch_size], pad_id).items()}
-            output = decoder(**batch)
-            nlls.append(output.nll.float().cpu())  # [b, K]
-            if output.mixture_nll is not None:  # a model with hypothesis scores
-                mixtures.append(output.mixture_nll.float().cpu())  # [b]
-            bar.update(len(batch["input_ids"]))
-    table = torch.cat(nlls).tolist()
-    mixture = torch.cat(mixtures).tolist() if mixtures else None
-    per_item: list[dict] = [{"nll": []} | ({"mixture_nll": []} if mixture else {}) for _ in ids]
-    for n, i in enumerate(owner):
-        per_item[i]["nll"].append(table[n])
-        if mixture:
-            per_item[i]["mixture_nll"].append(mixture[n])
-    out_path = Path(out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with out_path.open("w", encoding="utf-8") as f:
-        for item_id, values in zip(ids, per_item, strict=True):
-            f.write(json.dumps({"id": item_id, **values}) + "\n")
-    print(f"NLL of {len(rows)} references under {decoder.num_hypotheses} hypotheses: {out_path}")
-    return str(out_path)

@@ -308,12 +308,10 @@ class AudioCaptioning(ProcessorTask):
         validation = read_manifest(self.data / "validation.jsonl")[:values.get("eval_examples", 64)]
         return train_set, CaptionExamples(validation, encode, "all") if validation else None
 
-    def collator(self, processor):
-        from loramcl.data.prompts import pad_token_id
+    def collate(self):
         from loramcl.recipes.audio_captioning.prompts import collate_audio
 
-        pad = pad_token_id(processor.tokenizer)
-        return lambda rows: collate_audio(rows, pad)
+        return collate_audio
 
     def test_inputs(self) -> dict:
         return {clip.id: clip for clip in read_manifest(self.test)}

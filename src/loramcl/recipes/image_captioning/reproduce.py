@@ -283,12 +283,10 @@ class ImageCaptioning(ProcessorTask):
         return CaptionTrainingSet(read_images(self.data / "train.jsonl"), experiment.per_image, training.seed,
                                   encoder), None
 
-    def collator(self, processor):
-        from loramcl.data.prompts import pad_token_id
+    def collate(self):
         from loramcl.recipes.image_captioning.prompts import collate_captions
 
-        pad = pad_token_id(processor.tokenizer)
-        return lambda rows: collate_captions(rows, pad)
+        return collate_captions
 
     def test_inputs(self) -> dict:
         return {image.image_id: image for image in read_images(self.test)}
