@@ -83,7 +83,6 @@ class MoEConfig(_Dictionary):
                          target_modules=self.target_modules, adapter_dtype=self.adapter_dtype)
 
 
-
 @names_its_options
 @dataclass
 class MultiHeadConfig(_Dictionary):
@@ -136,7 +135,6 @@ class MultiHeadConfig(_Dictionary):
         return MCLConfig(num_hypotheses=self.num_hypotheses, loss=self.loss, epsilon=self.epsilon,
                          temperature0=self.temperature0, temperature_decay=self.temperature_decay,
                          temperature_min=self.temperature_min, tie_break="lowest")  # the paper's baseline
-
 
 
 __all__ = ["MoEConfig", "MultiHeadConfig"]

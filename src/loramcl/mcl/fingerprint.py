@@ -57,6 +57,7 @@ class FrozenBase:
     fingerprint: str | None = None
     requires_grad: tuple[tuple[nn.Parameter, bool], ...] = ()
 
+
 def _readable(param: torch.Tensor) -> bool:
     return param.device.type != "meta" and not hasattr(param, "placements")  # not on meta, not an FSDP2 shard
 

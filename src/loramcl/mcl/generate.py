@@ -75,6 +75,7 @@ def _generate_without_context(model, input_ids: torch.Tensor | None = None, **kw
     with torch.no_grad(), model.disable_adapters(), model.label_logits.not_capturing():
         model.run_base(context, ForwardCall(logit_positions=nothing if has_output_layer else None))
     cache = share_context(cache, copies, length=length - 1, keep=True)
+
     def check_first_step(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         check.remove()
         _check_first_step(cache, length - 1, module, args, kwargs)

@@ -191,7 +191,6 @@ class MCLModel(ActivationCheckpointing, nn.Module):
         """Inside ``use_hypotheses(...)`` or ``disable_adapters()``: the routing is the caller's."""
         return bool(self._explicit_routing)
 
-
     @property
     def num_hypotheses(self) -> int:
         return self.mcl_config.num_hypotheses
@@ -213,7 +212,6 @@ class MCLModel(ActivationCheckpointing, nn.Module):
         trainable, total = self.parameter_counts()
         print(f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}"
               f" || hypotheses: {self.num_hypotheses}")
-
 
     @contextlib.contextmanager
     def use_hypotheses(self, hypotheses: int | torch.Tensor, copies: bool = False) -> Iterator[None]:

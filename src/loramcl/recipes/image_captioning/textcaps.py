@@ -225,5 +225,6 @@ def write_synthetic_textcaps(folder: str | Path, images: dict[str, int], seed: i
         (folder / SPLIT_FILES[split]).write_text(json.dumps(content) + "\n", encoding="utf-8")
     return folder
 
+
 __all__ = ["SPLIT_FILES", "CaptionImage", "CaptionTrainingSet", "read_textcaps", "load_image", "image_file",
            "write_synthetic_textcaps"]
