@@ -52,6 +52,21 @@ def test_single_and_indexed_routing():
         layer(torch.randn(5, D_IN))
 
 
+def test_indexed_routing_gives_each_entry_a_block_of_consecutive_rows():
+    """n index entries over n*m rows (e.g. m beams per example): entry i routes rows i*m ... (i+1)*m - 1, on a
+    [rows, T, d] input and on the same rows flattened to [rows*T, d]."""
+    layer = _layer()
+    index, m = torch.tensor([2, 0, 2]), 3
+    x = torch.randn(len(index) * m, T, D_IN)
+    layer.routing.mode, layer.routing.index = "indexed", index
+    out = layer(x)
+    flat = layer(x.reshape(-1, D_IN)).reshape(out.shape)
+    for i, k in enumerate(index.tolist()):
+        rows = slice(i * m, (i + 1) * m)
+        torch.testing.assert_close(out[rows], _lora(layer, x[rows], k))
+        torch.testing.assert_close(flat[rows], out[rows])
+
+
 def test_conv1d_base_layer():
     conv = Conv1D(D_OUT, D_IN)  # GPT-2 layout: weight [d_in, d_out]
     layer = _layer(conv)

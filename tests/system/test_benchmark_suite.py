@@ -94,3 +94,15 @@ def test_suite_runs_end_to_end_on_a_tiny_shape(name, tmp_path):
     assert all(isinstance(target["met"], bool) for target in results["targets"])
     text = markdown_path.read_text()
     assert "| issue 18 target |" in text and "wta-two-pass" in text and "Decoding" in text
+
+
+def test_the_indexed_routing_benchmark_checks_both_computations_agree_then_times_them(capsys, monkeypatch):
+    """benchmarks/indexed_routing.py on a small layer: the gather per index entry and the former gather per row
+    give the same output (the script asserts it), then one row of timings each."""
+    import indexed_routing
+
+    monkeypatch.setattr(sys, "argv", ["indexed_routing.py", "--width", "32", "--batch", "2", "--beams", "3",
+                                      "--repeats", "2"])
+    indexed_routing.main()
+    printed = capsys.readouterr().out
+    assert "| per entry (now) | 5 |" in printed and "| per row (before) | 30 |" in printed

@@ -107,7 +107,7 @@ class MCLLoraLinear(nn.Module):
             if tuple(delta.shape[:2]) != tuple(self.routing.positions.shape[:2]):
                 raise RuntimeError(f"adapters masked by position on {tuple(self.routing.positions.shape[:2])} (rows, "
                                    f"positions), but this layer sees {tuple(delta.shape)}")
-            delta = delta * self.routing.positions  # [rows, T, d_out]
+            delta = delta * self.routing.positions.to(delta.device)  # [rows, T, d_out]
         return result + (delta * self.scaling).to(result.dtype)
 
     def _adapter_delta(self, h: torch.Tensor) -> torch.Tensor:
@@ -127,15 +127,16 @@ class MCLLoraLinear(nn.Module):
             grouped = h.reshape(self.num_hypotheses, -1, d_in)  # [K, B*T, d_in], hypothesis-major
             return torch.bmm(torch.bmm(grouped, self.lora_A), self.lora_B).reshape(out_shape)
         if routing.mode == INDEXED:
-            index = routing.index  # [n]
-            if rows != index.numel():
-                if rows % index.numel():
-                    raise RuntimeError(f"{rows} rows cannot be split among {index.numel()} hypothesis indices")
-                index = index.repeat_interleave(rows // index.numel())  # [rows]
-            grouped = h.reshape(rows, -1, d_in)  # [rows, T, d_in]
-            per_row_a = self.lora_A.index_select(0, index)  # [rows, d_in, r]
-            per_row_b = self.lora_B.index_select(0, index)  # [rows, r, d_out]
-            return torch.bmm(torch.bmm(grouped, per_row_a), per_row_b).reshape(out_shape)
+            index = routing.index.to(self.lora_A.device)  # [n]
+            if rows % index.numel():
+                raise RuntimeError(f"{rows} rows cannot be split among {index.numel()} hypothesis indices")
+            # entry i owns rows i*m ... (i+1)*m - 1 (m = rows / n): one block of consecutive rows per entry, so each
+            # entry's adapters are gathered once, not once per row (issue 41: at a decoding batch of 80 rows the
+            # per-row gather wrote and read GBs of weight copies per step)
+            grouped = h.reshape(index.numel(), -1, d_in)  # [n, m*T, d_in]
+            a = self.lora_A.index_select(0, index)  # [n, d_in, r]
+            b = self.lora_B.index_select(0, index)  # [n, r, d_out]
+            return torch.bmm(torch.bmm(grouped, a), b).reshape(out_shape)
         raise RuntimeError(f"unknown routing mode {routing.mode!r}")
 
     def delta_weight(self, k: int) -> torch.Tensor:
