@@ -323,7 +323,7 @@ def llava_next_processor():
     return tiny_llava_next_processor(CAPTION_WORDS, image_token_id=IMAGE_TOKEN)
 
 
-def uneven_batch(mcl, inputs: dict, labels: torch.Tensor) -> tuple[dict, torch.Tensor]:
+def uneven_batch(inputs: dict, labels: torch.Tensor) -> tuple[dict, torch.Tensor]:
     """Rows with contexts of different lengths, one left-padded and one right-padded: labels from position 5 in
     row 0; row 1 padded on the left (2), labelled from 4 and right-padded (the base batch's last 2)."""
     labels = labels.clone()

@@ -35,7 +35,7 @@ def _run(mcl: MCLModel, inputs: dict, labels: torch.Tensor, context_once: bool, 
 def test_context_once_equals_the_masked_full_forward(name, loss):
     mcl, _, inputs, labels = wrapped_model(name, adapt_context=False, loss=loss,
                                            epsilon=0.1 if loss == "relaxed" else 0.0)
-    inputs, labels = uneven_batch(mcl, inputs, labels)
+    inputs, labels = uneven_batch(inputs, labels)
     full, full_logits, full_grads, full_shapes = _run(mcl, inputs, labels, context_once=False)
     once, once_logits, once_grads, once_shapes = _run(mcl, inputs, labels, context_once=True)
     assert full_shapes == [(6, 9)]  # K*B rows over the whole sequence
@@ -55,7 +55,7 @@ def test_context_once_equals_the_masked_full_forward(name, loss):
 @pytest.mark.parametrize("hypotheses", [1, torch.tensor([2, 0])])
 def test_one_hypothesis_per_example_shares_the_context_too(hypotheses):
     mcl, _, inputs, labels = wrapped_model("llama", adapt_context=False)
-    inputs, labels = uneven_batch(mcl, inputs, labels)
+    inputs, labels = uneven_batch(inputs, labels)
     full, _, full_grads, _ = _run(mcl, inputs, labels, context_once=False, hypotheses=hypotheses)
     once, _, once_grads, shapes = _run(mcl, inputs, labels, context_once=True, hypotheses=hypotheses)
     assert shapes == [(2, 4), (2, 6)]
@@ -93,7 +93,7 @@ def test_encoder_decoder_runs_the_encoder_once_without_adapters(name):
 def test_two_pass_wta_step_equals_the_masked_full_step(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no")
     mcl, _, inputs, labels = wrapped_model("llama", adapt_context=False)
-    inputs, labels = uneven_batch(mcl, inputs, labels)
+    inputs, labels = uneven_batch(inputs, labels)
     grads = {}
     for once in (True, False):
         model = copy.deepcopy(mcl).train()
@@ -189,7 +189,7 @@ def test_rescored_log_probs_follow_the_masked_adapters():
 
 def test_hypothesis_scores_read_the_first_target_position():
     mcl, _, inputs, labels = wrapped_model("llama", adapt_context=False, scoring=True)
-    inputs, labels = uneven_batch(mcl, inputs, labels)
+    inputs, labels = uneven_batch(inputs, labels)
     with torch.no_grad():
         mcl.scoring_head.weight.normal_()
         mcl.context_once = False
@@ -202,7 +202,7 @@ def test_hypothesis_scores_read_the_first_target_position():
 
 def test_activation_checkpointing_recomputes_the_same_gradient():
     mcl, _, inputs, labels = wrapped_model("llama", adapt_context=False, loss="relaxed", epsilon=0.1)
-    inputs, labels = uneven_batch(mcl, inputs, labels)
+    inputs, labels = uneven_batch(inputs, labels)
     _, _, expected, _ = _run(mcl.train(), inputs, labels, context_once=False)
     mcl.activation_checkpointing_enable({"use_reentrant": False})
     _, _, grads, _ = _run(mcl, inputs, labels, context_once=True)

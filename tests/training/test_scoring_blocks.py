@@ -56,7 +56,7 @@ def test_blocks_with_hypothesis_scores_context_once_and_whole_logits():
     batch); the context is computed once per block; whole logits as well as chunks."""
     mcl, pristine, inputs, labels = wrapped_model("llama", adapt_context=False, scoring=True, logits_chunk_size=None)
     inputs, labels = build_batch("llama", pristine, batch=4, generator=torch.Generator().manual_seed(3))
-    inputs, labels = uneven_batch(mcl, inputs, labels)  # contexts of different lengths, left and right padding
+    inputs, labels = uneven_batch(inputs, labels)  # contexts of different lengths, left and right padding
     mcl.train()
     grads = []
     for per_block in (None, 3, 1):
