@@ -26,13 +26,12 @@ def run_settings(values: dict, training, data: Path, examples: dict) -> dict:
     configuration under the method's name (LoRA-MCL's under "mcl", as `loramcl train` records it), its training
     settings and dtype, what its ``examples`` depend on beside the data, and the SHA-256 of its data files."""
     from loramcl.recipes.files import method_of
+    from loramcl.training.runs import method_settings
     from loramcl.utils.files import sha256
 
-    method, config = method_of(values)
-    method_block = {"mcl": config.to_dict()} if method == "mcl" else {"method": method, method: config.to_dict()}
     files = {role: data / f"{role}.jsonl" for role in TRAINING_FILES}
     return json.loads(json.dumps({
-        "model": values["model"], **method_block, "training": asdict(training),
+        "model": values["model"], **method_settings(*method_of(values)), "training": asdict(training),
         "dtype": values.get("dtype", "float32"), **examples,
         "data_sha256": {role: sha256(path) for role, path in files.items() if path.is_file()}}))
 

@@ -20,7 +20,7 @@ from typing import Literal
 from loramcl.baselines.config import MoEConfig, MultiHeadConfig
 from loramcl.mcl.config import MCLConfig, saved_values
 from loramcl.training.config import DataConfig, TrainConfig
-from loramcl.training.runs import CHECKPOINTS, SETTINGS_NAME, run_stamp, stale_checkpoint_fields
+from loramcl.training.runs import CHECKPOINTS, SETTINGS_NAME, method_settings, run_stamp, stale_checkpoint_fields
 from loramcl.utils.files import sha256
 from loramcl.utils.inputs import (
     MCL_CONFIG,
@@ -53,8 +53,7 @@ def run_settings(model: str, mcl: MethodConfig, data: DataConfig, training: Trai
     rebuilt file under the same name is another run). A finished run's run.json and its checkpoints record it.
     ``mcl`` is the configuration of ``method`` (a baseline's is recorded under its method's name)."""
     files = {"train": data.train_file, "validation": data.validation_file}
-    model_settings = {"mcl": mcl.to_dict()} if method == "mcl" else {"method": method, method: mcl.to_dict()}
-    settings = {"model": model, **model_settings, "data": asdict(data), "training": asdict(training),
+    settings = {"model": model, **method_settings(method, mcl), "data": asdict(data), "training": asdict(training),
                 "dtype": dtype, "data_sha256": {name: sha256(path) for name, path in files.items() if path}}
     return json.loads(json.dumps(settings))  # as read back from a file (lists, not tuples)
 

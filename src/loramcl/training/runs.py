@@ -25,6 +25,13 @@ def finished_run(out: str | Path, settings: dict) -> bool:
 
 
 METHOD_CONFIGS = {"mcl": MCLConfig, "moe": MoEConfig, "multihead": MultiHeadConfig}  # a run's method -> its settings
+
+
+def method_settings(method: str, config) -> dict:
+    """How a run's settings record its method's configuration: LoRA-MCL's under "mcl", a baseline's under its
+    method's name with "method" naming it (``recipes.files.method_of`` reads them back)."""
+    return {"mcl": config.to_dict()} if method == "mcl" else {"method": method, method: config.to_dict()}
+
 # Fields that decide how a run is computed, not its adapters: a run resumed or compared with another value is the same
 _COMPUTATION_ONLY = {"mcl": ("logits_chunk_size",)}
 
