@@ -313,7 +313,11 @@ REGISTRY = {
         "wta-two-pass-blocks",
         ".venv/bin/python benchmarks/training_step.py --steps 10",
         ".venv/bin/python benchmarks/training_step.py --steps 6 --seq 256 --batch 2",
-        ".venv/bin/python benchmarks/context_once.py --threads 1 --steps 5")},
+        ".venv/bin/python benchmarks/context_once.py --threads 1 --steps 5",
+        ".venv/bin/python benchmarks/suite.py --shape tiny --device cuda --dtype bfloat16 --steps 1 --repeats 1",
+        ".venv/bin/python benchmarks/suite.py --shape tiny-audio --device cuda --dtype bfloat16 --steps 1 --repeats 1",
+        ".venv/bin/python benchmarks/suite.py --shape llama-1b --device cuda --dtype bfloat16 --steps 3 --repeats 2",
+        ".venv/bin/python benchmarks/host_syncs.py --device cuda --dtype bfloat16")},
     (E + "bilingual.md", "loramcl bilingual --out runs/bilingual"):
         Run(append=_QUICK_DATA, outputs=("runs/bilingual/data/test.jsonl",), covered_by=_BILINGUAL, why=_CUT),
     (E + "bilingual.md", "loramcl bilingual --out /tmp/quick --quick true"):
