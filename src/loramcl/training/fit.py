@@ -113,6 +113,7 @@ def train(
     threads: int | None = None,
     dtype: Dtype = "float32",
     scores_for: LocalPath | None = None,
+    quantization: Literal["nf4", "fp4", "int8", "torchao-int8"] | None = None,
 ) -> str:
     """Fine-tune LoRA hypotheses with MCLTrainer (K = 1: LoRA-MLE), or a LoRA-MoE or multi-head MCL baseline.
 
@@ -149,6 +150,9 @@ def train(
         scores_for: a finished LoRA-MCL run (its `out`) whose hypothesis scores p(k | c) are to be learned: its
             hypotheses are loaded and stay frozen, and only a scoring head is trained (docs/guide/scores.md); the run's
             own MCL settings are used (leave --mcl out; --training.scoring_learning_rate sets the head's rate).
+        quantization: the frozen model quantized as it loads (QLoRA-MCL; docs/guide/quantization.md): nf4 or fp4
+            (bitsandbytes 4-bit, double quantization, computing in --dtype), int8 (bitsandbytes LLM.int8) or
+            torchao-int8 (torchao int8 weight-only). Decode the adapters on the same quantized base.
     """
     from loramcl.data.prompts import PairDataset, collate, encode_pairs, pad_token_id
 
@@ -172,6 +176,8 @@ def train(
     else:
         config = method_config(method, mcl, moe, multihead)
         settings = run_settings(model, config, data, training, dtype, method)
+    if quantization is not None:  # recorded only when given: the settings of runs without it stay as they were
+        settings["quantization"] = quantization
     last = resumable_checkpoint(out, settings, resume)
     use_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -185,8 +191,8 @@ def train(
 
     train_set = dataset(data.train_file, train_pairs)
     eval_set = dataset(data.validation_file, eval_pairs, data.eval_examples) if eval_pairs else None
-    fit(lambda: load_model(model, dtype=dtype), out, config, training, settings, train_set, eval_set,
-        collator=lambda rows: collate(rows, pad_id), processor=tokenizer, last_checkpoint=last, method=method,
+    fit(lambda: load_model(model, dtype=dtype, quantization=quantization), out, config, training, settings, train_set,
+        eval_set, collator=lambda rows: collate(rows, pad_id), processor=tokenizer, last_checkpoint=last, method=method,
         scores_for=scores_for)
     return str(out)
 
