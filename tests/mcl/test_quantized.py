@@ -253,3 +253,19 @@ def test_loramcl_train_on_a_quantized_base(folders, tmp_path, capsys):
         warnings.simplefilter("error", BaseWeightsMismatch)
         loaded = load_model(str(folders / "llama"), str(out), quantization="nf4")
     assert quantization_backend(loaded.base_model.model.layers[0].self_attn.q_proj.base_layer) == BNB_4BIT
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_on_a_quantized_base_gives_the_same_gradients(folders, reentrant):
+    """With reentrant checkpointing the frozen 4-bit blocks need grad-requiring inputs (PEFT's
+    prepare_model_for_kbit_training: enable_input_require_grads), or the adapters get no gradient at all."""
+    mcl, inputs, labels = wrapped(folders, "llama", "nf4", loss="relaxed", epsilon=0.1)
+    mcl.train()
+    mcl(**inputs, labels=labels).loss.backward()
+    expected = [layer.lora_A.grad.clone() for _, layer in mcl.mcl_layers()]
+    mcl.zero_grad()
+    mcl.activation_checkpointing_enable({"use_reentrant": reentrant})
+    assert mcl.is_activation_checkpointing
+    mcl(**inputs, labels=labels).loss.backward()
+    for grad, (_, layer) in zip(expected, mcl.mcl_layers(), strict=True):
+        torch.testing.assert_close(layer.lora_A.grad, grad, atol=1e-5, rtol=1e-4)
