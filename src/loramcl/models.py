@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from loramcl.utils.inputs import DTYPES, LocalPath, check_choice, check_output
+from loramcl.utils.inputs import DTYPES, LocalPath, check_choice, check_output, training_record
 
 
 def load_model(model: str, adapters: str | None = None, dtype: str = "float32", device: str = "cpu",
@@ -20,7 +20,8 @@ def load_model(model: str, adapters: str | None = None, dtype: str = "float32", 
     language model such as Qwen2-Audio) in eval mode, with MCL adapters (an MCLModel), a PEFT adapter (a PeftModel)
     or none. ``strict``: MCL adapters saved on other base weights, or whose files cannot be verified, are an error,
     not a warning. ``quantization``: the base weights quantized as they load (``loramcl.mcl.quantization``: nf4, fp4,
-    int8, torchao-int8), computing in ``dtype``, their normalization layers in float32."""
+    int8, torchao-int8), computing in ``dtype``, their normalization layers in float32; by default as the training
+    run of ``adapters`` (its run.json) quantized them, so that adapters are decoded on the base they trained on."""
     import torch
     from transformers import (
         AutoConfig,
@@ -34,6 +35,8 @@ def load_model(model: str, adapters: str | None = None, dtype: str = "float32", 
     from loramcl.mcl.model import load_mcl_model
 
     check_choice("dtype", dtype, DTYPES)
+    if quantization is None and (record := training_record(adapters)) is not None:
+        quantization = record[1].get("quantization")
     config = AutoConfig.from_pretrained(model)
     if getattr(config, "is_encoder_decoder", False):  # text to text, or speech to text (Whisper)
         model_class = AutoModelForSpeechSeq2Seq if type(config) in AutoModelForSpeechSeq2Seq._model_mapping and \

@@ -250,9 +250,13 @@ def test_loramcl_train_on_a_quantized_base(folders, tmp_path, capsys):
           str(tmp_path / "train.jsonl"), "--training.steps", "2", "--quantization", "nf4", "--mcl.num_hypotheses", "3"])
     assert json.loads((out / "run.json").read_text())["settings"]["quantization"] == "nf4"
     with warnings.catch_warnings():
-        warnings.simplefilter("error", BaseWeightsMismatch)
-        loaded = load_model(str(folders / "llama"), str(out), quantization="nf4")
-    assert quantization_backend(loaded.base_model.model.layers[0].self_attn.q_proj.base_layer) == BNB_4BIT
+        warnings.simplefilter("error", BaseWeightsMismatch)  # decoded on the nf4 base its run.json names
+        loaded = load_model(str(folders / "llama"), str(out))
+        assert quantization_backend(loaded.base_model.model.layers[0].self_attn.q_proj.base_layer) == BNB_4BIT
+        (tmp_path / "prompts.jsonl").write_text(json.dumps({"id": "a", "prompt": "w5"}) + "\n")
+        main(["generate", "--model", str(folders / "llama"), "--adapters", str(out), "--input",
+              str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "preds.jsonl"), "--max_new_tokens", "3"])
+    assert len(json.loads((tmp_path / "preds.jsonl").read_text())["candidates"]) == 3
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
@@ -269,3 +273,16 @@ def test_activation_checkpointing_on_a_quantized_base_gives_the_same_gradients(f
     mcl(**inputs, labels=labels).loss.backward()
     for grad, (_, layer) in zip(expected, mcl.mcl_layers(), strict=True):
         torch.testing.assert_close(layer.lora_A.grad, grad, atol=1e-5, rtol=1e-4)
+
+
+def test_a_4bit_layer_the_cpu_kernels_cannot_run_is_refused_in_one_line(tmp_path):
+    from tiny_models import build_model
+
+    bnb = pytest.importorskip("bitsandbytes")
+    build_model("llama").save_pretrained(tmp_path)  # width 32: under one block of 64
+    base = load_model(str(tmp_path), quantization="nf4")
+    if not getattr(base.model.layers[0].self_attn.q_proj, "support_avx512bf16_for_cpu", False):
+        pytest.skip(f"bitsandbytes {bnb.__version__} runs its generic 4-bit kernels on this CPU")
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_proj': Linear4bit of input width 32: "
+                                         r"bitsandbytes' 4-bit CPU kernels need a multiple of its block size 64"):
+        get_mcl_model(base, MCLConfig(target_modules=TARGETS))

@@ -18,7 +18,7 @@ from transformers.pytorch_utils import Conv1D
 
 from loramcl.mcl.compat import peft_default_targets, peft_quantization_backend, peft_targets
 from loramcl.mcl.config import MCLConfig
-from loramcl.mcl.quantization import LOSSY_MERGE, SUPPORTED, quantization_backend
+from loramcl.mcl.quantization import LOSSY_MERGE, SUPPORTED, quantization_backend, unusable_here
 from loramcl.utils.validate import OptionError
 
 PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -227,7 +227,7 @@ def _quantized_reason(module: nn.Module) -> str | None:
     and any layer whose weight is not a plain floating-point tensor.
     """
     if quantization_backend(module):
-        return None
+        return unusable_here(module)
     origin = type(module).__module__
     libraries = ("bitsandbytes", "auto_gptq", "gptqmodel", "awq", "hqq", "optimum.quanto", "torchao", "fp_quant",
                  "compressed_tensors", "aqlm", "eetq", "vptq", "higgs")

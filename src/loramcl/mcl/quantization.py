@@ -49,6 +49,19 @@ def quantization_backend(module: nn.Module) -> str | None:
     return None
 
 
+def unusable_here(module: nn.Module) -> str | None:
+    """Why a supported quantized ``module`` cannot run where it is, or None. bitsandbytes' 4-bit CPU inference
+    kernels (x86-64 with AVX512-BF16) repack the codes in blocks of ``blocksize`` input values at the first call
+    without gradients, and fail on a layer whose input width is no multiple of it (with a shape error)."""
+    if quantization_backend(module) != BNB_4BIT or module.weight.device.type != "cpu":
+        return None
+    blocksize = module.weight.quant_state.blocksize
+    if getattr(module, "support_avx512bf16_for_cpu", False) and module.in_features % blocksize:
+        return (f"Linear4bit of input width {module.in_features}: bitsandbytes' 4-bit CPU kernels need a multiple "
+                f"of its block size {blocksize} (real models' widths are; use int8 on the CPU, or a GPU)")
+    return None
+
+
 def is_quantized(model: nn.Module) -> bool:
     return any(quantization_backend(module) for module in model.modules())
 
