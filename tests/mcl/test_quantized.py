@@ -2,6 +2,7 @@
 through transformers' quantization_config on the CPU; each against PEFT's LoRA on the same quantized base."""
 
 import json
+import shutil
 import sys
 import types
 import warnings
@@ -10,6 +11,7 @@ import pytest
 import torch
 import transformers as tf
 from conftest import peft_reference, randomize_adapters
+from safetensors.torch import load_file
 from tiny_models import build_batch, word_tokenizer
 
 from loramcl import MCLConfig, get_mcl_model, load_mcl_model
@@ -20,7 +22,8 @@ from loramcl.utils.inputs import BaseWeightsMismatch
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("torchao")
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning",
+                                        "ignore:Merge lora module to 8-bit linear")  # PEFT's, in its own merge
 
 TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 BACKEND_OF = {"nf4": BNB_4BIT, "fp4": BNB_4BIT, "int8": BNB_8BIT, "torchao-int8": TORCHAO_INT8}
@@ -246,9 +249,20 @@ def test_loramcl_train_on_a_quantized_base(folders, tmp_path, capsys):
     rows = [{"prompt": f"w{5 + i}", "target": f"w{40 + i}"} for i in range(4)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = tmp_path / "run"
-    main(["train", "--model", str(folders / "llama"), "--out", str(out), "--data.train_file",
-          str(tmp_path / "train.jsonl"), "--training.steps", "2", "--quantization", "nf4", "--mcl.num_hypotheses", "3"])
+    argv = ["train", "--model", str(folders / "llama"), "--data.train_file", str(tmp_path / "train.jsonl"),
+            "--training.steps", "4", "--training.save_every", "2", "--training.batch_size", "2", "--quantization",
+            "nf4", "--mcl.num_hypotheses", "3", "--threads", "1"]
+    main([*argv, "--out", str(out)])
     assert json.loads((out / "run.json").read_text())["settings"]["quantization"] == "nf4"
+    interrupted = tmp_path / "interrupted"  # as if killed while writing checkpoint 4: resumed from checkpoint 2
+    shutil.copytree(out / "checkpoints", interrupted / "checkpoints")
+    (interrupted / "checkpoints" / "checkpoint-4" / "trainer_state.json").unlink()
+    capsys.readouterr()
+    main([*argv, "--out", str(interrupted), "--resume", "true"])
+    assert "skipping the incomplete checkpoint" in capsys.readouterr().err
+    assert json.loads((interrupted / "run.json").read_text())["resumed_from"] == "checkpoint-2"
+    resumed, whole = (load_file(folder / "mcl_adapters.safetensors") for folder in (interrupted, out))
+    assert all(torch.equal(resumed[name], whole[name]) for name in whole)
     with warnings.catch_warnings():
         warnings.simplefilter("error", BaseWeightsMismatch)  # decoded on the nf4 base its run.json names
         loaded = load_model(str(folders / "llama"), str(out))
@@ -286,3 +300,37 @@ def test_a_4bit_layer_the_cpu_kernels_cannot_run_is_refused_in_one_line(tmp_path
     with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_proj': Linear4bit of input width 32: "
                                          r"bitsandbytes' 4-bit CPU kernels need a multiple of its block size 64"):
         get_mcl_model(base, MCLConfig(target_modules=TARGETS))
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+def test_every_loss_the_context_once_scores_and_strategies_on_a_quantized_base(folders, quantization):
+    """What the library does on a plain base, on a quantized one: the three losses, two-pass WTA's winner pass (one
+    hypothesis per example), the context computed once (equal to its masked full forward), hypothesis scores, and
+    every MCL decoding strategy (K candidates; diverse MCL decoding at λ = 0 is beam search per hypothesis)."""
+    from loramcl.decoding import generate_hypotheses
+
+    for loss in ("wta", "relaxed", "annealed"):
+        mcl, inputs, labels = wrapped(folders, "llama", quantization, loss=loss, scoring=True,
+                                      epsilon=0.1 if loss == "relaxed" else 0.0)
+        out = mcl.train()(**inputs, labels=labels)
+        out.loss.backward()
+        assert torch.isfinite(out.loss) and out.log_scores.shape == (2, 3)
+        assert all(layer.lora_B.grad.abs().sum() > 0 for _, layer in mcl.mcl_layers())
+    with torch.no_grad():
+        winners = out.nll.argmin(dim=1)  # [B]
+        torch.testing.assert_close(mcl(**inputs, labels=labels, hypotheses=winners).nll,
+                                   out.nll[torch.arange(2), winners], atol=1e-4, rtol=0)
+    once, inputs, labels = wrapped(folders, "llama", quantization, adapt_context=False)
+    with torch.no_grad():
+        fast = once(**inputs, labels=labels).nll
+        once.context_once = False
+        torch.testing.assert_close(fast, once(**inputs, labels=labels).nll, atol=1e-4, rtol=0)
+    mcl.eval()
+    prompt = {"input_ids": inputs["input_ids"][:, :4], "attention_mask": inputs["attention_mask"][:, :4]}
+    settings = dict(max_new_tokens=3, min_new_tokens=3, pad_token_id=0)
+    beam = generate_hypotheses(mcl, None, prompt, strategy="beam", num_beams=2, **settings)
+    diverse = generate_hypotheses(mcl, None, prompt, strategy="diverse_beam", num_beams=2, diversity_penalty=0.0,
+                                  **settings)
+    assert [[c.token_ids for c in row] for row in diverse] == [[c.token_ids for c in row] for row in beam]
+    sampled = generate_hypotheses(mcl, None, prompt, strategy="sample", seed=3, **settings)
+    assert [len(row) for row in sampled] == [3, 3] and all(c.score is not None for row in sampled for c in row)
