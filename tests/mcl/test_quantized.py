@@ -225,11 +225,17 @@ def test_other_quantized_layers_are_refused_with_what_is_supported(folders, monk
 
 
 def test_adapters_take_the_compute_dtype_never_the_storage_dtype(folders):
+    from loramcl.mcl.adapter_size import hypothesis_bytes
+    from loramcl.mcl.peft_interop import target_layer_names
+
     bf16 = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
                                  bnb_4bit_compute_dtype=torch.bfloat16)
     base = tf.AutoModelForCausalLM.from_pretrained(folders / "llama", quantization_config=bf16, device_map="cpu")
-    mcl = get_mcl_model(base, MCLConfig(target_modules=TARGETS, adapter_dtype="base"))
+    config = MCLConfig(target_modules=TARGETS, adapter_dtype="base")
+    one = sum(hypothesis_bytes(base, target_layer_names(base, config), config).values())
+    mcl = get_mcl_model(base, config)
     assert {layer.lora_A.dtype for _, layer in mcl.mcl_layers()} == {torch.bfloat16}
+    assert one == sum(layer.lora_A[0].nbytes + layer.lora_B[0].nbytes for _, layer in mcl.mcl_layers())
     int8 = get_mcl_model(quantized(folders, "llama", "int8"), MCLConfig(target_modules=TARGETS, adapter_dtype="base"))
     assert {layer.lora_A.dtype for _, layer in int8.mcl_layers()} == {torch.float16}
 
