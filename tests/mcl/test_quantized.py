@@ -340,3 +340,21 @@ def test_every_loss_the_context_once_scores_and_strategies_on_a_quantized_base(f
     assert [[c.token_ids for c in row] for row in diverse] == [[c.token_ids for c in row] for row in beam]
     sampled = generate_hypotheses(mcl, None, prompt, strategy="sample", seed=3, **settings)
     assert [len(row) for row in sampled] == [3, 3] and all(c.score is not None for row in sampled for c in row)
+
+
+def test_loramcl_generate_and_nll_load_the_base_quantized(folders, tmp_path, capsys):
+    """Adapters saved from Python (no run.json): --quantization loads the base they trained on; without it the float
+    base is loaded, and the fingerprint says the pairing is wrong."""
+    from loramcl.cli import main
+
+    mcl, _, _ = wrapped(folders, "llama", "int8")
+    mcl.save_pretrained(tmp_path / "mcl")
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"id": "a", "prompt": "w5", "references": ["w6 w7"]}) + "\n")
+    common = ["--model", str(folders / "llama"), "--adapters", str(tmp_path / "mcl"), "--input",
+              str(tmp_path / "prompts.jsonl")]
+    for command, options in (("generate", ["--max_new_tokens", "2"]), ("nll", [])):
+        main([command, *common, "--out", str(tmp_path / f"{command}.jsonl"), *options, "--quantization", "int8"])
+        assert "other base weights" not in capsys.readouterr().err
+    main(["generate", *common, "--out", str(tmp_path / "float.jsonl"), "--max_new_tokens", "2"])
+    assert "were trained on other base weights" in capsys.readouterr().err
+    assert len(json.loads((tmp_path / "nll.jsonl").read_text())["nll"][0]) == 3

@@ -15,8 +15,12 @@ bitsandbytes and torchao are imported only when a model holds one of their layer
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 from torch import nn
+
+from loramcl.utils.inputs import Quantization
 
 BNB_4BIT, BNB_8BIT, TORCHAO_INT8 = "bitsandbytes 4-bit", "bitsandbytes 8-bit", "torchao int8 weight-only"
 BACKENDS = (BNB_4BIT, BNB_8BIT, TORCHAO_INT8)
@@ -102,7 +106,7 @@ def quantized_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # `load_model(quantization=...)` and `loramcl train --quantization`: the names, each a transformers quantization_config
-QUANTIZATIONS = ("nf4", "fp4", "int8", "torchao-int8")
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 
 def quantization_config(name: str, dtype: torch.dtype):

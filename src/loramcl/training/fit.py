@@ -30,6 +30,7 @@ from loramcl.utils.inputs import (
     LocalPath,
     ModelPath,
     PositionLimits,
+    Quantization,
     check_file,
     check_model_options,
     check_output,
@@ -113,7 +114,7 @@ def train(
     threads: int | None = None,
     dtype: Dtype = "float32",
     scores_for: LocalPath | None = None,
-    quantization: Literal["nf4", "fp4", "int8", "torchao-int8"] | None = None,
+    quantization: Quantization | None = None,
 ) -> str:
     """Fine-tune LoRA hypotheses with MCLTrainer (K = 1: LoRA-MLE), or a LoRA-MoE or multi-head MCL baseline.
 
