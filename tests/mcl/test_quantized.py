@@ -143,7 +143,7 @@ def test_saved_adapters_load_onto_the_same_quantized_base_and_export_to_peft(fol
         torch.testing.assert_close(peft(**inputs).logits, ours, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+@pytest.mark.parametrize("quantization", ["nf4", "int8", "torchao-int8"])
 def test_adapters_of_a_quantized_base_warn_on_the_float_base_and_back(folders, tmp_path, quantization):
     for trained_on, loaded_on in ((quantization, None), (None, quantization)):
         mcl, _, _ = wrapped(folders, "llama", trained_on)

@@ -1,9 +1,10 @@
 """Quantized base layers (QLoRA-MCL): which quantization backends adapters may wrap, the dtype a quantized layer
-computes in, its stored state (for the base-weights fingerprint), and merging into it (dequantize, add, requantize).
+computes in, its stored state (for the base-weights fingerprint), and the quantizations ``load_model`` applies
+(merging into such a layer: ``peft_interop.merge_hypothesis``).
 
-Supported (``BACKENDS``): bitsandbytes 4-bit ``Linear4bit`` (nf4 and fp4, with or without double quantization, any
-compute dtype), bitsandbytes 8-bit ``Linear8bitLt`` (LLM.int8) and torchao int8 weight-only (an ``nn.Linear`` whose
-weight is a torchao ``Int8Tensor`` without activation quantization), as transformers loads them through its
+Supported: bitsandbytes 4-bit ``Linear4bit`` (nf4 and fp4, with or without double quantization, any compute dtype),
+bitsandbytes 8-bit ``Linear8bitLt`` (LLM.int8) and torchao int8 weight-only (an ``nn.Linear`` whose weight is a
+torchao ``Int8Tensor`` without activation quantization), as transformers loads them through its
 ``quantization_config``. ``MCLLoraLinear`` computes ``base_layer(x)`` (the backend's own kernel) plus the stacked
 adapters, which live in the layer's compute dtype (or float32) on its device: never in its storage dtype.
 
@@ -23,7 +24,6 @@ from torch import nn
 from loramcl.utils.inputs import Quantization
 
 BNB_4BIT, BNB_8BIT, TORCHAO_INT8 = "bitsandbytes 4-bit", "bitsandbytes 8-bit", "torchao int8 weight-only"
-BACKENDS = (BNB_4BIT, BNB_8BIT, TORCHAO_INT8)
 SUPPORTED = ("supported quantized layers: bitsandbytes 4-bit (nf4, fp4, double quantization) and 8-bit (LLM.int8), "
              "torchao int8 weight-only (Int8WeightOnlyConfig), loaded through transformers' quantization_config")
 # Merging hypothesis k into these layers rounds the merged weight to the backend's grid again. int8 keeps each row's
@@ -33,7 +33,8 @@ LOSSY_MERGE = (BNB_4BIT,)
 
 
 def quantization_backend(module: nn.Module) -> str | None:
-    """The supported backend of ``module`` (one of ``BACKENDS``), or None (a plain layer, or an unsupported one)."""
+    """The supported backend of ``module`` (BNB_4BIT, BNB_8BIT, TORCHAO_INT8), or None (a plain layer, or an
+    unsupported one)."""
     origin = type(module).__module__
     if origin == "bitsandbytes" or origin.startswith("bitsandbytes."):
         import bitsandbytes as bnb
@@ -64,10 +65,6 @@ def unusable_here(module: nn.Module) -> str | None:
         return (f"Linear4bit of input width {module.in_features}: bitsandbytes' 4-bit CPU kernels need a multiple "
                 f"of its block size {blocksize} (real models' widths are; use int8 on the CPU, or a GPU)")
     return None
-
-
-def is_quantized(model: nn.Module) -> bool:
-    return any(quantization_backend(module) for module in model.modules())
 
 
 def compute_dtype(layer: nn.Module) -> torch.dtype:
