@@ -80,34 +80,35 @@ def merge_hypothesis(model, k: int, inplace: bool = False) -> nn.Module:
         raise ValueError(model.merge_refusal)
     model.check_hypothesis(k)
     _refuse_position_dependent(model, "merged into the base weights")
-    backends = {quantization_backend(layer.base_layer) for _, layer in model.mcl_layers()} - {None}
-    for backend in backends:
-        if not peft_quantization_backend(next(layer.base_layer for _, layer in model.mcl_layers()
-                                              if quantization_backend(layer.base_layer) == backend),
-                                         model.base_model).supports_merge:
+    quantized: dict[str, nn.Module] = {}  # backend -> one of its layers
+    for _, layer in model.mcl_layers():
+        if backend := quantization_backend(layer.base_layer):
+            quantized.setdefault(backend, layer.base_layer)
+    for backend, layer in quantized.items():
+        if not peft_quantization_backend(layer, model.base_model).supports_merge:
             raise ValueError(f"hypothesis {k} cannot be merged into {backend} layers: this release of the backend "
                              "cannot requantize a merged weight. Export it (export_hypothesis) and serve it as a "
                              "LoRA adapter on the quantized base, or merge on an unquantized base")
-    lossy = sorted(backends & set(LOSSY_MERGE))
-    probe = _probe_inputs(model) if lossy else None
+    lossy = sorted(set(quantized) & set(LOSSY_MERGE))
+    if not lossy:
+        return _remove_adapters(model, k, inplace, "merged in place (merge_hypothesis(..., inplace=True))")
+    probe, measured = _probe_inputs(model), ""
     if probe is not None:  # measured before a merge in place closes the model
         with torch.no_grad(), model.disable_adapters():
             unadapted = model.base_model(**probe).logits[0].float()  # [16, V]
         with torch.no_grad(), model.use_hypotheses(k):
             expected = model.base_model(**probe).logits[0].float()  # [16, V]
     merged = _remove_adapters(model, k, inplace, "merged in place (merge_hypothesis(..., inplace=True))")
-    if lossy:
-        measured = ""
-        if probe is not None:
-            with torch.no_grad():
-                error = (merged(**probe).logits[0].float() - expected).abs().max()
-            measured = (f": on a probe of {probe['input_ids'].shape[1]} random tokens the merged model's logits differ "
-                        f"from hypothesis {k}'s by up to {error:.3g} (hypothesis {k} moves the base model's by up to "
-                        f"{(expected - unadapted).abs().max():.3g})")
-        warnings.warn(f"merging hypothesis {k} into {', '.join(lossy)} layers rounds the merged weights to the "
-                      f"quantization grid again, which loses part of the update{measured}. Serve the exported "
-                      "adapter on the quantized base instead (export_hypothesis), or merge on an unquantized base "
-                      "for exact weights", stacklevel=2)
+    if probe is not None:
+        with torch.no_grad():
+            error = (merged(**probe).logits[0].float() - expected).abs().max()
+        measured = (f": on a probe of {probe['input_ids'].shape[1]} random tokens the merged model's logits differ "
+                    f"from hypothesis {k}'s by up to {error:.3g} (hypothesis {k} moves the base model's by up to "
+                    f"{(expected - unadapted).abs().max():.3g})")
+    warnings.warn(f"merging hypothesis {k} into {', '.join(lossy)} layers rounds the merged weights to the "
+                  f"quantization grid again, which loses part of the update{measured}. Serve the exported adapter "
+                  "on the quantized base instead (export_hypothesis), or merge on an unquantized base for exact "
+                  "weights", stacklevel=2)
     return merged
 
 
