@@ -100,14 +100,18 @@ def test_one_hypothesis_equals_peft_lora_on_the_same_quantized_base(folders, nam
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
-def test_stacked_hypotheses_equal_each_alone_in_training_and_decoding(folders, quantization):
+def test_stacked_hypotheses_equal_each_alone_and_k_separate_peft_adapters(folders, quantization):
     from loramcl.decoding import generate_hypotheses
 
     mcl, inputs, labels = wrapped(folders, "llama", quantization)
+    peft = peft_reference(quantized(folders, "llama", quantization), mcl).eval()  # K separate adapters
     with torch.no_grad():
         nll = mcl(**inputs, labels=labels).nll  # [B, K]
         for k in range(mcl.num_hypotheses):
             torch.testing.assert_close(mcl(**inputs, labels=labels, hypotheses=k).nll, nll[:, k], atol=1e-4, rtol=0)
+            peft.set_adapter(f"h{k}")
+            torch.testing.assert_close(sequence_nll(peft(**inputs).logits, labels, causal=True), nll[:, k],
+                                       atol=1e-4, rtol=0)
     prompt = {"input_ids": inputs["input_ids"][:, :4], "attention_mask": inputs["attention_mask"][:, :4]}
     settings = dict(max_new_tokens=4, min_new_tokens=4, pad_token_id=0)  # no end of sequence: 4 tokens each
     for strategy, beams in (("greedy", 1), ("beam", 2)):
