@@ -15,6 +15,7 @@ then prints which of the issue's targets are met. Writes <out>/suite-<shape>-<de
     python benchmarks/suite.py --shape cpu-small --threads 1                      # CPU, a few minutes
     python benchmarks/suite.py --shape llama-1b --device cuda --dtype bfloat16    # on a GPU: llama-1b, llama-8b,
     python benchmarks/suite.py --shape qwen2-audio --device cuda --dtype bfloat16 #   qwen2-audio
+    python benchmarks/suite.py --shape cpu-small --threads 1 --quantized          # quantized bases (issue 39)
 
 Models share one frozen base (every variant wraps a twin of its modules, no copy of the weights). Peak memory: on
 CUDA torch.cuda.max_memory_allocated during one step; on the CPU the resident set sampled during one step (the
@@ -288,6 +289,82 @@ def decoding(suite: Suite, args) -> list[dict]:
     return rows
 
 
+QUANTIZED_BASES = (None, "nf4", "int8", "torchao-int8")
+
+
+def quantized(suite: Suite, args) -> list[dict]:
+    """QLoRA-MCL (issue 39): on each base (unquantized, nf4, int8, torchao int8, loaded from a saved copy of the
+    shape's weights as users load them), a K=5 two-pass hard-WTA step (as MCLTrainer runs it) next to PEFT's K=1 LoRA
+    step (same rank and layers, AdamW) on its own copy of the same base: the model's memory (weights and adapters),
+    each step's peak memory and time."""
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+
+    from loramcl.models import load_model
+
+    targets = AUDIO_TARGETS if suite.shape.family == "qwen2_audio" else TARGETS
+    seq = args.seqs[0]
+    batch = suite.batch(seq, seq - seq // 4, args.batch)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        suite.base.save_pretrained(folder)
+        for quantization in QUANTIZED_BASES:
+            def base():
+                return load_model(folder, dtype=args.dtype, device=suite.device, quantization=quantization).train()
+
+            torch.manual_seed(0)
+            mcl = get_mcl_model(base(), MCLConfig(num_hypotheses=5, r=8, alpha=8, loss="wta", target_modules=targets))
+            perturb_adapters(mcl)
+            peft = get_peft_model(base(), LoraConfig(r=8, lora_alpha=8, target_modules=targets)).train()
+            sides = {name: (model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4))
+                     for name, model in (("mcl", mcl), ("peft", peft))}
+            runs = {"mcl": lambda sides=sides: train_step("wta-two-pass-blocks", sides["mcl"][0], batch,
+                                                          sides["mcl"][1]),
+                    "peft": lambda sides=sides: _peft_step(*sides["peft"], batch)}
+            seconds = interleaved_medians(runs, args.steps, suite.device)
+            memory = measure_memory(runs, suite.device)
+            size = {name: sum(map(_stored_bytes, (*model.parameters(), *model.buffers()))) / 2**20
+                    for name, (model, _) in sides.items()}
+            rows.append(dict(base=quantization or "unquantized", seq=seq, model_mib=size["mcl"],
+                             peft_model_mib=size["peft"], model_ratio=size["mcl"] / size["peft"],
+                             ms=seconds["mcl"] * 1000, peft_ms=seconds["peft"] * 1000,
+                             time_ratio=seconds["mcl"] / seconds["peft"], peak_mib=memory["mcl"],
+                             peft_peak_mib=memory["peft"], memory_ratio=ratio(memory["mcl"], memory["peft"])))
+            del sides, runs, mcl, peft
+            print(f"quantized base {quantization}: done", flush=True)
+    return rows
+
+
+def _stored_bytes(tensor: torch.Tensor) -> int:
+    """The bytes ``tensor`` holds: a torchao tensor subclass reports its dequantized dtype, its parts are stored."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        return sum(_stored_bytes(getattr(tensor, part)) for part in tensor.__tensor_flatten__()[0])
+    return tensor.numel() * tensor.element_size()
+
+
+def _peft_step(model, optimizer, batch: dict) -> None:
+    model(**batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def quantized_markdown(results: dict) -> str:
+    env, shape = results["environment"], results["shape"]
+    lines = [f"Shape `{shape['name']}` ({shape['note']}), device {env['device']} ({env['device_name']}), "
+             f"{env['dtype']}, {env['threads']} threads, load average at the end {env['load_average'][0]:.1f}: a K=5 "
+             "two-pass hard-WTA step of LoRA-MCL vs PEFT's K=1 LoRA step on the same base, r=8, median of "
+             f"{results['settings']['steps']} steps after a warm-up.", "",
+             "| base | tokens | model MiB (MCL K=5 / PEFT K=1) | ratio | step ms (MCL / PEFT) | ratio | "
+             "peak MiB (MCL / PEFT) | ratio |", "|---" * 8 + "|"]
+    for row in results["quantized"]:
+        memory = "n/a" if row["memory_ratio"] is None else f"{row['memory_ratio']:.2f}"
+        lines.append(f"| {row['base']} | {row['seq']} | {row['model_mib']:.1f} / {row['peft_model_mib']:.1f} | "
+                     f"{row['model_ratio']:.3f} | {row['ms']:.0f} / {row['peft_ms']:.0f} | {row['time_ratio']:.2f} | "
+                     f"{row['peak_mib']:.0f} / {row['peft_peak_mib']:.0f} | {memory} |")
+    return "\n".join(lines) + "\n"
+
+
 def targets(results: dict) -> list[dict]:
     """The issue's targets, each with what was measured."""
     found = []
@@ -345,6 +422,10 @@ def run(args) -> dict:
     results = dict(shape=asdict(shape) | dict(parameters=parameters),
                    settings=dict(seqs=list(args.seqs), batch=args.batch, steps=args.steps, repeats=args.repeats,
                                  new_tokens=args.new_tokens))
+    if args.quantized:  # issue 39's rows alone: they load the base four more times
+        results["quantized"] = quantized(suite, args)
+        results["environment"] = environment(args)
+        return results
     results["training"] = training(suite, args)
     results["context_once"] = context_once(suite, args)
     results["decoding"] = decoding(suite, args)
@@ -398,9 +479,10 @@ def markdown(results: dict) -> str:
 
 def write(results: dict, out: Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"suite-{results['shape']['name']}-{results['environment']['device'].replace(':', '')}"
+    stem = out / (f"suite-{results['shape']['name']}-{results['environment']['device'].replace(':', '')}"
+                  f"{'-quantized' if 'quantized' in results else ''}")
     stem.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(markdown(results))
+    stem.with_suffix(".md").write_text(quantized_markdown(results) if "quantized" in results else markdown(results))
     return stem.with_suffix(".json"), stem.with_suffix(".md")
 
 
@@ -418,6 +500,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed decoding repeats per side")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=Path("runs/benchmarks"), help="folder of the JSON and markdown")
+    parser.add_argument("--quantized", action="store_true", help="only the quantized bases' rows (issue 39): K=5 "
+                        "two-pass MCL vs PEFT's K=1 LoRA on unquantized, nf4, int8 and torchao int8 bases")
     args = parser.parse_args(argv)
     shape = SHAPES[args.shape]
     args.seqs = tuple(args.seqs or shape.seqs)
@@ -436,7 +520,7 @@ def main() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **RELEASE_FREED_MEMORY})
     start(args)
     results = run(args)
-    print(markdown(results))
+    print(quantized_markdown(results) if args.quantized else markdown(results))
     for path in write(results, args.out):
         print(f"wrote {path}")
 

@@ -106,3 +106,18 @@ def test_the_indexed_routing_benchmark_checks_both_computations_agree_then_times
     indexed_routing.main()
     printed = capsys.readouterr().out
     assert "| per entry (now) | 5 |" in printed and "| per row (before) | 30 |" in printed
+
+
+def test_the_quantized_rows_run_end_to_end_on_the_tiny_shape(tmp_path):
+    """`--quantized`: K = 5 two-pass MCL next to PEFT's K = 1 LoRA on each base, the quantized ones smaller."""
+    pytest.importorskip("bitsandbytes")
+    args = suite.parse(["--shape", "tiny", "--steps", "1", "--quantized", "--out", str(tmp_path), "--seqs", "8"])
+    results = suite.run(args)
+    json_path, markdown_path = suite.write(results, tmp_path)
+    assert json_path.name == "suite-tiny-cpu-quantized.json" and "| nf4 | 8 |" in markdown_path.read_text()
+    rows = {row["base"]: row for row in results["quantized"]}
+    assert list(rows) == ["unquantized", "nf4", "int8", "torchao-int8"]
+    for row in rows.values():
+        assert row["model_mib"] > row["peft_model_mib"] and row["time_ratio"] == pytest.approx(
+            row["ms"] / row["peft_ms"])
+    assert rows["nf4"]["peft_model_mib"] < rows["int8"]["peft_model_mib"] < rows["unquantized"]["peft_model_mib"]

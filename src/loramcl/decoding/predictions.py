@@ -23,6 +23,7 @@ from loramcl.utils.inputs import (
     LocalPath,
     ModelPath,
     PositionLimits,
+    Quantization,
     check_device,
     check_file,
     check_model_options,
@@ -51,6 +52,7 @@ def generate(
     progress: bool = True,
     sort_by_score: bool = False,
     strict: bool = False,
+    quantization: Quantization | None = None,
     **decoding,
 ) -> str:
     """Decode K candidates per prompt of a JSONL file; write them as `loramcl evaluate` reads predictions.
@@ -82,6 +84,8 @@ def generate(
         strict: refuse adapters saved on a base model with other weights (their recorded fingerprint differs from
             the model's), and adapter files that cannot be verified (no checksum, no fingerprint) or whose tensors
             were converted after save; by default each is a warning.
+        quantization: the base model quantized as it loads (nf4, fp4, int8, torchao-int8:
+            docs/guide/quantization.md); default: as the training run of `adapters` did (its run.json), else none.
         decoding: the options of ``loramcl.decoding.Decoding`` (strategy, num_beams or budget, num_sequences,
             hypotheses, max_new_tokens, repetition_penalty, temperature, top_k, top_p, typical_p, seed,
             num_beam_groups, diversity_penalty); seed + b seeds batch b.
@@ -115,7 +119,7 @@ def generate(
     check_generated_positions(limits, options.max_new_tokens, input, lengths)
     if (decoded := decoded_model_of(adapters)) is not None:  # the decoding against the adapters' kind and K
         plan(options, decoded, augment=augment is not None, sort_by_score=sort_by_score)
-    decoder = load_model(model, adapters, dtype, device, strict=strict)
+    decoder = load_model(model, adapters, dtype, device, strict=strict, quantization=quantization)
     augment_fn = _import_function(augment) if augment else None
 
     out_path = Path(out)

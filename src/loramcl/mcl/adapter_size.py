@@ -15,6 +15,7 @@ from torch import nn
 
 from loramcl.mcl.config import MCLConfig
 from loramcl.mcl.layers import linear_features
+from loramcl.mcl.quantization import compute_dtype
 from loramcl.utils.validate import OptionError
 
 # Training keeps, beside each adapter weight, its gradient and AdamW's two moment estimates, all of its dtype.
@@ -42,7 +43,7 @@ def hypothesis_bytes(model: nn.Module, names: list[str], config) -> dict[torch.d
     for name in names:
         layer = model.get_submodule(name)
         d_in, d_out = linear_features(layer)
-        dtype = torch.float32 if config.adapter_dtype == "float32" else layer.weight.dtype
+        dtype = torch.float32 if config.adapter_dtype == "float32" else compute_dtype(layer)  # not uint8 codes
         sizes[layer.weight.device] += ((d_in + d_out) * config.r + (d_in if router else 0)) * dtype.itemsize
     return dict(sizes)
 

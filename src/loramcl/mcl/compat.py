@@ -19,6 +19,8 @@ than let a moved internal compute something else.
 - The generation loop's own steps, which diverse beam search drives (``check_generation_steps``).
 - PEFT's matching of target modules (``peft_targets``), so that our layers are the ones a PEFT LoRA with the same
   options adapts, and its table of default targets per model type (``peft_default_targets``).
+- PEFT's dequantize / requantize of a quantized base layer (``peft_quantization_backend``), which merging a
+  hypothesis into a bitsandbytes or torchao layer uses.
 - Token ids outside the model's vocabulary, found before the model runs (``check_token_ids``): torch's embedding
   lookup would end in ``IndexError: index out of range in self`` without saying which id.
 """
@@ -144,6 +146,23 @@ def peft_default_targets() -> dict:
         raise upstream_error(f"PEFT has no default target modules table ({error})",
                              "set MCLConfig.target_modules", package="peft") from error
     return TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+
+def peft_quantization_backend(layer: nn.Module, model: nn.Module):
+    """PEFT's ``QuantizationBackend`` of a quantized ``layer`` of ``model`` (``peft.utils.quantization_utils``, PEFT
+    0.20 on): its ``get_base_weight`` dequantizes the layer's weight, ``set_base_weight(holder, weight)`` requantizes
+    into ``holder.get_base_layer()``, ``supports_merge`` says whether both work."""
+    try:
+        from peft.utils.quantization_utils import get_quantization_kwargs, resolve_quantization_backend
+
+        backend = resolve_quantization_backend(layer, **get_quantization_kwargs(model))
+    except (ImportError, AttributeError, TypeError) as error:
+        raise upstream_error(f"PEFT's quantization_utils are not as loramcl uses them ({error})",
+                             "merge on an unquantized base model", package="peft") from error
+    if backend is None or not all(hasattr(backend, name) for name in ("get_base_weight", "set_base_weight")):
+        raise upstream_error(f"PEFT's resolve_quantization_backend gives {backend!r} for a {type(layer).__name__}",
+                             "merge on an unquantized base model", package="peft")
+    return backend
 
 
 def check_token_ids(model: nn.Module, input_ids: torch.Tensor | None, name: str = "input_ids") -> None:

@@ -16,6 +16,12 @@ base, as are the same weights on another device. A float16 copy rounds different
 its bfloat16 rounding), so it has another fingerprint: loading float32-trained adapters onto a float16 copy warns.
 What it cannot see: a change smaller than bfloat16's precision (about 0.4% of a value).
 
+A quantized layer (``loramcl.mcl.quantization``: bitsandbytes 4-bit and 8-bit, torchao int8) is hashed by what it
+stores, its integer codes and quantization state (``quantized_state``: scales, quantization map), each through the same
+bfloat16 block sums (integer codes are exact there), under names that say so: a 4-bit base and its bfloat16
+original have other fingerprints, and adapters trained on one warn when loaded onto the other. A plain model's
+fingerprint is what it was before quantized layers were supported.
+
 Files saved before this scheme record ``sha256-bf16-sample:``, a hash of a sample only (up to ``ROWS`` evenly spaced
 rows of each parameter viewed as ``[shape[0], -1]``, each cut to its first ``COLUMNS`` values, in bfloat16); they are
 compared with that scheme where the plain base model is at hand (``check_base_weights``), and said to be legacy on
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loramcl.mcl.quantization import quantization_backend, quantized_state
 from loramcl.utils.inputs import AdapterFilesWarning, BaseWeightsMismatch
 
 FULL = "sha256-bf16-all"
@@ -98,7 +105,17 @@ def base_fingerprint(model: nn.Module) -> str | None:
     if id(model) in _known:
         return _known[id(model)]
     digest, buffers = hashlib.sha256(), {}
+    quantized = {id(module.weight): (name, module) for name, module in model.named_modules()
+                 if quantization_backend(module)}
     for name, param in model.named_parameters():
+        if id(param) in quantized:  # its codes and quantization state, by their names in the layer
+            layer_name, layer = quantized.pop(id(param))
+            for part, value in quantized_state(layer).items():
+                if not _readable(value):
+                    return None
+                digest.update(f"{layer_name}.{part}:quantized{value.numel()};".encode())
+                digest.update(_block_sums(value, buffers).numpy().astype("<f8").tobytes())
+            continue
         if not param.is_floating_point():
             continue
         if not _readable(param):

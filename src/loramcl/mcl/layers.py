@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from loramcl.mcl.quantization import compute_dtype
+
 STACKED, SINGLE, INDEXED, DISABLED = "stacked", "single", "indexed", "disabled"
 
 
@@ -72,10 +74,10 @@ class MCLLoraLinear(nn.Module):
         self.r = r
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r  # rsLoRA (Kalajdzievski 2023): alpha/sqrt(r)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        weight = base_layer.weight
-        dtype = adapter_dtype or weight.dtype
-        self.lora_A = nn.Parameter(torch.empty(num_hypotheses, in_features, r, device=weight.device, dtype=dtype))
-        self.lora_B = nn.Parameter(torch.zeros(num_hypotheses, r, out_features, device=weight.device, dtype=dtype))
+        # a quantized layer stores uint8/int8 codes: the adapters take the dtype it computes in, on its device
+        device, dtype = base_layer.weight.device, adapter_dtype or compute_dtype(base_layer)
+        self.lora_A = nn.Parameter(torch.empty(num_hypotheses, in_features, r, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(num_hypotheses, r, out_features, device=device, dtype=dtype))
         self.reset_adapters()
 
     def reset_adapters(self) -> None:
@@ -139,12 +141,12 @@ class MCLLoraLinear(nn.Module):
             return torch.bmm(torch.bmm(grouped, a), b).reshape(out_shape)
         raise RuntimeError(f"unknown routing mode {routing.mode!r}")
 
-    def delta_weight(self, k: int) -> torch.Tensor:
-        """The weight update of hypothesis k in the base layer's layout and dtype."""
+    def delta_weight(self, k: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight update of hypothesis k in the base layer's layout and ``dtype`` (default: its compute dtype)."""
         delta = (self.lora_A[k].float() @ self.lora_B[k].float()) * self.scaling  # [d_in, d_out]
         if isinstance(self.base_layer, nn.Linear):
             delta = delta.T  # nn.Linear stores W as [d_out, d_in]
-        return delta.to(self.base_layer.weight.dtype)
+        return delta.to(dtype or compute_dtype(self.base_layer))
 
     def extra_repr(self) -> str:
         return (f"hypotheses={self.num_hypotheses}, in={self.in_features}, out={self.out_features}, r={self.r}, "

@@ -9,14 +9,16 @@ import copy
 import dataclasses
 import os
 import re
+import warnings
 
 import safetensors.torch
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from loramcl.mcl.compat import peft_default_targets, peft_targets
+from loramcl.mcl.compat import peft_default_targets, peft_quantization_backend, peft_targets
 from loramcl.mcl.config import MCLConfig
+from loramcl.mcl.quantization import LOSSY_MERGE, SUPPORTED, quantization_backend, unusable_here
 from loramcl.utils.validate import OptionError
 
 PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -78,7 +80,48 @@ def merge_hypothesis(model, k: int, inplace: bool = False) -> nn.Module:
         raise ValueError(model.merge_refusal)
     model.check_hypothesis(k)
     _refuse_position_dependent(model, "merged into the base weights")
-    return _remove_adapters(model, k, inplace, "merged in place (merge_hypothesis(..., inplace=True))")
+    quantized: dict[str, nn.Module] = {}  # backend -> one of its layers
+    for _, layer in model.mcl_layers():
+        if backend := quantization_backend(layer.base_layer):
+            quantized.setdefault(backend, layer.base_layer)
+    for backend, layer in quantized.items():
+        if not peft_quantization_backend(layer, model.base_model).supports_merge:
+            raise ValueError(f"hypothesis {k} cannot be merged into {backend} layers: this release of the backend "
+                             "cannot requantize a merged weight. Export it (export_hypothesis) and serve it as a "
+                             "LoRA adapter on the quantized base, or merge on an unquantized base")
+    lossy = sorted(set(quantized) & set(LOSSY_MERGE))
+    if not lossy:
+        return _remove_adapters(model, k, inplace, "merged in place (merge_hypothesis(..., inplace=True))")
+    probe, measured = _probe_inputs(model), ""
+    if probe is not None:  # measured before a merge in place closes the model
+        with torch.no_grad(), model.disable_adapters():
+            unadapted = model.base_model(**probe).logits[0].float()  # [16, V]
+        with torch.no_grad(), model.use_hypotheses(k):
+            expected = model.base_model(**probe).logits[0].float()  # [16, V]
+    merged = _remove_adapters(model, k, inplace, "merged in place (merge_hypothesis(..., inplace=True))")
+    if probe is not None:
+        with torch.no_grad():
+            error = (merged(**probe).logits[0].float() - expected).abs().max()
+        measured = (f": on a probe of {probe['input_ids'].shape[1]} random tokens the merged model's logits differ "
+                    f"from hypothesis {k}'s by up to {error:.3g} (hypothesis {k} moves the base model's by up to "
+                    f"{(expected - unadapted).abs().max():.3g})")
+    warnings.warn(f"merging hypothesis {k} into {', '.join(lossy)} layers rounds the merged weights to the "
+                  f"quantization grid again, which loses part of the update{measured}. Serve the exported adapter "
+                  "on the quantized base instead (export_hypothesis), or merge on an unquantized base for exact "
+                  "weights", stacklevel=2)
+    return merged
+
+
+def _probe_inputs(model) -> dict | None:
+    """A fixed batch of 16 random token ids (a text model's input; None for others, whose effect is not measured)."""
+    vocabulary = getattr(model.config, "vocab_size", None)
+    if not vocabulary or getattr(model.base_model, "main_input_name", "input_ids") != "input_ids":
+        return None
+    ids = torch.randint(vocabulary, (1, 16), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids.to(model.adapter_device())}
+    if getattr(model.config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = inputs["input_ids"]
+    return inputs
 
 
 def _refuse_position_dependent(model, what: str) -> None:
@@ -111,7 +154,7 @@ def _remove_adapters(model, k: int | None, inplace: bool, how: str) -> nn.Module
             for name in model.layer_names:
                 layer = base.get_submodule(name)
                 if k is not None:
-                    layer.base_layer.weight.add_(layer.delta_weight(k))
+                    _merge_into(layer, k, base)
                 base.set_submodule(name, layer.base_layer)
     finally:
         if not inplace:
@@ -119,6 +162,28 @@ def _remove_adapters(model, k: int | None, inplace: bool, how: str) -> nn.Module
     if inplace:
         model.close(how)
     return base
+
+
+def _merge_into(layer, k: int, base: nn.Module) -> None:
+    """W += delta W_k in ``layer``'s base layer; a quantized one is dequantized, added to and requantized (PEFT's
+    backends: the same rounding as PEFT's merge)."""
+    if quantization_backend(layer.base_layer) is None:
+        layer.base_layer.weight.add_(layer.delta_weight(k))
+        return
+    backend = peft_quantization_backend(layer.base_layer, base)
+    weight = backend.get_base_weight(layer.base_layer)  # [d_out, d_in], dequantized
+    merged = weight.float() + layer.delta_weight(k, torch.float32)  # not rounded to the compute dtype first, as PEFT
+    backend.set_base_weight(_BaseLayerHolder(layer.base_layer), merged.to(weight.dtype))
+
+
+class _BaseLayerHolder:
+    """What PEFT's ``set_base_weight`` reads from the layer that holds a quantized one."""
+
+    def __init__(self, base_layer: nn.Module) -> None:
+        self.base_layer = base_layer
+
+    def get_base_layer(self) -> nn.Module:
+        return self.base_layer
 
 
 def _peft_task_type(model: nn.Module) -> str | None:
@@ -155,12 +220,15 @@ def linear_layer_names(model: nn.Module) -> list[str]:
 def _quantized_reason(module: nn.Module) -> str | None:
     """Why ``module`` is a quantized (or otherwise non-float) layer that adapters must not wrap, or None.
 
-    A quantized layer cannot take W + alpha/r * (A B)^T when merging, and its ``weight`` may not be the matrix
-    that its forward uses (packed integers, a quantized tensor subclass): wrapping it silently would give wrong
-    merges and exports. Recognised: torch's quantized modules (dynamic or static), layers of quantization
-    libraries (bitsandbytes, GPTQ, AWQ, HQQ, quanto, torchao) and any layer whose weight is not a plain
-    floating-point tensor.
+    The backends of ``loramcl.mcl.quantization`` (bitsandbytes 4-bit and 8-bit, torchao int8 weight-only) are
+    wrapped: their forward, files, fingerprint and merge are known. Any other quantized layer is refused: its
+    ``weight`` may not be the matrix that its forward uses (packed integers, a quantized tensor subclass), and a
+    merge into it may silently leave the adapter out (optimum-quanto's with PEFT). Recognised: torch's quantized
+    modules (dynamic or static), layers of quantization libraries (bitsandbytes, GPTQ, AWQ, HQQ, quanto, torchao)
+    and any layer whose weight is not a plain floating-point tensor.
     """
+    if quantization_backend(module):
+        return unusable_here(module)
     origin = type(module).__module__
     libraries = ("bitsandbytes", "auto_gptq", "gptqmodel", "awq", "hqq", "optimum.quanto", "torchao", "fp_quant",
                  "compressed_tensors", "aqlm", "eetq", "vptq", "higgs")
@@ -187,9 +255,9 @@ def refuse_quantized(model: nn.Module, names: list[str] | None = None) -> None:
     if found:
         name, reason = found[0]
         raise ValueError(f"{type(model).__name__} has quantized layers ({len(found)}, e.g. '{name}': {reason}). "
-                         "LoRA-MCL adapters need floating-point base layers: merging a hypothesis into packed "
-                         "integer weights would be wrong. Load the base model unquantized (e.g. dtype="
-                         "torch.bfloat16, without quantization_config) or dequantize it first.")
+                         f"LoRA-MCL adapters wrap floating-point base layers and the {SUPPORTED}. Load the base "
+                         "model with one of those, or unquantized (e.g. dtype=torch.bfloat16, without "
+                         "quantization_config).")
 
 
 def matched_layer_names(model: nn.Module, targets: list[str] | str, config: MCLConfig) -> list[str]:

@@ -26,13 +26,13 @@ def run_settings(values: dict, training, data: Path, examples: dict) -> dict:
     configuration under the method's name (LoRA-MCL's under "mcl", as `loramcl train` records it), its training
     settings and dtype, what its ``examples`` depend on beside the data, and the SHA-256 of its data files."""
     from loramcl.recipes.files import method_of
-    from loramcl.training.runs import method_settings
+    from loramcl.training.runs import method_settings, quantization_settings
     from loramcl.utils.files import sha256
 
     files = {role: data / f"{role}.jsonl" for role in TRAINING_FILES}
     return json.loads(json.dumps({
         "model": values["model"], **method_settings(*method_of(values)), "training": asdict(training),
-        "dtype": values.get("dtype", "float32"), **examples,
+        "dtype": values.get("dtype", "float32"), **quantization_settings(values.get("quantization")), **examples,
         "data_sha256": {role: sha256(path) for role, path in files.items() if path.is_file()}}))
 
 
@@ -40,16 +40,17 @@ def fit_run(values: dict, training, settings: dict, examples: Callable[[], tuple
     """Train one run with ``training.fit.fit`` (the files and record of `loramcl train`), resuming from its
     checkpoints: ``examples()`` gives (processor, train set, eval set or None, collator), built only when the run
     trains."""
-    from loramcl.models import load_model
+    from loramcl.models import training_model_loader
     from loramcl.recipes.files import method_of
     from loramcl.training.fit import fit, resumable_checkpoint
 
     method, config = method_of(values)
     model, out, dtype = values["model"], values["out"], values.get("dtype", "float32")
     processor, train_set, eval_set, collator = examples()
-    return fit(lambda: load_model(model, dtype=dtype), out, config, training, settings, train_set, eval_set,
-               collator=collator, processor=processor, last_checkpoint=resumable_checkpoint(out, settings, True),
-               method=method)
+    # quantized (the run's decoding reads it back from its run.json), loaded where this process trains
+    loader = training_model_loader(model, dtype, values.get("quantization"))
+    return fit(loader, out, config, training, settings, train_set, eval_set, collator=collator, processor=processor,
+               last_checkpoint=resumable_checkpoint(out, settings, True), method=method)
 
 
 def decode_to_jsonl(out: Path, model, processor, items: dict, batch_size: int, arguments: dict,

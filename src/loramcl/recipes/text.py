@@ -76,16 +76,19 @@ class TextTask(runner.Task):
         from loramcl.mcl.config import MCLConfig
         from loramcl.training.config import DataConfig, TrainConfig
         from loramcl.training.fit import run_settings, train
+        from loramcl.training.runs import quantization_settings
 
         data = dict(values["data"])
         if not (self.data / "validation.jsonl").is_file():  # no validation pairs given: the runs train without
             data["validation_file"] = None
         mcl, data_config = MCLConfig.from_dict(values["mcl"]), DataConfig(**data)
         training, dtype = TrainConfig(**values.get("training", {})), values.get("dtype", "float32")
+        quantization = values.get("quantization")  # QLoRA-MCL; the decoding reads it back from the run's run.json
         settings = run_settings(values["model"], mcl, data_config, training, dtype)
+        settings |= quantization_settings(quantization)
         self.stages.train(f"train {run}", Path(values["out"]), settings, train, model=values["model"],
                           out=values["out"], mcl=mcl, data=data_config, training=training, resume=True,
-                          threads=self.threads, dtype=dtype)
+                          threads=self.threads, dtype=dtype, quantization=quantization)
 
     def decode(self, system: System, values: dict, arguments: dict, decode: DecodeConfig) -> None:
         from loramcl.decoding.predictions import generate

@@ -20,7 +20,14 @@ from typing import Literal
 from loramcl.baselines.config import MoEConfig, MultiHeadConfig
 from loramcl.mcl.config import MCLConfig, saved_values
 from loramcl.training.config import DataConfig, TrainConfig
-from loramcl.training.runs import CHECKPOINTS, SETTINGS_NAME, method_settings, run_stamp, stale_checkpoint_fields
+from loramcl.training.runs import (
+    CHECKPOINTS,
+    SETTINGS_NAME,
+    method_settings,
+    quantization_settings,
+    run_stamp,
+    stale_checkpoint_fields,
+)
 from loramcl.utils.files import sha256
 from loramcl.utils.inputs import (
     MCL_CONFIG,
@@ -30,6 +37,7 @@ from loramcl.utils.inputs import (
     LocalPath,
     ModelPath,
     PositionLimits,
+    Quantization,
     check_file,
     check_model_options,
     check_output,
@@ -113,6 +121,7 @@ def train(
     threads: int | None = None,
     dtype: Dtype = "float32",
     scores_for: LocalPath | None = None,
+    quantization: Quantization | None = None,
 ) -> str:
     """Fine-tune LoRA hypotheses with MCLTrainer (K = 1: LoRA-MLE), or a LoRA-MoE or multi-head MCL baseline.
 
@@ -149,6 +158,9 @@ def train(
         scores_for: a finished LoRA-MCL run (its `out`) whose hypothesis scores p(k | c) are to be learned: its
             hypotheses are loaded and stay frozen, and only a scoring head is trained (docs/guide/scores.md); the run's
             own MCL settings are used (leave --mcl out; --training.scoring_learning_rate sets the head's rate).
+        quantization: the frozen model quantized as it loads (QLoRA-MCL; docs/guide/quantization.md): nf4 or fp4
+            (bitsandbytes 4-bit, double quantization, computing in --dtype), int8 (bitsandbytes LLM.int8) or
+            torchao-int8 (torchao int8 weight-only). Decode the adapters on the same quantized base.
     """
     from loramcl.data.prompts import PairDataset, collate, encode_pairs, pad_token_id
 
@@ -163,7 +175,7 @@ def train(
 
     from transformers import AutoTokenizer
 
-    from loramcl.models import load_model
+    from loramcl.models import training_model_loader
 
     if scores_for is not None:
         config = _scored_run_config(scores_for, method, mcl)
@@ -172,6 +184,7 @@ def train(
     else:
         config = method_config(method, mcl, moe, multihead)
         settings = run_settings(model, config, data, training, dtype, method)
+    settings |= quantization_settings(quantization)
     last = resumable_checkpoint(out, settings, resume)
     use_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -185,7 +198,7 @@ def train(
 
     train_set = dataset(data.train_file, train_pairs)
     eval_set = dataset(data.validation_file, eval_pairs, data.eval_examples) if eval_pairs else None
-    fit(lambda: load_model(model, dtype=dtype), out, config, training, settings, train_set, eval_set,
+    fit(training_model_loader(model, dtype, quantization), out, config, training, settings, train_set, eval_set,
         collator=lambda rows: collate(rows, pad_id), processor=tokenizer, last_checkpoint=last, method=method,
         scores_for=scores_for)
     return str(out)

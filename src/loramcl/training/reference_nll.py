@@ -12,6 +12,7 @@ from loramcl.utils.inputs import (
     Dtype,
     LocalPath,
     ModelPath,
+    Quantization,
     check_device,
     check_file,
     check_model_options,
@@ -39,6 +40,7 @@ def nll(
     threads: int | None = None,
     progress: bool = True,
     strict: bool = False,
+    quantization: Quantization | None = None,
 ) -> str:
     """Score every reference under every hypothesis: its mean NLL per target token, for `loramcl evaluate --nll`.
 
@@ -64,6 +66,8 @@ def nll(
         strict: refuse adapters saved on a base model with other weights (their recorded fingerprint differs from
             the model's), and adapter files that cannot be verified (no checksum, no fingerprint) or whose tensors
             were converted after save; by default each is a warning.
+        quantization: the base model quantized as it loads (nf4, fp4, int8, torchao-int8:
+            docs/guide/quantization.md); default: as the training run of `adapters` did (its run.json), else none.
     """
     from loramcl.data.prompts import collate, encode_pairs, first_too_long, pad_token_id, read_pairs
 
@@ -101,7 +105,7 @@ def nll(
     if (too_long := first_too_long(rows, model_positions(model), encoder_decoder)) is not None:
         raise ValueError(f"{input}:{record_line(input, owner[too_long[0]])}: the prompt and reference need "
                          f"{too_long[1]}: shorten them (a reference is scored whole)")
-    decoder = load_model(model, adapters, dtype, device, strict=strict)
+    decoder = load_model(model, adapters, dtype, device, strict=strict, quantization=quantization)
     nlls, mixtures = [], []
     bar = tqdm(total=len(rows), unit="reference", desc="nll", file=sys.stderr, disable=not progress,
                dynamic_ncols=True)

@@ -32,6 +32,11 @@ def method_settings(method: str, config) -> dict:
     method's name with "method" naming it (``recipes.files.method_of`` reads them back)."""
     return {"mcl": config.to_dict()} if method == "mcl" else {"method": method, method: config.to_dict()}
 
+def quantization_settings(quantization: str | None) -> dict:
+    """How a run's settings record the quantization of its base (QLoRA-MCL): only where there is one, so that the
+    settings of runs on a plain base stay as they were (and their checkpoints resume)."""
+    return {"quantization": quantization} if quantization else {}
+
 # Fields that decide how a run is computed, not its adapters: a run resumed or compared with another value is the same
 _COMPUTATION_ONLY = {"mcl": ("logits_chunk_size",)}
 

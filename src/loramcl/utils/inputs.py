@@ -21,6 +21,8 @@ from jsonargparse.typing import register_type
 from loramcl.utils.validate import OptionError
 
 Dtype = Literal["float32", "bfloat16", "float16"]  # the frozen model's dtype, as a command option
+# the frozen model quantized as it loads, as a command option (loramcl.mcl.quantization: docs/guide/quantization.md)
+Quantization = Literal["nf4", "fp4", "int8", "torchao-int8"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 RUN_RECORD = "run.json"  # written last by `loramcl train` in its `out` folder
 PEFT_FOLDER = "peft"  # where a K = 1 run of `loramcl train` exports its adapter, inside `out`
