@@ -306,25 +306,35 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
 
 
 def training_arguments(training: TrainConfig, output_dir: str, evaluating: bool, **overrides):
-    """transformers ``TrainingArguments`` of a ``TrainConfig`` (validation every ``eval_every`` steps when
-    ``evaluating``, a checkpoint every ``save_every``, the CPU when no GPU is seen); ``overrides`` replace any of them
+    """transformers ``TrainingArguments`` of a ``TrainConfig`` (``batch_size`` examples per optimizer step in
+    ``gradient_accumulation_steps`` micro-batches, validation every ``eval_every`` steps when ``evaluating``, a
+    checkpoint every ``save_every``, the CPU when no GPU is seen); ``overrides`` replace any of them
     (e.g. another evaluation batch size)."""
     import torch
     from transformers import TrainingArguments
 
-    saving = training.save_every > 0
+    saving, cuda = training.save_every > 0, torch.cuda.is_available()
+    micro_batch = training.batch_size // training.gradient_accumulation_steps
     values = dict(
-        output_dir=output_dir, max_steps=training.steps, per_device_train_batch_size=training.batch_size,
-        per_device_eval_batch_size=training.batch_size, learning_rate=training.learning_rate,
+        output_dir=output_dir, max_steps=training.steps, per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=training.gradient_accumulation_steps,
+        activation_checkpointing=training.activation_checkpointing, **precision_arguments(training, cuda),
+        per_device_eval_batch_size=micro_batch, learning_rate=training.learning_rate,
         weight_decay=training.weight_decay, adam_beta2=training.adam_beta2, max_grad_norm=training.max_grad_norm,
         warmup_steps=training.warmup_steps, logging_steps=training.logging_steps,
         lr_scheduler_type="cosine_with_min_lr" if training.min_learning_rate else training.scheduler,
         lr_scheduler_kwargs={"min_lr": training.min_learning_rate} if training.min_learning_rate else {},
         eval_strategy="steps" if evaluating else "no", eval_steps=training.eval_every if evaluating else None,
         save_strategy="steps" if saving else "no", save_steps=training.save_every if saving else None,
-        save_total_limit=training.keep_checkpoints, report_to=[], use_cpu=not torch.cuda.is_available(),
+        save_total_limit=training.keep_checkpoints, report_to=[], use_cpu=not cuda,
         seed=training.seed, data_seed=training.seed, remove_unused_columns=False, disable_tqdm=False)
     return TrainingArguments(**(values | overrides))
+
+
+def precision_arguments(training: TrainConfig, cuda: bool) -> dict:
+    """Trainer's bf16 autocast and TF32 settings of ``training``; TF32 is a CUDA mode, which Trainer refuses
+    without a GPU (None: left as torch has it)."""
+    return {"bf16": training.bf16, "tf32": training.tf32 if cuda else None}
 
 
 def training_pairs(path: str, data: DataConfig, what: str) -> tuple[list[str], list[str]]:
