@@ -21,6 +21,7 @@ bytes the tensors held at the training peak occupy, counted as autograd saves th
 from __future__ import annotations
 
 import argparse
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -322,11 +323,19 @@ def calibrate(workload: Workload, runs: dict[str, dict]) -> dict:
         config = method_config(settings)
         if config is None:
             continue
-        stacks = stack_configs(workload.family)
         for stack in ("lm", "encoder") if workload.encoder_positions else ("lm",):
-            found[stack, run] = layer_bytes_per_token(stack, stacks[stack], _target_leaves(config.target_modules),
-                                                      config)
+            found[stack, run] = _calibration(stack, workload.family, tuple(_target_leaves(config.target_modules)),
+                                             config.num_hypotheses, config.r, config.dropout)
     return found
+
+
+@functools.cache
+def _calibration(stack: str, family: str, targets: tuple[str, ...], hypotheses: int, r: int, dropout: float) -> float:
+    """layer_bytes_per_token, once per setting that changes it (runs differing in their loss share it)."""
+    from loramcl import MCLConfig
+
+    config = MCLConfig(num_hypotheses=hypotheses, r=r, alpha=r, dropout=dropout, target_modules=list(targets))
+    return layer_bytes_per_token(stack, stack_configs(family)[stack], list(targets), config)
 
 
 def _target_leaves(targets) -> list[str]:
