@@ -65,3 +65,12 @@ def test_accumulation_must_divide_the_batch():
         TrainConfig(batch_size=8, gradient_accumulation_steps=3)
     with pytest.raises(ValueError, match="bf16 must be true or false"):
         TrainConfig(bf16="yes")
+
+
+def test_several_gpus_in_one_process_are_refused_with_the_torchrun_command(tmp_path):
+    """Trainer would wrap the model in nn.DataParallel (n_gpu > 1 without torchrun): faked here on the arguments."""
+    args = training_arguments(TrainConfig(steps=1, batch_size=2, save_every=0), str(tmp_path), evaluating=False)
+    args._n_gpu = 2  # what TrainingArguments finds with two visible GPUs and no process group
+    with pytest.raises(ValueError, match=r"2 GPUs are visible to this one process.*DataParallel.*torchrun "
+                                         r"--nproc_per_node 2 -m loramcl.cli train"):
+        MCLTrainer(_model(), args=args, train_dataset=token_rows(2, 8))

@@ -191,6 +191,7 @@ class MCLTrainer(Trainer):
         given = inspect.signature(Trainer.__init__).bind_partial(self, model, *args, **kwargs).arguments
         del given["self"]
         given["args"] = _own_arguments(given.get("args"))
+        refuse_data_parallel(given["args"])
         self._checkpoints = StagedCheckpoints(self._wait_for_pushes)
         self._scoring_gradients = _ScoringGradients(self)
         super().__init__(**given)
@@ -471,6 +472,18 @@ def _own_arguments(args: TrainingArguments | None) -> TrainingArguments:
     if args.ddp_find_unused_parameters is None:
         args.ddp_find_unused_parameters = False
     return args
+
+
+def refuse_data_parallel(args: TrainingArguments) -> None:
+    """Several GPUs seen by one process (no torchrun): Trainer would wrap the model in ``nn.DataParallel``, whose
+    replicas run in threads on one shared routing object with hooks bound to the original model, so the K copies of
+    the batch are never made and the forward fails or misroutes. One process per GPU (DDP) is what works."""
+    if args.n_gpu > 1:
+        raise ValueError(
+            f"{args.n_gpu} GPUs are visible to this one process: Trainer would train with torch.nn.DataParallel, "
+            "which LoRA-MCL's shared hypothesis routing does not support. Launch one process per GPU: torchrun "
+            f"--nproc_per_node {args.n_gpu} -m loramcl.cli train ... (or accelerate launch --num_processes "
+            f"{args.n_gpu} -m loramcl.cli ...), or show this process one GPU (CUDA_VISIBLE_DEVICES=0)")
 
 
 def _norm(parameters: list[nn.Parameter]) -> torch.Tensor:
