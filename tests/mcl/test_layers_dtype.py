@@ -56,3 +56,18 @@ def test_a_bf16_llama_keeps_its_adapter_inputs_in_bf16_and_trains_float32_weight
     assert len(grouped) >= 3 and all(t.dtype == torch.bfloat16 for t in grouped)
     output.loss.backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in mcl.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("mode", ["indexed", "stacked"])
+def test_routing_tensors_follow_the_layer_to_its_device(mode):
+    """Under device_map="auto" each layer sits on its own device while MCLModel makes the routing's index and position
+    mask once, on the input's device. transformers cannot split a model over two devices on a CPU-only machine, so
+    the layer runs on the meta device with the routing tensors on the CPU: a position mask not moved to the layer's
+    device raises ("Tensor on device cpu is not on the expected device meta"); a CPU index on meta adapters does not
+    (index_select accepts it), so the index's move is read, not caught, here."""
+    routing = HypothesisRouting(mode=mode, index=torch.tensor([1, 0]), positions=torch.ones(4, 3, 1))  # on the CPU
+    with torch.device("meta"):
+        layer = MCLLoraLinear(nn.Linear(16, 8), routing, num_hypotheses=2, r=4, alpha=8)
+        x = torch.randn(4, 3, 16)
+    output = layer(x)
+    assert output.device.type == "meta" and output.shape == (4, 3, 8)
