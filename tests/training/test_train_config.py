@@ -74,3 +74,11 @@ def test_several_gpus_in_one_process_are_refused_with_the_torchrun_command(tmp_p
     with pytest.raises(ValueError, match=r"2 GPUs are visible to this one process.*DataParallel.*torchrun "
                                          r"--nproc_per_node 2 -m loramcl.cli train"):
         MCLTrainer(_model(), args=args, train_dataset=token_rows(2, 8))
+
+
+def test_fsdp1_is_refused_with_the_fsdp2_settings(tmp_path):
+    """FSDP1 flattens a wrapped unit into one dtype (bf16 base and float32 adapters cannot share one)."""
+    args = training_arguments(TrainConfig(steps=1, batch_size=2, save_every=0), str(tmp_path), evaluating=False,
+                              fsdp=True, fsdp_config={"version": 1})
+    with pytest.raises(ValueError, match=r"FSDP version 1 .* fsdp_config=\{'version': 2\}.*--fsdp_version 2"):
+        MCLTrainer(_model(), args=args, train_dataset=token_rows(2, 8))
