@@ -45,7 +45,7 @@ def test_bf16_input_saves_no_float32_copy_and_trains_float32_weights(mode):
 
 def test_a_bf16_llama_keeps_its_adapter_inputs_in_bf16_and_trains_float32_weights():
     """The whole model: with the adapters' matmuls in bfloat16, every adapted layer's saved input is the bfloat16
-    tensor the model holds anyway (a view), not a float32 copy of its own."""
+    tensor the model holds anyway (a view, shared by the layers reading it), not a float32 copy of its own."""
     torch.manual_seed(0)
     mcl = get_mcl_model(build_model("llama").to(torch.bfloat16),
                         MCLConfig(num_hypotheses=2, r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj"]))
@@ -54,6 +54,8 @@ def test_a_bf16_llama_keeps_its_adapter_inputs_in_bf16_and_trains_float32_weight
     saved, output = _saved_tensors(lambda: mcl(**batch))
     grouped = [t for t in saved if tuple(t.shape) == (2, 2 * 8, 32)]  # q, k, v's [K, B*T, hidden] adapter inputs
     assert len(grouped) >= 3 and all(t.dtype == torch.bfloat16 for t in grouped)
+    # q, k and v read one input: without dropout they save views of it, one storage per decoder layer (of 2)
+    assert len({t.untyped_storage().data_ptr() for t in grouped}) == 2
     output.loss.backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in mcl.parameters() if p.requires_grad)
 
