@@ -82,3 +82,23 @@ def test_fsdp1_is_refused_with_the_fsdp2_settings(tmp_path):
                               fsdp=True, fsdp_config={"version": 1})
     with pytest.raises(ValueError, match=r"FSDP version 1 .* fsdp_config=\{'version': 2\}.*--fsdp_version 2"):
         MCLTrainer(_model(), args=args, train_dataset=token_rows(2, 8))
+
+
+def test_only_the_first_process_writes_the_finished_run(tmp_path, monkeypatch):
+    """Under DDP every process ends with the same adapters: the others write nothing (no two writers of one file)."""
+    from tiny_models import build_model
+
+    from loramcl.training.fit import fit
+
+    def collate(rows):
+        return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+
+    config = MCLConfig(num_hypotheses=1, r=4, alpha=8, target_modules=["q_proj"])
+    training = TrainConfig(steps=1, batch_size=2, save_every=0)
+    monkeypatch.setattr(MCLTrainer, "is_world_process_zero", lambda self: False)
+    run = fit(lambda: build_model("llama"), tmp_path / "other", config, training, {}, token_rows(2, 8), None, collate)
+    assert run["train_examples"] == 2 and not [p for p in (tmp_path / "other").rglob("*") if p.is_file()]
+    monkeypatch.setattr(MCLTrainer, "is_world_process_zero", lambda self: True)
+    fit(lambda: build_model("llama"), tmp_path / "first", config, training, {}, token_rows(2, 8), None, collate)
+    assert {"run.json", "train_log.json", "mcl_adapters.safetensors", "peft"} <= {
+        p.name for p in (tmp_path / "first").iterdir()}

@@ -290,18 +290,22 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
         progress.close_bars()
     seconds = time.perf_counter() - started
 
-    mcl_model.save_pretrained(out_dir)
-    if processor is not None:
-        processor.save_pretrained(out_dir)
-    if method == "mcl" and mcl.num_hypotheses == 1:
-        mcl_model.export_hypothesis(0, out_dir / PEFT_FOLDER)
+    writing = trainer.is_world_process_zero()  # the other processes hold the same adapters, or shards of them
+    if writing or trainer.is_fsdp_enabled:  # sharded: every process takes part in gathering them; the first writes
+        mcl_model.save_pretrained(out_dir)
+    if writing:
+        if processor is not None:
+            processor.save_pretrained(out_dir)
+        if method == "mcl" and mcl.num_hypotheses == 1:
+            mcl_model.export_hypothesis(0, out_dir / PEFT_FOLDER)
+        (out_dir / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
     trainable, total = mcl_model.parameter_counts()
-    (out_dir / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
     run = {"settings": settings, "resumed_from": trainer.resumed_from and Path(trainer.resumed_from).name,
            "threads": torch.get_num_threads(), "train_examples": len(train_set), "trainable_parameters": trainable,
            "total_parameters": total, "seconds": round(seconds, 1)}
-    (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")
-    logger.info(f"trained {trainable:,} of {total:,} parameters in {seconds:.0f} s: {out_dir}")
+    if writing:
+        (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")
+        logger.info(f"trained {trainable:,} of {total:,} parameters in {seconds:.0f} s: {out_dir}")
     return run
 
 
