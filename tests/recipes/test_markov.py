@@ -257,6 +257,27 @@ def test_learned_transitions_leave_unseen_states_empty():
     assert transition_error(won, chains)[0] == 1.0
 
 
+def test_learned_transitions_copy_to_the_host_before_numpy(monkeypatch):
+    """``.numpy()`` of a CUDA tensor raises: every array the function returns must come through ``.cpu()`` (a no-op
+    here, on the CPU, which the check records)."""
+    copied, cpu, numpy = set(), torch.Tensor.cpu, torch.Tensor.numpy
+
+    def tracked_cpu(self, *args, **kwargs):
+        result = cpu(self, *args, **kwargs)
+        copied.add(id(result))
+        return result
+
+    def host_only_numpy(self, *args, **kwargs):
+        assert id(self) in copied, "numpy() of a tensor that was not copied to the host (fails on a GPU)"
+        return numpy(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", tracked_cpu)
+    monkeypatch.setattr(torch.Tensor, "numpy", host_only_numpy)
+    chains = np.array([[[0.9, 0.1], [0.5, 0.5]], [[0.5, 0.5], [0.1, 0.9]]])
+    won, _ = learned_transitions(ChainPredictors(chains), torch.zeros(4, 6, dtype=torch.long), 2)
+    np.testing.assert_allclose(won[0][0], [0.9, 0.1])
+
+
 # ---- the command --------------------------------------------------------------------------------------------
 
 

@@ -72,8 +72,9 @@ class MCLConfig:
     """Annealed MCL: once tau(t) < temperature_min the loss is vanilla WTA."""
 
     adapter_dtype: Literal["float32", "base"] = "float32"
-    """dtype of the adapter tensors and their matmuls: 'float32' (as PEFT does by default, so bf16/fp16 bases
-    still train stable adapters) or 'base' (the frozen layer's dtype)."""
+    """dtype of the adapter tensors: 'float32' (as PEFT does by default, so bf16/fp16 bases still train stable
+    adapters: their master weights are float32) or 'base' (the frozen layer's dtype). The adapters' matmuls run in
+    the activations' dtype either way."""
 
     tie_break: Literal["lowest", "random"] = "random"
     """Which hypothesis wins an example on which several have exactly the same NLL: one of them at random ('random',

@@ -103,13 +103,16 @@ class MCLLoraLinear(nn.Module):
         result = self.base_layer(x, *args, **kwargs)  # [..., d_out]
         if self.routing.mode == DISABLED:
             return result
-        h = self.dropout(x).to(self.lora_A.dtype)  # [rows, ..., d_in]
-        delta = self._adapter_delta(h)  # [rows, ..., d_out]
+        # The matmuls run in the activations' dtype on the float32 master weights cast to it (autograd casts their
+        # gradients back): casting x up instead would save a float32 copy of every adapted layer's input for the
+        # backward pass, 2x a bfloat16 input's bytes, once per layer that reads it (q, k and v: three copies).
+        h = self.dropout(x)  # [rows, ..., d_in]
+        delta = self._adapter_delta(h)  # [rows, ..., d_out], h's dtype
         if self.routing.positions is not None:
             if tuple(delta.shape[:2]) != tuple(self.routing.positions.shape[:2]):
                 raise RuntimeError(f"adapters masked by position on {tuple(self.routing.positions.shape[:2])} (rows, "
                                    f"positions), but this layer sees {tuple(delta.shape)}")
-            delta = delta * self.routing.positions.to(delta.device)  # [rows, T, d_out]
+            delta = delta * self.routing.positions.to(delta.device, delta.dtype)  # [rows, T, d_out]
         return result + (delta * self.scaling).to(result.dtype)
 
     def _adapter_delta(self, h: torch.Tensor) -> torch.Tensor:
@@ -117,7 +120,7 @@ class MCLLoraLinear(nn.Module):
         out_shape = (*h.shape[:-1], self.out_features)
         if routing.mode == SINGLE:
             k = routing.hypothesis
-            return h @ self.lora_A[k] @ self.lora_B[k]
+            return h @ self.lora_A[k].to(h.dtype) @ self.lora_B[k].to(h.dtype)
         if routing.mode == STACKED:
             if rows % self.num_hypotheses:
                 raise RuntimeError(f"stacked routing needs K*B rows (K={self.num_hypotheses}), got {rows}")
@@ -127,7 +130,8 @@ class MCLLoraLinear(nn.Module):
                     "rows: the batch is on dimension 1 (a time-first layout, as in XLNet or FSMT), and LoRA-MCL "
                     "routes the rows of dimension 0. Such models are not supported.")
             grouped = h.reshape(self.num_hypotheses, -1, d_in)  # [K, B*T, d_in], hypothesis-major
-            return torch.bmm(torch.bmm(grouped, self.lora_A), self.lora_B).reshape(out_shape)
+            a, b = self.lora_A.to(h.dtype), self.lora_B.to(h.dtype)  # [K, d_in, r], [K, r, d_out]
+            return torch.bmm(torch.bmm(grouped, a), b).reshape(out_shape)
         if routing.mode == INDEXED:
             index = routing.index.to(self.lora_A.device)  # [n]
             if rows % index.numel():
@@ -136,8 +140,8 @@ class MCLLoraLinear(nn.Module):
             # entry's adapters are gathered once, not once per row (issue 41: at a decoding batch of 80 rows the
             # per-row gather wrote and read GBs of weight copies per step)
             grouped = h.reshape(index.numel(), -1, d_in)  # [n, m*T, d_in]
-            a = self.lora_A.index_select(0, index)  # [n, d_in, r]
-            b = self.lora_B.index_select(0, index)  # [n, r, d_out]
+            a = self.lora_A.index_select(0, index).to(h.dtype)  # [n, d_in, r]
+            b = self.lora_B.index_select(0, index).to(h.dtype)  # [n, r, d_out]
             return torch.bmm(torch.bmm(grouped, a), b).reshape(out_shape)
         raise RuntimeError(f"unknown routing mode {routing.mode!r}")
 

@@ -69,7 +69,24 @@ class TrainConfig:
     """Optimizer steps."""
 
     batch_size: int = 16
-    """Examples per optimizer step."""
+    """Examples per optimizer step (per process), in ``gradient_accumulation_steps`` micro-batches."""
+
+    gradient_accumulation_steps: int = 1
+    """Micro-batches of ``batch_size / gradient_accumulation_steps`` examples whose gradients make one optimizer
+    step: the same update as the whole batch at once (each example's winner is its own), at the activation memory
+    of one micro-batch. Must divide batch_size."""
+
+    activation_checkpointing: bool = False
+    """Recompute the frozen model's layer activations in the backward pass instead of keeping them (about one more
+    forward of compute; the saved activations drop to each layer's input)."""
+
+    bf16: bool = False
+    """bfloat16 autocast of the forward (Trainer's ``bf16``). A bfloat16 base (``dtype: bfloat16``) with float32
+    adapters needs none: the adapters' matmuls already run in the activations' dtype."""
+
+    tf32: bool = False
+    """TensorFloat-32 for the float32 matmuls on an Ampere or newer GPU (Trainer's ``tf32``): about 10 bits of
+    mantissa instead of 23, several times faster. The CPU has no such mode: there it changes nothing."""
 
     learning_rate: float = 5e-4
     """AdamW peak learning rate, in (0, 1]."""
@@ -116,6 +133,13 @@ class TrainConfig:
             require_real("scoring_learning_rate", self.scoring_learning_rate, low=0.0, high=MAX_LEARNING_RATE,
                          low_open=True, hint=_LEARNING_RATE_HINT)
         require_int("batch_size", self.batch_size)
+        require_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
+        steps = self.gradient_accumulation_steps
+        require(self.batch_size % steps == 0, f"gradient_accumulation_steps {steps} must divide batch_size "
+                f"{self.batch_size} (the examples of one optimizer step): set batch_size to a multiple of it, e.g. "
+                f"{-(-self.batch_size // steps) * steps}", "gradient_accumulation_steps")
+        for name in ("activation_checkpointing", "bf16", "tf32"):
+            require(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         require_real("learning_rate", self.learning_rate, low=0.0, high=MAX_LEARNING_RATE, low_open=True,
                      hint=_LEARNING_RATE_HINT)
         require_real("weight_decay", self.weight_decay, low=0.0, high=MAX_WEIGHT_DECAY,

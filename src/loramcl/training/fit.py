@@ -303,41 +303,55 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
         progress.close_bars()
     seconds = time.perf_counter() - started
 
-    mcl_model.save_pretrained(out_dir)
-    if processor is not None:
-        processor.save_pretrained(out_dir)
-    if method == "mcl" and mcl.num_hypotheses == 1:
-        mcl_model.export_hypothesis(0, out_dir / PEFT_FOLDER)
+    writing = trainer.is_world_process_zero()  # the other processes hold the same adapters, or shards of them
+    if writing or trainer.is_fsdp_enabled:  # sharded: every process takes part in gathering them; the first writes
+        mcl_model.save_pretrained(out_dir)
+    if writing:
+        if processor is not None:
+            processor.save_pretrained(out_dir)
+        if method == "mcl" and mcl.num_hypotheses == 1:
+            mcl_model.export_hypothesis(0, out_dir / PEFT_FOLDER)
+        (out_dir / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
     trainable, total = mcl_model.parameter_counts()
-    (out_dir / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
     run = {"settings": settings, "resumed_from": trainer.resumed_from and Path(trainer.resumed_from).name,
            "threads": torch.get_num_threads(), "train_examples": len(train_set), "trainable_parameters": trainable,
            "total_parameters": total, "seconds": round(seconds, 1)}
-    (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")
-    logger.info(f"trained {trainable:,} of {total:,} parameters in {seconds:.0f} s: {out_dir}")
+    if writing:
+        (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")
+        logger.info(f"trained {trainable:,} of {total:,} parameters in {seconds:.0f} s: {out_dir}")
     return run
 
 
 def training_arguments(training: TrainConfig, output_dir: str, evaluating: bool, **overrides):
-    """transformers ``TrainingArguments`` of a ``TrainConfig`` (validation every ``eval_every`` steps when
-    ``evaluating``, a checkpoint every ``save_every``, the CPU when no GPU is seen); ``overrides`` replace any of them
+    """transformers ``TrainingArguments`` of a ``TrainConfig`` (``batch_size`` examples per optimizer step in
+    ``gradient_accumulation_steps`` micro-batches, validation every ``eval_every`` steps when ``evaluating``, a
+    checkpoint every ``save_every``, the CPU when no GPU is seen); ``overrides`` replace any of them
     (e.g. another evaluation batch size)."""
     import torch
     from transformers import TrainingArguments
 
-    saving = training.save_every > 0
+    saving, cuda = training.save_every > 0, torch.cuda.is_available()
+    micro_batch = training.batch_size // training.gradient_accumulation_steps
     values = dict(
-        output_dir=output_dir, max_steps=training.steps, per_device_train_batch_size=training.batch_size,
-        per_device_eval_batch_size=training.batch_size, learning_rate=training.learning_rate,
+        output_dir=output_dir, max_steps=training.steps, per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=training.gradient_accumulation_steps,
+        activation_checkpointing=training.activation_checkpointing, **precision_arguments(training, cuda),
+        per_device_eval_batch_size=micro_batch, learning_rate=training.learning_rate,
         weight_decay=training.weight_decay, adam_beta2=training.adam_beta2, max_grad_norm=training.max_grad_norm,
         warmup_steps=training.warmup_steps, logging_steps=training.logging_steps,
         lr_scheduler_type="cosine_with_min_lr" if training.min_learning_rate else training.scheduler,
         lr_scheduler_kwargs={"min_lr": training.min_learning_rate} if training.min_learning_rate else {},
         eval_strategy="steps" if evaluating else "no", eval_steps=training.eval_every if evaluating else None,
         save_strategy="steps" if saving else "no", save_steps=training.save_every if saving else None,
-        save_total_limit=training.keep_checkpoints, report_to=[], use_cpu=not torch.cuda.is_available(),
+        save_total_limit=training.keep_checkpoints, report_to=[], use_cpu=not cuda,
         seed=training.seed, data_seed=training.seed, remove_unused_columns=False, disable_tqdm=False)
     return TrainingArguments(**(values | overrides))
+
+
+def precision_arguments(training: TrainConfig, cuda: bool) -> dict:
+    """Trainer's bf16 autocast and TF32 settings of ``training``; TF32 is a CUDA mode, which Trainer refuses
+    without a GPU (None: left as torch has it)."""
+    return {"bf16": training.bf16, "tf32": training.tf32 if cuda else None}
 
 
 def training_pairs(path: str, data: DataConfig, what: str) -> tuple[list[str], list[str]]:

@@ -191,9 +191,12 @@ class MCLTrainer(Trainer):
         given = inspect.signature(Trainer.__init__).bind_partial(self, model, *args, **kwargs).arguments
         del given["self"]
         given["args"] = _own_arguments(given.get("args"))
+        refuse_data_parallel(given["args"])
+        refuse_fsdp1((getattr(given["args"], "fsdp_plugin_args", None) or {}).get("fsdp_version"))
         self._checkpoints = StagedCheckpoints(self._wait_for_pushes)
         self._scoring_gradients = _ScoringGradients(self)
         super().__init__(**given)
+        refuse_fsdp1(getattr(getattr(self.accelerator.state, "fsdp_plugin", None), "fsdp_version", None))  # launcher
         for callback in (self._checkpoints, self._scoring_gradients):
             self.add_callback(callback)
         if given.get("data_collator") is None:  # Trainer's default cannot pad labels: rows of any length work
@@ -471,6 +474,30 @@ def _own_arguments(args: TrainingArguments | None) -> TrainingArguments:
     if args.ddp_find_unused_parameters is None:
         args.ddp_find_unused_parameters = False
     return args
+
+
+def refuse_data_parallel(args: TrainingArguments) -> None:
+    """Several GPUs seen by one process (no torchrun): Trainer would wrap the model in ``nn.DataParallel``, whose
+    replicas run in threads on one shared routing object with hooks bound to the original model, so the K copies of
+    the batch are never made and the forward fails or misroutes. One process per GPU (DDP) is what works."""
+    if args.n_gpu > 1:
+        raise ValueError(
+            f"{args.n_gpu} GPUs are visible to this one process: Trainer would train with torch.nn.DataParallel, "
+            "which LoRA-MCL's shared hypothesis routing does not support. Launch one process per GPU: torchrun "
+            f"--nproc_per_node {args.n_gpu} -m loramcl.cli train ... (or accelerate launch --num_processes "
+            f"{args.n_gpu} -m loramcl.cli ...), or show this process one GPU (CUDA_VISIBLE_DEVICES=0)")
+
+
+def refuse_fsdp1(version: int | None) -> None:
+    """FSDP version 1 flattens the parameters of each wrapped unit into one flat tensor of one dtype, and an adapted
+    layer holds the frozen bf16 base beside float32 adapters (and MCLModel names no unit to wrap by): refused, with
+    the FSDP2 settings that shard each parameter on its own."""
+    if version == 1:
+        raise ValueError(
+            "FSDP version 1 flattens each wrapped unit into one tensor of one dtype, and LoRA-MCL's layers hold a "
+            "bf16/fp16 base beside float32 adapters: use FSDP2, TrainingArguments(fsdp=True, fsdp_config="
+            "{'version': 2}) (transformers' default version), or fsdp_version: 2 in the accelerate config "
+            "(accelerate launch --use_fsdp --fsdp_version 2)")
 
 
 def _norm(parameters: list[nn.Parameter]) -> torch.Tensor:

@@ -173,7 +173,8 @@ def learned_transitions(model: MCLModel, sequences: torch.Tensor, num_states: in
     def average(weights: torch.Tensor) -> np.ndarray:  # weights [N, K] -> [K, V, V]
         sums = torch.einsum("nk,nti,nktj->kij", weights, current, probs)
         counts = torch.einsum("nk,nti->ki", weights, current)[:, :, None]  # [K, V, 1]
-        return (sums / counts).numpy()  # a state a hypothesis never sees gives a NaN row: it learned nothing there
+        # on the host first: the model (and so these sums) is on the GPU once Trainer has moved it
+        return (sums / counts).cpu().numpy()  # a state a hypothesis never sees gives a NaN row: it learned nothing
 
     k = log_probs.shape[1]
     return average(torch.nn.functional.one_hot(winners, k).double()), average(torch.ones(len(sequences), k).double())

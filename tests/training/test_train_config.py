@@ -1,0 +1,104 @@
+"""TrainConfig's memory and precision settings reach Trainer and the model: accumulation, activation checkpointing,
+bf16 autocast, TF32."""
+
+import pytest
+import torch
+from conftest import randomize_adapters
+from tiny_models import build_model, token_rows
+
+from loramcl import MCLConfig, MCLTrainer, TrainConfig, get_mcl_model
+from loramcl.training.fit import precision_arguments, training_arguments
+
+
+def _model(loss="wta"):
+    torch.manual_seed(0)
+    config = MCLConfig(num_hypotheses=3, r=4, alpha=8, loss=loss, epsilon=0.1 if loss == "relaxed" else 0.0,
+                       target_modules=["q_proj", "v_proj", "down_proj"])
+    mcl = get_mcl_model(build_model("llama"), config)
+    randomize_adapters(mcl, std=0.05)
+    return mcl
+
+
+def _train(tmp_path, training: TrainConfig, loss="wta", **overrides) -> tuple[MCLTrainer, torch.Tensor]:
+    mcl = _model(loss)
+    args = training_arguments(training, str(tmp_path), evaluating=False, disable_tqdm=True, **overrides)
+    trainer = MCLTrainer(mcl, args=args, train_dataset=token_rows(2 * training.batch_size * training.steps, 8))
+    trainer.train()
+    return trainer, torch.cat([p.detach().flatten() for p in mcl.parameters() if p.requires_grad])
+
+
+def test_each_setting_reaches_training_arguments(tmp_path):
+    training = TrainConfig(batch_size=12, gradient_accumulation_steps=3, activation_checkpointing=True, bf16=True,
+                           tf32=True)
+    args = training_arguments(training, str(tmp_path), evaluating=False)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 3)
+    assert args.activation_checkpointing is True and args.bf16 is True
+    assert args.tf32 is None  # on this CPU: Trainer refuses tf32 without a GPU
+    assert precision_arguments(training, cuda=True) == {"bf16": True, "tf32": True}
+    assert precision_arguments(TrainConfig(), cuda=True) == {"bf16": False, "tf32": False}
+
+
+@pytest.mark.parametrize("loss", ["wta", "relaxed"])
+def test_accumulation_gives_the_update_of_the_whole_batch(tmp_path, loss):
+    """Each example's winner is its own, so 3 micro-batches of 2 make the gradient of the batch of 6 (with SGD, a
+    sum of the micro-batches' means instead of their average would move the weights 3 times as far)."""
+    common = dict(steps=1, learning_rate=0.5, warmup_steps=0, max_grad_norm=0.0, save_every=0, scheduler="constant")
+    start = torch.cat([p.detach().flatten() for p in _model(loss).parameters() if p.requires_grad])
+    _, whole = _train(tmp_path / "whole", TrainConfig(batch_size=6, **common), loss, optim="sgd")
+    _, accumulated = _train(tmp_path / "acc", TrainConfig(batch_size=6, gradient_accumulation_steps=3, **common), loss,
+                            optim="sgd")
+    assert not torch.equal(whole, start)
+    torch.testing.assert_close(accumulated, whole, atol=1e-6, rtol=1e-5)
+
+
+def test_activation_checkpointing_and_bf16_autocast_reach_the_model(tmp_path):
+    training = TrainConfig(steps=1, batch_size=2, activation_checkpointing=True, bf16=True, save_every=0)
+    trainer, _ = _train(tmp_path, training)
+    assert trainer.model.is_activation_checkpointing
+    assert trainer.accelerator.mixed_precision == "bf16"
+    default, _ = _train(tmp_path / "default", TrainConfig(steps=1, batch_size=2, save_every=0))
+    assert not default.model.is_activation_checkpointing and default.accelerator.mixed_precision == "no"
+
+
+def test_accumulation_must_divide_the_batch():
+    with pytest.raises(ValueError, match="gradient_accumulation_steps 3 must divide batch_size 8 .* e.g. 9"):
+        TrainConfig(batch_size=8, gradient_accumulation_steps=3)
+    with pytest.raises(ValueError, match="bf16 must be true or false"):
+        TrainConfig(bf16="yes")
+
+
+def test_several_gpus_in_one_process_are_refused_with_the_torchrun_command(tmp_path):
+    """Trainer would wrap the model in nn.DataParallel (n_gpu > 1 without torchrun): faked here on the arguments."""
+    args = training_arguments(TrainConfig(steps=1, batch_size=2, save_every=0), str(tmp_path), evaluating=False)
+    args._n_gpu = 2  # what TrainingArguments finds with two visible GPUs and no process group
+    with pytest.raises(ValueError, match=r"2 GPUs are visible to this one process.*DataParallel.*torchrun "
+                                         r"--nproc_per_node 2 -m loramcl.cli train"):
+        MCLTrainer(_model(), args=args, train_dataset=token_rows(2, 8))
+
+
+def test_fsdp1_is_refused_with_the_fsdp2_settings(tmp_path):
+    """FSDP1 flattens a wrapped unit into one dtype (bf16 base and float32 adapters cannot share one)."""
+    args = training_arguments(TrainConfig(steps=1, batch_size=2, save_every=0), str(tmp_path), evaluating=False,
+                              fsdp=True, fsdp_config={"version": 1})
+    with pytest.raises(ValueError, match=r"FSDP version 1 .* fsdp_config=\{'version': 2\}.*--fsdp_version 2"):
+        MCLTrainer(_model(), args=args, train_dataset=token_rows(2, 8))
+
+
+def test_only_the_first_process_writes_the_finished_run(tmp_path, monkeypatch):
+    """Under DDP every process ends with the same adapters: the others write nothing (no two writers of one file)."""
+    from tiny_models import build_model
+
+    from loramcl.training.fit import fit
+
+    def collate(rows):
+        return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+
+    config = MCLConfig(num_hypotheses=1, r=4, alpha=8, target_modules=["q_proj"])
+    training = TrainConfig(steps=1, batch_size=2, save_every=0)
+    monkeypatch.setattr(MCLTrainer, "is_world_process_zero", lambda self: False)
+    run = fit(lambda: build_model("llama"), tmp_path / "other", config, training, {}, token_rows(2, 8), None, collate)
+    assert run["train_examples"] == 2 and not [p for p in (tmp_path / "other").rglob("*") if p.is_file()]
+    monkeypatch.setattr(MCLTrainer, "is_world_process_zero", lambda self: True)
+    fit(lambda: build_model("llama"), tmp_path / "first", config, training, {}, token_rows(2, 8), None, collate)
+    assert {"run.json", "train_log.json", "mcl_adapters.safetensors", "peft"} <= {
+        p.name for p in (tmp_path / "first").iterdir()}
