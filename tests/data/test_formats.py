@@ -99,7 +99,7 @@ def test_multi_reference_rows_become_one_example_per_reference_with_their_row(to
 def test_max_length_cuts_the_end_and_refuses_a_prompt_that_fills_it(tokenizer):
     [example] = prepared(tokenizer, [{"prompt": "one two", "completion": " three four five six"}], max_length=4)
     assert len(example["input_ids"]) == 4 and example["labels"][:2] == [-100, -100]
-    with pytest.raises(ValueError, match=r'the dataset row 1: "prompt" alone has 2 tokens, max_length is 2'):
+    with pytest.raises(ValueError, match=r"the dataset row 1: the prompt alone has 2 tokens, max_length is 2"):
         prepared(tokenizer, [{"prompt": "one two", "completion": " three"}], max_length=2)
 
 
@@ -178,8 +178,8 @@ BAD_ROWS = [
     ("empty references", [{"prompt": "a", "completion": ["b"]}, {"prompt": "c", "completion": []}],
      r'^the dataset row 2: "completion" must be a non-empty list of references'),
     ("no known field", [{"question": "a", "answer": "b"}],
-     r'^the dataset row 1 has none of the fields of a dataset format .* its fields are "question", "answer": '
-     r"rename them, or name the prompt and completion fields \(prompt_key, target_key\)$"),
+     r'^the dataset row 1 has none of the fields of a dataset format .* its fields are "question", "answer" '
+     r"\(choose the fields with prompt_key / target_key\)$"),
 ]
 
 

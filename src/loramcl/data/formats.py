@@ -67,17 +67,18 @@ class Format:
 
 
 def detect_format(first: dict, prompt_key: str = "prompt", target_key: str = "target",
-                  where: str = "row 1") -> Format:
+                  where: str = "row 1", options: str = "prompt_key / target_key") -> Format:
     """The format of a dataset from its first row (the fields it holds, and whether they hold text or messages);
-    ``where``: that row, named in the error when no format fits."""
+    ``where``: that row, named in the error when no format fits; ``options``: those naming the fields."""
     present = [field for field, value in first.items() if value is not None]
     if "messages" in present:
         return Format(MESSAGES)
     if prompt_key in present:
         completion = next((f for f in (target_key, *COMPLETION_FIELDS) if f in present), None)
         if completion is None:
-            raise ValueError(f'{where} has "{prompt_key}" but no completion: add "completion" (or "{target_key}"; '
-                             f'several references: "references") to each row; its fields are {_fields(first)}')
+            raise ValueError(f'{where} has "{prompt_key}" but no completion ("completion", "{target_key}" or, several '
+                             f'references, "references"); its fields are {_fields(first)} (choose the fields with '
+                             f"{options})")
         value = first[completion]
         conversational = isinstance(first[prompt_key], list) or _is_message_list(value)
         multi = (isinstance(value, list) and not _is_message_list(value)) or (
@@ -86,8 +87,8 @@ def detect_format(first: dict, prompt_key: str = "prompt", target_key: str = "ta
     if "text" in present:
         return Format(TEXT)
     raise ValueError(f'{where} has none of the fields of a dataset format ("{prompt_key}" + "completion" or '
-                     f'"{target_key}", "messages", "text"); its fields are {_fields(first)}: rename them, or name '
-                     "the prompt and completion fields (prompt_key, target_key)")
+                     f'"{target_key}", "messages", "text"); its fields are {_fields(first)} (choose the fields with '
+                     f"{options})")
 
 
 def _fields(row: dict) -> str:
@@ -144,6 +145,53 @@ def prepare_dataset(dataset, tokenizer, max_length: int | None = None, prompt_ke
     return prepared.remove_columns("cut")
 
 
+def check_rows(dataset, fmt: Format, chat_template: bool = False, where: Callable[[int], str] = "row {}".format,
+               batch_size: int = 1000) -> int:
+    """Every row of ``dataset`` checked against ``fmt`` without tokenizing (``loramcl train`` does it before torch
+    loads, so that a bad row is reported in seconds); the number of examples they make (one per reference)."""
+    count = 0
+    for start in range(0, len(dataset), batch_size):
+        batch = dataset[start:start + batch_size]
+        count += len(examples_of(batch, range(start, start + len(next(iter(batch.values())))), fmt, chat_template,
+                                 where)[2])
+    return count
+
+
+def examples_of(batch: dict[str, list], indices: Sequence[int], fmt: Format, chat_template: bool,
+                where: Callable[[int], str]) -> tuple[str, list, list[int]]:
+    """A batch of rows checked and turned into examples: (TEXT, texts, rows), (PROMPT_COMPLETION, [(prompt,
+    completion)], rows) for pairs of strings tokenized as such, or (MESSAGES, [(messages, first target message)],
+    rows) for what the chat template renders; rows: each example's source row."""
+    for field in fmt.fields:
+        missing = next((j for j, v in enumerate(batch.get(field, [None] * len(indices))) if v is None), None)
+        if missing is not None:
+            row = {k: v[missing] for k, v in batch.items()}
+            raise ValueError(f'{where(indices[missing])}: no "{field}" field, which the dataset\'s {fmt.kind} rows '
+                             f"have (as its first row); its fields are {_fields(row)}: one format per file")
+    if fmt.kind == TEXT:
+        return TEXT, [_text(t, where(i), "text") for t, i in zip(batch["text"], indices, strict=True)], list(indices)
+    if fmt.kind == MESSAGES:
+        return MESSAGES, [(_conversation(m, where(i), "messages"), 0)
+                          for m, i in zip(batch["messages"], indices, strict=True)], list(indices)
+    items, rows = [], []
+    for prompt, completion, i in zip(batch[fmt.prompt], batch[fmt.completion], indices, strict=True):
+        for reference in _references(completion, fmt, where(i)):
+            if fmt.kind == PROMPT_COMPLETION and not chat_template:
+                items.append((_text(prompt, where(i), fmt.prompt), reference))
+            else:
+                turns = (_conversation(prompt, where(i), fmt.prompt, prompt_only=True) if isinstance(prompt, list)
+                         else [{"role": "user", "content": _text(prompt, where(i), fmt.prompt)}])
+                answer = ([{"role": "assistant", "content": reference}] if isinstance(reference, str)
+                          else _assistant_turns(reference, where(i), fmt.completion))
+                items.append((turns + answer, len(turns)))
+            rows.append(i)
+    return (PROMPT_COMPLETION if fmt.kind == PROMPT_COMPLETION and not chat_template else MESSAGES), items, rows
+
+
+def _no_examples() -> dict[str, list]:
+    return {"input_ids": [], "labels": [], "row": [], "cut": []}
+
+
 class _BatchEncoder:
     """``Dataset.map``'s function: a batch of rows -> their examples (checked row by row, tokenized by batch)."""
 
@@ -152,37 +200,12 @@ class _BatchEncoder:
         self.chat_template, self.encoder_decoder, self.where = chat_template, encoder_decoder, where
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        fmt, where = self.fmt, self.where
-        for field in fmt.fields:
-            missing = next((j for j, v in enumerate(batch.get(field, [None] * len(indices))) if v is None), None)
-            if missing is not None:
-                row = {k: v[missing] for k, v in batch.items()}
-                raise ValueError(f'{where(indices[missing])}: no "{field}" field, which the dataset\'s {fmt.kind} '
-                                 f"rows have (as its first row); its fields are {_fields(row)}: one format per file")
-        if fmt.kind == TEXT:
-            texts = [_text(t, where(i), "text") for t, i in zip(batch["text"], indices, strict=True)]
-            return self._texts(texts, indices)
-        if fmt.kind == MESSAGES:
-            conversations = [_conversation(m, where(i), "messages")
-                             for m, i in zip(batch["messages"], indices, strict=True)]
-            return self._conversations(conversations, [0] * len(indices), indices)
-        prompts, completions, rows = [], [], []
-        for prompt, completion, i in zip(batch[fmt.prompt], batch[fmt.completion], indices, strict=True):
-            for reference in _references(completion, fmt, where(i)):
-                prompts.append(prompt)
-                completions.append(reference)
-                rows.append(i)
-        if fmt.kind == PROMPT_COMPLETION and not self.chat_template:
-            return self._pairs(prompts, completions, rows)
-        conversations, first_target = [], []
-        for prompt, completion, i in zip(prompts, completions, rows, strict=True):
-            turns = (_conversation(prompt, where(i), fmt.prompt, prompt_only=True) if isinstance(prompt, list)
-                     else [{"role": "user", "content": _text(prompt, where(i), fmt.prompt)}])
-            answer = ([{"role": "assistant", "content": completion}] if isinstance(completion, str)
-                      else _assistant_turns(completion, where(i), fmt.completion))
-            conversations.append(turns + answer)
-            first_target.append(len(turns))
-        return self._conversations(conversations, first_target, rows)
+        kind, items, rows = examples_of(batch, indices, self.fmt, self.chat_template, self.where)
+        if kind == TEXT:
+            return self._texts(items, rows)
+        if kind == MESSAGES:
+            return self._conversations(*zip(*items, strict=True), rows) if items else _no_examples()
+        return self._pairs(*zip(*items, strict=True), rows) if items else _no_examples()
 
     def _pairs(self, prompts, completions, rows) -> dict[str, list]:
         """As ``loramcl.data.prompts.encode_pairs`` (prompt tokens as ``loramcl generate`` reads them, then the
@@ -190,8 +213,7 @@ class _BatchEncoder:
         from loramcl.data.prompts import encode_pairs
 
         fmt, where = self.fmt, self.where
-        for prompt, i in zip(prompts, rows, strict=True):
-            _text(prompt, where(i), fmt.prompt)
+        prompts, completions = list(prompts), list(completions)
         if self.encoder_decoder:  # each side cut on its own (encode_pairs)
             encoded = encode_pairs(self.tokenizer, prompts, completions, max_length=self.max_length,
                                    encoder_decoder=True, where=lambda j: f'{where(rows[j])}: "{fmt.prompt}"')
@@ -202,9 +224,8 @@ class _BatchEncoder:
         for j, example in enumerate(encoded):
             prompt = example["labels"].count(-100)
             if self.max_length is not None and prompt >= self.max_length:
-                raise ValueError(f'{where(rows[j])}: "{fmt.prompt}" alone has {prompt} tokens, max_length is '
-                                 f"{self.max_length} (and the completion needs one more): shorten it, or raise "
-                                 "max_length")
+                raise ValueError(f"{where(rows[j])}: the prompt alone has {prompt} tokens, max_length is "
+                                 f"{self.max_length} (and the target needs one more): shorten it, or raise max_length")
             input_ids.append(self._cut(example["input_ids"]))
             labels.append(self._cut(example["labels"]))
             cut.append(len(input_ids[-1]) < len(example["input_ids"]))
@@ -220,7 +241,7 @@ class _BatchEncoder:
                 "cut": [len(a) < len(b) for a, b in zip(ids, whole, strict=True)]}
 
     def _conversations(self, conversations, first_target, rows) -> dict[str, list]:
-        encoded = encode_conversations(self.tokenizer, conversations, first_target,
+        encoded = encode_conversations(self.tokenizer, list(conversations), list(first_target),
                                        where=lambda j: self.where(rows[j]))
         input_ids, labels, cut = [], [], []
         for j, (ids, lab) in enumerate(encoded):
