@@ -310,6 +310,22 @@ def _conversation(messages, where: str, field: str, prompt_only: bool = False) -
     return turns
 
 
+def prompt_of(value, where: str, field: str) -> str | list[dict]:
+    """What a model decodes from, given a row's ``field``: a prompt of text, a conversational prompt (ending on a
+    user turn), or a conversation (``messages``) without the turns after its last user turn (the answer)."""
+    if isinstance(value, str):
+        return _text(value, where, field)
+    if not _is_message_list(value):
+        raise ValueError(f'{where}: "{field}" must be a text or a list of {{"role", "content"}} messages, got '
+                         f"{str(value)[:60]}")
+    if field == "messages":
+        users = [n for n, m in enumerate(value) if isinstance(m, dict) and m.get("role") == "user"]
+        if not users:
+            raise ValueError(f'{where}: "messages" has no user turn to answer')
+        value = value[:users[-1] + 1]
+    return _conversation(value, where, field, prompt_only=True)
+
+
 def _assistant_turns(completion, where: str, field: str) -> list[dict]:
     if not (_is_message_list(completion) and all(m.get("role") == "assistant" for m in completion)):
         raise ValueError(f'{where}: "{field}" must be assistant messages ({{"role": "assistant", "content": ...}}), '
