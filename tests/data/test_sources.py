@@ -69,3 +69,17 @@ def test_a_file_that_cannot_be_read_is_one_line(tmp_path):
         read_dataset(str(tmp_path / "rows.txt"))
     with pytest.raises(ValueError, match="is one file, one split: leave out split"):
         read_dataset(str(tmp_path / "train.jsonl"), split="test")
+
+
+def test_loramcl_train_names_a_parquet_file_without_the_formats_fields_before_torch_loads(tmp_path):
+    from loramcl.training.config import DataConfig
+    from loramcl.training.fit import training_rows
+
+    path = tmp_path / "qa.parquet"
+    Dataset.from_list([{"question": "a", "answer": "b"}]).to_parquet(path)
+    with pytest.raises(ValueError, match=rf'^{path} row 1 has none of the fields of a dataset format \("prompt" \+ '
+                                         r'"completion" or "target", "messages", "text"\); its fields are "question", '
+                                         r'"answer" \(choose the fields with data.prompt_key / data.target_key\)$'):
+        training_rows(str(path), DataConfig(train_file=str(path)), "training file")
+    assert training_rows(str(path), DataConfig(train_file=str(path), prompt_key="question", target_key="answer"),
+                         "training file").to_list() == [{"question": "a", "answer": "b"}]

@@ -114,19 +114,6 @@ def first_too_long(rows: Sequence[dict[str, list[int]]], limits: PositionLimits,
     return None
 
 
-class PairDataset:
-    """A map-style dataset of encoded pairs (what torch's DataLoader and Trainer index)."""
-
-    def __init__(self, rows: list[dict[str, list[int]]]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, list[int]]:
-        return self.rows[i]
-
-
 def pad_token_id(tokenizer) -> int:
     """The tokenizer's padding id, else its end-of-sequence id (padding is masked out either way)."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
