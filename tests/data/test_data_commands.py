@@ -83,3 +83,27 @@ def test_conversations_train_and_generate_decodes_from_the_same_template(base, t
     tokenizer.chat_template = TEMPLATE
     assert prompt_text(tokenizer, prompts[0], False) == "w5 w10 </s> w6 w40 </s> w5 w20 </s> w6 "
     capsys.readouterr()
+
+
+def test_conversational_rows_of_several_answers_are_trained_decoded_and_scored_from_one_file(base, tmp_path, capsys):
+    """A training file of conversational prompts and lists of answers (assistant messages) is the test set too:
+    `generate` renders its prompts, `nll` scores every answer as `train` tokenized it, `evaluate` reads the answers'
+    texts as the references."""
+    rows = [{"id": i, "prompt": [{"role": "user", "content": f"w{10 + i}"}],
+             "completion": [{"role": "assistant", "content": f"w{40 + i}"}, {"role": "assistant", "content": "w7"}]}
+            for i in range(4)]
+    data = write(tmp_path / "answers.jsonl", rows)
+    run = tmp_path / "run"
+    main(["train", "--model", str(base), "--out", str(run), "--data.train_file", data, "--mcl.num_hypotheses", "2",
+          *TRAIN])
+    assert json.loads((run / "run.json").read_text())["train_examples"] == 8
+    main(["generate", "--model", str(base), "--adapters", str(run), "--input", data, "--out",
+          str(tmp_path / "preds.jsonl"), "--max_new_tokens", "1", "--threads", "1", "--progress", "false"])
+    main(["nll", "--model", str(base), "--adapters", str(run), "--input", data, "--out", str(tmp_path / "nll.jsonl"),
+          "--threads", "1", "--progress", "false"])
+    assert [len(json.loads(line)["nll"]) for line in (tmp_path / "nll.jsonl").read_text().splitlines()] == [2] * 4
+    third = write(tmp_path / "second.jsonl", [{"id": i, "candidates": ["w7", "w7"]} for i in range(4)])
+    main(["evaluate", "--predictions", third, "--references", data, "--metrics", "bleu1", "--tokenize", "false",
+          "--nll", str(tmp_path / "nll.jsonl"), "--out", str(tmp_path / "eval")])
+    assert json.loads((tmp_path / "eval" / "second.json").read_text())["metrics"]["bleu1"] == pytest.approx(1.0)
+    capsys.readouterr()

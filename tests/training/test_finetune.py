@@ -258,7 +258,8 @@ def test_decoding_takes_the_prompt_format_of_the_training_run(folders, trained, 
     base = tmp_path / "base"
     shutil.copytree(folders / "base", base)
     tok = word_tokenizer()
-    tok.chat_template = "{% for m in messages %}<s> w4 {{ m['content'] }}{% endfor %} w3"
+    tok.chat_template = ("{% for m in messages %}{{ '<s> w4 ' if m['role'] == 'user' else ' w3 ' }}{{ m['content'] }}"
+                         "{% endfor %}{% if add_generation_prompt %} w3 {% endif %}")  # w3 opens an answer
     tok.save_pretrained(base)
     run = tmp_path / "run"
     shutil.copytree(folders / "mcl", run)

@@ -8,8 +8,8 @@ turned into training examples: ``input_ids`` and ``labels`` (-100 where no loss 
 - messages: ``{"messages": [system?, user, assistant, user, assistant, ...]}``; the loss on every assistant turn (and
   its end-of-turn token), system and user turns masked.
 - text: ``{"text": str}``; the loss on every token (end-of-sequence appended).
-- multi-reference: ``"completion"`` or ``"references"`` a list of texts (or of assistant messages); one example per
-  reference.
+- multi-reference: ``"completion"`` or ``"references"`` a list of texts (or of assistant messages: TRL's
+  conversational completion is a list of one); one example per reference.
 
 A conversation is rendered whole by the tokenizer's own chat template (``apply_chat_template``). Which tokens are the
 assistant's is found without ``{% generation %}`` markers, which most templates lack (SmolLM2's, Llama's): the
@@ -81,8 +81,9 @@ def detect_format(first: dict, prompt_key: str = "prompt", target_key: str = "ta
                              f"{options})")
         value = first[completion]
         conversational = isinstance(first[prompt_key], list) or _is_message_list(value)
-        multi = (isinstance(value, list) and not _is_message_list(value)) or (
-            completion == "references" and isinstance(value, list))
+        # TRL's conversational completion is a list of one assistant message; several are several references
+        multi = isinstance(value, list) and (not _is_message_list(value) or len(value) > 1
+                                             or completion == "references")
         return Format(CONVERSATIONAL if conversational else PROMPT_COMPLETION, prompt_key, completion, multi)
     if "text" in present:
         return Format(TEXT)
@@ -271,7 +272,7 @@ def _references(completion, fmt: Format, where: str) -> list:
         if isinstance(completion, str):
             return [_text(completion, where, fmt.completion)]
         if fmt.kind == CONVERSATIONAL and _is_message_list(completion):
-            return [completion]
+            return [[message] for message in completion]  # each assistant message an answer
         shape = "a text" if fmt.kind == PROMPT_COMPLETION else "a list of assistant messages"
         raise ValueError(f'{where}: "{fmt.completion}" must be {shape} as in the first row, got '
                          f"{str(completion)[:60]}: one format per file")
