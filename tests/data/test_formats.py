@@ -198,3 +198,12 @@ def test_packing_and_conversations_without_a_template_are_refused(tokenizer):
     bare.chat_template = None
     with pytest.raises(ValueError, match="the rows are conversations .* but the tokenizer has no chat template"):
         prepared(bare, [TWO_TURNS])
+
+
+def test_the_detected_format_and_cut_examples_are_logged(tokenizer, caplog):
+    whole = len(prepared(tokenizer, [TWO_TURNS])[0]["input_ids"])
+    with caplog.at_level("INFO", logger="loramcl.data.formats"):
+        [cut] = prepared(tokenizer, [TWO_TURNS], max_length=whole - 2, source="chat.jsonl")
+    assert caplog.messages == ['chat.jsonl: format messages ("messages"; the loss on the assistant turns)',
+                               f"chat.jsonl: 1 of 1 examples are longer than max_length {whole - 2} and lost their end"]
+    assert labelled(tokenizer, cut) == ["Hello", " there", "<|im_end|>", "Sure", " thing"]  # "<|im_end|>\n" cut
