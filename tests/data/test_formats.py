@@ -207,3 +207,16 @@ def test_the_detected_format_and_cut_examples_are_logged(tokenizer, caplog):
     assert caplog.messages == ['chat.jsonl: format messages ("messages"; the loss on the assistant turns)',
                                f"chat.jsonl: 1 of 1 examples are longer than max_length {whole - 2} and lost their end"]
     assert labelled(tokenizer, cut) == ["Hello", " there", "<|im_end|>", "Sure", " thing"]  # "<|im_end|>\n" cut
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_row(tokenizer):
+    """As Qwen3's drops the thinking of earlier answers: an answer's tokens in the whole conversation are not those
+    the conversation up to it renders, so its labels cannot be found."""
+    rewriting = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    rewriting.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}<|im_start|>assistant\n<|im_end|>\n"
+        "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(ValueError, match=r"^the dataset row 1: the chat template renders message 2 \(an assistant "
+                                         r"turn\) or those before it differently once later turns follow"):
+        prepared(rewriting, [TWO_TURNS])

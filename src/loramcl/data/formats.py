@@ -131,8 +131,10 @@ def prepare_dataset(dataset, tokenizer, max_length: int | None = None, prompt_ke
             raise ValueError(f"{source}: conversations and chat templates train a causal LM; an encoder-decoder "
                              "reads prompt/completion rows of text")
         if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError(f"{source}: the rows are conversations ({fmt.kind}) but the tokenizer has no chat "
-                             "template: use a model folder whose tokenizer has one, or rows of text")
+            what = f"the rows are conversations ({fmt.kind})" if fmt.kind in (CONVERSATIONAL, MESSAGES) else \
+                "chat_template is on"
+            raise ValueError(f"{source}: {what} but the tokenizer has no chat template: use a model folder whose "
+                             "tokenizer has one, or rows of text without chat_template")
     if fmt.kind == TEXT and encoder_decoder:
         raise ValueError(f"{source}: text rows train a causal LM; an encoder-decoder reads prompt/completion rows")
     logger.info(f"{source}: {fmt.describe()}")
@@ -350,9 +352,9 @@ def encode_conversations(tokenizer, conversations: Sequence[list[dict]], first_t
                 continue
             before, through = _render(tokenizer, messages[:n], True), _render(tokenizer, messages[:n + 1], False)
             if not (whole.startswith(before) and whole.startswith(through)):
-                raise ValueError(f"{where(i)}: the chat template renders the turns before assistant turn {n} "
-                                 "differently once later turns follow, so its tokens cannot be told apart: train on "
-                                 "conversations that end at that turn (prompt/completion rows)")
+                raise ValueError(f"{where(i)}: the chat template renders message {n} (an assistant turn) or those "
+                                 "before it differently once later turns follow, so its tokens cannot be told apart: "
+                                 "train on conversations that end at that turn (prompt/completion rows)")
             turns.append((len(before), len(through)))
         texts.append(whole)
         spans.append(turns)
