@@ -1,4 +1,5 @@
-"""`loramcl train`: fine-tune K LoRA hypotheses (or a baseline: LoRA-MoE, multi-head MCL) on prompt -> target JSONL;
+"""`loramcl train`: fine-tune K LoRA hypotheses (or a baseline: LoRA-MoE, multi-head MCL) on a local dataset file in
+one of TRL's formats (docs/guide/data.md);
 ``fit``, the training stage of `loramcl train` and of every recipe.
 
 ``train``'s signature and docstring are its CLI (jsonargparse); `--config recipe.yaml` reads the same arguments from
@@ -142,7 +143,9 @@ def train(
         out: output folder.
         mcl: the hypotheses and loss of method mcl (default: MCLConfig(), K = 2 hypotheses of rank 8 with vanilla
             WTA on PEFT's default layers).
-        data: the training pairs and their tokenization (--data.train_file, --data.validation_file, ...).
+        data: the training data (a local JSONL, JSON, Parquet, CSV, Arrow file or save_to_disk folder: prompt/
+            completion, conversations, messages, text or several references per prompt) and their tokenization
+            (--data.train_file, --data.validation_file, ...).
         training: optimisation, evaluation and checkpoint schedule (--training.steps, --training.learning_rate, ...).
         method: what is trained: mcl (LoRA-MCL, the --mcl block), moe (LoRA-MoE: E LoRA experts mixed by a per-token
             router, trained with plain NLL; the --moe block) or multihead (multi-head MCL: one module duplicated K
