@@ -247,6 +247,9 @@ _BASE = ("BASE", "models/SmolLM2-135M-Instruct")
 _META = (("...", "--predictions\x00preds.jsonl\x00--references\x00refs.jsonl"),)
 
 # (doc file, item) -> how it is exercised. An item is a command of a bash block, or the first line of another block.
+# docs/guide/data.md's example files: each is the block that starts with its name (written by test_docs_run.py)
+DATA_FILES = ("pairs.jsonl", "chat.jsonl", "conversational.jsonl", "text.jsonl", "references.jsonl")
+
 REGISTRY = {
     ("README.md", "make main"): Make(shows=("loramcl markov --out runs/markov",),
                                      why="sets up a venv, then runs the first command of docs/experiments/markov.md "
@@ -304,6 +307,7 @@ REGISTRY = {
                why="cut to 1 seed, 2 steps, 4 prompts"),
     **{("docs/benchmarks.md", line): _BENCH for line in (
         ".venv/bin/python benchmarks/suite.py --shape cpu-small --threads 1",
+        ".venv/bin/python benchmarks/data_prep.py --tokenizer models/SmolLM2-135M-Instruct",
         ".venv/bin/python benchmarks/suite.py --shape llama-1b --device cuda --dtype bfloat16",
         ".venv/bin/python benchmarks/suite.py --shape llama-8b --device cuda --dtype bfloat16",
         ".venv/bin/python benchmarks/suite.py --shape qwen2-audio --device cuda --dtype bfloat16",
@@ -513,6 +517,25 @@ REGISTRY = {
                             "translation/alma/common.yaml --config translation/alma/$RUN.yaml --resume true"):
         Launch(Run(fails=_MISSING_MODEL), why=_PAPER),
     (E + "translation.md", "loramcl translation --recipes alma --device cuda"): Run(fails=_NO_ALMA, why=_PAPER),
+    **{(G + "data.md", name): Output(f"{name}: the example file, written from this block into the docs' folder")
+       for name in DATA_FILES},
+    **{(G + "data.md", f"loramcl train --model models/SmolLM2-135M-Instruct --out runs/{out} --data.train_file {data} "
+                       f"--training.steps 20"): Run(append=("--training.steps", "2"),
+                                                    outputs=(f"runs/{out}/mcl_config.json",), why=_STEPS)
+       for out, data in (("pairs", "pairs.jsonl"), ("chat", "chat.jsonl"), ("conv", "conversational.jsonl"),
+                         ("text", "text.jsonl"), ("parquet", "chat.parquet"), ("saved", "chat-saved"))},
+    (G + "data.md", "loramcl generate --model models/SmolLM2-135M-Instruct --adapters runs/chat --input chat.jsonl "
+                    "--out chat-preds.jsonl"): Run(append=("--max_new_tokens", "4"), outputs=("chat-preds.jsonl",),
+                                                   why="4 new tokens of the tiny model"),
+    (G + "data.md", "loramcl train --model models/SmolLM2-135M-Instruct --out runs/refs --data.train_file "
+                    "references.jsonl --mcl.num_hypotheses 3 --training.steps 20"):
+        Run(append=("--training.steps", "2"), outputs=("runs/refs/mcl_config.json",), why=_STEPS),
+    (G + "data.md", "loramcl generate --model models/SmolLM2-135M-Instruct --adapters runs/refs --input "
+                    "references.jsonl --out refs-preds.jsonl"):
+        Run(append=("--max_new_tokens", "4"), outputs=("refs-preds.jsonl",), why="4 new tokens of the tiny model"),
+    (G + "data.md", "loramcl evaluate --predictions refs-preds.jsonl --references references.jsonl --metrics "
+                    "bleu1,div1"): Run(outputs=("eval/refs-preds.json",)),
+    (G + "data.md", "from datasets import load_dataset"): Python("plain"),
 }
 
 def _subset(recipe) -> None:

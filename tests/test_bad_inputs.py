@@ -296,8 +296,8 @@ def test_nll_refuses_empty_and_too_long_references_by_their_line(scored, capsys)
                                f"positions, more than the 128 the model reads (max_position_embeddings in {scored}/"
                                "tiny/config.json): shorten them (a reference is scored whole)")
     code, line = nll_error(scored, [{"prompt": "", "references": "w7"}], capsys)
-    assert (code, line) == (1, f'loramcl nll: error: {scored}/refs.jsonl:1: "prompt" is empty: a model continues a '
-                               "prompt, give it some text (or remove the line)")
+    assert (code, line) == (1, f'loramcl nll: error: {scored}/refs.jsonl:1: "prompt" is empty: give it some text (or '
+                               "remove the row)")
     code, line = nll_error(scored, [good], capsys, "--out", str(scored))
     assert code == 1 and line.startswith(f"loramcl nll: error: --out {scored} is a folder, and a file is written")
     code, line = nll_error(scored, [good], capsys, "--device", "cuda:x")

@@ -43,7 +43,7 @@ def workdir(tmp_path_factory):
     word_tokenizer().save_pretrained(root / "tiny")
     rows = [{"prompt": f"w{5 + i}", "target": f"w{40 + i}"} for i in range(4)]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (root / "lists.jsonl").write_text(json.dumps({"prompt": "w5", "target": ["w40", "w41"]}) + "\n")
+    (root / "lists.jsonl").write_text(json.dumps({"prompt": "w5", "target": []}) + "\n")
     (root / "prompts.jsonl").write_text(json.dumps({"id": "a", "prompt": "w5"}) + "\n")
     (root / "preds.jsonl").write_text("".join(json.dumps({"id": i, "candidates": ["w5", "w6"]}) + "\n" for i in "ab"))
     (root / "refs.jsonl").write_text("".join(json.dumps({"id": i, "references": ["w5"]}) + "\n" for i in "ab"))

@@ -107,7 +107,7 @@ def test_bad_files_are_clear_errors(saved, tmp_path):
     with pytest.raises(ValueError, match='must be an object with "prompt"'):
         generate(model=str(saved / "base"), input=str(bad), out=str(tmp_path / "x.jsonl"))
     bad.write_text('{"prompt": ["w5"]}\n')
-    with pytest.raises(ValueError, match='"prompt" must be a string'):
+    with pytest.raises(ValueError, match='"prompt" must be a text or a list of'):
         generate(model=str(saved / "base"), input=str(bad), out=str(tmp_path / "x.jsonl"))
 
 

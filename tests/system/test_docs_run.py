@@ -36,6 +36,7 @@ import sys
 import pytest
 import torch
 from docs_blocks import (
+    DATA_FILES,
     EXPECTED,
     REGISTRY,
     ROOT,
@@ -229,6 +230,15 @@ def _patch_models(patch, tiny) -> None:
 def _write_files(root) -> None:
     def jsonl(name, rows):
         (root / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+    for block in BLOCKS:  # docs/guide/data.md's example files, as the doc shows them, and chat.jsonl as its python
+        if block.file == "docs/guide/data.md" and block.first_line in DATA_FILES:  # block converts it
+            (root / block.first_line).write_text(block.text.split("\n", 1)[1] + "\n", encoding="utf-8")
+    from datasets import load_dataset
+
+    chat = load_dataset("json", data_files=str(root / "chat.jsonl"), split="train")
+    chat.to_parquet(root / "chat.parquet")
+    chat.save_to_disk(root / "chat-saved")
 
     words = ["the file", "a folder", "open it", "save the file", "close the window", "print a page"]
     fr = ["le fichier", "un dossier", "ouvrez-le", "enregistrer le fichier", "fermer la fenêtre", "imprimer"]

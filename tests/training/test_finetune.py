@@ -139,12 +139,12 @@ def test_nll_scores_every_reference_under_every_hypothesis(folders, trained, cap
 
 def test_bad_inputs_say_what_to_change(folders, exported, tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"prompt": "w5", "target": ["w6", "w7"]}) + "\n")
-    with pytest.raises(ValueError, match="a training target is one text"):
+    bad.write_text(json.dumps({"prompt": "w5", "target": []}) + "\n")  # a list of references, but empty
+    with pytest.raises(ValueError, match='bad.jsonl:1: "target" must be a non-empty list of references'):
         train(model=str(folders / "base"), out=str(tmp_path / "o"), mcl=MCLConfig(r=2),
               data=DataConfig(train_file=str(bad)))
     bad.write_text(json.dumps({"prompt": "w5"}) + "\n")
-    with pytest.raises(ValueError, match='has no "target" field'):
+    with pytest.raises(ValueError, match='bad.jsonl:1 has "prompt" but no completion'):
         train(model=str(folders / "base"), out=str(tmp_path / "o"), mcl=MCLConfig(r=2),
               data=DataConfig(train_file=str(bad)))
     with pytest.raises(ValueError, match="not an MCL adapters folder"):
@@ -258,7 +258,8 @@ def test_decoding_takes_the_prompt_format_of_the_training_run(folders, trained, 
     base = tmp_path / "base"
     shutil.copytree(folders / "base", base)
     tok = word_tokenizer()
-    tok.chat_template = "{% for m in messages %}<s> w4 {{ m['content'] }}{% endfor %} w3"
+    tok.chat_template = ("{% for m in messages %}{{ '<s> w4 ' if m['role'] == 'user' else ' w3 ' }}{{ m['content'] }}"
+                         "{% endfor %}{% if add_generation_prompt %} w3 {% endif %}")  # w3 opens an answer
     tok.save_pretrained(base)
     run = tmp_path / "run"
     shutil.copytree(folders / "mcl", run)

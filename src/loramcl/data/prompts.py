@@ -18,8 +18,15 @@ from loramcl.utils.files import read_jsonl
 from loramcl.utils.inputs import PositionLimits, record_line
 
 
-def prompt_text(tokenizer, prompt: str, chat_template: bool) -> str:
-    """The prompt as the model reads it: raw, or wrapped as one user message with the chat template."""
+def prompt_text(tokenizer, prompt: str | list[dict], chat_template: bool) -> str:
+    """The prompt as the model reads it: raw, or wrapped as one user message with the chat template; a conversation
+    (a list of messages) rendered by the chat template. Either way with the generation prompt, as training renders
+    the turns before an answer (``loramcl.data.formats``)."""
+    if isinstance(prompt, list):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the prompts are conversations but the tokenizer has no chat template: give a tokenizer "
+                             "that has one (--tokenizer), or prompts of text")
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     if not chat_template:
         return prompt
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
@@ -105,19 +112,6 @@ def first_too_long(rows: Sequence[dict[str, list[int]]], limits: PositionLimits,
         if (excess := limits.excess(prompt, target)) is not None:
             return i, excess
     return None
-
-
-class PairDataset:
-    """A map-style dataset of encoded pairs (what torch's DataLoader and Trainer index)."""
-
-    def __init__(self, rows: list[dict[str, list[int]]]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, list[int]]:
-        return self.rows[i]
 
 
 def pad_token_id(tokenizer) -> int:

@@ -62,7 +62,10 @@ def generate(
 
     Args:
         model: local folder of the base model (transformers format; a causal or a sequence-to-sequence LM).
-        input: JSONL, one object per prompt: {"id": ..., "prompt": "..."} ("id" optional: the line's index).
+        input: JSONL, one object per prompt: {"id": ..., "prompt": "..."} ("id" optional: the line's index); the
+            prompt may be a conversation (a list of {"role", "content"} messages, rendered by the chat template with
+            its generation prompt), and a file of {"messages": [...]} rows is decoded from each conversation's last
+            user turn (docs/guide/data.md).
         out: output JSONL, one line per prompt: {"id", "candidates": [K texts], "log_probs": [K floats]} (+
             "hypotheses" for an MCL model, + "scores": [K p(k|c)] for one with hypothesis scores). log_probs: sum of
             the generated tokens' log-probabilities under the model's raw distribution (before repetition penalty,
@@ -101,7 +104,7 @@ def generate(
         raise FileNotFoundError(f"tokenizer folder {tokenizer} does not exist")
     check_output(out, folder=False, example="preds.jsonl")
     ids, prompts = read_prompts(input, prompt_key)
-    chat_template = prompt_format(adapters, chat_template)
+    chat_template = prompt_format(adapters, chat_template) or isinstance(prompts[0], list)
     limits = model_positions(model)
     check_generated_positions(limits, options.max_new_tokens)
 
@@ -187,18 +190,25 @@ def prediction_record(item_id, candidates: Sequence, strip: bool = True, scores:
     return record
 
 
-def read_prompts(path: str, prompt_key: str) -> tuple[list, list[str]]:
-    """(ids, prompts) of a JSONL file of prompts: each line's "id" (else its index) and its ``prompt_key`` text."""
+def read_prompts(path: str, prompt_key: str) -> tuple[list, list[str | list[dict]]]:
+    """(ids, prompts) of a JSONL file of prompts: each line's "id" (else its index) and its ``prompt_key`` field, a
+    text or a conversation (a list of {"role", "content"} messages ending on a user turn); a file of "messages" rows
+    (a training file: docs/guide/data.md) gives each conversation up to its last user turn."""
+    from loramcl.data.formats import prompt_of
+    from loramcl.utils.files import json_lines
+
     check_file(path, "input file")
-    records = read_jsonl(path, prompt_key, number_missing_ids=True, hint=" (choose the field with --prompt_key)")
-    for index, record in enumerate(records.values()):
-        if not isinstance(record[prompt_key], str):
-            raise ValueError(f'{path}: "{prompt_key}" must be a string, got {record[prompt_key]!r} '
-                             f'(id {record["id"]!r})')
-        if not record[prompt_key].strip():
-            raise ValueError(f'{path}:{record_line(path, index)}: "{prompt_key}" is empty: a model continues a '
-                             "prompt, give it some text (or remove the line)")
-    return list(records), [record[prompt_key] for record in records.values()]
+    first = next((record for _, _, record in json_lines(path)), None)
+    field = "messages" if isinstance(first, dict) and prompt_key not in first and "messages" in first else prompt_key
+    records = read_jsonl(path, field, number_missing_ids=True, hint=" (choose the field with --prompt_key)")
+    prompts = [prompt_of(record[field], f"{path}:{record_line(path, index)}", field)
+               for index, record in enumerate(records.values())]
+    if len({isinstance(p, str) for p in prompts}) > 1:
+        index = next(i for i, p in enumerate(prompts) if isinstance(p, str) != isinstance(prompts[0], str))
+        kind = "a text" if isinstance(prompts[index], str) else "a conversation"
+        raise ValueError(f'{path}:{record_line(path, index)}: "{field}" is {kind}, and on the first line it is not: '
+                         "one format per file")
+    return list(records), prompts
 
 
 def check_generated_positions(limits: PositionLimits, max_new_tokens: int, path: str | None = None,

@@ -43,7 +43,8 @@ def evaluate(
         references: JSONL, one line per item: {"id": ..., "references": [R_i strings] or one string}, e.g. the
             test file given to `loramcl generate` and `loramcl nll`; R_i may differ between items. The ids must
             match; "id" is optional in every file: a line without one is numbered by its position (0, 1, ...), as
-            `generate` and `nll` number it.
+            `generate` and `nll` number it. A training file of several answers per prompt is read as it is: its
+            "completion" list (texts, or assistant messages' contents) when it has no "references".
         metrics: presets ("captioning", "translation") and/or metric names, comma-separated (e.g. "bleu4,div2").
             A preset's metric whose tool is missing (SPICE and SPIDEr without the SPICE jars) is reported as not
             computed, with the reason; a metric named here whose tool is missing is an error.

@@ -38,12 +38,19 @@ def align(predictions: dict[object, dict], references: dict[object, dict], what=
 
 def load_run(predictions_path: str | Path, references_path: str | Path, group_key: str | None = None):
     """(ids, candidates [N][K], references [N][R], groups [N] or None) from the two JSONL files."""
+    from loramcl.utils.files import json_lines
+
     predictions = read_jsonl(predictions_path, "candidates", number_missing_ids=True)
-    references = read_jsonl(references_path, "references", number_missing_ids=True)
+    head = next((record for _, _, record in json_lines(references_path)), {})
+    field = "completion" if isinstance(head, dict) and "references" not in head and "completion" in head else \
+        "references"  # a training file's references (docs/guide/data.md)
+    references = read_jsonl(references_path, field, number_missing_ids=True)
     ids = align(predictions, references)
     candidates = [predictions[i]["candidates"] for i in ids]
-    refs = [references[i]["references"] for i in ids]
-    refs = [[row] if isinstance(row, str) else row for row in refs]  # one reference, as `loramcl nll` reads it
+    refs = [references[i][field] for i in ids]
+    refs = [[row] if isinstance(row, str | dict) else row for row in refs]  # one reference, as `loramcl nll` reads it
+    refs = [[r.get("content") if isinstance(r, dict) else r for r in row] if isinstance(row, list) else row
+            for row in refs]  # assistant messages: their text
     bad = [i for i, row in zip(ids, candidates, strict=True)
            if not isinstance(row, list) or not row or not all(isinstance(t, str) for t in row)]
     if bad:
@@ -55,7 +62,7 @@ def load_run(predictions_path: str | Path, references_path: str | Path, group_ke
         from loramcl.utils.inputs import record_line
 
         first = min(bad, key=order.get)
-        raise ValueError(f'{references_path}:{record_line(references_path, order[first])}: "references" must be a '
+        raise ValueError(f'{references_path}:{record_line(references_path, order[first])}: "{field}" must be a '
                          "non-empty text or list of non-empty texts")
     groups = None
     if group_key:

@@ -22,27 +22,33 @@ MAX_WEIGHT_DECAY = 1.0
 @names_its_options
 @dataclass(frozen=True)
 class DataConfig:
-    """Where a run's prompt -> target pairs come from and how they are tokenized (`loramcl train --data.*`)."""
+    """Where a run's examples come from and how they are tokenized (`loramcl train --data.*`; docs/guide/data.md)."""
 
     train_file: LocalPath
-    """JSONL, one {"prompt": ..., "target": ...} object per line (field names: prompt_key, target_key)."""
+    """A local JSONL, JSON, Parquet, CSV or Arrow file, or a save_to_disk folder, in one of TRL's formats: prompt +
+    completion (or target; texts, or conversations), messages, text; a list of completions (or "references") gives
+    one example per reference. The format is read from the first row and stated in the log."""
 
     validation_file: LocalPath | None = None
-    """JSONL like train_file, scored every `training.eval_every` steps (WTA loss, NLL and win rate per hypothesis)."""
+    """Like train_file, scored every `training.eval_every` steps (WTA loss, NLL and win rate per hypothesis)."""
+
+    split: str | None = None
+    """The split to read from a folder holding several (e.g. train); a file is one split."""
 
     prompt_key: str = "prompt"
-    """Field holding the prompt."""
+    """Field holding the prompt (prompt/completion rows)."""
 
     target_key: str = "target"
-    """Field holding the target text."""
+    """Field holding the target (prompt/completion rows; "completion" and "references" are read too)."""
 
     chat_template: bool = False
-    """Wrap the prompt as a user message with the tokenizer's chat template (decoding must then do the same)."""
+    """Render prompt/completion rows of text as a user turn and an assistant turn with the tokenizer's chat template
+    (decoding then does the same); conversations (messages, conversational rows) always are."""
 
     max_length: int = 128
-    """Pairs longer than this (tokens) lose the end of their target (an encoder-decoder: prompt and target each at
-    most this long; a longer prompt is refused). At most the positions the model reads (`loramcl train` checks its
-    config.json)."""
+    """Examples longer than this (tokens) lose their end (an encoder-decoder: prompt and target each at most this
+    long); one whose prompt leaves no target token is refused. At most the positions the model reads
+    (`loramcl train` checks its config.json)."""
 
     eval_examples: int | None = 128
     """Validation examples used (the first ones; None: all)."""
@@ -53,6 +59,8 @@ class DataConfig:
             require(isinstance(value, str) and value, f"{name} must be a non-empty string, got {value!r}")
         require(self.validation_file is None or (isinstance(self.validation_file, str) and self.validation_file),
                f"validation_file must be a path or None, got {self.validation_file!r}")
+        require(self.split is None or (isinstance(self.split, str) and self.split),
+                f"split must be a split's name or None, got {self.split!r}")
         require(isinstance(self.chat_template, bool),
                 f"chat_template must be true or false, got {self.chat_template!r}")
         require_int("max_length", self.max_length, minimum=2)

@@ -1,4 +1,5 @@
-"""`loramcl train`: fine-tune K LoRA hypotheses (or a baseline: LoRA-MoE, multi-head MCL) on prompt -> target JSONL;
+"""`loramcl train`: fine-tune K LoRA hypotheses (or a baseline: LoRA-MoE, multi-head MCL) on a local dataset file in
+one of TRL's formats (docs/guide/data.md);
 ``fit``, the training stage of `loramcl train` and of every recipe.
 
 ``train``'s signature and docstring are its CLI (jsonargparse); `--config recipe.yaml` reads the same arguments from
@@ -38,12 +39,10 @@ from loramcl.utils.inputs import (
     ModelPath,
     PositionLimits,
     Quantization,
-    check_file,
     check_model_options,
     check_output,
     is_encoder_decoder,
     model_positions,
-    record_line,
 )
 from loramcl.utils.threads import check_threads, use_threads
 from loramcl.utils.validate import OptionError
@@ -62,8 +61,19 @@ def run_settings(model: str, mcl: MethodConfig, data: DataConfig, training: Trai
     ``mcl`` is the configuration of ``method`` (a baseline's is recorded under its method's name)."""
     files = {"train": data.train_file, "validation": data.validation_file}
     settings = {"model": model, **method_settings(method, mcl), "data": asdict(data), "training": asdict(training),
-                "dtype": dtype, "data_sha256": {name: sha256(path) for name, path in files.items() if path}}
+                "dtype": dtype, "data_sha256": {name: data_sha256(path) for name, path in files.items() if path}}
     return json.loads(json.dumps(settings))  # as read back from a file (lists, not tuples)
+
+
+def data_sha256(path: str) -> str:
+    """The SHA-256 of a data file; of a folder (a save_to_disk dataset), that of its files' names and hashes."""
+    if not Path(path).is_dir():
+        return sha256(path)
+    import hashlib
+
+    files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+    listing = "".join(f"{p.relative_to(path).as_posix()} {sha256(p)}\n" for p in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
 
 
 def method_config(method: str, mcl: MCLConfig | None, moe: MoEConfig | None,
@@ -142,7 +152,9 @@ def train(
         out: output folder.
         mcl: the hypotheses and loss of method mcl (default: MCLConfig(), K = 2 hypotheses of rank 8 with vanilla
             WTA on PEFT's default layers).
-        data: the training pairs and their tokenization (--data.train_file, --data.validation_file, ...).
+        data: the training data (a local JSONL, JSON, Parquet, CSV, Arrow file or save_to_disk folder: prompt/
+            completion, conversations, messages, text or several references per prompt) and their tokenization
+            (--data.train_file, --data.validation_file, ...).
         training: optimisation, evaluation and checkpoint schedule (--training.steps, --training.learning_rate, ...).
         method: what is trained: mcl (LoRA-MCL, the --mcl block), moe (LoRA-MoE: E LoRA experts mixed by a per-token
             router, trained with plain NLL; the --moe block) or multihead (multi-head MCL: one module duplicated K
@@ -162,16 +174,16 @@ def train(
             (bitsandbytes 4-bit, double quantization, computing in --dtype), int8 (bitsandbytes LLM.int8) or
             torchao-int8 (torchao int8 weight-only). Decode the adapters on the same quantized base.
     """
-    from loramcl.data.prompts import PairDataset, collate, encode_pairs, pad_token_id
+    from loramcl.data.prompts import collate, pad_token_id
 
     # Mistakes in the files, their fields and the model folder are reported before torch loads (seconds).
     check_model_options(model, dtype)
     check_output(out, folder=True)
     check_threads(threads)
     check_max_length(data.max_length, model_positions(model))
-    train_pairs = training_pairs(data.train_file, data, "training file")
-    eval_pairs = training_pairs(data.validation_file, data, "validation file") if data.validation_file else None
     encoder_decoder = is_encoder_decoder(model)
+    train_rows = training_rows(data.train_file, data, "training file")
+    eval_rows = training_rows(data.validation_file, data, "validation file") if data.validation_file else None
 
     from transformers import AutoTokenizer
 
@@ -189,15 +201,9 @@ def train(
     use_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model)
     pad_id = pad_token_id(tokenizer)
-
-    def dataset(path: str, pairs: tuple[list[str], list[str]], limit: int | None = None) -> PairDataset:
-        prompts, targets = pairs[0][:limit], pairs[1][:limit]
-        return PairDataset(encode_pairs(tokenizer, prompts, targets, data.chat_template, data.max_length,
-                                        encoder_decoder=encoder_decoder,
-                                        where=lambda i: f"{path}:{record_line(path, i)}"))
-
-    train_set = dataset(data.train_file, train_pairs)
-    eval_set = dataset(data.validation_file, eval_pairs, data.eval_examples) if eval_pairs else None
+    train_set = training_examples(train_rows, data.train_file, data, tokenizer, encoder_decoder)
+    eval_set = (training_examples(eval_rows, data.validation_file, data, tokenizer, encoder_decoder,
+                                  data.eval_examples) if eval_rows is not None else None)
     fit(training_model_loader(model, dtype, quantization), out, config, training, settings, train_set, eval_set,
         collator=lambda rows: collate(rows, pad_id), processor=tokenizer, last_checkpoint=last, method=method,
         scores_for=scores_for)
@@ -354,18 +360,34 @@ def precision_arguments(training: TrainConfig, cuda: bool) -> dict:
     return {"bf16": training.bf16, "tf32": training.tf32 if cuda else None}
 
 
-def training_pairs(path: str, data: DataConfig, what: str) -> tuple[list[str], list[str]]:
-    """(prompts, targets) of a training or validation file, checked: the file, its fields, one text per target."""
-    from loramcl.data.prompts import read_pairs
+def training_rows(path: str, data: DataConfig, what: str):
+    """The rows of a training or validation file or folder (``loramcl.data.sources.read_dataset``), checked before
+    torch loads: their format (stated in the log), and every row against it."""
+    from loramcl.data.formats import check_rows, detect_format
+    from loramcl.data.sources import read_dataset, row_names
 
-    check_file(path, what)
-    _, prompts, targets = read_pairs(path, data.prompt_key, data.target_key, what="data.prompt_key / "
-                                                                                   "data.target_key")
-    bad = [i for i, t in enumerate(targets) if not isinstance(t, str) or not t]
-    if bad:
-        raise ValueError(f'{path}: "{data.target_key}" must be a non-empty string (record {bad[0] + 1}); a '
-                         "training target is one text, not a list")
-    return prompts, targets
+    rows = read_dataset(path, data.split, what)
+    if len(rows) == 0:
+        raise ValueError(f"{what} {path} holds no row")
+    where = row_names(path)
+    fmt = detect_format(rows[0], data.prompt_key, data.target_key, where(0), "data.prompt_key / data.target_key")
+    check_rows(rows, fmt, data.chat_template, where)
+    return rows
+
+
+def training_examples(rows, path: str, data: DataConfig, tokenizer, encoder_decoder: bool,
+                      limit: int | None = None):
+    """The tokenized examples (input_ids, labels) of ``rows`` (``training_rows``), the first ``limit`` of them."""
+    from loramcl.data.formats import prepare_dataset
+    from loramcl.data.sources import row_names
+
+    if limit is not None:
+        rows = rows.select(range(min(limit, len(rows))))
+    examples = prepare_dataset(rows, tokenizer, data.max_length, data.prompt_key, data.target_key,
+                               data.chat_template, encoder_decoder, source=path, where=row_names(path))
+    if limit is not None:
+        examples = examples.select(range(min(limit, len(examples))))
+    return examples.select_columns(["input_ids", "labels"])
 
 
 def log_line(step: int, logs: dict) -> str:

@@ -26,6 +26,33 @@ from loramcl.utils.threads import check_threads, use_threads
 from loramcl.utils.validate import require_int
 
 
+def read_references(path: str, prompt_key: str, references_key: str) -> tuple[list, list[dict]]:
+    """(ids, rows {"prompt", "references": [...]}) of a file of prompts and their references: the prompt a text or a
+    conversation, the references a text, a list of texts or of assistant messages, under ``references_key`` (else
+    "completion", as a training file holds them: docs/guide/data.md)."""
+    from loramcl.data.formats import prompt_of
+    from loramcl.utils.files import json_lines, read_jsonl
+
+    first = next((record for _, _, record in json_lines(path)), {})
+    key = "completion" if isinstance(first, dict) and references_key not in first and "completion" in first else \
+        references_key
+    records = read_jsonl(path, prompt_key, number_missing_ids=True, hint=" (choose the field with --prompt_key)")
+    rows = []
+    for index, record in enumerate(records.values()):
+        where = f"{path}:{record_line(path, index)}"
+        if key not in record:
+            has = ", ".join(f'"{k}"' for k in list(record)[:10] if k != "id")
+            raise ValueError(f'{where} has no "{references_key}" field; its fields are {has} (choose the field with '
+                             "--references_key)")
+        references = record[key] if isinstance(record[key], list) else [record[key]]
+        if not references or not all(isinstance(r, str) and r.strip() or isinstance(r, dict) for r in references):
+            raise ValueError(f'{where}: "{key}" must be a non-empty text or list of non-empty texts')
+        rows.append({"prompt": prompt_of(record[prompt_key], where, prompt_key), "references": references})
+    if len({isinstance(row["prompt"], str) for row in rows}) > 1:
+        raise ValueError(f"{path}: some prompts are texts and others conversations: one format per file")
+    return list(records), rows
+
+
 def nll(
     model: ModelPath,
     adapters: LocalPath,
@@ -51,7 +78,10 @@ def nll(
     Args:
         model: local folder of the base model (a causal or a sequence-to-sequence LM).
         adapters: MCL adapters folder (K hypotheses; a K = 1 run is LoRA-MLE).
-        input: JSONL {"id", "prompt", "references": [R texts]} (or a single text) per line.
+        input: JSONL {"id", "prompt", "references": [R texts]} (or a single text) per line; the prompt may be a
+            conversation and the references assistant messages, and a training file's "completion" list is read
+            when there is no "references" (docs/guide/data.md). Each reference is tokenized as `loramcl train`
+            tokenizes that row.
         out: output JSONL {"id", "nll": [[K floats] per reference]} (+ "mixture_nll": [a float per reference],
             -log sum_k p(k|c) p_k(x|c) per token, for adapters with hypothesis scores).
         prompt_key: field holding the prompt.
@@ -69,7 +99,7 @@ def nll(
         quantization: the base model quantized as it loads (nf4, fp4, int8, torchao-int8:
             docs/guide/quantization.md); default: as the training run of `adapters` did (its run.json), else none.
     """
-    from loramcl.data.prompts import collate, encode_pairs, first_too_long, pad_token_id, read_pairs
+    from loramcl.data.prompts import collate, first_too_long, pad_token_id
 
     require_int("batch_size", batch_size)
     check_threads(threads)
@@ -79,29 +109,27 @@ def nll(
                          "MCL (or K = 1 MLE) run of `loramcl train`")
     check_output(out, folder=False, example="nll.jsonl")
     check_file(input, "input file")
-    ids, prompts, references = read_pairs(input, prompt_key, references_key, what="--prompt_key / --references_key")
-    references = [[r] if isinstance(r, str) else r for r in references]
-    bad = [i for i, refs in enumerate(references)
-           if not isinstance(refs, list) or not refs or not all(isinstance(r, str) and r.strip() for r in refs)]
-    if bad:
-        raise ValueError(f'{input}:{record_line(input, bad[0])}: "{references_key}" must be a non-empty text or list '
-                         "of non-empty texts")
+    ids, rows = read_references(input, prompt_key, references_key)
     chat_template = prompt_format(adapters, chat_template)
     encoder_decoder = is_encoder_decoder(model)
 
     import torch
+    from datasets import Dataset
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
+    from loramcl.data.formats import prepare_dataset
     from loramcl.models import load_model
 
     check_device(device)
     use_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model)
     pad_id = pad_token_id(tokenizer)
-    owner = [i for i, refs in enumerate(references) for _ in refs]
-    rows = encode_pairs(tokenizer, [prompts[i] for i in owner], [r for refs in references for r in refs],
-                        chat_template, encoder_decoder=encoder_decoder)
+    # one example per reference, tokenized as `loramcl train` tokenized the same row (loramcl.data.formats)
+    examples = prepare_dataset(Dataset.from_list(rows), tokenizer, None, "prompt", "references", chat_template,
+                               encoder_decoder, source=input, where=lambda i: f"{input}:{record_line(input, i)}")
+    owner = examples["row"]
+    rows = examples.select_columns(["input_ids", "labels"]).to_list()
     if (too_long := first_too_long(rows, model_positions(model), encoder_decoder)) is not None:
         raise ValueError(f"{input}:{record_line(input, owner[too_long[0]])}: the prompt and reference need "
                          f"{too_long[1]}: shorten them (a reference is scored whole)")

@@ -166,7 +166,10 @@ class MCLTrainer(Trainer):
     ``output_dir`` is the staging folder (``StagedCheckpoints``), and ``ddp_find_unused_parameters`` is False unless
     set, so DDP runs without the unused-parameter search; the caller's object stays as it was. Without a
     ``data_collator``, rows of different lengths are right-padded (``PadExamples``; the padding id from
-    ``processing_class``, else from the model's config).
+    ``processing_class``, else from the model's config). A ``datasets.Dataset`` of rows in one of TRL's formats
+    (prompt/completion, conversational, messages, text; multi-reference rows) is tokenized with ``processing_class``
+    as ``SFTTrainer`` prepares it (``loramcl.data.prepare_dataset``: labels on the completion or the assistant turns);
+    packing is refused.
     """
 
     def __init__(self, model: MCLModel | None = None, *args, two_pass_wta: bool = True,
@@ -193,6 +196,8 @@ class MCLTrainer(Trainer):
         given["args"] = _own_arguments(given.get("args"))
         refuse_data_parallel(given["args"])
         refuse_fsdp1((getattr(given["args"], "fsdp_plugin_args", None) or {}).get("fsdp_version"))
+        for name in ("train_dataset", "eval_dataset"):  # rows of text are tokenized here, as SFTTrainer does
+            given[name] = _tokenized(given.get(name), given.get("processing_class"), given["args"], model, name)
         self._checkpoints = StagedCheckpoints(self._wait_for_pushes)
         self._scoring_gradients = _ScoringGradients(self)
         super().__init__(**given)
@@ -498,6 +503,28 @@ def refuse_fsdp1(version: int | None) -> None:
             "bf16/fp16 base beside float32 adapters: use FSDP2, TrainingArguments(fsdp=True, fsdp_config="
             "{'version': 2}) (transformers' default version), or fsdp_version: 2 in the accelerate config "
             "(accelerate launch --use_fsdp --fsdp_version 2)")
+
+
+def _tokenized(dataset, processing_class, args: TrainingArguments, model: MCLModel, name: str):
+    """``dataset`` as MCLTrainer trains on it: a ``datasets.Dataset`` of rows in one of TRL's formats (no
+    ``input_ids``) prepared by ``loramcl.data.prepare_dataset`` with the tokenizer (``args.max_length`` where the
+    arguments have one, as SFTConfig's); any other dataset as given. Packing (SFTConfig's) is refused."""
+    from loramcl.data.formats import check_packing, prepare_dataset
+
+    check_packing(getattr(args, "packing", False))
+    if isinstance(dataset, dict):
+        return {key: _tokenized(value, processing_class, args, model, f"{name}[{key!r}]")
+                for key, value in dataset.items()}
+    columns = getattr(dataset, "column_names", None)
+    if not isinstance(columns, list) or "input_ids" in columns:
+        return dataset
+    if processing_class is None:
+        raise ValueError(f"{name} holds rows of text (fields {', '.join(columns[:6])}) and MCLTrainer has no "
+                         "tokenizer to prepare them: pass processing_class=tokenizer, or tokenized rows")
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)  # a processor holds its tokenizer
+    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    return prepare_dataset(dataset, tokenizer, getattr(args, "max_length", None), encoder_decoder=encoder_decoder,
+                           source=name).select_columns(["input_ids", "labels"])
 
 
 def _norm(parameters: list[nn.Parameter]) -> torch.Tensor:

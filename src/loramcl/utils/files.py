@@ -40,36 +40,42 @@ def read_jsonl(path: str | Path, field: str, number_missing_ids: bool = False, h
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
     records, ids = {}, []
-    with path.open("rb") as lines:
-        for number, raw in enumerate(lines, start=1):
-            line = decode_line(raw, path, number)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                if line.startswith("\ufeff"):  # accepted on line 1 only (decode_line): files were joined?
-                    raise ValueError(f"{path}:{number} starts with a byte-order mark (U+FEFF), which only the first "
-                                     "line may have (were files joined?): remove it") from None
-                raise ValueError(f"{path}:{number} is not valid JSON ({error.msg})") from None
-            if not isinstance(record, dict) or field not in record or ("id" not in record and not number_missing_ids):
-                fields = f'"{field}"' if number_missing_ids else f'"id" and "{field}"'
-                if isinstance(record, dict):  # name the fields it has: the usual mistake is another field name
-                    has = ", ".join(f'"{key}"' for key in list(record)[:10]) or "none"
-                    raise ValueError(f"{path}:{number} must be an object with {fields}; its fields are {has}{hint}")
-                raise ValueError(f"{path}:{number} must be an object with {fields}, got {line.strip()[:120]}")
-            if number_missing_ids and "id" not in record:
-                record["id"] = len(ids)
-            if not isinstance(record["id"], (str, int)) or isinstance(record["id"], bool):
-                raise ValueError(f"{path}:{number}: id must be a string or an integer, got {record['id']!r}")
-            ids.append(record["id"])
-            records[record["id"]] = record
+    for number, line, record in json_lines(path):
+        if not isinstance(record, dict) or field not in record or ("id" not in record and not number_missing_ids):
+            fields = f'"{field}"' if number_missing_ids else f'"id" and "{field}"'
+            if isinstance(record, dict):  # name the fields it has: the usual mistake is another field name
+                has = ", ".join(f'"{key}"' for key in list(record)[:10]) or "none"
+                raise ValueError(f"{path}:{number} must be an object with {fields}; its fields are {has}{hint}")
+            raise ValueError(f"{path}:{number} must be an object with {fields}, got {line.strip()[:120]}")
+        if number_missing_ids and "id" not in record:
+            record["id"] = len(ids)
+        if not isinstance(record["id"], (str, int)) or isinstance(record["id"], bool):
+            raise ValueError(f"{path}:{number}: id must be a string or an integer, got {record['id']!r}")
+        ids.append(record["id"])
+        records[record["id"]] = record
     duplicated = [i for i, n in Counter(ids).items() if n > 1]
     if duplicated:
         raise ValueError(f"{path} has duplicate ids (each item once): {shown_ids(duplicated)}")
     if not records:
         raise ValueError(f"{path} has no record")
     return records
+
+
+def json_lines(path: str | Path):
+    """(line number, line, value) of each non-blank line of a JSONL file; an error naming the file and line where
+    one is not UTF-8 or not JSON."""
+    with open(path, "rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            line = decode_line(raw, path, number)
+            if not line.strip():
+                continue
+            try:
+                yield number, line, json.loads(line)
+            except json.JSONDecodeError as error:
+                if line.startswith("\ufeff"):  # accepted on line 1 only (decode_line): files were joined?
+                    raise ValueError(f"{path}:{number} starts with a byte-order mark (U+FEFF), which only the first "
+                                     "line may have (were files joined?): remove it") from None
+                raise ValueError(f"{path}:{number} is not valid JSON ({error.msg})") from None
 
 
 def decode_line(raw: bytes, path: str | Path, number: int) -> str:
