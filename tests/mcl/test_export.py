@@ -85,8 +85,10 @@ def test_exported_folders_decode_in_peft_mixed_batches_as_generate_hypotheses(na
 
 def test_to_peft_holds_every_hypothesis_as_a_named_adapter():
     mcl, pristine, inputs, _ = wrapped_model("llama", num_hypotheses=K)
-    peft = to_peft(mcl)
-    assert sorted(peft.peft_config) == ["h0", "h1", "h2"] and peft.active_adapter == "h0"
+    import loramcl
+
+    peft = loramcl.to_peft(mcl)
+    assert loramcl.to_peft is to_peft and sorted(peft.peft_config) == ["h0", "h1", "h2"] and peft.active_adapter == "h0"
     with torch.no_grad():
         for k in range(K):
             peft.set_adapter(f"h{k}")

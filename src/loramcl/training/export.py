@@ -70,7 +70,8 @@ def export(
     method = saved.get("method", "mcl")
     config = MCLConfig.from_dict(saved_values(saved["mcl_config"])) if method == "mcl" else None
     if config is not None and not config.adapt_context and invocation is None:
-        invocation = _chat_invocation(adapters, record)
+        invocation = _chat_invocation(adapters if (Path(adapters) / "tokenizer_config.json").is_file() else base,
+                                      record)
 
     from loramcl.mcl.export import export_all
     from loramcl.models import load_model
@@ -104,14 +105,15 @@ def _base_model_of(adapters: str, record: tuple[Path, dict] | None) -> str:
                       f"base_model_name_or_path in {MCL_CONFIG}): give --model, the folder of the base model")
 
 
-def _chat_invocation(adapters: str, record: tuple[Path, dict] | None) -> list[int] | None:
-    """The last token of the chat template's assistant header, for a run trained with the chat template: every
-    prompt of that run ends with it. None otherwise (the export then says what to give)."""
+def _chat_invocation(tokenizer_folder: str, record: tuple[Path, dict] | None) -> list[int] | None:
+    """The last token of the chat template's assistant header (the run's tokenizer, saved beside its adapters, else
+    the base model's), for a run trained with the chat template: every prompt of that run ends with it. None
+    otherwise (the export then says what to give)."""
     if record is None or not (record[1].get("data") or {}).get("chat_template"):
         return None
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(adapters)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     return [int(ids[-1])]
