@@ -364,6 +364,8 @@ REGISTRY = {
                     "--out preds.jsonl"): Run(outputs=("preds.jsonl",)),
     (G + "cli.md", "loramcl nll --model models/SmolLM2-135M-Instruct --adapters runs/mine --input test.jsonl "
                     "--out nll.jsonl"): Run(outputs=("nll.jsonl",)),
+    (G + "cli.md", "loramcl export runs/mine --out exported"): Run(outputs=("exported/h2/adapter_config.json",
+                                                                             "exported/README.md")),
     (G + "cli.md", "loramcl evaluate --predictions preds.jsonl --references test.jsonl --nll nll.jsonl "
                     "--metrics translation"): Run(outputs=("eval/preds.json",)),
     (G + "cli.md", "loramcl recipes"): Run(),
