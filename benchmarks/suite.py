@@ -10,6 +10,9 @@ of the same run:
   context    the context computed once (MCLConfig(adapt_context=False)) vs the full sequence, context:target 8:1
   decoding   one batched K-hypothesis generate vs a loop of K generates, batch 1, greedy and beam search, and with
              the context once; tokens/s
+  peers      generate_hypotheses (with its default log-probabilities, and without) vs PEFT's mixed-adapter generate
+             on the same K hypotheses (loramcl.to_peft), with the bare base model decoding the same K*B rows with no
+             adapters beside them: the physical limit; K in {3, 5}, greedy and beam 2, batch 1 and 8
 then prints which of the issue's targets are met. Writes <out>/suite-<shape>-<device>.json and .md.
 
     python benchmarks/suite.py --shape cpu-small --threads 1                      # CPU, a few minutes
@@ -54,6 +57,10 @@ KS = (1, 3, 5)
 TRAINING = [(variant, k) for k in KS for variant in ("stacked", "loop", "grouped-conv")]
 TRAINING += [(variant, k) for k in KS[1:] for variant in ("wta-one-pass", "wta-two-pass", "wta-two-pass-blocks")]
 DECODING = [(3, "greedy", 1, True), (5, "greedy", 1, True), (5, "beam", 2, True), (5, "greedy", 1, False)]
+PEERS = [(k, strategy, beams, batch) for k in (3, 5) for strategy, beams in (("greedy", 1), ("beam", 2))
+         for batch in (1, 8)]
+PEER_SIDES = ("bare", "loramcl", "loramcl-no-log-probs", "peft")
+SECTIONS = ("training", "context", "decoding", "peers")
 AUDIO_TARGETS = [*TARGETS, "fc1", "fc2"]  # the paper's: the audio encoder's layers too (q, k, v, fc1, fc2)
 
 
@@ -109,6 +116,9 @@ SHAPES = {shape.name: shape for shape in [
     Shape("cpu-small", "llama", _llama(2, 576, 8192, 9, 3, 1536, positions=512), seqs=(64, 256), batch=2,
           context_target=(256, 32), prompt=32, new_tokens=16, gpu=False,
           note="a 2-layer Llama of SmolLM2-135M's width, vocabulary 8192"),
+    Shape("smollm2-135m", "llama", _llama(30, 576, 49152, 9, 3, 1536, positions=2048, tie_word_embeddings=True),
+          seqs=(256,), batch=2, context_target=(256, 32), prompt=32, new_tokens=32, gpu=False,
+          note="SmolLM2-135M's config (134.5M parameters, vocabulary 49152): issue 40's peer measurement"),
     Shape("llama-1b", "llama", _llama(16, 2048, 128256, 32, 8, 8192, positions=8192, tie_word_embeddings=True,
                                       **_LLAMA3),
           seqs=(256, 2048), batch=1, context_target=(2048, 256), prompt=256, new_tokens=64, gpu=True,
@@ -365,6 +375,51 @@ def quantized_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def peers(suite: Suite, args) -> list[dict] | str:
+    """Each PEERS setting timed side by side: generate_hypotheses, PEFT's mixed-adapter generate of the same
+    hypotheses (row group k named adapter h{k}), and the base model alone on the same K*B rows."""
+    if suite.shape.family != "llama":
+        return "not measured: PEFT's mixed-adapter rows are measured on the text model"
+    from loramcl.decoding import generate_hypotheses
+    from loramcl.mcl.copies import repeat_examples
+    from loramcl.mcl.export import to_peft
+
+    rows = []
+    for k in sorted({k for k, *_ in PEERS}):
+        mcl = suite.wrap(k)[0].eval()
+        peft = to_peft(suite.wrap(k)[0].eval(), inplace=True)  # the same hypotheses, on a twin of the base
+        for _, strategy, beams, batch in [p for p in PEERS if p[0] == k]:
+            inputs = {name: value for name, value in suite.batch(suite.shape.prompt, 0, batch, seed=2).items()
+                      if name != "labels"}
+            copies = repeat_examples(inputs, k, batch)  # hypothesis-major, as generate_hypotheses lays them out
+            names = [f"h{h}" for h in range(k) for _ in range(batch)]
+            settings = dict(num_beams=beams, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                            repetition_penalty=1.1, do_sample=False)
+
+            def ours(log_probs: bool, inputs=inputs, strategy=strategy, beams=beams):
+                return generate_hypotheses(mcl, None, inputs, strategy=strategy, num_beams=beams, log_probs=log_probs,
+                                           max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                           repetition_penalty=1.1)
+
+            sides = {"bare": lambda copies=copies, settings=settings: suite.base.generate(**copies, **settings),
+                     "loramcl": lambda: ours(True), "loramcl-no-log-probs": lambda: ours(False),
+                     "peft": lambda copies=copies, names=names, settings=settings: peft.generate(
+                         **copies, adapter_names=names, **settings)}
+            candidates, theirs = sides["loramcl"](), sides["peft"]()  # also the warm-up
+            width = copies["input_ids"].shape[1]
+            agreement = sum(row[h].token_ids == theirs[h * batch + i, width:].tolist()
+                            for i, row in enumerate(candidates) for h in range(k)) / (k * batch)
+            if agreement < 1 and suite.device == "cpu" and suite.dtype == torch.float32:
+                raise RuntimeError(f"K={k} {strategy} batch {batch}: loramcl and PEFT decoded different tokens")
+            seconds = interleaved_medians(sides, args.repeats, suite.device, warmup=0)
+            rows.append(dict(k=k, strategy=strategy if beams == 1 else f"beam {beams}/hypothesis", batch=batch,
+                             **{f"{side}_ms": seconds[side] * 1000 for side in PEER_SIDES},
+                             **{f"{side}_over_bare": seconds[side] / seconds["bare"] for side in PEER_SIDES[1:]},
+                             peft_over_loramcl=seconds["peft"] / seconds["loramcl"], same_tokens=agreement))
+    print("peers: done", flush=True)
+    return rows
+
+
 def targets(results: dict) -> list[dict]:
     """The issue's targets, each with what was measured."""
     found = []
@@ -388,6 +443,12 @@ def targets(results: dict) -> list[dict]:
         row = next(row for row in results["context_once"] if row["variant"] == "once" and row["k"] == 5)
         add(f"context once {row['context']}:{row['target']}, K=5 relaxed / K=1 full <= 2", row["time_ratio"], 2.0)
     gpu = results["environment"]["device"].startswith("cuda")
+    for row in results["peers"] if isinstance(results["peers"], list) else []:  # issue 40
+        where = f"K={row['k']} {row['strategy']} batch {row['batch']}"
+        add(f"{where}: loramcl (defaults) / bare base <= 1.05", row["loramcl_over_bare"], 1.05)
+        floor = 1.5 if gpu and row["k"] == 5 and row["batch"] == 1 else 1.0  # the issue's GPU aim, else never slower
+        add(f"{where}: PEFT mixed batch / loramcl (defaults) >= {floor:g}", row["peft_over_loramcl"], floor,
+            at_most=False)
     for row in results["decoding"]:
         if row["k"] == 5 and row["strategy"] == "greedy" and row["context"] == "full":
             add(f"decoding K=5 greedy batch 1: batched / loop throughput >= {2.5 if gpu else 1.5}", row["speedup"],
@@ -426,9 +487,11 @@ def run(args) -> dict:
         results["quantized"] = quantized(suite, args)
         results["environment"] = environment(args)
         return results
-    results["training"] = training(suite, args)
-    results["context_once"] = context_once(suite, args)
-    results["decoding"] = decoding(suite, args)
+    skipped = "not measured: not among --sections"
+    results["training"] = training(suite, args) if "training" in args.sections else []
+    results["context_once"] = context_once(suite, args) if "context" in args.sections else skipped
+    results["decoding"] = decoding(suite, args) if "decoding" in args.sections else []
+    results["peers"] = peers(suite, args) if "peers" in args.sections else skipped
     results["environment"] = environment(args)
     results["targets"] = targets(results)
     return results
@@ -449,6 +512,8 @@ def markdown(results: dict) -> str:
              "(decoding: of {} repeats) after a warm-up; LoRA r=8.".format(settings["repeats"]), ""]
     for seq in settings["seqs"]:
         rows = [row for row in results["training"] if row["seq"] == seq]
+        if not rows:  # not among --sections
+            continue
         one = next(row for row in rows if row["variant"] == "stacked" and row["k"] == 1)
         lines += [f"Training step, {seq} tokens per example (labels on the last {seq - seq // 4}). K=1: "
                   f"{one['ms']:.0f} ms, peak {one['peak_mib']:.0f} MiB, {one['tokens_per_s']:.0f} tokens/s.", "",
@@ -465,12 +530,24 @@ def markdown(results: dict) -> str:
         lines += [_step_row(row) for row in sorted(rows, key=lambda row: (row["k"], row["variant"]))]
     else:
         lines.append(f"Context once: {results['context_once']}.")
-    lines += ["", f"Decoding, batch 1, {settings['new_tokens']} new tokens per candidate:", "",
-              "| K | decoding | context | batched (ms) | loop of K (ms) | loop / batched | batched tokens/s | "
-              "same tokens |", "|---|---|---|---|---|---|---|---|"]
+    if results["decoding"]:
+        lines += ["", f"Decoding, batch 1, {settings['new_tokens']} new tokens per candidate:", "",
+                  "| K | decoding | context | batched (ms) | loop of K (ms) | loop / batched | batched tokens/s | "
+                  "same tokens |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {row['k']} | {row['strategy']} | {row['context']} | {row['batched_ms']:.0f} | {row['loop_ms']:.0f} "
               f"| {row['speedup']:.2f} | {row['batched_tokens_per_s']:.0f} | {row['same_tokens']:.0%} |"
               for row in results["decoding"]]
+    if isinstance(results["peers"], list):
+        lines += ["", f"Against PEFT's mixed-adapter batches (issue 40), {settings['new_tokens']} new tokens per "
+                  "candidate, the K*B rows of each side decoding the same tokens; time / bare base:", "",
+                  "| K | decoding | batch | bare base (ms) | loramcl | loramcl, no log-probs | PEFT mixed | "
+                  "PEFT / loramcl | same tokens |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {row['k']} | {row['strategy']} | {row['batch']} | {row['bare_ms']:.0f} | "
+                  f"{row['loramcl_over_bare']:.2f} | {row['loramcl-no-log-probs_over_bare']:.2f} | "
+                  f"{row['peft_over_bare']:.2f} | {row['peft_over_loramcl']:.2f} | {row['same_tokens']:.0%} |"
+                  for row in results["peers"]]
+    else:
+        lines.append(f"Against PEFT's mixed-adapter batches: {results['peers']}.")
     lines += ["", "| issue 18 target | measured | limit | met |", "|---|---|---|---|"]
     lines += [f"| {t['target']} | {t['measured']:.2f} | {t['limit']:.2f} | {'yes' if t['met'] else '**no**'} |"
               for t in results["targets"]]
@@ -502,6 +579,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("runs/benchmarks"), help="folder of the JSON and markdown")
     parser.add_argument("--quantized", action="store_true", help="only the quantized bases' rows (issue 39): K=5 "
                         "two-pass MCL vs PEFT's K=1 LoRA on unquantized, nf4, int8 and torchao int8 bases")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="what to measure (default: all)")
     args = parser.parse_args(argv)
     shape = SHAPES[args.shape]
     args.seqs = tuple(args.seqs or shape.seqs)

@@ -205,6 +205,26 @@ def pinned(line: str) -> None:
         assert any(re.match(r"build\b", d) for d in extras["dev"]), "`build` is not in the dev extra"
 
 
+_ENGINE = ("an engine (vLLM on a GPU, llama.cpp) that is not installed here: the line's adapters, rank and option "
+           "values are checked against the export's (the PEFT folders themselves are tested in covered_by)")
+
+
+def serving_line(line: str) -> None:
+    """A vLLM or llama.cpp line of docs/guide/serving.md names adapters the export writes (h0, h1 of the docs' K = 2
+    run; the folded ones for llama.cpp), a rank vLLM accepts, and room for every adapter in one batch."""
+    from loramcl.mcl.export import VLLM_RANKS
+
+    folders = re.findall(r"(exported[\w-]*)/h(\d+)", line)
+    assert all(int(k) < 2 for _, k in folders), f"the docs' run has hypotheses h0 and h1: {line}"
+    if line.startswith("vllm serve"):
+        rank, loras = (int(re.search(rf"--{name} (\d+)", line)[1]) for name in ("max-lora-rank", "max-loras"))
+        assert rank in VLLM_RANKS and loras >= len(folders), line
+    if "convert_lora_to_gguf" in line:
+        assert folders and all(folder == "exported-folded" for folder, _ in folders), "llama.cpp needs --fold_scaling"
+    if line.startswith("curl"):
+        assert re.search(r'"model": "h[01]"', line), line
+
+
 _QUICK_DATA = ("--quick", "true", "--stop_after", "data")
 _CUT = ("the pipeline up to its data (options, recipe, model, data written and read back); covered_by runs the "
         "rest end to end")
@@ -311,6 +331,7 @@ REGISTRY = {
         ".venv/bin/python benchmarks/suite.py --shape llama-1b --device cuda --dtype bfloat16",
         ".venv/bin/python benchmarks/suite.py --shape llama-8b --device cuda --dtype bfloat16",
         ".venv/bin/python benchmarks/suite.py --shape qwen2-audio --device cuda --dtype bfloat16",
+        ".venv/bin/python benchmarks/suite.py --shape smollm2-135m --sections peers --threads 1",
         ".venv/bin/python benchmarks/training_step.py --steps 5 --threads 1",
         ".venv/bin/python benchmarks/training_step.py --steps 4 --threads 1 --vocab 32768 --only stacked loop "
         "wta-one-pass wta-two-pass",
@@ -366,6 +387,8 @@ REGISTRY = {
                     "--out preds.jsonl"): Run(outputs=("preds.jsonl",)),
     (G + "cli.md", "loramcl nll --model models/SmolLM2-135M-Instruct --adapters runs/mine --input test.jsonl "
                     "--out nll.jsonl"): Run(outputs=("nll.jsonl",)),
+    (G + "cli.md", "loramcl export runs/mine --out exported"): Run(outputs=("exported/h2/adapter_config.json",
+                                                                             "exported/README.md")),
     (G + "cli.md", "loramcl evaluate --predictions preds.jsonl --references test.jsonl --nll nll.jsonl "
                     "--metrics translation"): Run(outputs=("eval/preds.json",)),
     (G + "cli.md", "loramcl recipes"): Run(),
@@ -536,6 +559,24 @@ REGISTRY = {
     (G + "data.md", "loramcl evaluate --predictions refs-preds.jsonl --references references.jsonl --metrics "
                     "bleu1,div1"): Run(outputs=("eval/refs-preds.json",)),
     (G + "data.md", "from datasets import load_dataset"): Python("plain"),
+    (G + "serving.md", "loramcl export runs/mcl --out exported"):
+        Run(outputs=("exported/h0/adapter_config.json", "exported/h1/adapter_model.safetensors", "exported/README.md")),
+    (G + "serving.md", "loramcl export runs/mcl --out exported-h1 --hypotheses 1"):
+        Run(outputs=("exported-h1/h1/adapter_config.json",)),
+    (G + "serving.md", "loramcl export runs/mcl --out exported-folded --fold_scaling"):
+        Run(outputs=("exported-folded/h1/adapter_config.json",)),
+    (G + "serving.md", "from loramcl import to_peft"): Python("decoding", why="mcl (K = 3), tok, prompts bound"),
+    **{(G + "serving.md", line): Check(serving_line, "tests/mcl/test_export.py::"
+                                       "test_exported_folders_decode_in_peft_mixed_batches_as_generate_hypotheses",
+                                       why=_ENGINE) for line in (
+        "vllm serve models/SmolLM2-135M-Instruct --enable-lora --max-loras 2 --max-lora-rank 8 --lora-modules "
+        "h0=exported/h0 h1=exported/h1",
+        'curl localhost:8000/v1/completions -H Content-Type: application/json -d {"model": "h1", "prompt": '
+        '"Translate: the file", "max_tokens": 32, "temperature": 0}',
+        "python convert_hf_to_gguf.py models/SmolLM2-135M-Instruct --outfile base.gguf",
+        "python convert_lora_to_gguf.py exported-folded/h0 --base models/SmolLM2-135M-Instruct --outfile h0.gguf",
+        "python convert_lora_to_gguf.py exported-folded/h1 --base models/SmolLM2-135M-Instruct --outfile h1.gguf",
+        "llama-server -m base.gguf --lora h0.gguf --lora h1.gguf --lora-init-without-apply")},
 }
 
 def _subset(recipe) -> None:

@@ -13,7 +13,7 @@ _EXPORTS = {
     "DataConfig": "loramcl.training.config", "TrainConfig": "loramcl.training.config",
     "MCLLoraLinear": "loramcl.mcl.layers",
     "MCLModel": "loramcl.mcl.model", "MCLOutput": "loramcl.mcl.model", "get_mcl_model": "loramcl.mcl.model",
-    "load_mcl_model": "loramcl.mcl.model",
+    "load_mcl_model": "loramcl.mcl.model", "to_peft": "loramcl.mcl.export",
     "MCLTrainer": "loramcl.training.trainer",
     "generate_hypotheses": "loramcl.decoding.strategies", "equal_budget": "loramcl.decoding.budget",
     "EqualBudget": "loramcl.decoding.budget", "Candidate": "loramcl.decoding.candidates",

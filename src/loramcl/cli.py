@@ -38,12 +38,13 @@ def commands() -> dict:
     from loramcl.recipes.markov.reproduce import markov
     from loramcl.recipes.spoken_translation.reproduce import spoken_translation
     from loramcl.recipes.translation.reproduce import translation
+    from loramcl.training.export import export
     from loramcl.training.fit import train
     from loramcl.training.reference_nll import nll
 
     return {"markov": markov, "bilingual": bilingual, "translation": translation, "audio-captioning": audio_captioning,
             "spoken-translation": spoken_translation, "image-captioning": image_captioning, "train": train,
-            "generate": generate, "nll": nll, "evaluate": evaluate, "plot-tradeoff": plot_tradeoff,
+            "generate": generate, "export": export, "nll": nll, "evaluate": evaluate, "plot-tradeoff": plot_tradeoff,
             "convert-smollm2": convert_smollm2_command, "convert-whisper-base": convert_whisper_base_command,
             "recipes": {"_help": "List the recipes that ship with loramcl, or copy one to edit.", "list": list_recipes,
                         "copy": copy_recipe}}
@@ -75,10 +76,12 @@ def main(argv: list[str] | None = None) -> None:
     prefix = f"loramcl {command}" if command else "loramcl"
     try:
         with _one_line_warnings(prefix), _library_log(prefix):
-            # `loramcl recipes copy <task>/<name> <dir>` takes positional arguments; every other command takes
-            # options, never abbreviated (argparse would take --training.step for --training.steps without a word)
-            CLI(table, args=args, as_positional=command == "recipes", exit_on_error=False, allow_abbrev=False,
-                parser_class=_parser_class(), version=f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})")
+            # `loramcl recipes copy <task>/<name> <dir>` and `loramcl export RUN` take positional arguments; every
+            # other command takes options, never abbreviated (argparse would take --training.step for
+            # --training.steps without a word)
+            CLI(table, args=args, as_positional=command in ("recipes", "export"), exit_on_error=False,
+                allow_abbrev=False, parser_class=_parser_class(),
+                version=f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})")
     except KeyboardInterrupt:
         if debug:
             raise

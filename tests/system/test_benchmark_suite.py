@@ -82,8 +82,12 @@ def test_suite_runs_end_to_end_on_a_tiny_shape(name, tmp_path):
     if name == "tiny":
         context = {(row["variant"], row["k"]) for row in results["context_once"]}
         assert context == {(kind, k) for kind in ("full", "once") for k in suite.KS}
+        peers = results["peers"]  # issue 40: every side decoded the same tokens as PEFT's mixed batch
+        assert [(row["k"], row["batch"]) for row in peers] == [(k, batch) for k, _, _, batch in suite.PEERS]
+        assert all(row["same_tokens"] == 1 and row["peft_over_loramcl"] > 0 for row in peers)
+        assert "Against PEFT's mixed-adapter batches" in markdown_path.read_text()
     else:  # audio inputs are refused by the context computed once, and the suite says so
-        assert "not measured" in results["context_once"]
+        assert "not measured" in results["context_once"] and "not measured" in results["peers"]
     decoding = results["decoding"]
     assert {(row["k"], row["strategy"], row["context"]) for row in decoding} >= {(5, "greedy", "full")}
     assert all(row["same_tokens"] == 1 and row["speedup"] > 0 for row in decoding)

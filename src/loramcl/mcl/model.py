@@ -458,9 +458,10 @@ class MCLModel(ActivationCheckpointing, nn.Module):
         """Load adapter weights written by ``save_pretrained`` into this model, everything checked first."""
         adapter_files.load_adapters(self, path, verify, strict)
 
-    def export_hypothesis(self, k: int, path: str | os.PathLike) -> str:
-        """Write hypothesis k as a standard PEFT LoRA adapter folder (``PeftModel.from_pretrained`` loads it)."""
-        return peft_interop.export_hypothesis(self, k, path)
+    def export_hypothesis(self, k: int, path: str | os.PathLike, **options) -> str:
+        """Write hypothesis k as a standard PEFT LoRA adapter folder (``PeftModel.from_pretrained`` loads it);
+        ``options``: ``fold_scaling``, ``alora_invocation_tokens`` (``peft_interop.export_hypothesis``)."""
+        return peft_interop.export_hypothesis(self, k, path, **options)
 
     def merge_hypothesis(self, k: int, inplace: bool = False) -> nn.Module:
         """The base model with hypothesis k merged into its weights (W + alpha/r * (A_k B_k)^T), adapters removed."""

@@ -25,37 +25,85 @@ PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
 _ADAPTABLE = (nn.Linear, Conv1D)
 
 
-def export_hypothesis(model, k: int, path: str | os.PathLike) -> str:
+def export_hypothesis(model, k: int, path: str | os.PathLike, fold_scaling: bool = False,
+                      alora_invocation_tokens: list[int] | None = None) -> str:
     """Write hypothesis k of ``model`` as a standard PEFT LoRA adapter folder (``PeftModel.from_pretrained`` loads
-    it); refused for a method whose hypotheses are not LoRA adapters (``export_refusal``)."""
-    from peft import LoraConfig
+    it); refused for a method whose hypotheses are not LoRA adapters (``export_refusal``).
 
+    ``fold_scaling``: the scaling (alpha/r, or alpha/sqrt(r) with rsLoRA) multiplied into lora_B and written as
+    ``lora_alpha = r``, ``use_rslora = false``: the same adapter for engines that read alpha only (llama.cpp).
+    ``alora_invocation_tokens``: hypotheses trained with ``adapt_context=False`` written as PEFT's activated LoRA,
+    where that computes the same model (``activated_lora_refusal``)."""
     if model.export_refusal:
         raise ValueError(model.export_refusal)
     model.check_hypothesis(k)
-    _refuse_position_dependent(model, "exported as a PEFT LoRA adapter")
+    if alora_invocation_tokens is None:
+        _refuse_position_dependent(model, "exported as a PEFT LoRA adapter", also=", export them as activated "
+                                   "LoRA (alora_invocation_tokens=[the token every prompt ends with])")
+    elif reason := activated_lora_refusal(model, alora_invocation_tokens):
+        raise ValueError(reason)
+    lora_config = peft_lora_config(model, fold_scaling, alora_invocation_tokens)
+    os.makedirs(path, exist_ok=True)
+    lora_config.save_pretrained(path)
+    safetensors.torch.save_file(hypothesis_tensors(model, k, fold_scaling), os.path.join(path, PEFT_WEIGHTS_NAME),
+                                metadata={"format": "pt"})
+    return str(path)
+
+
+def peft_lora_config(model, fold_scaling: bool = False, alora_invocation_tokens: list[int] | None = None):
+    """The PEFT ``LoraConfig`` that adapts exactly the layers of ``model`` as its hypotheses do."""
+    from peft import LoraConfig
+
     cfg = model.mcl_config
     is_conv1d = [isinstance(layer.base_layer, Conv1D) for _, layer in model.mcl_layers()]
     if any(is_conv1d) and not all(is_conv1d):
         raise ValueError("cannot export a mix of nn.Linear and Conv1D layers as one PEFT adapter")
     targets = _peft_target_modules(model)
     by_short_names = targets != sorted(model.layer_names)  # then PEFT must apply the same selection options
-    lora_config = LoraConfig(
-        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none", use_rslora=cfg.use_rslora,
+    return LoraConfig(
+        r=cfg.r, lora_alpha=cfg.r if fold_scaling else cfg.alpha, lora_dropout=cfg.dropout, bias="none",
+        use_rslora=cfg.use_rslora and not fold_scaling,
         target_modules=targets, fan_in_fan_out=all(is_conv1d), task_type=_peft_task_type(model.base_model),
         exclude_modules=cfg.exclude_modules if by_short_names else None,
         layers_to_transform=cfg.layers_to_transform if by_short_names else None,
         layers_pattern=cfg.layers_pattern if by_short_names else None,
         base_model_name_or_path=getattr(model.config, "_name_or_path", None) or None,
+        alora_invocation_tokens=list(alora_invocation_tokens) if alora_invocation_tokens is not None else None,
     )
-    os.makedirs(path, exist_ok=True)
-    lora_config.save_pretrained(path)
+
+
+def hypothesis_tensors(model, k: int, fold_scaling: bool = False) -> dict[str, torch.Tensor]:
+    """Hypothesis k's tensors under PEFT's names, lora_A as [r, d_in] and lora_B as [d_out, r] (times the scaling
+    with ``fold_scaling``)."""
     tensors = {}
-    for name, layer in model.mcl_layers():  # PEFT stores lora_A as [r, d_in] and lora_B as [d_out, r]
+    for name, layer in model.mcl_layers():
+        lora_b = layer.lora_B[k].detach() * (layer.scaling if fold_scaling else 1)
         tensors[f"base_model.model.{name}.lora_A.weight"] = layer.lora_A[k].detach().T.contiguous().cpu()
-        tensors[f"base_model.model.{name}.lora_B.weight"] = layer.lora_B[k].detach().T.contiguous().cpu()
-    safetensors.torch.save_file(tensors, os.path.join(path, PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
-    return str(path)
+        tensors[f"base_model.model.{name}.lora_B.weight"] = lora_b.T.contiguous().cpu()
+    return tensors
+
+
+def activated_lora_refusal(model, invocation_tokens: list[int]) -> str | None:
+    """Why hypothesis weights of ``model`` written as PEFT's activated LoRA with ``invocation_tokens`` would compute
+    another model, or None where they compute the same one.
+
+    PEFT's aLoRA (0.21) applies the adapters from the first token of the last occurrence of the invocation sequence
+    in the input on; hypotheses trained with ``adapt_context=False`` act from the last prompt token on. The two agree
+    for an invocation of exactly one token, the one every prompt ends with (e.g. the last token of the chat
+    template's assistant header), on a causal LM."""
+    tokens = list(invocation_tokens)
+    if model.mcl_config.adapt_context:
+        return ("these hypotheses were trained with adapt_context=True: they act at every position, the prompt "
+                "included, and activated LoRA would leave the prompt to the base model: export them without "
+                "alora_invocation_tokens")
+    if getattr(model.config, "is_encoder_decoder", False):
+        return ("activated LoRA is for causal LMs (PEFT finds the invocation tokens in input_ids); these context-once "
+                "hypotheses adapt an encoder-decoder's whole decoder: decode them with this MCLModel")
+    if len(tokens) != 1 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        return (f"alora_invocation_tokens must be one token id, the token every prompt ends with; got {tokens}: "
+                "activated LoRA acts from the first invocation token on, and these hypotheses from the last prompt "
+                "token on, so a longer invocation would adapt the tokens before it too")
+    return None
 
 
 def _peft_target_modules(model) -> list[str]:
@@ -124,12 +172,12 @@ def _probe_inputs(model) -> dict | None:
     return inputs
 
 
-def _refuse_position_dependent(model, what: str) -> None:
+def _refuse_position_dependent(model, what: str, also: str = "") -> None:
     if not model.mcl_config.adapt_context:
         raise ValueError(
             f"these hypotheses were trained with adapt_context=False: they act only from the first target "
             f"position on, so hypothesis weights {what} (applied at every position, the context included) "
-            "would compute another model. Decode with this MCLModel (generate_hypotheses), or train with "
+            f"would compute another model. Decode with this MCLModel (generate_hypotheses){also}, or train with "
             "adapt_context=True to export standard LoRA adapters")
 
 

@@ -1,0 +1,216 @@
+"""`loramcl export`: a finished run's hypotheses as standard PEFT LoRA folders (OUT/h0 ... OUT/h{K-1}) and a model
+card (OUT/README.md: the base model, K, the loss, the rank, the data, the run's metrics, how to load and serve them),
+for PEFT's mixed-adapter batches, vLLM, SGLang, LoRAX and llama.cpp (docs/guide/serving.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loramcl.mcl.config import MCLConfig, saved_values
+from loramcl.utils.inputs import (
+    MCL_CONFIG,
+    PEFT_CONFIG,
+    LocalPath,
+    ModelPath,
+    check_adapters_folder,
+    check_model_folder,
+    check_output,
+    training_record,
+)
+from loramcl.utils.validate import OptionError
+
+CARD_NAME = "README.md"
+
+
+def export(
+    adapters: LocalPath,
+    out: LocalPath | None = None,
+    model: ModelPath | None = None,
+    hypotheses: str | None = None,
+    fold_scaling: bool = False,
+    alora_invocation_tokens: str | None = None,
+    strict: bool = False,
+) -> str:
+    """Write every hypothesis of a run as a standard PEFT LoRA adapter folder, with a model card.
+
+    `loramcl export RUN --out DIR` writes DIR/h0 ... DIR/h{K-1} (each `adapter_config.json` +
+    `adapter_model.safetensors`, the base model recorded) and DIR/README.md. Refused, with the reason, for what is not
+    standard LoRA: a LoRA-MoE or multi-head model, hypotheses trained with the context computed once
+    (--mcl.adapt_context false) unless --alora_invocation_tokens makes them an exact activated LoRA.
+
+    Args:
+        adapters: the `out` folder of `loramcl train` (or any folder MCLModel.save_pretrained wrote).
+        out: the folder to write (new, or one this command wrote).
+        model: the base model's folder (default: the one the run trained on, from its run.json, else the one
+            recorded in its mcl_config.json).
+        hypotheses: the hypotheses to export, e.g. 0,2 (default: all).
+        fold_scaling: write the scaling into lora_B with lora_alpha = r and use_rslora false: the same adapters for
+            engines that read lora_alpha only (llama.cpp's convert_lora_to_gguf.py ignores use_rslora).
+        alora_invocation_tokens: context-once hypotheses (adapt_context false) as PEFT's activated LoRA: the id of
+            the one token every prompt ends with, e.g. the last token of the chat template's assistant header
+            (default, for a run trained with the chat template: that token, read from the run's tokenizer).
+        strict: refuse adapter files that cannot be verified, or saved on a base model with other weights (by
+            default each is a warning).
+    """
+    check_adapters_folder(adapters)
+    if not (Path(adapters) / MCL_CONFIG).is_file() and (Path(adapters) / PEFT_CONFIG).is_file():
+        raise ValueError(f"{adapters} already holds one PEFT adapter ({PEFT_CONFIG}): give the folder of LoRA-MCL "
+                         f"hypotheses ({MCL_CONFIG}, written by loramcl train)")
+    if out is None:
+        raise OptionError("out", "missing --out DIR: the folder to write the hypotheses' PEFT folders into")
+    check_output(out, folder=True)
+    chosen = _hypothesis_list(hypotheses, "hypotheses")
+    invocation = _hypothesis_list(alora_invocation_tokens, "alora_invocation_tokens")
+    record = training_record(adapters)
+    base = model or _base_model_of(adapters, record)
+    check_model_folder(base)
+    saved = json.loads((Path(adapters) / MCL_CONFIG).read_text(encoding="utf-8"))
+    method = saved.get("method", "mcl")
+    config = MCLConfig.from_dict(saved_values(saved["mcl_config"])) if method == "mcl" else None
+    if config is not None and not config.adapt_context and invocation is None:
+        invocation = _chat_invocation(adapters if (Path(adapters) / "tokenizer_config.json").is_file() else base,
+                                      record)
+
+    from loramcl.mcl.export import export_all
+    from loramcl.models import load_model
+
+    mcl = load_model(base, adapters, strict=strict)  # the base model's folder is recorded in each adapter_config.json
+    folders = export_all(mcl, out, chosen, fold_scaling=fold_scaling, alora_invocation_tokens=invocation)
+    card = Path(out) / CARD_NAME
+    card.write_text(model_card(mcl, base, folders, record, adapters, fold_scaling, invocation), encoding="utf-8")
+    print(f"{len(folders)} hypotheses as PEFT LoRA adapters ({', '.join(Path(f).name for f in folders)}) and their "
+          f"model card: {out}")
+    return str(out)
+
+
+def _hypothesis_list(text: str | int | None, option: str) -> list[int] | None:
+    """'0,2' (or a single number) as [0, 2]."""
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in str(text).strip("[] ").split(",")]
+    except ValueError:
+        raise OptionError(option, f"{option} must be comma-separated integers, e.g. 0,2; got {text!r}") from None
+
+
+def _base_model_of(adapters: str, record: tuple[Path, dict] | None) -> str:
+    if record is not None and record[1].get("model"):
+        return str(record[1]["model"])
+    saved = json.loads((Path(adapters) / MCL_CONFIG).read_text(encoding="utf-8"))
+    if saved.get("base_model_name_or_path"):
+        return str(saved["base_model_name_or_path"])
+    raise OptionError("model", f"{adapters} does not record its base model (no run.json, and no "
+                      f"base_model_name_or_path in {MCL_CONFIG}): give --model, the folder of the base model")
+
+
+def _chat_invocation(tokenizer_folder: str, record: tuple[Path, dict] | None) -> list[int] | None:
+    """The last token of the chat template's assistant header (the run's tokenizer, saved beside its adapters, else
+    the base model's), for a run trained with the chat template: every prompt of that run ends with it. None
+    otherwise (the export then says what to give)."""
+    if record is None or not (record[1].get("data") or {}).get("chat_template"):
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    return [int(ids[-1])]
+
+
+def model_card(mcl, base: str, folders: list[str], record: tuple[Path, dict] | None, adapters: str,
+               fold_scaling: bool, invocation: list[int] | None) -> str:
+    """The model card of an export: what the hypotheses are, the run that trained them, how to load and serve them."""
+    cfg = mcl.mcl_config
+    names = [Path(f).name for f in folders]
+    short_names = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in mcl.layer_names}))
+    settings = record[1] if record else {}
+    run = json.loads(record[0].read_text(encoding="utf-8")) if record else {}
+    log_path = Path(adapters) / "train_log.json"
+    log = json.loads(log_path.read_text(encoding="utf-8")) if log_path.is_file() else []
+    loss = cfg.loss + {"relaxed": f" (epsilon {cfg.epsilon})", "annealed": f" (temperature {cfg.temperature0}, decay "
+                       f"{cfg.temperature_decay})"}.get(cfg.loss, "")
+    scaling = "folded into lora_B (lora_alpha = r)" if fold_scaling else \
+        f"alpha {cfg.alpha}{' with rsLoRA (alpha/sqrt(r))' if cfg.use_rslora else ''}"
+    rows = [("base model", f"`{base}`"), ("hypotheses", f"{len(names)} of K = {cfg.num_hypotheses}: "
+                                          f"{', '.join(names)}"),
+            ("method", "LoRA-MCL (multiple choice learning of LoRA adapters)"), ("loss", loss),
+            ("rank", f"{cfg.r}, {scaling}"), ("adapted layers", f"{len(mcl.layer_names)} ({short_names})")]
+    if invocation is not None:
+        rows.append(("activated LoRA", f"from the invocation token {invocation} on (the context computed once)"))
+    data = settings.get("data") or {}
+    if data.get("train_file"):
+        rows.append(("data", f"`{data['train_file']}` ({run.get('train_examples', '?')} examples; chat template "
+                             f"{'on' if data.get('chat_template') else 'off'})"))
+    if settings.get("training"):
+        rows.append(("training", f"{settings['training'].get('steps')} steps, batch "
+                                 f"{settings['training'].get('batch_size')}, learning rate "
+                                 f"{settings['training'].get('learning_rate')} ({run.get('seconds', '?')} s)"))
+    rows += _metrics(log)
+    table = "\n".join(f"| {name} | {value} |" for name, value in rows)
+    mixed = ", ".join(f'"{n}"' for n in names)
+    model_class = type(mcl.base_model).__name__
+    rslora_note = " (export with --fold_scaling: llama.cpp ignores use_rslora)" if cfg.use_rslora and not \
+        fold_scaling else ""
+    padding = "" if getattr(mcl.config, "is_encoder_decoder", False) else ', padding_side="left"'
+
+    return f"""# {len(names)} LoRA-MCL hypotheses of {Path(base).name}
+
+Each folder is one hypothesis, a standard PEFT LoRA adapter of the same base model: each decodes its own answer, and
+together they give {len(names)} diverse, plausible answers per prompt. Written by `loramcl export` from `{adapters}`.
+
+| | |
+|---|---|
+{table}
+
+## Load them in PEFT, all hypotheses in one batch
+
+```python
+from peft import PeftModel
+from transformers import AutoTokenizer, {model_class}
+
+base = {model_class}.from_pretrained("{base}")
+model = PeftModel.from_pretrained(base, "{names[0]}", adapter_name="{names[0]}")
+{chr(10).join(f'model.load_adapter("{n}", adapter_name="{n}")' for n in names[1:])}
+tokenizer = AutoTokenizer.from_pretrained("{base}"{padding})
+names = [{mixed}]
+batch = tokenizer(["your prompt"] * len(names), return_tensors="pt", padding=True)
+outputs = model.generate(**batch, adapter_names=names, max_new_tokens=64, do_sample=False)
+```
+
+## Serve them
+
+```bash
+# vLLM: the prompt sent once per hypothesis, "model": "h0" ... (in Python, one LoRARequest per hypothesis)
+vllm serve {base} --enable-lora --max-loras {len(names)} --max-lora-rank {_vllm_rank(cfg.r)} \\
+  --lora-modules {' '.join(f'{n}=./{n}' for n in names)}
+# llama.cpp: each hypothesis converted to a GGUF LoRA{rslora_note}
+python convert_lora_to_gguf.py ./{names[0]} --base {base} --outfile {names[0]}.gguf
+```
+
+More in loramcl's docs/guide/serving.md.
+"""
+
+
+def _vllm_rank(r: int) -> int:
+    from loramcl.mcl.export import VLLM_RANKS
+
+    return next((rank for rank in VLLM_RANKS if rank >= r), r)
+
+
+def _metrics(log: list[dict]) -> list[tuple[str, str]]:
+    """The run's last validation (oracle NLL, each hypothesis's NLL and win rate) and its final training loss."""
+    rows = []
+    evaluation = next((entry for entry in reversed(log) if "eval_loss" in entry), None)
+    if evaluation is not None:
+        rows.append(("validation oracle NLL", f"{evaluation['eval_loss']:.4f} (step {evaluation.get('step')})"))
+        per = sorted(key.removeprefix("eval_nll_") for key in evaluation if key.startswith("eval_nll_h"))
+        if per:
+            rows.append(("validation NLL, win rate per hypothesis", "; ".join(
+                f"{h}: {evaluation[f'eval_nll_{h}']:.4f}, {evaluation.get(f'eval_win_rate_{h}', float('nan')):.2f}"
+                for h in per)))
+    final = next((entry for entry in reversed(log) if "train_loss" in entry), None)
+    if final is not None:
+        rows.append(("training loss (mean over the run)", f"{final['train_loss']:.4f}"))
+    return rows
