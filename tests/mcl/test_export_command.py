@@ -17,9 +17,10 @@ from loramcl.cli import main
 from loramcl.training.config import DataConfig, TrainConfig
 from loramcl.training.fit import train
 
-# the assistant header of this chat template ends with w3, which no prompt or target holds
-CHAT_TEMPLATE = ("{% for m in messages %}<s> w4 {{ m['content'] }}{% endfor %}"
-                 "{% if add_generation_prompt %} w3{% endif %}")
+# the assistant header of this chat template ends with w3, which no prompt or target holds; an assistant turn renders
+# its own header, as real templates do, so a conversation's rendering extends its prompt's (loramcl.data.formats)
+CHAT_TEMPLATE = ("{% for m in messages %}<s> {% if m['role'] == 'assistant' %}w3{% else %}w4{% endif %} "
+                 "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<s> w3{% endif %}")
 
 
 @pytest.fixture(scope="module")
