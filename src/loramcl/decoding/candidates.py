@@ -291,7 +291,8 @@ class Decoder:
         elif self.log_probs:
             log_prob = self._rescore(batch, sequences, alive, per_input)
         keep = alive & ~is_eos
-        token_ids = [row[mask].tolist() for row, mask in zip(generated.cpu(), keep.cpu(), strict=True)]
+        token_ids = [[token for token, kept in zip(row, mask, strict=True) if kept]  # two host syncs, not one a row
+                     for row, mask in zip(generated.tolist(), keep.tolist(), strict=True)]
         texts = (text_tokenizer(self.tokenizer).batch_decode(token_ids, skip_special_tokens=True)
                  if self.tokenizer is not None else [None] * len(token_ids))
         return [Candidate(text, ids, None if log_prob is None else log_prob[n], hypothesis=self.routing)

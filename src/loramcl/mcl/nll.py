@@ -25,9 +25,11 @@ def aligned_targets(labels: torch.Tensor, causal: bool) -> torch.Tensor:
 
 
 def check_targets(targets: torch.Tensor) -> None:
-    """Every example needs at least one target token: its mean NLL would otherwise be 0/0."""
-    empty = (targets == IGNORE_INDEX).all(dim=1).nonzero().flatten().tolist()
-    if empty:
+    """Every example needs at least one target token: its mean NLL would otherwise be 0/0. One host sync when they
+    all have one."""
+    missing = (targets == IGNORE_INDEX).all(dim=1)  # [B]
+    if bool(missing.any()):
+        empty = missing.nonzero().flatten().tolist()
         raise ValueError(
             f"examples {empty[:10]} of the batch have no label token (every label is {IGNORE_INDEX} after the "
             "causal shift), so their NLL is undefined. Keep at least one target token per example "
