@@ -71,8 +71,6 @@ def sides(bare, mcl, tokenizer, inputs: dict, k: int, new_tokens: int) -> dict:
 
 
 def cpu_medians(runs: dict, repeats: int) -> dict:
-    for run in runs.values():  # warm-up
-        run()
     times = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
@@ -139,8 +137,10 @@ def main() -> None:
     print(f"{args.model}: K={k}, B={b} prompts of up to {inputs['input_ids'].shape[1]} tokens, {args.new_tokens} new "
           f"tokens, greedy; torch {torch.__version__}, {torch.get_num_threads()} thread(s); median of {args.repeats} "
           "repeats of process CPU time\n")
-    check_same_tokens({name: run() for name, run in runs.items()}, tokenizer.eos_token_id)
-    memory = {name: peak_mib("cpu", run) for name, run in runs.items()}
+    outputs, memory = {}, {}
+    for name, run in runs.items():  # also the warm-up
+        memory[name] = peak_mib("cpu", lambda name=name, run=run: outputs.__setitem__(name, run()))
+    check_same_tokens(outputs, tokenizer.eos_token_id)
     seconds = cpu_medians(runs, args.repeats)
     print("| side | CPU s | / bare | peak MiB above the model |")
     print("|---|---|---|---|")
