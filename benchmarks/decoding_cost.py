@@ -47,14 +47,16 @@ def chat_prompts(tokenizer, count: int) -> dict:
     return dict(tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False))
 
 
-def sides(bare, mcl, tokenizer, inputs: dict, k: int, new_tokens: int) -> dict:
+def sides(bare, mcl, tokenizer, inputs: dict, k: int, new_tokens: int, beams: int) -> dict:
     rows = {name: value.repeat(k, 1) for name, value in inputs.items()}  # the K*B rows, hypothesis-major
-    settings = dict(max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id)
+    settings = dict(max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id, num_beams=beams,
+                    strategy="beam" if beams > 1 else "greedy")
     keeping = strategies._generate_kwargs
 
     def bare_side():
         with torch.no_grad():
-            sequences = bare.generate(**rows, do_sample=False, **settings)
+            sequences = bare.generate(**rows, do_sample=False, max_new_tokens=new_tokens, num_beams=beams,
+                                      pad_token_id=tokenizer.pad_token_id)
         return sequences[:, rows["input_ids"].shape[1]:]
 
     def step_logits():
@@ -117,6 +119,7 @@ def main() -> None:
     parser.add_argument("--hypotheses", type=int, default=5, help="K")
     parser.add_argument("--batch", type=int, default=8, help="prompts (B)")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--beams", type=int, default=1, help="beams per hypothesis (1: greedy)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -132,11 +135,12 @@ def main() -> None:
     mcl = get_mcl_model(AutoModelForCausalLM.from_pretrained(args.model),
                         MCLConfig(num_hypotheses=args.hypotheses)).eval()
     inputs = chat_prompts(tokenizer, args.batch)
-    runs = sides(bare, mcl, tokenizer, inputs, args.hypotheses, args.new_tokens)
+    runs = sides(bare, mcl, tokenizer, inputs, args.hypotheses, args.new_tokens, args.beams)
     k, b = args.hypotheses, args.batch
+    decoding = "greedy" if args.beams == 1 else f"beam {args.beams}"
     print(f"{args.model}: K={k}, B={b} prompts of up to {inputs['input_ids'].shape[1]} tokens, {args.new_tokens} new "
-          f"tokens, greedy; torch {torch.__version__}, {torch.get_num_threads()} thread(s); median of {args.repeats} "
-          "repeats of process CPU time\n")
+          f"tokens, {decoding}; torch {torch.__version__}, {torch.get_num_threads()} thread(s); median of "
+          f"{args.repeats} repeats of process CPU time\n")
     outputs, memory = {}, {}
     for name, run in runs.items():  # also the warm-up
         memory[name] = peak_mib("cpu", lambda name=name, run=run: outputs.__setitem__(name, run()))

@@ -7,7 +7,7 @@ import torch
 from conftest import wrapped_model
 from test_generation import NEW_TOKENS, K, mcl_case
 
-from loramcl.decoding import generate_hypotheses, strategies
+from loramcl.decoding import candidates, generate_hypotheses, strategies
 from loramcl.decoding.token_log_probs import ChosenTokenLogProbs
 from loramcl.mcl.nll import token_log_probs
 
@@ -41,7 +41,10 @@ def decode_both_ways(monkeypatch, mcl, inputs, **settings):
         return generate(self, *args, **kwargs)
 
     monkeypatch.setattr(type(mcl.base_model), "generate", spy)
+    rescore = candidates.Decoder._rescore
+    monkeypatch.setattr(candidates.Decoder, "_rescore", lambda *args: pytest.fail("re-scored instead of recorded"))
     now = generate_hypotheses(mcl, None, inputs, **settings)
+    monkeypatch.setattr(candidates.Decoder, "_rescore", rescore)
     keeping = strategies._generate_kwargs
 
     def with_step_logits(*args):
@@ -53,13 +56,15 @@ def decode_both_ways(monkeypatch, mcl, inputs, **settings):
 
 
 @pytest.mark.parametrize("name", ["llama", "t5"])
-@pytest.mark.parametrize("strategy", ["greedy", "sample"])
-def test_greedy_and_sampling_record_the_same_log_probs_without_step_logits(monkeypatch, name, strategy):
+@pytest.mark.parametrize("strategy,num_beams", [("greedy", 1), ("sample", 1), ("beam", 3)])
+def test_log_probs_are_recorded_as_they_were_read_from_step_logits(monkeypatch, name, strategy, num_beams):
     """The recorded log-probs equal those read from transformers' kept step logits (the computation they replace),
-    with a repetition penalty and candidates ending early; generate is asked for no step logits."""
+    with a repetition penalty and candidates ending early; generate is asked for no step logits, and nothing is
+    re-scored. Beam search: its candidates matched to the beams they continue, without beam indices."""
     mcl, inputs = mcl_case(name)
-    settings = dict(strategy=strategy, max_new_tokens=NEW_TOKENS, repetition_penalty=1.3, pad_token_id=0, seed=3)
-    first = generate_hypotheses(mcl, None, inputs, log_probs=False, eos_token_id=[], **settings)[0][0]
+    settings = dict(strategy=strategy, num_beams=num_beams, max_new_tokens=NEW_TOKENS, repetition_penalty=1.3,
+                    pad_token_id=0, seed=3)
+    first = generate_hypotheses(mcl, None, inputs, log_probs=False, eos_token_id=10**6, **settings)[0][0]
     settings["eos_token_id"] = first.token_ids[2]  # so that candidate ends after 3 tokens, its EOS counted
     now, before, asked = decode_both_ways(monkeypatch, mcl, inputs, **settings)
     assert asked == [False, True]
@@ -70,11 +75,13 @@ def test_greedy_and_sampling_record_the_same_log_probs_without_step_logits(monke
     assert min(lengths) < NEW_TOKENS
 
 
-def test_sampling_baseline_with_several_sequences_per_input_is_recorded(monkeypatch):
-    """num_return_sequences > 1: generate expands the rows, one output row per row still."""
+@pytest.mark.parametrize("strategy,num_beams", [("sample", None), ("beam", 3)])
+def test_baselines_with_several_sequences_per_input_are_recorded(monkeypatch, strategy, num_beams):
+    """num_return_sequences > 1: sampling expands the rows (one output row per row still); beam search returns the
+    best of the beams of each input."""
     mcl, inputs = mcl_case("llama")
-    settings = dict(strategy="sample", num_sequences=2, hypotheses=[1], max_new_tokens=NEW_TOKENS, seed=5,
-                    pad_token_id=0)
+    settings = dict(strategy=strategy, num_beams=num_beams, num_sequences=2, hypotheses=[1],
+                    max_new_tokens=NEW_TOKENS, seed=5, pad_token_id=0, eos_token_id=7)
     now, before, asked = decode_both_ways(monkeypatch, mcl, inputs, **settings)
     assert asked == [False, True]
     assert [c.log_prob for row in now for c in row] == pytest.approx([c.log_prob for row in before for c in row],

@@ -1,7 +1,7 @@
 """From a ``generate`` call to ``Candidate``s: how each decoding strategy runs ``generate`` (the K hypotheses of an
 MCL model in one call, K stochastic-router passes in one call, a single model's returned sequences, diverse beam
-search, test-time augmentation), and each output row's token ids, text and log-probability (from the step logits,
-or from one teacher-forced forward where generate kept none)."""
+search, test-time augmentation), and each output row's token ids, text and log-probability (recorded as generate
+went, ``decoding.token_log_probs``; or from one teacher-forced forward where nothing was recorded)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from loramcl.decoding.token_log_probs import ChosenTokenLogProbs, generating_module
+from loramcl.decoding.token_log_probs import BeamTokenLogProbs, ChosenTokenLogProbs, generating_module
 from loramcl.mcl.compat import check_token_ids
 from loramcl.mcl.copies import NOT_PER_EXAMPLE, batch_dim, batch_size_of, repeat_examples
 from loramcl.mcl.model import MCLModel
@@ -158,9 +158,12 @@ class Decoder:
         if not isinstance(self.model, MCLModel):  # an MCLModel checks in its own generate
             check_token_ids(self.model, batch.get("input_ids"))
         kwargs, recorder, hook = {**self.kwargs, **extra}, None, None
-        if self.log_probs and not kwargs.get("output_logits"):  # one row per row: record the chosen tokens' only
-            recorder = ChosenTokenLogProbs()
+        if self.log_probs and not kwargs.get("output_logits"):  # record the chosen tokens' log-probabilities only
+            beams = kwargs.get("num_beams") or 1
+            recorder = BeamTokenLogProbs(beams) if beams > 1 else ChosenTokenLogProbs()
             kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), recorder])
+            if beams > 1:
+                kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), recorder])
             hook = generating_module(self.model).register_forward_hook(recorder.keep_logits)
         try:
             with self._routed(routing, copies):
@@ -279,10 +282,10 @@ class Decoder:
         after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0  # [N, L] positions past the first EOS
         alive = ~after_eos if beam_indices is None else (beam_indices >= 0) & ~after_eos  # tokens of the sequence
         log_prob = None
-        recorded = recorder.log_probs(*generated.shape) if recorder is not None else None  # [N, L]
+        recorded = recorder.sequence_log_probs(sequences, alive, per_input) if recorder is not None else None  # [N]
         if recorded is not None:
-            log_prob = (recorded.to(alive.device) * alive).sum(dim=1).tolist()  # [N]
-        elif steps is not None and self.log_probs:
+            log_prob = recorded.tolist()
+        elif steps is not None and self.log_probs:  # generate kept its step logits (as before issue 41)
             source = beam_indices if beam_indices is not None else torch.arange(len(generated), device=generated.device
                                                                                ).unsqueeze(1).expand_as(generated)
             chosen = torch.stack([token_log_probs(steps[t], generated[:, t], source[:, t].clamp(min=0))

@@ -85,9 +85,8 @@ def generate_hypotheses(
             num_beam_groups, diversity_penalty); its fields may also be given as keywords (they replace
             ``decoding``'s), e.g. ``strategy="beam", num_beams=2``.
         augment: 'tta' only: ``augment(inputs, k) -> inputs``, called on the tokenized/processed batch.
-        log_probs: compute ``Candidate.log_prob`` (the chosen tokens' log-probabilities only: recorded step by step
-            for greedy search and sampling, from the step logits for beam search, by one teacher-forced forward for
-            diverse beam search).
+        log_probs: compute ``Candidate.log_prob`` (the chosen tokens' log-probabilities only: recorded step by step,
+            or by one teacher-forced forward for diverse beam search).
         sort_by_score: MCL model with hypothesis scores: candidates of each input by decreasing p(k | c).
         options: fields of ``Decoding``, and other arguments of transformers' ``generate`` (e.g. ``min_new_tokens``,
             ``length_penalty``, ``no_repeat_ngram_size``, ``eos_token_id``).
@@ -209,9 +208,9 @@ def _generate_kwargs(model, tokenizer, decoding: Decoding, num_beams: int, log_p
     sample = decoding.strategy == "sample"
     kwargs = {"max_new_tokens": decoding.max_new_tokens, "repetition_penalty": decoding.repetition_penalty,
               "num_beams": num_beams, "do_sample": sample, "return_dict_in_generate": True,
-              # beam search keeps each step's logits to score its beams (beam_indices); one row per row records the
-              # chosen tokens' log-probabilities as it goes (decoding.token_log_probs)
-              "output_logits": log_probs and num_beams > 1,
+              # no step logits kept: the chosen tokens' log-probabilities are recorded as generate goes
+              # (decoding.token_log_probs)
+              "output_logits": False,
               **extra}
     if sample:
         kwargs.update(temperature=decoding.temperature, top_k=decoding.top_k, top_p=decoding.top_p,
