@@ -141,11 +141,9 @@ def main() -> None:
     print(f"{args.model}: K={k}, B={b} prompts of up to {inputs['input_ids'].shape[1]} tokens, {args.new_tokens} new "
           f"tokens, {decoding}; torch {torch.__version__}, {torch.get_num_threads()} thread(s); median of "
           f"{args.repeats} repeats of process CPU time\n")
-    outputs, memory = {}, {}
-    for name, run in runs.items():  # also the warm-up
-        memory[name] = peak_mib("cpu", lambda name=name, run=run: outputs.__setitem__(name, run()))
-    check_same_tokens(outputs, tokenizer.eos_token_id)
+    check_same_tokens({name: run() for name, run in runs.items()}, tokenizer.eos_token_id)  # also the warm-up
     seconds = cpu_medians(runs, args.repeats)
+    memory = {name: peak_mib("cpu", run) for name, run in runs.items()}  # warm: no first-call allocations
     print("| side | CPU s | / bare | peak MiB above the model |")
     print("|---|---|---|---|")
     for name, value in seconds.items():
