@@ -288,6 +288,7 @@ def diverse_beam_search(model, input_ids: torch.LongTensor, logits_processor: Lo
         step_tokens = torch.full((batch, num_groups, group_size), pad_id, dtype=torch.long, device=device)
         reorder = group_rows.clone()  # [B, G, S]
         shared = None  # processed log-probs when no diversity term applies (group 0, or lambda = 0)
+        penalised = None  # [B*N, V], one buffer for the groups of this step, not a clone per group
         for g in range(num_groups):
             if g == 0 or penalty == 0:
                 if shared is None:
@@ -298,7 +299,7 @@ def diverse_beam_search(model, input_ids: torch.LongTensor, logits_processor: Lo
                 counts = torch.zeros(batch, vocab, dtype=torch.long, device=device)
                 counts.scatter_add_(1, step_tokens[:, :g].reshape(batch, -1), torch.ones_like(step_tokens[:, :g])
                                     .reshape(batch, -1))  # [B, V]
-                penalised = log_probs.clone()
+                penalised = log_probs.clone() if penalised is None else penalised.copy_(log_probs)
                 penalised[group_rows[:, g]] -= (penalty * counts)[:, None, :]  # rows [B, S] of group g
                 # every processor sees all B*N rows, laid out as when it was built; only group g's rows are kept
                 processed = after(sequences, penalised)
