@@ -1,7 +1,7 @@
 """From a ``generate`` call to ``Candidate``s: how each decoding strategy runs ``generate`` (the K hypotheses of an
 MCL model in one call, K stochastic-router passes in one call, a single model's returned sequences, diverse beam
-search, test-time augmentation), and each output row's token ids, text and log-probability (from the step logits,
-or from one teacher-forced forward where generate kept none)."""
+search, test-time augmentation), and each output row's token ids, text and log-probability (recorded as generate
+went, ``decoding.token_log_probs``; or from one teacher-forced forward where nothing was recorded)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from loramcl.decoding.token_log_probs import BeamTokenLogProbs, ChosenTokenLogProbs, generating_module
 from loramcl.mcl.compat import check_token_ids
 from loramcl.mcl.copies import NOT_PER_EXAMPLE, batch_dim, batch_size_of, repeat_examples
 from loramcl.mcl.model import MCLModel
+from loramcl.mcl.nll import IGNORE_INDEX, token_log_probs
 
 
 @dataclass
@@ -154,9 +157,22 @@ class Decoder:
         """One ``generate`` on ``batch``, as one candidate per output row."""
         if not isinstance(self.model, MCLModel):  # an MCLModel checks in its own generate
             check_token_ids(self.model, batch.get("input_ids"))
-        with self._routed(routing, copies):
-            output = self.model.generate(**batch, **self.kwargs, **extra)
-            return self._candidates(output, batch, per_input=extra.get("num_return_sequences", 1))
+        kwargs, recorder, hook = {**self.kwargs, **extra}, None, None
+        if self.log_probs and not kwargs.get("output_logits"):  # record the chosen tokens' log-probabilities only
+            beams = kwargs.get("num_beams") or 1
+            recorder = BeamTokenLogProbs(beams) if beams > 1 else ChosenTokenLogProbs()
+            kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), recorder])
+            if beams > 1:
+                kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), recorder])
+            hook = generating_module(self.model).register_forward_hook(recorder.keep_logits)
+        try:
+            with self._routed(routing, copies):
+                output = self.model.generate(**batch, **kwargs)
+                return self._candidates(output, batch, per_input=extra.get("num_return_sequences", 1),
+                                        recorder=recorder)
+        finally:
+            if hook is not None:
+                hook.remove()
 
     def mcl(self, batch: dict, selected: list[int], diversity_penalty: float | None = None) -> list[list[Candidate]]:
         """One generate over K'*B rows, hypothesis-major; candidate c of input i is row c*B + i. With
@@ -243,9 +259,11 @@ class Decoder:
     def _per_input(candidates: list[Candidate], rows: int, per_input: int) -> list[list[Candidate]]:
         return [candidates[i * per_input:(i + 1) * per_input] for i in range(rows)]
 
-    def _candidates(self, output, batch: dict, per_input: int) -> list[Candidate]:
+    def _candidates(self, output, batch: dict, per_input: int, recorder: ChosenTokenLogProbs | None = None
+                    ) -> list[Candidate]:
         """One Candidate per row of ``output.sequences`` ([N, prompt + L], N = B * per_input, the rows of an input
-        consecutive); ``batch``: the inputs of generate. Runs inside the routing that generated ``output``."""
+        consecutive); ``batch``: the inputs of generate; ``recorder``: what recorded the chosen tokens'
+        log-probabilities during it. Runs inside the routing that generated ``output``."""
         sequences = output.sequences
         steps = getattr(output, "logits", None)  # L' tensors [rows, V], rows = N x beams: raw logits
         beam_indices = getattr(output, "beam_indices", None)  # [N, L] flat row of each token's beam, -1 after the end
@@ -257,25 +275,27 @@ class Decoder:
             length = beam_indices.shape[1]
         elif steps is not None:
             length = len(steps)
-        else:  # no step record (log_probs=False, diverse beam search): every position after the input is generated
+        else:  # no step logits (one row per row, diverse beam search): every position after the input is generated
             length = sequences.shape[1] - self._prompt_length(batch)
         generated = sequences[:, sequences.shape[1] - length:]  # [N, L]
         is_eos = torch.isin(generated, torch.tensor(self.eos, device=generated.device, dtype=generated.dtype))
         after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0  # [N, L] positions past the first EOS
         alive = ~after_eos if beam_indices is None else (beam_indices >= 0) & ~after_eos  # tokens of the sequence
         log_prob = None
-        if steps is not None and self.log_probs:
+        recorded = recorder.sequence_log_probs(sequences, alive, per_input) if recorder is not None else None  # [N]
+        if recorded is not None:
+            log_prob = recorded.tolist()
+        elif steps is not None and self.log_probs:  # generate kept its step logits (as before issue 41)
             source = beam_indices if beam_indices is not None else torch.arange(len(generated), device=generated.device
                                                                                ).unsqueeze(1).expand_as(generated)
-            token_log_probs = torch.zeros(generated.shape, dtype=torch.float32, device=generated.device)
-            for t in range(length):
-                step = steps[t].float().log_softmax(dim=-1)  # [rows, V]
-                token_log_probs[:, t] = step[source[:, t].clamp(min=0).long(), generated[:, t]]
-            log_prob = (token_log_probs * alive).sum(dim=1).tolist()  # [N]
+            chosen = torch.stack([token_log_probs(steps[t], generated[:, t], source[:, t].clamp(min=0))
+                                  for t in range(length)], dim=1) if length else torch.zeros(generated.shape)  # [N, L]
+            log_prob = (chosen.to(alive.device) * alive).sum(dim=1).tolist()  # [N]
         elif self.log_probs:
             log_prob = self._rescore(batch, sequences, alive, per_input)
         keep = alive & ~is_eos
-        token_ids = [row[mask].tolist() for row, mask in zip(generated.cpu(), keep.cpu(), strict=True)]
+        token_ids = [[token for token, kept in zip(row, mask, strict=True) if kept]  # two host syncs, not one a row
+                     for row, mask in zip(generated.tolist(), keep.tolist(), strict=True)]
         texts = (text_tokenizer(self.tokenizer).batch_decode(token_ids, skip_special_tokens=True)
                  if self.tokenizer is not None else [None] * len(token_ids))
         return [Candidate(text, ids, None if log_prob is None else log_prob[n], hypothesis=self.routing)
@@ -285,6 +305,9 @@ class Decoder:
         """log p(generated tokens | input) by one teacher-forced forward, for outputs without step logits.
 
         sequences: [N, P + L] (N = B * per_input), alive: [N, L] the generated tokens of each sequence (EOS included).
+        The chosen tokens' log-probabilities only: an MCL model's forward with labels computes logits at the label
+        positions alone; another model keeps the last L + 1 positions' (``logits_to_keep``) and they are read one
+        position at a time, in blocks of rows (no fp32 or log-softmax copy of [N, L, V]).
         """
         rows, length = alive.shape
         prompt = sequences.shape[1] - length
@@ -295,7 +318,8 @@ class Decoder:
         sequences, alive = sequences[to_copy_major], alive[to_copy_major]
         inputs = _repeat_batch(batch, per_input)  # [N, ...], copy-major
         accepted = _forward_parameters(self.model)
-        if is_encoder_decoder(self.model):
+        encoder_decoder = is_encoder_decoder(self.model)
+        if encoder_decoder:
             inputs["decoder_input_ids"] = sequences[:, :-1]  # position t predicts sequences[:, t + 1]
         else:
             mask = inputs.get("attention_mask")
@@ -304,17 +328,22 @@ class Decoder:
             inputs.update(input_ids=sequences, attention_mask=mask)
             if "position_ids" in accepted:  # as generate numbers left-padded prompts
                 inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        if "logits_to_keep" in accepted:
-            inputs["logits_to_keep"] = length + 1
-        mcl = isinstance(self.model, MCLModel)
-        model = self.model.base_model if mcl else self.model
-        # in the routing of the generate call (see _candidates); adapt_context=False: the adapters as it decoded
-        masked = self.model.context_masked(inputs, prompt) if mcl else contextlib.nullcontext(inputs)
-        with torch.no_grad(), masked as inputs:
-            logits = model(**inputs, use_cache=False).logits  # [N, T', V]
-        logits = logits[:, -length - 1:-1] if not is_encoder_decoder(self.model) else logits[:, prompt - 1:]
-        token_log_probs = logits.float().log_softmax(-1).gather(2, sequences[:, prompt:].unsqueeze(2)).squeeze(2)
-        scores = (token_log_probs * alive).sum(dim=1)  # [N], copy-major
+        if isinstance(self.model, MCLModel):  # in the routing of the generate call (see _candidates)
+            labels = sequences[:, prompt:].masked_fill(~alive, IGNORE_INDEX)  # [N, L]
+            if not encoder_decoder:
+                labels = torch.cat([torch.full_like(sequences[:, :prompt], IGNORE_INDEX), labels], dim=1)
+            with torch.no_grad():
+                nll = self.model(**inputs, labels=labels, use_cache=False).nll  # [N] mean over the alive tokens
+            scores = -nll.float() * alive.sum(dim=1)  # [N], copy-major
+        else:
+            if "logits_to_keep" in accepted:
+                inputs["logits_to_keep"] = length + 1
+            with torch.no_grad():
+                logits = self.model(**inputs, use_cache=False).logits  # [N, T', V]
+            first = logits.shape[1] - length - 1 if not encoder_decoder else prompt - 1  # predicts token `prompt`
+            chosen = torch.stack([token_log_probs(logits[:, first + t], sequences[:, prompt + t])
+                                  for t in range(length)], dim=1)  # [N, L]
+            scores = (chosen * alive).sum(dim=1)  # [N], copy-major
         return scores[torch.argsort(to_copy_major)].tolist()  # [N], input-major
 
     def _prompt_length(self, batch: dict) -> int:

@@ -288,6 +288,7 @@ def diverse_beam_search(model, input_ids: torch.LongTensor, logits_processor: Lo
         step_tokens = torch.full((batch, num_groups, group_size), pad_id, dtype=torch.long, device=device)
         reorder = group_rows.clone()  # [B, G, S]
         shared = None  # processed log-probs when no diversity term applies (group 0, or lambda = 0)
+        penalised = None  # [B*N, V], one buffer for the groups of this step, not a clone per group
         for g in range(num_groups):
             if g == 0 or penalty == 0:
                 if shared is None:
@@ -298,17 +299,18 @@ def diverse_beam_search(model, input_ids: torch.LongTensor, logits_processor: Lo
                 counts = torch.zeros(batch, vocab, dtype=torch.long, device=device)
                 counts.scatter_add_(1, step_tokens[:, :g].reshape(batch, -1), torch.ones_like(step_tokens[:, :g])
                                     .reshape(batch, -1))  # [B, V]
-                penalised = log_probs.clone()
+                penalised = log_probs.clone() if penalised is None else penalised.copy_(log_probs)
                 penalised[group_rows[:, g]] -= (penalty * counts)[:, None, :]  # rows [B, S] of group g
                 # every processor sees all B*N rows, laid out as when it was built; only group g's rows are kept
                 processed = after(sequences, penalised)
             group_scores = processed[group_rows[:, g]]  # [B, S, V]
             step = _group_step(group_scores + beam_scores[:, g, :, None], sequences, group_rows[:, g], eos,
                                n_candidates, finished, group_done, g, generated_len)
-            live = ~group_done[:, g].to(device)  # [B] groups finished before this step keep their rows and emit pad
-            step_tokens[:, g] = torch.where(live[:, None], step.tokens, pad_id)
-            reorder[:, g] = torch.where(live[:, None], group_rows[:, g].gather(1, step.source), group_rows[:, g])
-            beam_scores[:, g] = torch.where(live[:, None], step.scores, 0.0)
+            live = ~group_done[:, g]  # [B] on the host: groups finished before this step keep their rows, emit pad
+            on_device = live.to(device, non_blocking=True)[:, None]  # [B, 1], no wait for the device
+            step_tokens[:, g] = torch.where(on_device, step.tokens, pad_id)
+            reorder[:, g] = torch.where(on_device, group_rows[:, g].gather(1, step.source), group_rows[:, g])
+            beam_scores[:, g] = torch.where(on_device, step.scores, 0.0)
             for b in live.nonzero().flatten().tolist():
                 group_done[b, g] = finished[b][g].is_done(step.best[b], generated_len)
 
@@ -337,13 +339,19 @@ def _group_step(candidate_scores: torch.Tensor, sequences: torch.Tensor, rows: t
     top_scores, top_ids = candidate_scores.view(batch, group_size * vocab).topk(n_candidates, dim=1)  # [B, C], sorted
     top_beams, top_tokens = top_ids // vocab, top_ids % vocab  # [B, C]
     is_eos = torch.isin(top_tokens, eos) if eos is not None else torch.zeros_like(top_tokens, dtype=torch.bool)
+    # What the host needs, read in one transfer (not one per finished candidate): per example the best score, and
+    # for the top S candidates whether each ends in eos, its row and its score.
+    eos_rows = rows.gather(1, top_beams[:, :group_size])  # [B, S]
+    host = torch.cat([top_scores[:, :1].double(), is_eos[:, :group_size].double(), eos_rows.double(),
+                      top_scores[:, :group_size].double()], dim=1).cpu()  # [B, 1 + 3S]
+    best, ends = host[:, 0].tolist(), host[:, 1:1 + group_size].bool() & ~group_done[:, g, None]  # [B, S]
     # A candidate ending in eos is a finished hypothesis if it ranks in the top S; the S best others keep running.
-    for b, rank in (is_eos[:, :group_size] & ~group_done[:, g, None].to(is_eos.device)).nonzero().tolist():
-        row = int(rows[b, top_beams[b, rank]])
-        finished[b][g].add(sequences[row].clone(), top_scores[b, rank].item(), generated_len)
+    for b, rank in ends.nonzero().tolist():
+        row = int(host[b, 1 + group_size + rank])
+        finished[b][g].add(sequences[row].clone(), float(host[b, 1 + 2 * group_size + rank]), generated_len)
     running = torch.argsort(is_eos.to(torch.int8), dim=1, stable=True)[:, :group_size]  # [B, S] first S non-eos
     return _Step(source=top_beams.gather(1, running), tokens=top_tokens.gather(1, running),
-                 scores=top_scores.gather(1, running), best=top_scores[:, 0].tolist())
+                 scores=top_scores.gather(1, running), best=best)
 
 
 def _best_hypotheses(model, finished: list, config, eos: torch.Tensor | None, pad: torch.Tensor | None,

@@ -85,7 +85,8 @@ def generate_hypotheses(
             num_beam_groups, diversity_penalty); its fields may also be given as keywords (they replace
             ``decoding``'s), e.g. ``strategy="beam", num_beams=2``.
         augment: 'tta' only: ``augment(inputs, k) -> inputs``, called on the tokenized/processed batch.
-        log_probs: compute ``Candidate.log_prob`` (keeps the raw logits of every step during generation).
+        log_probs: compute ``Candidate.log_prob`` (the chosen tokens' log-probabilities only: recorded step by step,
+            or by one teacher-forced forward for diverse beam search).
         sort_by_score: MCL model with hypothesis scores: candidates of each input by decreasing p(k | c).
         options: fields of ``Decoding``, and other arguments of transformers' ``generate`` (e.g. ``min_new_tokens``,
             ``length_penalty``, ``no_repeat_ngram_size``, ``eos_token_id``).
@@ -206,7 +207,10 @@ def _prepare_inputs(model: nn.Module, tokenizer, inputs) -> dict:
 def _generate_kwargs(model, tokenizer, decoding: Decoding, num_beams: int, log_probs: bool, extra: dict) -> dict:
     sample = decoding.strategy == "sample"
     kwargs = {"max_new_tokens": decoding.max_new_tokens, "repetition_penalty": decoding.repetition_penalty,
-              "num_beams": num_beams, "do_sample": sample, "return_dict_in_generate": True, "output_logits": log_probs,
+              "num_beams": num_beams, "do_sample": sample, "return_dict_in_generate": True,
+              # no step logits kept: the chosen tokens' log-probabilities are recorded as generate goes
+              # (decoding.token_log_probs)
+              "output_logits": False,
               **extra}
     if sample:
         kwargs.update(temperature=decoding.temperature, top_k=decoding.top_k, top_p=decoding.top_p,

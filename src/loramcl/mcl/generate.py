@@ -9,16 +9,14 @@ Free functions of the model, through its public surface: ``base_model``, ``mcl_c
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
 from loramcl.mcl.compat import cache_argument, check_token_ids, given_cache, upstream_error
-from loramcl.mcl.context import check_context_read, check_split_inputs, encoder_once, share_context
+from loramcl.mcl.context import check_context_read, check_split_inputs, share_context
 from loramcl.mcl.copies import batch_size_of, equal_copies, first_copy, repeat_examples
 from loramcl.mcl.scope import ForwardCall
 
@@ -85,25 +83,6 @@ def _generate_without_context(model, input_ids: torch.Tensor | None = None, **kw
         return model.base_model.generate(input_ids=input_ids, **{name: cache}, **kwargs)
     finally:
         check.remove()
-
-
-@contextlib.contextmanager
-def context_masked(model, inputs: dict, prompt_length: int) -> Iterator[dict]:
-    """A teacher-forced forward of prompts (left-padded to ``prompt_length``) followed by generated tokens, as
-    adapt_context=False decodes them: yields the inputs to give the base model inside the block (the adapters
-    masked before the prompt's last position; an encoder-decoder's encoder run without them). As it is with
-    adapt_context=True."""
-    if model.mcl_config.adapt_context or model.adapters_disabled:
-        yield inputs
-    elif getattr(model.base_model.config, "is_encoder_decoder", False):
-        yield encoder_once(model, inputs)
-    else:
-        saved = model.routing.positions
-        _mask_prompt(model, prompt_length, model.base_model, (), inputs)
-        try:
-            yield inputs
-        finally:
-            model.routing.positions = saved
 
 
 def _mask_prompt(model, prompt_length: int, module: nn.Module, args: tuple, kwargs: dict,

@@ -41,6 +41,9 @@ class LabelLogits:
         self.config, self.routing, self.routes_output_layer = config, routing, routes_output_layer
         self.unchunkable: str | None = None  # why this model's logits cannot be computed in chunks, once found
         self.whole_batch_warned = False  # examples_per_block met inputs it cannot cut (warned once)
+        # (dtype, device) of the label states whose logits ``logits_of`` was found to reproduce: the check (a matmul
+        # and a host sync) runs once per kind of forward, not on every forward
+        self._reproduced: set[tuple[torch.dtype, torch.device]] = set()
         self._capture: list[torch.Tensor] | None = None  # armed by capturing()
         self._handle: torch.utils.hooks.RemovableHandle | None = None
 
@@ -146,12 +149,17 @@ class LabelLogits:
     def reproduces_logits(self, logits_of, label_states: torch.Tensor, probe: torch.Tensor) -> bool:
         """Whether ``logits_of`` gives exactly the logits the model returned for the probe row (the first label
         position); if not, warn once and compute the full logits from now on (any other post-processing of the
-        logits, e.g. Cohere's logit_scale or Granite's logits_scaling, is the model's own)."""
+        logits, e.g. Cohere's logit_scale or Granite's logits_scaling, is the model's own). Checked once per dtype
+        and device of the label states (the post-processing is the model's, the same at every forward)."""
+        kind = (label_states.dtype, label_states.device)
+        if kind in self._reproduced:
+            return True
         with torch.no_grad():
             ours = logits_of(label_states[:1])  # [1, V]
         # NaN where the model's logits are NaN too (a diverged step is the NaN guard's business, not a different model)
         if probe.numel() == ours.numel() and torch.allclose(probe.detach().reshape(ours.shape).to(ours.dtype), ours,
                                                             rtol=0, atol=0, equal_nan=True):
+            self._reproduced.add(kind)
             return True
         self.unchunkable = (f"{type(self.base_model).__name__} transforms the output of its output layer in a way "
                              "loramcl does not reproduce")

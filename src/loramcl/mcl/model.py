@@ -442,10 +442,6 @@ class MCLModel(ActivationCheckpointing, nn.Module):
         prefill: the last context position), without another forward; the list holds [rows, d] after the block."""
         return self.label_logits.capturing()
 
-    def context_masked(self, inputs: dict, prompt_length: int) -> contextlib.AbstractContextManager[dict]:
-        """The inputs of a teacher-forced forward of prompts and generated tokens, as ``generate`` decodes them."""
-        return generation.context_masked(self, inputs, prompt_length)
-
     def adapter_state_dict(self, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """{'<layer>.lora_A': [K, d_in, r], '<layer>.lora_B': [K, r, d_out], ...} on CPU."""
         return adapter_files.adapter_state_dict(self, state_dict)

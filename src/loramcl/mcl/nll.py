@@ -25,9 +25,11 @@ def aligned_targets(labels: torch.Tensor, causal: bool) -> torch.Tensor:
 
 
 def check_targets(targets: torch.Tensor) -> None:
-    """Every example needs at least one target token: its mean NLL would otherwise be 0/0."""
-    empty = (targets == IGNORE_INDEX).all(dim=1).nonzero().flatten().tolist()
-    if empty:
+    """Every example needs at least one target token: its mean NLL would otherwise be 0/0. One host sync when they
+    all have one."""
+    missing = (targets == IGNORE_INDEX).all(dim=1)  # [B]
+    if bool(missing.any()):
+        empty = missing.nonzero().flatten().tolist()
         raise ValueError(
             f"examples {empty[:10]} of the batch have no label token (every label is {IGNORE_INDEX} after the "
             "causal shift), so their NLL is undefined. Keep at least one target token per example "
@@ -61,10 +63,34 @@ def examples_without_targets(dataset, causal: bool) -> list[int] | None:
             if not (torch.as_tensor(row).flatten()[start:] != IGNORE_INDEX).any()]
 
 
+# Elements of one block's fp32 log-softmax temporary in ``token_log_probs`` (16 MiB), whatever rows x vocabulary.
+BLOCK_ELEMENTS = 1 << 22
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """log_softmax(logits.float())[rows[n], tokens[n]] for every n, without gradient: logits [R, V], tokens [N] and
+    rows [N] (default: 0 ... R-1) -> [N] float32, computed in blocks of rows, so that neither an fp32 copy of the
+    logits nor their [N, V] log-softmax is ever made whole."""
+    vocabulary = logits.shape[-1]
+    tokens = tokens.to(logits.device).long().unsqueeze(1)  # [N, 1]
+    step = max(1, BLOCK_ELEMENTS // max(vocabulary, 1))
+    with torch.no_grad():
+        if rows is None and tokens.shape[0] <= step:
+            return logits.float().log_softmax(-1).gather(1, tokens).squeeze(1)
+        blocks = logits.split(step) if rows is None else (
+            logits.index_select(0, chosen.to(logits.device).long()) for chosen in rows.split(step))
+        return torch.cat([block.float().log_softmax(-1).gather(1, chosen).squeeze(1)
+                          for block, chosen in zip(blocks, tokens.split(step), strict=True)])
+
+
 def mean_token_nll(token_logits: torch.Tensor, token_targets: torch.Tensor, rows: torch.Tensor,
                    num_rows: int) -> torch.Tensor:
-    """Mean NLL per row from packed tokens: logits [N, V], targets [N], row of each token [N] -> [num_rows]."""
-    token_nll = F.cross_entropy(token_logits.float(), token_targets, reduction="none")  # [N]
+    """Mean NLL per row from packed tokens: logits [N, V], targets [N], row of each token [N] -> [num_rows]. Without
+    gradient (scoring, re-scoring candidates), in blocks of tokens."""
+    if torch.is_grad_enabled() and token_logits.requires_grad:
+        token_nll = F.cross_entropy(token_logits.float(), token_targets, reduction="none")  # [N]
+    else:
+        token_nll = -token_log_probs(token_logits, token_targets)  # [N]
     return row_means(token_nll, rows, num_rows)
 
 
