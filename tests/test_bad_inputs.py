@@ -53,7 +53,7 @@ def test_each_decoding_option_is_refused_out_of_its_bounds(field, value, bound):
 
 
 def test_the_decoding_bounds_keep_their_edges():
-    Decoding(top_p=1.0, typical_p=1.0, top_k=0, temperature=1e-3, seed=2**32 - 1, hypotheses=[0, 2])
+    Decoding(strategy="sample", top_p=1.0, typical_p=1.0, top_k=0, temperature=1e-3, seed=2**32 - 1, hypotheses=[0, 2])
     Decoding(strategy="diverse_beam", num_beams=4096, num_beam_groups=4096, diversity_penalty=0.0)
 
 
@@ -67,6 +67,9 @@ def test_the_decoding_bounds_keep_their_edges():
      "diversity_penalty 0.0 belongs to strategy 'diverse_beam' (strategy is 'greedy')"),
     (dict(strategy="beam", num_beams=2, num_beam_groups=2), "num_beam_groups", "num_beam_groups 2 belongs to"),
     (dict(strategy="diverse_beam", num_beams=2), "strategy", "strategy 'diverse_beam' needs diversity_penalty >= 0"),
+    (dict(top_p=0.9), "top_p", "top_p 0.9 acts on strategy 'sample' only (strategy is 'greedy', which would ignore"),
+    (dict(strategy="beam", num_beams=2, temperature=0.7), "temperature", "temperature 0.7 acts on strategy 'sample'"),
+    (dict(strategy="diverse_beam", num_beams=2, diversity_penalty=1.0, top_k=50), "top_k", "top_k 50 acts on"),
 ])
 def test_an_option_of_another_strategy_is_refused_whatever_the_model(options, option, message):
     """Checked by Decoding itself, so that `loramcl generate` refuses it before the model loads."""
@@ -330,6 +333,7 @@ def test_generate_refuses_new_tokens_past_an_encoder_decoders_decoder_before_tor
     (["--num_beams", "3"], "--num_beams 3: strategy 'greedy' decodes one beam"),
     (["--strategy", "beam", "--num_beams", str(10**18)], "--num_beams must be at most 4096"),
     (["--diversity_penalty", "1"], "--diversity_penalty 1.0 belongs to strategy 'diverse_beam'"),
+    (["--top_p", "0.9"], "--top_p 0.9 acts on strategy 'sample' only (strategy is 'greedy', which would ignore it)"),
 ])
 def test_generate_checks_the_decoding_against_the_adapters_before_the_model_loads(scored, options, message, capsys,
                                                                                  monkeypatch):

@@ -26,6 +26,8 @@ BEAM_STRATEGIES = ("beam", "diverse_beam", "tta", "stochastic_router")  # those 
 # (and K for an MCL model). The paper's largest budget is 15 (K = 5, beam 3 per hypothesis); torch's sizes overflow
 # long before 10^18.
 MAX_BEAMS = 4096
+# The sampling settings at which they leave the model's distribution as it is: any other value acts on 'sample' only.
+_SAMPLING_NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "typical_p": 1.0}
 _BEAMS_HINT = " (beams or candidates per input: each is a row of every decoding step, times the batch)"
 
 
@@ -49,8 +51,9 @@ class Decoding:
         max_new_tokens: maximum generated tokens per candidate (prompt + max_new_tokens must fit the model's
             positions: `loramcl generate` checks it before decoding).
         repetition_penalty: as in transformers' generate, > 0 (1: none; the paper decodes with 1.1).
-        temperature: sampling temperature, > 0. The sampling settings act on 'sample' only; their defaults (1.0, 0,
-            1.0, 1.0) are pure ancestral sampling and override the model's generation_config.
+        temperature: sampling temperature, > 0. The sampling settings act on 'sample' only (another strategy refuses
+            them); their defaults (1.0, 0, 1.0, 1.0) are pure ancestral sampling and override the model's
+            generation_config.
         top_k: sampling: keep the k most likely tokens (0: no limit).
         top_p: sampling: nucleus mass, in (0, 1] (1.0: no limit).
         typical_p: sampling: typical-decoding mass, in (0, 1] (1.0: no limit).
@@ -118,6 +121,11 @@ class Decoding:
         for name in ("num_beam_groups", "diversity_penalty"):
             require(strategy == "diverse_beam" or getattr(self, name) is None,
                     f"{name} {getattr(self, name)} belongs to strategy 'diverse_beam' (strategy is {strategy!r})", name)
+        for name, neutral in _SAMPLING_NEUTRAL.items():
+            value = getattr(self, name)
+            require(strategy == "sample" or value == neutral, f"{name} {value} acts on strategy 'sample' only "
+                    f"(strategy is {strategy!r}, which would ignore it): set strategy 'sample' or leave {name} out",
+                    name)
         require(strategy != "diverse_beam" or self.diversity_penalty is not None,
                 f"strategy {strategy!r} needs diversity_penalty >= 0 (λ of the Hamming diversity term: the paper "
                 "uses 0.8 or 1.0; 0 gives beam search per group)", "strategy")
