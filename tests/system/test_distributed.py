@@ -1,6 +1,8 @@
-"""A 2-process CPU run of MCLTrainer (torchrun, gloo) ends with identical adapters on both ranks, without DDP's
-unused-parameter search, and its checkpoint holds both ranks' RNG states."""
+"""2-process CPU runs (torchrun, gloo): MCLTrainer under DDP ends with identical adapters on both ranks, without DDP's
+unused-parameter search, and its checkpoint holds both ranks' RNG states; an MCLModel sharded by hand with FSDP2, and
+MCLTrainer under accelerate's FSDP2, train to the adapters of one process."""
 
+import json
 import os
 import subprocess
 import sys
@@ -60,3 +62,50 @@ def test_fsdp2_sharded_training_equals_one_process_and_saves_whole_adapters(tmp_
     torch.manual_seed(0)
     loaded = load_mcl_model(build_model("llama"), tmp_path / "fsdp")  # checksum verified
     assert all(torch.equal(loaded.adapter_state_dict()[k], saved[k]) for k in saved)
+    # the fingerprint of a sharded base model, read by every rank, is that of the base model whole
+    assert json.loads((tmp_path / "fingerprints.json").read_text()) == [reference.frozen_base.fingerprint] * 2
+    assert reference.frozen_base.fingerprint is not None
+
+
+def test_trainer_under_accelerate_fsdp2_checkpoints_adapters_only_resumes_and_equals_one_process(tmp_path):
+    """MCLTrainer under accelerate's FSDP2 path (tests/fsdp_trainer_train.py says the one thing forced on the CPU),
+    with either state dict type: the adapters trained on 2 ranks, and those of a run resumed from the step-2
+    checkpoint, equal one process's on the same batches, and so do the losses; each checkpoint holds our adapter files,
+    gathered whole and written once, and of the model only the adapters (not the frozen base)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    sys.path.insert(0, TESTS)
+    from fsdp_trainer_train import losses, train
+    from tiny_models import build_model
+
+    from loramcl import load_mcl_model
+
+    result = run_on_two_processes("fsdp_trainer_train.py", tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    reference = train(str(tmp_path / "one-process"), 1)
+    expected = reference._mcl_model().adapter_state_dict()
+    assert any(v.abs().sum() > 0 for k, v in expected.items() if k.endswith("lora_B"))  # it trained
+    model_keys = {f"base_model.{key}" for key in expected}  # of the adapters only
+    recorded = json.loads((tmp_path / "losses.json").read_text())
+    ours = {"mcl_adapters.safetensors", "mcl_config.json", "rng_state_0.pth", "rng_state_1.pth", "scheduler.pt",
+            "trainer_state.json", "training_args.json"}
+    for kind, trainers in {"FULL_STATE_DICT": {"pytorch_model_fsdp.bin", "optimizer.bin"},
+                           "SHARDED_STATE_DICT": {"pytorch_model_fsdp_0", "optimizer_0"}}.items():
+        for run in ("final", "resumed"):
+            saved = safetensors.torch.load_file(tmp_path / kind / run / "mcl_adapters.safetensors")
+            assert saved.keys() == expected.keys(), (kind, run)
+            for key, value in expected.items():
+                torch.testing.assert_close(saved[key], value, rtol=0, atol=1e-5, msg=f"{kind} {run} {key}")
+        torch.testing.assert_close(recorded[kind]["run"], losses(reference), rtol=0, atol=1e-5)
+        assert recorded[kind]["resumed"] == recorded[kind]["run"]
+        checkpoint = tmp_path / kind / "run" / "checkpoint-2"
+        assert set(os.listdir(checkpoint)) == ours | trainers, kind
+        if kind == "FULL_STATE_DICT":
+            assert torch.load(checkpoint / "pytorch_model_fsdp.bin").keys() == model_keys
+        else:
+            metadata = FileSystemReader(str(checkpoint / "pytorch_model_fsdp_0")).read_metadata()
+            assert set(metadata.state_dict_metadata) == {f"model.{key}" for key in model_keys}
+    torch.manual_seed(0)
+    loaded = load_mcl_model(build_model("llama"), tmp_path / "FULL_STATE_DICT" / "final")  # checksum, fingerprint
+    assert all(torch.equal(loaded.adapter_state_dict()[k], v) for k, v in saved.items())

@@ -122,8 +122,8 @@ def load_adapters(model, path: str | os.PathLike, verify: bool = True, strict: b
     check_wrapped_base_weights(path, saved, model.base_model, model.frozen_base.fingerprint, strict)
     with torch.no_grad():
         for name, layer in layers.items():
-            layer.lora_A.copy_(tensors[f"{name}.lora_A"])
-            layer.lora_B.copy_(tensors[f"{name}.lora_B"])
+            _copy_whole(layer.lora_A, tensors[f"{name}.lora_A"])
+            _copy_whole(layer.lora_B, tensors[f"{name}.lora_B"])
         copy_scoring_head(model.scoring_head, tensors)
 
 
@@ -132,12 +132,22 @@ def copy_scoring_head(head: HypothesisScores | None, tensors: dict[str, torch.Te
     if head is not None and f"{SCORING_PREFIX}.weight" in tensors:
         with torch.no_grad():
             for part, param in head.named_parameters():
-                param.copy_(tensors[f"{SCORING_PREFIX}.{part}"])
+                _copy_whole(param, tensors[f"{SCORING_PREFIX}.{part}"])
 
 
 def _full_tensor(value: torch.Tensor) -> torch.Tensor:
     """``value`` whole: a DTensor (a parameter sharded by FSDP2's ``fully_shard``) gathered from every rank."""
     return value.full_tensor() if hasattr(value, "full_tensor") and hasattr(value, "placements") else value
+
+
+def _copy_whole(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy the whole tensor ``value`` into ``param``; a DTensor (an FSDP2 shard, e.g. resuming under FSDP) takes its
+    own part of it, cut on this rank (every rank read the same file: no communication)."""
+    if hasattr(param, "placements"):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(value)
 
 
 def _sharded(model: nn.Module) -> bool:

@@ -199,6 +199,10 @@ class MCLModel(ActivationCheckpointing, nn.Module):
     def config(self):  # the base model's transformers config, as Trainer and PEFT users expect
         return self.base_model.config
 
+    @property
+    def _no_split_modules(self) -> list[str] | None:  # the base's layer classes: FSDP's auto-wrap shards each alone
+        return getattr(self.base_model, "_no_split_modules", None)
+
     def mcl_layers(self) -> Iterator[tuple[str, MCLLoraLinear]]:
         for name in self.layer_names:
             yield name, self.base_model.get_submodule(name)

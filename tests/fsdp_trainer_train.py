@@ -1,0 +1,103 @@
+"""Run by test_distributed.py under `torchrun --nproc_per_node 2`: MCLTrainer under accelerate's FSDP2, set as a user
+sets it (``TrainingArguments(fsdp=True, fsdp_config={"version": 2})``), on 2 CPU processes (gloo). It trains 4 steps
+with a checkpoint at step 2 (OUT/run) and saves the adapters (OUT/final); a second trainer on a fresh model resumes
+from OUT/run/checkpoint-2 and saves its adapters (OUT/resumed). Rank 0 writes each trainer's losses
+(OUT/losses.json).
+
+What is forced, and only that: accelerate 1.15 chooses FSDP in ``AcceleratorState.__init__`` only when the process
+group's ``distributed_type`` is a GPU-like one (MULTI_GPU, MULTI_NPU, MULTI_XPU, ...); on CPU processes it is
+MULTI_CPU, and a version-2 FSDP plugin is silently dropped (the run is DDP). This script sets the process group's
+``distributed_type`` to MULTI_GPU once ``PartialState`` exists, before the trainer builds its ``Accelerator``: the
+devices stay the CPU and the backend gloo, and ``AcceleratorState`` takes its FSDP branch with the plugin Trainer
+made from the arguments. From there on the code is what runs on GPUs: Trainer's FSDP2 path (accelerate's
+``fsdp2_prepare_model``: ``fully_shard`` on each class of the model's ``_no_split_modules``, then the root; FSDP2's
+gradient clipping and optimizer state dict; resuming through ``load_fsdp_optimizer``) and ours.
+"""
+
+import json
+import os
+import sys
+
+import torch
+from accelerate import PartialState
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from transformers import TrainingArguments
+from transformers.utils import logging
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny_models import build_model  # noqa: E402
+
+from loramcl import MCLConfig, MCLTrainer, get_mcl_model  # noqa: E402
+
+# Ties to the lowest hypothesis (the first step is all ties: B = 0), no dropout: 2 ranks on half a batch each draw
+# nothing one process on the whole batch would draw otherwise.
+CONFIG = MCLConfig(num_hypotheses=2, r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], loss="wta",
+                   tie_break="lowest")
+STEPS, BATCH = 4, 8  # BATCH examples per optimizer step, over all processes
+
+
+def dataset() -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": ids, "attention_mask": torch.ones(8, dtype=torch.long), "labels": ids}
+            for ids in torch.randint(3, 80, (STEPS * BATCH, 8), generator=g)]
+
+
+def arguments(out: str, processes: int, **extra) -> TrainingArguments:
+    """The same run on ``processes`` processes: in order (a rank takes the next BATCH / processes rows), Adam at 1e-2
+    with Trainer's clipping, a checkpoint at step 2."""
+    return TrainingArguments(output_dir=out, per_device_train_batch_size=BATCH // processes, max_steps=STEPS,
+                             learning_rate=1e-2, train_sampling_strategy="sequential", save_strategy="steps",
+                             save_steps=2, report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1, seed=0,
+                             **extra)
+
+
+def train(out: str, processes: int, resume: str | None = None, **extra) -> MCLTrainer:
+    torch.manual_seed(0)
+    mcl = get_mcl_model(build_model("llama"), CONFIG)
+    trainer = MCLTrainer(mcl, args=arguments(out, processes, **extra), train_dataset=dataset())
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def losses(trainer: MCLTrainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def main(out: str) -> None:
+    logging.set_verbosity_error()
+    # the process group, made here and kept by the trainers (use_configured_state): the one thing forced (docstring)
+    PartialState(cpu=True, backend="gloo")
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+    recorded = {}
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        fsdp = dict(fsdp=True, fsdp_config={"version": 2, "state_dict_type": kind},
+                    accelerator_config={"use_configured_state": True})
+        if kind != "FULL_STATE_DICT":  # a process keeps the FSDP plugin of its first Accelerator: set as the arguments
+            plugin = AcceleratorState().fsdp_plugin
+            plugin.state_dict_config = plugin.optim_state_dict_config = None  # the full ones' rank-0 settings go too
+            plugin.set_state_dict_type(kind)
+        folder = os.path.join(out, kind)
+        trainer = train(os.path.join(folder, "run"), 2, **fsdp)
+        assert trainer.accelerator.distributed_type == DistributedType.FSDP and trainer.accelerator.is_fsdp2
+        assert trainer.accelerator.state.fsdp_plugin.state_dict_type.name == kind
+        mcl = trainer._mcl_model()
+        assert isinstance(mcl, FSDPModule), type(mcl)
+        assert all(isinstance(layer, FSDPModule) for layer in mcl.base_model.model.layers)  # auto-wrap found them
+        assert all(isinstance(p, DTensor) for p in mcl.parameters() if p.requires_grad), "the adapters are not sharded"
+        assert len(mcl.state_dict()) > len(mcl.adapter_state_dict())  # whole again once train() returned
+        trainer.save_model(os.path.join(folder, "final"))
+        resumed = train(os.path.join(folder, "resumed-run"), 2, resume=os.path.join(folder, "run", "checkpoint-2"),
+                        **fsdp)
+        assert resumed.resumed_from.endswith("checkpoint-2") and resumed.state.global_step == STEPS
+        resumed.save_model(os.path.join(folder, "resumed"))
+        recorded[kind] = {"run": losses(trainer), "resumed": losses(resumed)}
+    if trainer.is_world_process_zero():
+        with open(os.path.join(out, "losses.json"), "w", encoding="utf-8") as f:
+            json.dump(recorded, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
