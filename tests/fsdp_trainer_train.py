@@ -1,8 +1,9 @@
 """Run by test_distributed.py under `torchrun --nproc_per_node 2`: MCLTrainer under accelerate's FSDP2, set as a user
 sets it (``TrainingArguments(fsdp=True, fsdp_config={"version": 2})``), on 2 CPU processes (gloo). It trains 4 steps
 with a checkpoint at step 2 (OUT/run) and saves the adapters (OUT/final); a second trainer on a fresh model resumes
-from OUT/run/checkpoint-2 and saves its adapters (OUT/resumed). Rank 0 writes each trainer's losses
-(OUT/losses.json).
+from OUT/run/checkpoint-2 and saves its adapters (OUT/resumed). This twice, under OUT/<state dict type>: with
+transformers' default FULL_STATE_DICT on a float32 base model, and with SHARDED_STATE_DICT (accelerate's default)
+on a bfloat16 base (``LEGS``). Rank 0 writes each trainer's losses (OUT/losses.json).
 
 What is forced, and only that: accelerate 1.15 chooses FSDP in ``AcceleratorState.__init__`` only when the process
 group's ``distributed_type`` is a GPU-like one (MULTI_GPU, MULTI_NPU, MULTI_XPU, ...); on CPU processes it is
@@ -37,6 +38,7 @@ from loramcl import MCLConfig, MCLTrainer, get_mcl_model  # noqa: E402
 CONFIG = MCLConfig(num_hypotheses=2, r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], loss="wta",
                    tie_break="lowest")
 STEPS, BATCH = 4, 8  # BATCH examples per optimizer step, over all processes
+LEGS = {"FULL_STATE_DICT": torch.float32, "SHARDED_STATE_DICT": torch.bfloat16}  # state dict type: base weights
 
 
 def dataset() -> list[dict]:
@@ -54,9 +56,11 @@ def arguments(out: str, processes: int, **extra) -> TrainingArguments:
                              **extra)
 
 
-def train(out: str, processes: int, resume: str | None = None, **extra) -> MCLTrainer:
+def train(out: str, processes: int, resume: str | None = None, dtype: torch.dtype = torch.float32,
+          **extra) -> MCLTrainer:
+    """``STEPS`` steps of a tiny Llama, its base weights in ``dtype`` (the adapters float32)."""
     torch.manual_seed(0)
-    mcl = get_mcl_model(build_model("llama"), CONFIG)
+    mcl = get_mcl_model(build_model("llama").to(dtype), CONFIG)
     trainer = MCLTrainer(mcl, args=arguments(out, processes, **extra), train_dataset=dataset())
     trainer.train(resume_from_checkpoint=resume)
     return trainer
@@ -72,7 +76,7 @@ def main(out: str) -> None:
     PartialState(cpu=True, backend="gloo")
     PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
     recorded = {}
-    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+    for kind, dtype in LEGS.items():
         fsdp = dict(fsdp=True, fsdp_config={"version": 2, "state_dict_type": kind},
                     accelerator_config={"use_configured_state": True})
         if kind != "FULL_STATE_DICT":  # a process keeps the FSDP plugin of its first Accelerator: set as the arguments
@@ -80,17 +84,20 @@ def main(out: str) -> None:
             plugin.state_dict_config = plugin.optim_state_dict_config = None  # the full ones' rank-0 settings go too
             plugin.set_state_dict_type(kind)
         folder = os.path.join(out, kind)
-        trainer = train(os.path.join(folder, "run"), 2, **fsdp)
+        trainer = train(os.path.join(folder, "run"), 2, dtype=dtype, **fsdp)
         assert trainer.accelerator.distributed_type == DistributedType.FSDP and trainer.accelerator.is_fsdp2
         assert trainer.accelerator.state.fsdp_plugin.state_dict_type.name == kind
         mcl = trainer._mcl_model()
         assert isinstance(mcl, FSDPModule), type(mcl)
         assert all(isinstance(layer, FSDPModule) for layer in mcl.base_model.model.layers)  # auto-wrap found them
         assert all(isinstance(p, DTensor) for p in mcl.parameters() if p.requires_grad), "the adapters are not sharded"
+        # FSDP2 shards each parameter alone: a bf16 base beside float32 adapters is fine (FSDP1 is refused for it)
+        assert {p.dtype for p in mcl.parameters() if not p.requires_grad} == {dtype}
+        assert {p.dtype for p in mcl.parameters() if p.requires_grad} == {torch.float32}
         assert len(mcl.state_dict()) > len(mcl.adapter_state_dict())  # whole again once train() returned
         trainer.save_model(os.path.join(folder, "final"))
         resumed = train(os.path.join(folder, "resumed-run"), 2, resume=os.path.join(folder, "run", "checkpoint-2"),
-                        **fsdp)
+                        dtype=dtype, **fsdp)
         assert resumed.resumed_from.endswith("checkpoint-2") and resumed.state.global_step == STEPS
         resumed.save_model(os.path.join(folder, "resumed"))
         recorded[kind] = {"run": losses(trainer), "resumed": losses(resumed)}
