@@ -1,6 +1,7 @@
 """What ``MCLTrainer`` does differently on several processes or devices: the layouts it refuses (DataParallel, FSDP
 version 1, each with what to use instead), and under FSDP2 the checkpoints without the frozen base
-(``AdaptersOnlyStateDict``). docs/guide/reliability.md, "Several GPUs", says how each is launched and tested."""
+(``AdaptersOnlyStateDict``). docs/guide/reliability.md, "Several GPUs: DDP and FSDP2", says how each is launched
+and tested."""
 
 from __future__ import annotations
 
