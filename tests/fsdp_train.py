@@ -1,8 +1,8 @@
 """Run by test_distributed.py under `torchrun --nproc_per_node 2`: an MCLModel sharded with PyTorch's FSDP2
 (`fully_shard`, gloo, CPU) trains 3 steps on its half of each batch, then writes the adapters gathered from the
-shards with MCLModel.save_pretrained (OUT/fsdp) and, as a cross-check, the full state dict gathered by
-torch.distributed.checkpoint (OUT/dcp.safetensors). Every rank's fingerprint of the plain base model, sharded alike,
-goes to OUT/fingerprints.json."""
+shards with MCLModel.save_pretrained (OUT/fsdp), hypothesis 1 as a PEFT adapter (OUT/peft-h1) and, as a cross-check,
+the full state dict gathered by torch.distributed.checkpoint (OUT/dcp.safetensors). Every rank's fingerprint of the
+plain base model, sharded alike, goes to OUT/fingerprints.json."""
 
 import json
 import os
@@ -56,6 +56,7 @@ def main(out: str) -> None:
     share = BATCH // world
     train(mcl, slice(rank * share, (rank + 1) * share))  # FSDP2 averages the gradients: the whole batch's mean
     mcl.save_pretrained(os.path.join(out, "fsdp"))  # every rank: gathering the shards is collective
+    mcl.export_hypothesis(1, os.path.join(out, "peft-h1"))  # likewise
     state = get_model_state_dict(mcl, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     torch.manual_seed(0)
     base = build_model("llama")  # the base model under the adapters, sharded alike

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import safetensors.torch
 import torch
@@ -37,7 +38,8 @@ def test_two_process_training_keeps_ranks_identical(tmp_path):
 
 def test_fsdp2_sharded_training_equals_one_process_and_saves_whole_adapters(tmp_path):
     """PyTorch's FSDP2 (`fully_shard`, gloo): 2 ranks, each on half of every batch, end with the adapters of one
-    process on the whole batches; save_pretrained gathers the shards (rank 0 writes) and the file loads back."""
+    process on the whole batches; save_pretrained and export_hypothesis gather the shards (rank 0 writes) and the files
+    load back."""
     sys.path.insert(0, TESTS)
     from fsdp_train import CONFIG, train
     from tiny_models import build_model
@@ -62,6 +64,12 @@ def test_fsdp2_sharded_training_equals_one_process_and_saves_whole_adapters(tmp_
     torch.manual_seed(0)
     loaded = load_mcl_model(build_model("llama"), tmp_path / "fsdp")  # checksum verified
     assert all(torch.equal(loaded.adapter_state_dict()[k], saved[k]) for k in saved)
+    exported = safetensors.torch.load_file(tmp_path / "peft-h1" / "adapter_model.safetensors")
+    expected = safetensors.torch.load_file(Path(reference.export_hypothesis(1, tmp_path / "reference-h1"))
+                                           / "adapter_model.safetensors")
+    assert exported.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(exported[key], value, rtol=0, atol=1e-5)
     # the fingerprint of a sharded base model, read by every rank, is that of the base model whole
     assert json.loads((tmp_path / "fingerprints.json").read_text()) == [reference.frozen_base.fingerprint] * 2
     assert reference.frozen_base.fingerprint is not None

@@ -69,10 +69,9 @@ def _readable(param: torch.Tensor) -> bool:
     return param.device.type != "meta"
 
 
-def _whole(param: torch.Tensor) -> torch.Tensor:
+def whole_tensor(param: torch.Tensor) -> torch.Tensor:
     """``param``'s values, all of them: a DTensor (a shard of FSDP2's ``fully_shard``, or of a model transformers
-    loaded sharded) is gathered, one parameter at a time, a collective that every rank makes in the same order
-    (``get_mcl_model`` and ``load_mcl_model`` run on every rank)."""
+    loaded sharded) is gathered from every rank, a collective that every rank must make, in the same order."""
     return param.full_tensor() if hasattr(param, "placements") and hasattr(param, "full_tensor") else param
 
 
@@ -109,7 +108,8 @@ def _block_sums(param: torch.Tensor, buffers: dict) -> torch.Tensor:
 def base_fingerprint(model: nn.Module) -> str | None:
     """``sha256-bf16-all:`` and a hex digest of every value of ``model``'s floating-point parameters (see the module
     docstring), or None when some weight cannot be read here (on the meta device). Sharded weights (DTensors) are
-    gathered whole, one at a time: the fingerprint of a sharded model is that of the same model unsharded."""
+    gathered whole, one at a time (``get_mcl_model`` and ``load_mcl_model`` run on every rank): the fingerprint of a
+    sharded model is that of the same model unsharded."""
     if id(model) in _known:
         return _known[id(model)]
     digest, buffers = hashlib.sha256(), {}
@@ -122,14 +122,14 @@ def base_fingerprint(model: nn.Module) -> str | None:
                 if not _readable(value):
                     return None
                 digest.update(f"{layer_name}.{part}:quantized{value.numel()};".encode())
-                digest.update(_block_sums(_whole(value), buffers).numpy().astype("<f8").tobytes())
+                digest.update(_block_sums(whole_tensor(value), buffers).numpy().astype("<f8").tobytes())
             continue
         if not param.is_floating_point():
             continue
         if not _readable(param):
             return None
         digest.update(f"{name}:{tuple(param.shape)};".encode())
-        digest.update(_block_sums(_whole(param), buffers).numpy().astype("<f8").tobytes())
+        digest.update(_block_sums(whole_tensor(param), buffers).numpy().astype("<f8").tobytes())
     return f"{FULL}:" + digest.hexdigest()[:32]
 
 
@@ -141,7 +141,7 @@ def sampled_fingerprint(model: nn.Module) -> str | None:
             continue
         if not _readable(param):
             return None
-        values = _whole(param).detach()
+        values = whole_tensor(param).detach()
         values = values.reshape(values.shape[0], -1) if values.dim() > 0 else values.reshape(1, 1)
         rows = torch.linspace(0, values.shape[0] - 1, min(ROWS, values.shape[0])).round().long()
         sample = values[rows.to(values.device), :COLUMNS].to("cpu", torch.bfloat16).contiguous()
