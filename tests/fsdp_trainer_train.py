@@ -3,7 +3,8 @@ sets it (``TrainingArguments(fsdp=True, fsdp_config={"version": 2})``), on 2 CPU
 with a checkpoint at step 2 (OUT/run) and saves the adapters (OUT/final); a second trainer on a fresh model resumes
 from OUT/run/checkpoint-2 and saves its adapters (OUT/resumed). This twice, under OUT/<state dict type>: with
 transformers' default FULL_STATE_DICT on a float32 base model, and with SHARDED_STATE_DICT (accelerate's default)
-on a bfloat16 base (``LEGS``). Rank 0 writes each trainer's losses (OUT/losses.json).
+on a bfloat16 base (``LEGS``). Rank 0 writes each trainer's losses (OUT/losses.json). Last, ``fit`` trains a K = 1 run
+under FSDP2 set as ``accelerate launch`` sets it (OUT/fit, ``fit_as_launched``).
 
 What is forced, and only that: accelerate 1.15 chooses FSDP in ``AcceleratorState.__init__`` only when the process
 group's ``distributed_type`` is a GPU-like one (MULTI_GPU, MULTI_NPU, MULTI_XPU, ...); on CPU processes it is
@@ -25,13 +26,15 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers import TrainingArguments
+from transformers import TrainingArguments, default_data_collator
 from transformers.utils import logging
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import build_model  # noqa: E402
 
 from loramcl import MCLConfig, MCLTrainer, get_mcl_model  # noqa: E402
+from loramcl.training.config import TrainConfig  # noqa: E402
+from loramcl.training.fit import fit  # noqa: E402
 
 # Ties to the lowest hypothesis (the first step is all ties: B = 0), no dropout: 2 ranks on half a batch each draw
 # nothing one process on the whole batch would draw otherwise.
@@ -70,6 +73,25 @@ def losses(trainer: MCLTrainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
+def fit_as_launched(out: str) -> None:
+    """``loramcl train``'s training stage (``fit``) of K = 1, with FSDP2 set as ``accelerate launch --use_fsdp
+    --fsdp_version 2 --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP`` sets it, in the environment (accelerate's
+    defaults then: SHARDED_STATE_DICT). ``fit`` makes its own arguments, whose process group is made anew, so the
+    same one thing is forced there: just before the trainer builds its Accelerator."""
+    os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP")
+    building = MCLTrainer.create_accelerator_and_postprocess
+
+    def gpu_like_then_build(self):
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+        building(self)
+        assert self.is_fsdp_enabled and self.accelerator.is_fsdp2
+
+    MCLTrainer.create_accelerator_and_postprocess = gpu_like_then_build
+    config = MCLConfig(num_hypotheses=1, r=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    fit(lambda: build_model("llama"), out, config, TrainConfig(steps=2, batch_size=4, save_every=1), {},
+        dataset(), None, default_data_collator)
+
+
 def main(out: str) -> None:
     logging.set_verbosity_error()
     # the process group, made here and kept by the trainers (use_configured_state): the one thing forced (docstring)
@@ -101,6 +123,7 @@ def main(out: str) -> None:
         assert resumed.resumed_from.endswith("checkpoint-2") and resumed.state.global_step == STEPS
         resumed.save_model(os.path.join(folder, "resumed"))
         recorded[kind] = {"run": losses(trainer), "resumed": losses(resumed)}
+    fit_as_launched(os.path.join(out, "fit"))
     if trainer.is_world_process_zero():
         with open(os.path.join(out, "losses.json"), "w", encoding="utf-8") as f:
             json.dump(recorded, f)

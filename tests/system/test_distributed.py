@@ -81,7 +81,7 @@ def test_trainer_under_accelerate_fsdp2_checkpoints_adapters_only_resumes_and_eq
     adapters and losses of 2 ranks equal those of one process on the same batches (to float32's or bfloat16's
     precision), a run resumed from the step-2 checkpoint ends exactly where the uninterrupted one did, and each
     checkpoint holds our adapter files, gathered whole and written once, and of the model only the adapters (not the
-    frozen base)."""
+    frozen base). So does `fit` (loramcl train's stage) under FSDP2 set as `accelerate launch` sets it."""
     from torch.distributed.checkpoint import FileSystemReader
 
     sys.path.insert(0, TESTS)
@@ -125,3 +125,14 @@ def test_trainer_under_accelerate_fsdp2_checkpoints_adapters_only_resumes_and_eq
     loaded = load_mcl_model(build_model("llama"), final, strict=True).adapter_state_dict()  # checksum, fingerprint
     saved = safetensors.torch.load_file(final / "mcl_adapters.safetensors")
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items())
+    # loramcl train's stage (fit), FSDP2 from the launcher's environment: the finished run of K = 1, its PEFT export
+    # gathered by every process like the adapters
+    run = tmp_path / "fit"
+    assert {"run.json", "train_log.json", "mcl_adapters.safetensors", "mcl_config.json", "peft"} <= set(os.listdir(run))
+    adapters = safetensors.torch.load_file(run / "mcl_adapters.safetensors")
+    peft = safetensors.torch.load_file(run / "peft" / "adapter_model.safetensors")
+    assert len(peft) == len(adapters) == 8 and any(v.abs().sum() > 0 for k, v in adapters.items() if "lora_B" in k)
+    for key, value in adapters.items():
+        layer, part = key.rsplit(".", 1)
+        assert torch.equal(peft[f"base_model.model.{layer}.{part}.weight"], value[0].T), key
+    assert set(os.listdir(run / "checkpoints" / "checkpoint-2")) == ours | {"pytorch_model_fsdp_0", "optimizer_0"}
