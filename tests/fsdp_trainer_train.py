@@ -76,18 +76,27 @@ def losses(trainer: MCLTrainer) -> list[float]:
 def fit_as_launched(out: str) -> None:
     """``loramcl train``'s training stage (``fit``) of K = 1, with FSDP2 set as ``accelerate launch --use_fsdp
     --fsdp_version 2 --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP`` sets it, in the environment (accelerate's
-    defaults then: SHARDED_STATE_DICT). ``fit`` makes its own arguments, whose process group is made anew, so the
-    same one thing is forced there: just before the trainer builds its Accelerator."""
+    defaults then: SHARDED_STATE_DICT), after the same with ``--fsdp_version 1``, which is refused. ``fit`` makes its
+    own arguments, whose process group is made anew, so the same one thing is forced there: just before the trainer
+    builds its Accelerator."""
     os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP")
     building = MCLTrainer.create_accelerator_and_postprocess
 
     def gpu_like_then_build(self):
         PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
         building(self)
-        assert self.is_fsdp_enabled and self.accelerator.is_fsdp2
+        assert self.is_fsdp_enabled, "FSDP was not chosen"
 
     MCLTrainer.create_accelerator_and_postprocess = gpu_like_then_build
     config = MCLConfig(num_hypotheses=1, r=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    os.environ["FSDP_VERSION"] = "1"  # refused when the trainer is built, naming the FSDP2 settings
+    try:
+        fit(lambda: build_model("llama"), out, config, TrainConfig(steps=2, batch_size=4), {}, dataset(), None,
+            default_data_collator)
+        raise AssertionError("FSDP version 1 from the launcher was not refused")
+    except ValueError as error:
+        assert "FSDP version 1" in str(error) and "--fsdp_version 2" in str(error), error
+    os.environ["FSDP_VERSION"] = "2"
     fit(lambda: build_model("llama"), out, config, TrainConfig(steps=2, batch_size=4, save_every=1), {},
         dataset(), None, default_data_collator)
 
