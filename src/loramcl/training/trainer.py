@@ -170,7 +170,8 @@ class MCLTrainer(Trainer):
     ``processing_class``, else from the model's config). A ``datasets.Dataset`` of rows in one of TRL's formats
     (prompt/completion, conversational, messages, text; multi-reference rows) is tokenized with ``processing_class``
     as ``SFTTrainer`` prepares it (``loramcl.data.prepare_dataset``: labels on the completion or the assistant turns);
-    packing is refused.
+    packing is refused. Under FSDP2 every process gathers the adapters at each save and the first writes them;
+    checkpoints hold no frozen base (``training.distributed``). FSDP version 1 and ``nn.DataParallel`` are refused.
     """
 
     def __init__(self, model: MCLModel | None = None, *args, two_pass_wta: bool = True,
