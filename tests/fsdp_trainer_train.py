@@ -9,11 +9,14 @@ under FSDP2 set as ``accelerate launch`` sets it (OUT/fit, ``fit_as_launched``).
 What is forced, and only that: accelerate 1.15 chooses FSDP in ``AcceleratorState.__init__`` only when the process
 group's ``distributed_type`` is a GPU-like one (MULTI_GPU, MULTI_NPU, MULTI_XPU, ...); on CPU processes it is
 MULTI_CPU, and a version-2 FSDP plugin is silently dropped (the run is DDP). This script sets the process group's
-``distributed_type`` to MULTI_GPU once ``PartialState`` exists, before the trainer builds its ``Accelerator``: the
-devices stay the CPU and the backend gloo, and ``AcceleratorState`` takes its FSDP branch with the plugin Trainer
-made from the arguments. From there on the code is what runs on GPUs: Trainer's FSDP2 path (accelerate's
+``distributed_type`` to MULTI_GPU once ``PartialState`` exists, before the trainer builds its ``Accelerator`` (for
+``fit``, which makes the process group anew, just before: ``fit_as_launched``): the devices stay the CPU and the
+backend gloo, and ``AcceleratorState`` takes its FSDP branch with the plugin Trainer made from the arguments (or
+accelerate from the environment). From there on the code is what runs on GPUs: Trainer's FSDP2 path (accelerate's
 ``fsdp2_prepare_model``: ``fully_shard`` on each class of the model's ``_no_split_modules``, then the root; FSDP2's
-gradient clipping and optimizer state dict; resuming through ``load_fsdp_optimizer``) and ours.
+gradient clipping and optimizer state dict; resuming through ``load_fsdp_optimizer``) and ours. One more thing is set
+by hand, as no launch would need it: the second leg runs in the processes of the first, whose FSDP plugin (a
+process-wide state) is the first trainer's, so its state dict type is set to the one the second leg's arguments name.
 """
 
 import json
