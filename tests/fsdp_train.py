@@ -1,8 +1,10 @@
 """Run by test_distributed.py under `torchrun --nproc_per_node 2`: an MCLModel sharded with PyTorch's FSDP2
 (`fully_shard`, gloo, CPU) trains 3 steps on its half of each batch, then writes the adapters gathered from the
-shards with MCLModel.save_pretrained (OUT/fsdp) and, as a cross-check, the full state dict gathered by
-torch.distributed.checkpoint (OUT/dcp.safetensors)."""
+shards with MCLModel.save_pretrained (OUT/fsdp), hypothesis 1 as a PEFT adapter (OUT/peft-h1) and, as a cross-check,
+the full state dict gathered by torch.distributed.checkpoint (OUT/dcp.safetensors). Every rank's fingerprint of the
+plain base model, sharded alike, goes to OUT/fingerprints.json."""
 
+import json
 import os
 import sys
 
@@ -17,6 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import build_model  # noqa: E402
 
 from loramcl import MCLConfig, get_mcl_model  # noqa: E402
+from loramcl.mcl.fingerprint import base_fingerprint  # noqa: E402
 
 # Ties to the lowest hypothesis: random ties draw from each process's RNG, so two ranks with half a batch each would
 # draw other winners than one process with the whole batch (the first step is all ties: B = 0).
@@ -53,10 +56,20 @@ def main(out: str) -> None:
     share = BATCH // world
     train(mcl, slice(rank * share, (rank + 1) * share))  # FSDP2 averages the gradients: the whole batch's mean
     mcl.save_pretrained(os.path.join(out, "fsdp"))  # every rank: gathering the shards is collective
+    mcl.export_hypothesis(1, os.path.join(out, "peft-h1"))  # likewise
     state = get_model_state_dict(mcl, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    torch.manual_seed(0)
+    base = build_model("llama")  # the base model under the adapters, sharded alike
+    for layer in base.model.layers:
+        fully_shard(layer)
+    fully_shard(base)
+    fingerprints = [None] * world
+    dist.all_gather_object(fingerprints, base_fingerprint(base))  # each rank gathers the shards (a collective)
     if rank == 0:
         safetensors.torch.save_file({k: v for k, v in state.items() if "lora_" in k},
                                     os.path.join(out, "dcp.safetensors"))
+        with open(os.path.join(out, "fingerprints.json"), "w", encoding="utf-8") as f:
+            json.dump(fingerprints, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from loramcl.mcl.config import MCLConfig, saved_values
-from loramcl.mcl.fingerprint import check_wrapped_base_weights
+from loramcl.mcl.fingerprint import check_wrapped_base_weights, whole_tensor
 from loramcl.mcl.scores import HypothesisScores
 from loramcl.utils.files import sha256, write_atomically
 from loramcl.utils.inputs import AdapterFilesWarning
@@ -55,11 +55,11 @@ def adapter_state_dict(model, state_dict: dict[str, torch.Tensor] | None = None)
         for part, param in layer.adapter_tensors().items():
             key = f"{name}.{part}"
             value = (param if state_dict is None else state_dict[f"base_model.{key}"]).detach()
-            tensors[key] = _full_tensor(value).to("cpu").contiguous()
+            tensors[key] = whole_tensor(value).to("cpu").contiguous()
     if model.scoring_head is not None:  # 'scoring.weight' [K, d], 'scoring.bias' [K]
         for part, param in model.scoring_head.named_parameters():
             value = (param if state_dict is None else state_dict[f"scoring_head.{part}"]).detach()
-            tensors[f"{SCORING_PREFIX}.{part}"] = _full_tensor(value).to("cpu").contiguous()
+            tensors[f"{SCORING_PREFIX}.{part}"] = whole_tensor(value).to("cpu").contiguous()
     return tensors
 
 
@@ -68,7 +68,7 @@ def save_pretrained(model, path: str | os.PathLike, state_dict: dict[str, torch.
     written under a temporary name and renamed when whole. The config records the weights' SHA-256 and the
     settings' (see the module docstring), which loading verifies."""
     tensors = model.adapter_state_dict(state_dict)
-    if _sharded(model) and torch.distributed.get_rank() != 0:
+    if not writes_here(model):
         return str(path)  # FSDP2: every rank gathers the shards (above), rank 0 writes
     os.makedirs(path, exist_ok=True)
     weights = os.path.join(path, WEIGHTS_NAME)
@@ -122,8 +122,8 @@ def load_adapters(model, path: str | os.PathLike, verify: bool = True, strict: b
     check_wrapped_base_weights(path, saved, model.base_model, model.frozen_base.fingerprint, strict)
     with torch.no_grad():
         for name, layer in layers.items():
-            layer.lora_A.copy_(tensors[f"{name}.lora_A"])
-            layer.lora_B.copy_(tensors[f"{name}.lora_B"])
+            _copy_whole(layer.lora_A, tensors[f"{name}.lora_A"])
+            _copy_whole(layer.lora_B, tensors[f"{name}.lora_B"])
         copy_scoring_head(model.scoring_head, tensors)
 
 
@@ -132,18 +132,24 @@ def copy_scoring_head(head: HypothesisScores | None, tensors: dict[str, torch.Te
     if head is not None and f"{SCORING_PREFIX}.weight" in tensors:
         with torch.no_grad():
             for part, param in head.named_parameters():
-                param.copy_(tensors[f"{SCORING_PREFIX}.{part}"])
+                _copy_whole(param, tensors[f"{SCORING_PREFIX}.{part}"])
 
 
-def _full_tensor(value: torch.Tensor) -> torch.Tensor:
-    """``value`` whole: a DTensor (a parameter sharded by FSDP2's ``fully_shard``) gathered from every rank."""
-    return value.full_tensor() if hasattr(value, "full_tensor") and hasattr(value, "placements") else value
+def _copy_whole(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy the whole tensor ``value`` into ``param``; a DTensor (an FSDP2 shard, e.g. resuming under FSDP) takes its
+    own part of it, cut on this rank (every rank read the same file: no communication)."""
+    if hasattr(param, "placements"):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(value)
 
 
-def _sharded(model: nn.Module) -> bool:
-    """Whether some trainable tensor of ``model`` is an FSDP2 shard (a DTensor) in an initialised process group."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and any(
-        hasattr(p, "placements") for p in model.parameters() if p.requires_grad)
+def writes_here(model: nn.Module) -> bool:
+    """Whether this process writes ``model``'s files: always, unless a trainable tensor is an FSDP2 shard (a DTensor)
+    in an initialised process group; then every rank gathers the shards and rank 0 alone writes."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized() and any(
+        hasattr(p, "placements") for p in model.parameters() if p.requires_grad)) or torch.distributed.get_rank() == 0
 
 
 def read_adapters(path: str | os.PathLike, verify: bool = True,

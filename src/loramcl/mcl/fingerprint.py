@@ -57,7 +57,7 @@ class FrozenBase:
     """The base model as it was before any adapter was added (``replace_modules`` measures it and passes it in).
 
     fingerprint: of its weights (``base_fingerprint``), written by ``save_pretrained`` and checked by
-        ``load_adapters``; None where the weights could not be read (meta device, a shard).
+        ``load_adapters``; None where the weights could not be read (the meta device).
     requires_grad: (parameter, flag) before it was frozen, restored by ``unload``.
     """
 
@@ -66,7 +66,13 @@ class FrozenBase:
 
 
 def _readable(param: torch.Tensor) -> bool:
-    return param.device.type != "meta" and not hasattr(param, "placements")  # not on meta, not an FSDP2 shard
+    return param.device.type != "meta"
+
+
+def whole_tensor(param: torch.Tensor) -> torch.Tensor:
+    """``param``'s values, all of them: a DTensor (a shard of FSDP2's ``fully_shard``, or of a model transformers
+    loaded sharded) is gathered from every rank, a collective that every rank must make, in the same order."""
+    return param.full_tensor() if hasattr(param, "placements") and hasattr(param, "full_tensor") else param
 
 
 def _block_weights(device: torch.device) -> torch.Tensor:
@@ -101,7 +107,9 @@ def _block_sums(param: torch.Tensor, buffers: dict) -> torch.Tensor:
 
 def base_fingerprint(model: nn.Module) -> str | None:
     """``sha256-bf16-all:`` and a hex digest of every value of ``model``'s floating-point parameters (see the module
-    docstring), or None when some weight cannot be read here (on the meta device, or an FSDP2 shard)."""
+    docstring), or None when some weight cannot be read here (on the meta device). Sharded weights (DTensors) are
+    gathered whole, one at a time (``get_mcl_model`` and ``load_mcl_model`` run on every rank): the fingerprint of a
+    sharded model is that of the same model unsharded."""
     if id(model) in _known:
         return _known[id(model)]
     digest, buffers = hashlib.sha256(), {}
@@ -114,14 +122,14 @@ def base_fingerprint(model: nn.Module) -> str | None:
                 if not _readable(value):
                     return None
                 digest.update(f"{layer_name}.{part}:quantized{value.numel()};".encode())
-                digest.update(_block_sums(value, buffers).numpy().astype("<f8").tobytes())
+                digest.update(_block_sums(whole_tensor(value), buffers).numpy().astype("<f8").tobytes())
             continue
         if not param.is_floating_point():
             continue
         if not _readable(param):
             return None
         digest.update(f"{name}:{tuple(param.shape)};".encode())
-        digest.update(_block_sums(param, buffers).numpy().astype("<f8").tobytes())
+        digest.update(_block_sums(whole_tensor(param), buffers).numpy().astype("<f8").tobytes())
     return f"{FULL}:" + digest.hexdigest()[:32]
 
 
@@ -133,7 +141,7 @@ def sampled_fingerprint(model: nn.Module) -> str | None:
             continue
         if not _readable(param):
             return None
-        values = param.detach()
+        values = whole_tensor(param).detach()
         values = values.reshape(values.shape[0], -1) if values.dim() > 0 else values.reshape(1, 1)
         rows = torch.linspace(0, values.shape[0] - 1, min(ROWS, values.shape[0])).round().long()
         sample = values[rows.to(values.device), :COLUMNS].to("cpu", torch.bfloat16).contiguous()
@@ -200,12 +208,12 @@ def _problem(path, saved: dict, model: nn.Module, fingerprint: str | None) -> tu
     unverified = "are not verified (strict=True, or --strict true in loramcl generate / nll, refuses this)"
     if recorded is None:
         return AdapterFilesWarning, (
-            f"the adapters in {path} record no base_fingerprint (removed, or saved from a model on the meta device "
-            f"or sharded): the base weights they were trained on {unverified}. Save them again from the model on its "
+            f"the adapters in {path} record no base_fingerprint (removed, or saved from a model on the meta device): "
+            f"the base weights they were trained on {unverified}. Save them again from the model on its "
             "base to record it")
     if fingerprint is None:
         return AdapterFilesWarning, (
-            f"this {type(model).__name__}'s weights cannot be read here (on the meta device or sharded), so the base "
+            f"this {type(model).__name__}'s weights cannot be read here (on the meta device), so the base "
             f"weights of the adapters in {path} {unverified}")
     if recorded == fingerprint:
         return None

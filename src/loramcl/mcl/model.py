@@ -111,6 +111,8 @@ class MCLModel(ActivationCheckpointing, nn.Module):
 
     # Our loss is a mean over examples: let Trainer divide it for gradient accumulation.
     accepts_loss_kwargs = False
+    # The base's layer classes (its decoder layers): accelerate's FSDP auto-wrap makes each one a unit of its own.
+    _no_split_modules = property(lambda self: getattr(self.base_model, "_no_split_modules", None))
     method = "mcl"
     export_refusal: str | None = None
     merge_refusal: str | None = None

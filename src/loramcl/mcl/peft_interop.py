@@ -16,8 +16,10 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from loramcl.mcl.adapter_files import writes_here
 from loramcl.mcl.compat import peft_default_targets, peft_quantization_backend, peft_targets
 from loramcl.mcl.config import MCLConfig
+from loramcl.mcl.fingerprint import whole_tensor
 from loramcl.mcl.quantization import LOSSY_MERGE, SUPPORTED, quantization_backend, unusable_here
 from loramcl.utils.validate import OptionError
 
@@ -43,10 +45,12 @@ def export_hypothesis(model, k: int, path: str | os.PathLike, fold_scaling: bool
     elif reason := activated_lora_refusal(model, alora_invocation_tokens):
         raise ValueError(reason)
     lora_config = peft_lora_config(model, fold_scaling, alora_invocation_tokens)
+    tensors = hypothesis_tensors(model, k, fold_scaling)  # FSDP2 shards gathered by every rank, as save_pretrained
+    if not writes_here(model):
+        return str(path)
     os.makedirs(path, exist_ok=True)
     lora_config.save_pretrained(path)
-    safetensors.torch.save_file(hypothesis_tensors(model, k, fold_scaling), os.path.join(path, PEFT_WEIGHTS_NAME),
-                                metadata={"format": "pt"})
+    safetensors.torch.save_file(tensors, os.path.join(path, PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
     return str(path)
 
 
@@ -77,8 +81,8 @@ def hypothesis_tensors(model, k: int, fold_scaling: bool = False) -> dict[str, t
     with ``fold_scaling``)."""
     tensors = {}
     for name, layer in model.mcl_layers():
-        lora_b = layer.lora_B[k].detach() * (layer.scaling if fold_scaling else 1)
-        tensors[f"base_model.model.{name}.lora_A.weight"] = layer.lora_A[k].detach().T.contiguous().cpu()
+        lora_b = whole_tensor(layer.lora_B.detach())[k] * (layer.scaling if fold_scaling else 1)
+        tensors[f"base_model.model.{name}.lora_A.weight"] = whole_tensor(layer.lora_A.detach())[k].T.contiguous().cpu()
         tensors[f"base_model.model.{name}.lora_B.weight"] = lora_b.T.contiguous().cpu()
     return tensors
 

@@ -312,11 +312,11 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     writing = trainer.is_world_process_zero()  # the other processes hold the same adapters, or shards of them
     if writing or trainer.is_fsdp_enabled:  # sharded: every process takes part in gathering them; the first writes
         mcl_model.save_pretrained(out_dir)
+        if method == "mcl" and mcl.num_hypotheses == 1:  # likewise
+            mcl_model.export_hypothesis(0, out_dir / PEFT_FOLDER)
     if writing:
         if processor is not None:
             processor.save_pretrained(out_dir)
-        if method == "mcl" and mcl.num_hypotheses == 1:
-            mcl_model.export_hypothesis(0, out_dir / PEFT_FOLDER)
         (out_dir / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
     trainable, total = mcl_model.parameter_counts()
     run = {"settings": settings, "resumed_from": trainer.resumed_from and Path(trainer.resumed_from).name,

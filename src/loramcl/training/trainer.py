@@ -28,6 +28,7 @@ from loramcl.mcl.losses import winners as loss_winners
 from loramcl.mcl.model import MCLModel
 from loramcl.mcl.nll import IGNORE_INDEX, examples_without_targets
 from loramcl.training.checkpoints import StagedCheckpoints, checkpoint_step, checkpoint_to_resume
+from loramcl.training.distributed import AdaptersOnlyStateDict, refuse_data_parallel, refuse_fsdp1
 
 TRAINING_ARGS_NAME = "training_args.json"  # TrainingArguments.to_dict(), tokens masked; never read back
 # Private Trainer methods MCLTrainer overrides, each where no public hook or callback event computes the same (the
@@ -169,7 +170,8 @@ class MCLTrainer(Trainer):
     ``processing_class``, else from the model's config). A ``datasets.Dataset`` of rows in one of TRL's formats
     (prompt/completion, conversational, messages, text; multi-reference rows) is tokenized with ``processing_class``
     as ``SFTTrainer`` prepares it (``loramcl.data.prepare_dataset``: labels on the completion or the assistant turns);
-    packing is refused.
+    packing is refused. Under FSDP2 every process gathers the adapters at each save and the first writes them;
+    checkpoints hold no frozen base (``training.distributed``). FSDP version 1 and ``nn.DataParallel`` are refused.
     """
 
     def __init__(self, model: MCLModel | None = None, *args, two_pass_wta: bool = True,
@@ -200,9 +202,10 @@ class MCLTrainer(Trainer):
             given[name] = _tokenized(given.get(name), given.get("processing_class"), given["args"], model, name)
         self._checkpoints = StagedCheckpoints(self._wait_for_pushes)
         self._scoring_gradients = _ScoringGradients(self)
+        self._adapters_only = AdaptersOnlyStateDict(self)
         super().__init__(**given)
         refuse_fsdp1(getattr(getattr(self.accelerator.state, "fsdp_plugin", None), "fsdp_version", None))  # launcher
-        for callback in (self._checkpoints, self._scoring_gradients):
+        for callback in (self._checkpoints, self._scoring_gradients, self._adapters_only):
             self.add_callback(callback)
         if given.get("data_collator") is None:  # Trainer's default cannot pad labels: rows of any length work
             self.data_collator = PadExamples(padding_id(self.processing_class, model))
@@ -295,6 +298,7 @@ class MCLTrainer(Trainer):
         finally:
             self._checkpoints.unstage(self.args)
             self._scoring_gradients.restore()
+            self._adapters_only.remove()
 
     def set_initial_training_values(self, args: TrainingArguments, dataloader) -> tuple:
         values = super().set_initial_training_values(args, dataloader)
@@ -427,16 +431,31 @@ class MCLTrainer(Trainer):
             "adapters' scaling alpha / r (the paper's: 1 to 4) or the learning rate, or check the inputs of the base "
             "model.")
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer's, except under FSDP: there Trainer would gather the whole model (the frozen base too) for its state
+        dict, or with ``SHARDED_STATE_DICT`` write none of our files; the adapters alone are gathered instead, by every
+        process (``MCLModel.save_pretrained``), and the first writes them."""
+        if not self.is_fsdp_enabled:
+            return super().save_model(output_dir, _internal_call)
+        self._save(output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        # save_model gathers the state dict (DeepSpeed, FSDP) and hands it here: the one place to write our files.
+        # save_model gathers the state dict (DeepSpeed) and hands it here: the one place to write our files.
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if not self.args.should_save:
+        if not (self.args.should_save or self.is_fsdp_enabled):  # under FSDP every rank gathers the adapters
             return
-        if self._nonfinite_loss:  # this rank's own flags: _save runs on the writing rank only
+        nonfinite = torch.stack([self._nonfinite_loss, self._nonfinite_grad_norm])  # this rank's own flags
+        if self.is_fsdp_enabled:  # every rank is here: all stop together, none left waiting in the gathering
+            nonfinite = self.accelerator.reduce(nonfinite.int(), reduction="sum")
+        if nonfinite[0]:
             self._raise_nonfinite()
-        if self._nonfinite_grad_norm:
+        if nonfinite[1]:
             self._raise_nonfinite_grad_norm()
         self._mcl_model().save_pretrained(output_dir, state_dict=state_dict)
+        if not self.args.should_save:
+            return
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         arguments = self.args.to_dict()  # tokens masked
@@ -479,30 +498,6 @@ def _own_arguments(args: TrainingArguments | None) -> TrainingArguments:
     if args.ddp_find_unused_parameters is None:
         args.ddp_find_unused_parameters = False
     return args
-
-
-def refuse_data_parallel(args: TrainingArguments) -> None:
-    """Several GPUs seen by one process (no torchrun): Trainer would wrap the model in ``nn.DataParallel``, whose
-    replicas run in threads on one shared routing object with hooks bound to the original model, so the K copies of
-    the batch are never made and the forward fails or misroutes. One process per GPU (DDP) is what works."""
-    if args.n_gpu > 1:
-        raise ValueError(
-            f"{args.n_gpu} GPUs are visible to this one process: Trainer would train with torch.nn.DataParallel, "
-            "which LoRA-MCL's shared hypothesis routing does not support. Launch one process per GPU: torchrun "
-            f"--nproc_per_node {args.n_gpu} -m loramcl.cli train ... (or accelerate launch --num_processes "
-            f"{args.n_gpu} -m loramcl.cli ...), or show this process one GPU (CUDA_VISIBLE_DEVICES=0)")
-
-
-def refuse_fsdp1(version: int | None) -> None:
-    """FSDP version 1 flattens the parameters of each wrapped unit into one flat tensor of one dtype, and an adapted
-    layer holds the frozen bf16 base beside float32 adapters (and MCLModel names no unit to wrap by): refused, with
-    the FSDP2 settings that shard each parameter on its own."""
-    if version == 1:
-        raise ValueError(
-            "FSDP version 1 flattens each wrapped unit into one tensor of one dtype, and LoRA-MCL's layers hold a "
-            "bf16/fp16 base beside float32 adapters: use FSDP2, TrainingArguments(fsdp=True, fsdp_config="
-            "{'version': 2}) (transformers' default version), or fsdp_version: 2 in the accelerate config "
-            "(accelerate launch --use_fsdp --fsdp_version 2)")
 
 
 def _tokenized(dataset, processing_class, args: TrainingArguments, model: MCLModel, name: str):
