@@ -225,6 +225,19 @@ def serving_line(line: str) -> None:
         assert re.search(r'"model": "h[01]"', line), line
 
 
+def serve_vllm_line(line: str) -> None:
+    """A line of docs/guide/serving.md running benchmarks/serve_vllm.py: its arguments parse with the script's own
+    parser (run by hand, in vLLM's environment for the `vllm` half)."""
+    import importlib.util
+    import shlex
+
+    spec = importlib.util.spec_from_file_location("serve_vllm", ROOT / "benchmarks" / "serve_vllm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    words = shlex.split(line)
+    module.arguments().parse_args(words[words.index("benchmarks/serve_vllm.py") + 1:])
+
+
 _QUICK_DATA = ("--quick", "true", "--stop_after", "data")
 _CUT = ("the pipeline up to its data (options, recipe, model, data written and read back); covered_by runs the "
         "rest end to end")
@@ -577,6 +590,10 @@ REGISTRY = {
         "python convert_lora_to_gguf.py exported-folded/h0 --base models/SmolLM2-135M-Instruct --outfile h0.gguf",
         "python convert_lora_to_gguf.py exported-folded/h1 --base models/SmolLM2-135M-Instruct --outfile h1.gguf",
         "llama-server -m base.gguf --lora h0.gguf --lora h1.gguf --lora-init-without-apply")},
+    **{(G + "serving.md", line): Check(serve_vllm_line, why="vLLM's CPU build in an environment of its own, run by "
+                                       "hand (the parity it prints is written in the doc)") for line in (
+        "python benchmarks/serve_vllm.py ours --run runs/mcl --prompts test.jsonl --n 64 --out ours.json",
+        "vllm-env/bin/python benchmarks/serve_vllm.py vllm --exported exported --ours ours.json")},
 }
 
 def _subset(recipe) -> None:
