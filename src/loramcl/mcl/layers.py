@@ -103,14 +103,15 @@ class MCLLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         result = self.base_layer(x, *args, **kwargs)  # [..., d_out]
-        if self.routing.mode == DISABLED:
+        routing = self.routing
+        if routing.mode == DISABLED:
             return result
         # The matmuls run in the activations' dtype on the float32 master weights cast to it (autograd casts their
         # gradients back): casting x up instead would save a float32 copy of every adapted layer's input for the
         # backward pass, 2x a bfloat16 input's bytes, once per layer that reads it (q, k and v: three copies).
-        h = self.dropout(x)  # [rows, ..., d_in]
-        if (self.routing.mode != SINGLE and self.routing.positions is None and result.dtype == h.dtype
-                and not torch.is_grad_enabled()):
+        h = self.dropout(x) if self.training else x  # [rows, ..., d_in]; dropout is the identity in eval mode
+        if routing.mode != SINGLE and routing.positions is None and result.dtype == h.dtype and not (
+                torch.is_grad_enabled()):
             # decoding: result + scaling * (h A) B in one batched matmul, no delta tensor, no separate scaling
             grouped, a, b = self._grouped(h)
             out = result.reshape(grouped.shape[0], -1, self.out_features)  # [n, m*T, d_out], a view
@@ -144,20 +145,25 @@ class MCLLoraLinear(nn.Module):
                     "rows: the batch is on dimension 1 (a time-first layout, as in XLNet or FSMT), and LoRA-MCL "
                     "routes the rows of dimension 0. Such models are not supported.")
             grouped = h.reshape(self.num_hypotheses, -1, d_in)  # [K, B*T, d_in], hypothesis-major
-            return grouped, self._first_factor(h.dtype), self.lora_B.to(h.dtype)  # [K, d_in, r], [K, r, d_out]
+            return grouped, self._first_factor(h.dtype), self._second_factor(h.dtype)  # [K, d_in, r], [K, r, d_out]
         if routing.mode == INDEXED:
-            index = routing.index.to(self.lora_A.device)  # [n]
-            if rows % index.numel():
-                raise RuntimeError(f"{rows} rows cannot be split among {index.numel()} hypothesis indices")
+            entries = routing.index.numel()
+            if rows % entries:
+                raise RuntimeError(f"{rows} rows cannot be split among {entries} hypothesis indices")
             # entry i owns rows i*m ... (i+1)*m - 1 (m = rows / n): one block of consecutive rows per entry, so each
             # entry's adapters are gathered once, not once per row (issue 41: at a decoding batch of 80 rows the
             # per-row gather wrote and read GBs of weight copies per step); none when the entries are 0 ... K-1
-            grouped = h.reshape(index.numel(), -1, d_in)  # [n, m*T, d_in]
+            grouped = h.reshape(entries, -1, d_in)  # [n, m*T, d_in]
             if routing.ordered:
-                return grouped, self._first_factor(h.dtype), self.lora_B.to(h.dtype)
+                return grouped, self._first_factor(h.dtype), self._second_factor(h.dtype)
+            index = routing.index.to(self.lora_A.device)  # [n]
             return (grouped, self._first_factor(h.dtype, index),  # [n, d_in, r]
                     self.lora_B.index_select(0, index).to(h.dtype))  # [n, r, d_out]
         raise RuntimeError(f"unknown routing mode {routing.mode!r}")
+
+    def _second_factor(self, dtype: torch.dtype) -> torch.Tensor:
+        b = self.lora_B  # [K, r, d_out]
+        return b if b.dtype == dtype else b.to(dtype)
 
     def _first_factor(self, dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:
         """A [K or n, d_in, r] in ``dtype``. On the CPU without gradient, a view of A^T [K, r, d_in] (contiguous),
