@@ -33,9 +33,9 @@ def _each_alone(layer: MCLLoraLinear, x: torch.Tensor, hypotheses: list[int]) ->
 @pytest.mark.parametrize("hypotheses", [None, [0, 1, 2], [2, 0]])
 def test_the_decoding_forward_equals_each_hypothesis_alone(hypotheses):
     """Stacked, indexed 0 ... K-1 (no gather) and indexed [2, 0] (a gather of the kept copy), on [rows, T, d] and
-    [rows, d] inputs."""
+    [rows, d] inputs, fewer and more than 16 rows per hypothesis (two ways of computing h A)."""
     layer = _layer()
-    for shape in [(6, 5, 16), (6, 16)]:
+    for shape in [(6, 5, 16), (6, 9, 16), (6, 16)]:
         x = torch.randn(*shape[:-1], 16)
         order = list(range(K)) if hypotheses is None else hypotheses
         x = x[: len(order) * 2]
@@ -85,3 +85,18 @@ def test_a_bf16_decoding_forward_keeps_its_dtype_and_matches_the_training_forwar
         decoded = layer(x)
     assert decoded.dtype == torch.bfloat16
     assert torch.allclose(decoded.float(), expected.float(), atol=3e-2, rtol=2e-2), (decoded - expected).abs().max()
+
+
+def test_a_hook_on_the_base_layer_keeps_the_base_output_it_was_handed():
+    """The adapters' term is added into the base layer's output in place only when no hook of the base layer holds
+    that output."""
+    layer = _layer()
+    x = torch.randn(6, 4, 16)
+    set_routing(layer.routing, torch.tensor([0, 1, 2]), K, rows=None, copies=True)
+    handed = []
+    layer.base_layer.register_forward_hook(lambda module, args, output: handed.append(output))
+    with torch.no_grad():
+        decoded = layer(x)
+        base = layer.base_layer.forward(x)
+    assert torch.equal(handed[0], base) and not torch.allclose(decoded, base)
+    assert torch.allclose(decoded, layer(x), atol=1e-6)

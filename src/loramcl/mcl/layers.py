@@ -112,10 +112,15 @@ class MCLLoraLinear(nn.Module):
         h = self.dropout(x) if self.training else x  # [rows, ..., d_in]; dropout is the identity in eval mode
         if routing.mode != SINGLE and routing.positions is None and result.dtype == h.dtype and not (
                 torch.is_grad_enabled()):
-            # decoding: result + scaling * (h A) B in one batched matmul, no delta tensor, no separate scaling
-            grouped, a, b = self._grouped(h)
-            out = result.reshape(grouped.shape[0], -1, self.out_features)  # [n, m*T, d_out], a view
-            return torch.baddbmm(out, torch.bmm(grouped, a), b, alpha=self.scaling).view(result.shape)
+            # decoding: result + scaling * (h A) B in one batched matmul, no delta tensor, no separate scaling;
+            # into the base layer's fresh output unless a hook of the base layer was handed it
+            grouped, a, b = self._grouped(h)  # [n, m*T, d_in]
+            # h A as (A^T h^T)^T from m*T = 16 rows on: the CPU's batched matmul is faster with the long side last
+            projected = torch.bmm(grouped, a) if grouped.shape[1] < 16 else torch.bmm(a.mT, grouped.mT).mT.contiguous()
+            out = result.reshape(grouped.shape[0], -1, self.out_features)  # [n, m*T, d_out]
+            if self.base_layer._forward_hooks or out.data_ptr() != result.data_ptr():
+                return torch.baddbmm(out, projected, b, alpha=self.scaling).view(result.shape)
+            return out.baddbmm_(projected, b, alpha=self.scaling).view(result.shape)
         delta = self._adapter_delta(h)  # [rows, ..., d_out], h's dtype
         if self.routing.positions is not None:
             if tuple(delta.shape[:2]) != tuple(self.routing.positions.shape[:2]):
