@@ -120,7 +120,8 @@ class MCLLoraLinear(nn.Module):
             out = result.reshape(grouped.shape[0], -1, self.out_features)  # [n, m*T, d_out]
             if self.base_layer._forward_hooks or out.data_ptr() != result.data_ptr():
                 return torch.baddbmm(out, projected, b, alpha=self.scaling).view(result.shape)
-            return out.baddbmm_(projected, b, alpha=self.scaling).view(result.shape)
+            out.baddbmm_(projected, b, alpha=self.scaling)  # a view of result: result holds the sum
+            return result
         delta = self._adapter_delta(h)  # [rows, ..., d_out], h's dtype
         if self.routing.positions is not None:
             if tuple(delta.shape[:2]) != tuple(self.routing.positions.shape[:2]):
