@@ -10,7 +10,9 @@ targets, B chat prompts, greedy: the sides take turns repeat by repeat, and the 
   step by step);
 - log_probs=False;
 - step logits: log_probs=True as it was before issue 41 (transformers' ``output_logits``, an fp32 [rows, V] kept
-  per step, read back after generate).
+  per step, read back after generate);
+- PEFT mixed batch: the same hypotheses as PEFT adapters (``loramcl.to_peft``), row group k named ``h{k}`` in one
+  ``generate(..., adapter_names=...)`` (issue 40's peer).
 
 Times are the process's CPU time (one thread: the machine's other processes do not count), and peak resident memory
 above the model's (glibc told to return freed memory at once). Then the teacher-forced re-scoring of the candidates
@@ -33,6 +35,7 @@ from common import RELEASE_FREED_MEMORY, peak_mib
 
 from loramcl import MCLConfig, get_mcl_model
 from loramcl.decoding import generate_hypotheses, strategies
+from loramcl.mcl.export import to_peft
 from loramcl.mcl.nll import token_log_probs
 
 TOPICS = ["the sea", "a quiet library", "autumn leaves", "a train station", "coffee", "mountains at dawn",
@@ -47,7 +50,7 @@ def chat_prompts(tokenizer, count: int) -> dict:
     return dict(tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False))
 
 
-def sides(bare, mcl, tokenizer, inputs: dict, k: int, new_tokens: int, beams: int) -> dict:
+def sides(bare, mcl, peft, tokenizer, inputs: dict, k: int, new_tokens: int, beams: int) -> dict:
     rows = {name: value.repeat(k, 1) for name, value in inputs.items()}  # the K*B rows, hypothesis-major
     settings = dict(max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id, num_beams=beams,
                     strategy="beam" if beams > 1 else "greedy")
@@ -57,6 +60,13 @@ def sides(bare, mcl, tokenizer, inputs: dict, k: int, new_tokens: int, beams: in
         with torch.no_grad():
             sequences = bare.generate(**rows, do_sample=False, max_new_tokens=new_tokens, num_beams=beams,
                                       pad_token_id=tokenizer.pad_token_id)
+        return sequences[:, rows["input_ids"].shape[1]:]
+
+    def peft_side():
+        names = [f"h{h}" for h in range(k) for _ in range(len(rows["input_ids"]) // k)]  # hypothesis-major
+        with torch.no_grad():
+            sequences = peft.generate(**rows, adapter_names=names, do_sample=False, max_new_tokens=new_tokens,
+                                      num_beams=beams, pad_token_id=tokenizer.pad_token_id)
         return sequences[:, rows["input_ids"].shape[1]:]
 
     def step_logits():
@@ -69,7 +79,7 @@ def sides(bare, mcl, tokenizer, inputs: dict, k: int, new_tokens: int, beams: in
     return {"bare": bare_side,
             "loramcl": lambda: generate_hypotheses(mcl, None, inputs, **settings),
             "log_probs=False": lambda: generate_hypotheses(mcl, None, inputs, log_probs=False, **settings),
-            "step logits (before)": step_logits}
+            "step logits (before)": step_logits, "PEFT mixed batch": peft_side}
 
 
 def cpu_medians(runs: dict, repeats: int) -> dict:
@@ -85,7 +95,9 @@ def cpu_medians(runs: dict, repeats: int) -> dict:
 def check_same_tokens(outputs: dict, eos: int) -> None:
     bare = [[t for t in row if t != eos] for row in outputs["bare"].tolist()]
     for name, candidates in outputs.items():
-        if name == "bare":
+        if torch.is_tensor(candidates):  # a plain generate's tokens [K*B, L], hypothesis-major
+            if not torch.equal(candidates, outputs["bare"]):
+                raise RuntimeError(f"{name}: other tokens than the bare model's")
             continue
         k = len(candidates[0])
         decoded = [candidates[i][c].token_ids for c in range(k) for i in range(len(candidates))]  # hypothesis-major
@@ -134,8 +146,10 @@ def main() -> None:
     bare = AutoModelForCausalLM.from_pretrained(args.model).eval()
     mcl = get_mcl_model(AutoModelForCausalLM.from_pretrained(args.model),
                         MCLConfig(num_hypotheses=args.hypotheses)).eval()
+    peft = to_peft(get_mcl_model(AutoModelForCausalLM.from_pretrained(args.model),
+                                 MCLConfig(num_hypotheses=args.hypotheses)), inplace=True).eval()
     inputs = chat_prompts(tokenizer, args.batch)
-    runs = sides(bare, mcl, tokenizer, inputs, args.hypotheses, args.new_tokens, args.beams)
+    runs = sides(bare, mcl, peft, tokenizer, inputs, args.hypotheses, args.new_tokens, args.beams)
     k, b = args.hypotheses, args.batch
     decoding = "greedy" if args.beams == 1 else f"beam {args.beams}"
     print(f"{args.model}: K={k}, B={b} prompts of up to {inputs['input_ids'].shape[1]} tokens, {args.new_tokens} new "

@@ -59,6 +59,14 @@ TRAINING += [(variant, k) for k in KS[1:] for variant in ("wta-one-pass", "wta-t
 DECODING = [(3, "greedy", 1, True), (5, "greedy", 1, True), (5, "beam", 2, True), (5, "greedy", 1, False)]
 PEERS = [(k, strategy, beams, batch) for k in (3, 5) for strategy, beams in (("greedy", 1), ("beam", 2))
          for batch in (1, 8)]
+
+
+def peer_name(setting: tuple) -> str:
+    """A PEERS setting as --peers names it: K/decoding/batch, e.g. 5/beam2/8."""
+    k, strategy, beams, batch = setting
+    return f"{k}/{strategy if beams == 1 else f'beam{beams}'}/{batch}"
+
+
 PEER_SIDES = ("bare", "loramcl", "loramcl-no-log-probs", "peft")
 SECTIONS = ("training", "context", "decoding", "peers")
 AUDIO_TARGETS = [*TARGETS, "fc1", "fc2"]  # the paper's: the audio encoder's layers too (q, k, v, fc1, fc2)
@@ -384,11 +392,11 @@ def peers(suite: Suite, args) -> list[dict] | str:
     from loramcl.mcl.copies import repeat_examples
     from loramcl.mcl.export import to_peft
 
-    rows = []
-    for k in sorted({k for k, *_ in PEERS}):
+    rows, settings = [], [p for p in PEERS if args.peers is None or peer_name(p) in args.peers]
+    for k in sorted({k for k, *_ in settings}):
         mcl = suite.wrap(k)[0].eval()
         peft = to_peft(suite.wrap(k)[0].eval(), inplace=True)  # the same hypotheses, on a twin of the base
-        for _, strategy, beams, batch in [p for p in PEERS if p[0] == k]:
+        for _, strategy, beams, batch in [p for p in settings if p[0] == k]:
             inputs = {name: value for name, value in suite.batch(suite.shape.prompt, 0, batch, seed=2).items()
                       if name != "labels"}
             copies = repeat_examples(inputs, k, batch)  # hypothesis-major, as generate_hypotheses lays them out
@@ -581,6 +589,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "two-pass MCL vs PEFT's K=1 LoRA on unquantized, nf4, int8 and torchao int8 bases")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="what to measure (default: all)")
+    parser.add_argument("--peers", nargs="+", choices=[peer_name(p) for p in PEERS],
+                        help="only these peer settings, K/decoding/batch (default: all; one a run keeps each short)")
     args = parser.parse_args(argv)
     shape = SHAPES[args.shape]
     args.seqs = tuple(args.seqs or shape.seqs)

@@ -97,15 +97,20 @@ def test_subset_of_hypotheses_in_the_asked_order():
         assert [c.token_ids for c in subset[i]] == [full[i][2].token_ids, full[i][0].token_ids]
 
 
-def test_log_prob_is_the_raw_model_likelihood_of_the_candidate():
-    """log_prob = sum of log p_k(token | prefix) under hypothesis k, unprocessed (here with a repetition penalty
-    and beam search), end-of-sequence token included: checked by a teacher-forced forward."""
+@pytest.mark.parametrize("strategy,num_beams", [("greedy", 1), ("beam", 2), ("sample", 1)])
+def test_log_prob_is_the_raw_model_likelihood_of_the_candidate(strategy, num_beams):
+    """log_prob = sum of log p_k(token | prefix) under hypothesis k, unprocessed (here with a repetition penalty),
+    end-of-sequence token included, as recorded during generate for greedy search, beam search and sampling:
+    checked by a teacher-forced forward of each candidate alone."""
     mcl, _, _, _ = wrapped_model("llama", num_hypotheses=K)
+    randomize_adapters(mcl, std=0.5)
     prompts = torch.randint(3, 80, (2, 5), generator=torch.Generator().manual_seed(3))
     inputs = {"input_ids": prompts, "attention_mask": torch.ones_like(prompts)}
-    eos = 7  # a frequent token of this random model, so that some candidates end early
-    outs = generate_hypotheses(mcl, None, inputs, strategy="beam", num_beams=2, max_new_tokens=NEW_TOKENS,
-                               repetition_penalty=1.3, eos_token_id=eos, pad_token_id=0)
+    settings = dict(strategy=strategy, num_beams=num_beams, max_new_tokens=NEW_TOKENS, repetition_penalty=1.3,
+                    pad_token_id=0, seed=4)
+    first = generate_hypotheses(mcl, None, inputs, log_probs=False, eos_token_id=10**6, **settings)[0][0]
+    eos = first.token_ids[2]  # so that some candidates end early, their EOS counted
+    outs = generate_hypotheses(mcl, None, inputs, eos_token_id=eos, **settings)
     ended = 0
     for i in range(2):
         for k in range(K):

@@ -13,7 +13,8 @@ from loramcl.mcl.nll import token_log_probs
 
 
 def test_token_log_probs_equal_the_full_log_softmax_in_blocks(monkeypatch):
-    """Any number of rows and blocks, with and without a row index, in fp32 and bf16 logits."""
+    """Any number of rows and blocks, with and without a row index, fewer or more chosen rows than logits rows (beam
+    search: each logits row's log-softmax once), in fp32 and bf16 logits."""
     from loramcl.mcl import nll
 
     g = torch.Generator().manual_seed(0)
@@ -24,10 +25,14 @@ def test_token_log_probs_equal_the_full_log_softmax_in_blocks(monkeypatch):
     monkeypatch.setattr(nll, "BLOCK_ELEMENTS", 120)  # 2 rows a block
     assert torch.allclose(token_log_probs(logits, tokens, rows), full[rows, tokens], atol=1e-6)
     assert torch.allclose(token_log_probs(logits[:9], tokens), full[torch.arange(9), tokens], atol=1e-6)
+    many_rows, many_tokens = torch.randint(0, 13, (30,), generator=g), torch.randint(0, 50, (30,), generator=g)
+    assert torch.allclose(token_log_probs(logits, many_tokens, many_rows), full[many_rows, many_tokens], atol=1e-6)
     half = logits.bfloat16()
     expected = half.float().log_softmax(-1)[rows, tokens]
     assert token_log_probs(half, tokens, rows).dtype == torch.float32
     assert torch.allclose(token_log_probs(half, tokens, rows), expected, atol=1e-6)
+    expected = half.float().log_softmax(-1)[many_rows, many_tokens]
+    assert torch.allclose(token_log_probs(half, many_tokens, many_rows), expected, atol=1e-6)
 
 
 def decode_both_ways(monkeypatch, mcl, inputs, **settings):

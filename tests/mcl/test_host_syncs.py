@@ -69,4 +69,4 @@ def test_decoding_steps_read_nothing_on_the_host(monkeypatch, strategy, num_beam
                                 min_new_tokens=new_tokens, eos_token_id=7, pad_token_id=0)
         reads.append(sum(counts.values()))
     assert reads[0] == reads[1], reads
-    assert reads[0] <= 12, reads
+    assert reads[0] <= 7, reads  # 6 greedy and sampling, 7 beam search (docs/benchmarks.md)

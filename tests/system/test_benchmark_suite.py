@@ -100,6 +100,18 @@ def test_suite_runs_end_to_end_on_a_tiny_shape(name, tmp_path):
     assert "| issue 18 target |" in text and "wta-two-pass" in text and "Decoding" in text
 
 
+def test_the_peer_rows_asked_for_are_the_ones_measured(tmp_path):
+    """--peers K/decoding/batch keeps a peer run short (one setting a run on a loaded machine); an unknown one is a
+    command-line error."""
+    args = suite.parse(["--shape", "tiny", "--sections", "peers", "--peers", "3/beam2/1", "--repeats", "1",
+                        "--out", str(tmp_path)])
+    rows = suite.run(args)["peers"]
+    assert [(row["k"], row["strategy"], row["batch"]) for row in rows] == [(3, "beam 2/hypothesis", 1)]
+    assert rows[0]["same_tokens"] == 1
+    with pytest.raises(SystemExit):
+        suite.parse(["--shape", "tiny", "--peers", "4/greedy/1"])
+
+
 def test_the_indexed_routing_benchmark_checks_both_computations_agree_then_times_them(capsys, monkeypatch):
     """benchmarks/indexed_routing.py on a small layer: the gather per index entry and the former gather per row
     give the same output (the script asserts it), then one row of timings each."""

@@ -38,6 +38,7 @@ class HypothesisRouting:
     hypothesis: int = 0
     index: torch.Tensor | None = None
     per_copy: bool = False
+    ordered: bool = False  # indexed: index is 0 ... K-1 in order, so row group k runs hypothesis k (no gather)
     rows: int | None = None  # stacked: the K*B rows the K copies of the batch made (set where they are made)
     copies: int | None = None  # use_hypotheses(index, copies=True): the batch is len(index) identical copies
     # [rows, T, 1]: 1 where the adapters act, 0 where they are masked (adapt_context=False computed on the full
@@ -78,6 +79,7 @@ class MCLLoraLinear(nn.Module):
         device, dtype = base_layer.weight.device, adapter_dtype or compute_dtype(base_layer)
         self.lora_A = nn.Parameter(torch.empty(num_hypotheses, in_features, r, device=device, dtype=dtype))
         self.lora_B = nn.Parameter(torch.zeros(num_hypotheses, r, out_features, device=device, dtype=dtype))
+        self._transposed_A: tuple | None = None  # (lora_A, version, storage, dtype, A^T [K, r, d_in]): CPU decoding
         self.reset_adapters()
 
     def reset_adapters(self) -> None:
@@ -101,12 +103,25 @@ class MCLLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         result = self.base_layer(x, *args, **kwargs)  # [..., d_out]
-        if self.routing.mode == DISABLED:
+        routing = self.routing
+        if routing.mode == DISABLED:
             return result
         # The matmuls run in the activations' dtype on the float32 master weights cast to it (autograd casts their
         # gradients back): casting x up instead would save a float32 copy of every adapted layer's input for the
         # backward pass, 2x a bfloat16 input's bytes, once per layer that reads it (q, k and v: three copies).
-        h = self.dropout(x)  # [rows, ..., d_in]
+        h = self.dropout(x) if self.training else x  # [rows, ..., d_in]; dropout is the identity in eval mode
+        if routing.mode != SINGLE and routing.positions is None and result.dtype == h.dtype and not (
+                torch.is_grad_enabled()):
+            # decoding: result + scaling * (h A) B in one batched matmul, no delta tensor, no separate scaling;
+            # into the base layer's fresh output unless a hook of the base layer was handed it
+            grouped, a, b = self._grouped(h)  # [n, m*T, d_in]
+            # h A as (A^T h^T)^T from m*T = 16 rows on: the CPU's batched matmul is faster with the long side last
+            projected = torch.bmm(grouped, a) if grouped.shape[1] < 16 else torch.bmm(a.mT, grouped.mT).mT.contiguous()
+            out = result.reshape(grouped.shape[0], -1, self.out_features)  # [n, m*T, d_out]
+            if self.base_layer._forward_hooks or out.data_ptr() != result.data_ptr():
+                return torch.baddbmm(out, projected, b, alpha=self.scaling).view(result.shape)
+            out.baddbmm_(projected, b, alpha=self.scaling)  # a view of result: result holds the sum
+            return result
         delta = self._adapter_delta(h)  # [rows, ..., d_out], h's dtype
         if self.routing.positions is not None:
             if tuple(delta.shape[:2]) != tuple(self.routing.positions.shape[:2]):
@@ -116,11 +131,17 @@ class MCLLoraLinear(nn.Module):
         return result + (delta * self.scaling).to(result.dtype)
 
     def _adapter_delta(self, h: torch.Tensor) -> torch.Tensor:
-        routing, rows, d_in = self.routing, h.shape[0], self.in_features
         out_shape = (*h.shape[:-1], self.out_features)
-        if routing.mode == SINGLE:
-            k = routing.hypothesis
+        if self.routing.mode == SINGLE:
+            k = self.routing.hypothesis
             return h @ self.lora_A[k].to(h.dtype) @ self.lora_B[k].to(h.dtype)
+        grouped, a, b = self._grouped(h)
+        return torch.bmm(torch.bmm(grouped, a), b).reshape(out_shape)
+
+    def _grouped(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Stacked or indexed routing: (h's rows grouped [n, m*T, d_in], A [n, d_in, r], B [n, r, d_out]) in h's
+        dtype, group i of the rows running entry i's adapters."""
+        routing, rows, d_in = self.routing, h.shape[0], self.in_features
         if routing.mode == STACKED:
             if rows % self.num_hypotheses:
                 raise RuntimeError(f"stacked routing needs K*B rows (K={self.num_hypotheses}), got {rows}")
@@ -130,20 +151,38 @@ class MCLLoraLinear(nn.Module):
                     "rows: the batch is on dimension 1 (a time-first layout, as in XLNet or FSMT), and LoRA-MCL "
                     "routes the rows of dimension 0. Such models are not supported.")
             grouped = h.reshape(self.num_hypotheses, -1, d_in)  # [K, B*T, d_in], hypothesis-major
-            a, b = self.lora_A.to(h.dtype), self.lora_B.to(h.dtype)  # [K, d_in, r], [K, r, d_out]
-            return torch.bmm(torch.bmm(grouped, a), b).reshape(out_shape)
+            return grouped, self._first_factor(h.dtype), self._second_factor(h.dtype)  # [K, d_in, r], [K, r, d_out]
         if routing.mode == INDEXED:
-            index = routing.index.to(self.lora_A.device)  # [n]
-            if rows % index.numel():
-                raise RuntimeError(f"{rows} rows cannot be split among {index.numel()} hypothesis indices")
+            entries = routing.index.numel()
+            if rows % entries:
+                raise RuntimeError(f"{rows} rows cannot be split among {entries} hypothesis indices")
             # entry i owns rows i*m ... (i+1)*m - 1 (m = rows / n): one block of consecutive rows per entry, so each
             # entry's adapters are gathered once, not once per row (issue 41: at a decoding batch of 80 rows the
-            # per-row gather wrote and read GBs of weight copies per step)
-            grouped = h.reshape(index.numel(), -1, d_in)  # [n, m*T, d_in]
-            a = self.lora_A.index_select(0, index).to(h.dtype)  # [n, d_in, r]
-            b = self.lora_B.index_select(0, index).to(h.dtype)  # [n, r, d_out]
-            return torch.bmm(torch.bmm(grouped, a), b).reshape(out_shape)
+            # per-row gather wrote and read GBs of weight copies per step); none when the entries are 0 ... K-1
+            grouped = h.reshape(entries, -1, d_in)  # [n, m*T, d_in]
+            if routing.ordered:
+                return grouped, self._first_factor(h.dtype), self._second_factor(h.dtype)
+            index = routing.index.to(self.lora_A.device)  # [n]
+            return (grouped, self._first_factor(h.dtype, index),  # [n, d_in, r]
+                    self.lora_B.index_select(0, index).to(h.dtype))  # [n, r, d_out]
         raise RuntimeError(f"unknown routing mode {routing.mode!r}")
+
+    def _second_factor(self, dtype: torch.dtype) -> torch.Tensor:
+        b = self.lora_B  # [K, r, d_out]
+        return b if b.dtype == dtype else b.to(dtype)
+
+    def _first_factor(self, dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:
+        """A [K or n, d_in, r] in ``dtype``. On the CPU without gradient, a view of A^T [K, r, d_in] (contiguous),
+        kept until A changes (its identity, version counter or storage): the CPU's batched matmul reads its columns
+        2-4x faster than A's own layout, and a transposed copy at every call would cost more than it saves."""
+        a = self.lora_A
+        if torch.is_grad_enabled() or a.device.type != "cpu":
+            return (a if index is None else a.index_select(0, index)).to(dtype)
+        kept = self._transposed_A
+        if kept is None or kept[0] is not a or kept[1:4] != (a._version, a.data_ptr(), dtype):
+            kept = self._transposed_A = (a, a._version, a.data_ptr(), dtype, a.to(dtype).mT.contiguous())
+        transposed = kept[4]  # [K, r, d_in]
+        return (transposed if index is None else transposed.index_select(0, index)).mT
 
     def delta_weight(self, k: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight update of hypothesis k in the base layer's layout and ``dtype`` (default: its compute dtype)."""

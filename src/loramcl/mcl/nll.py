@@ -70,17 +70,33 @@ BLOCK_ELEMENTS = 1 << 22
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """log_softmax(logits.float())[rows[n], tokens[n]] for every n, without gradient: logits [R, V], tokens [N] and
     rows [N] (default: 0 ... R-1) -> [N] float32, computed in blocks of rows, so that neither an fp32 copy of the
-    logits nor their [N, V] log-softmax is ever made whole."""
+    logits nor their [N, V] log-softmax is ever made whole. Each row's log-softmax is taken once: of the rows
+    chosen when they are fewer than R, else of every logits row (beam search chooses 2 x num_beams candidates
+    from num_beams rows)."""
     vocabulary = logits.shape[-1]
     tokens = tokens.to(logits.device).long().unsqueeze(1)  # [N, 1]
     step = max(1, BLOCK_ELEMENTS // max(vocabulary, 1))
     with torch.no_grad():
         if rows is None and tokens.shape[0] <= step:
             return logits.float().log_softmax(-1).gather(1, tokens).squeeze(1)
+        if rows is not None and rows.numel() > logits.shape[0]:
+            return _gathered_per_row(logits, tokens.squeeze(1), rows.to(logits.device).long(), step)
         blocks = logits.split(step) if rows is None else (
             logits.index_select(0, chosen.to(logits.device).long()) for chosen in rows.split(step))
         return torch.cat([block.float().log_softmax(-1).gather(1, chosen).squeeze(1)
                           for block, chosen in zip(blocks, tokens.split(step), strict=True)])
+
+
+def _gathered_per_row(logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, step: int) -> torch.Tensor:
+    """``token_log_probs`` with more chosen (row, token) pairs than logits rows: the log-softmax of each block of
+    logits rows, read at the pairs whose row falls in it (indices clamped, then discarded: no host sync)."""
+    result = torch.zeros(rows.shape, device=logits.device)  # [N]
+    for start in range(0, logits.shape[0], step):
+        block = logits[start:start + step].float().log_softmax(-1)  # [b, V]
+        local = rows - start  # [N]
+        inside = (local >= 0) & (local < block.shape[0])
+        result = torch.where(inside, block[local.clamp(0, block.shape[0] - 1), tokens], result)
+    return result
 
 
 def mean_token_nll(token_logits: torch.Tensor, token_targets: torch.Tensor, rows: torch.Tensor,

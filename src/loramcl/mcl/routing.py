@@ -13,7 +13,7 @@ def set_routing(routing: HypothesisRouting, hypotheses: int | torch.Tensor | Non
     """Set ``routing`` to run ``hypotheses`` (None: all K stacked; an int; a LongTensor, one entry per example of
     ``rows`` examples or, with ``copies``, per copy of the batch), checked against ``num_hypotheses``."""
     k_max = num_hypotheses
-    routing.per_copy, routing.rows, routing.copies = False, None, None
+    routing.per_copy, routing.ordered, routing.rows, routing.copies = False, False, None, None
     routing.positions = None
     if hypotheses is None:
         routing.mode, routing.index = STACKED, None
@@ -25,13 +25,14 @@ def set_routing(routing: HypothesisRouting, hypotheses: int | torch.Tensor | Non
         routing.copies = index.numel() if copies else None
         if rows is not None and index.numel() != rows:
             raise ValueError(f"hypotheses must give one hypothesis per example ({rows}), got {index.numel()}")
-        if index.numel() == 0 or int(index.min()) < 0 or int(index.max()) >= k_max:
-            raise ValueError(f"hypothesis indices must be in [0, {k_max - 1}], got {hypotheses.tolist()}")
-        if bool((index == index[0]).all()):  # one hypothesis for every row: no per-row routing to check
-            routing.mode, routing.hypothesis, routing.index = SINGLE, int(index[0]), None
+        values = index.tolist()  # one host read for the checks and the mode
+        if not values or min(values) < 0 or max(values) >= k_max:
+            raise ValueError(f"hypothesis indices must be in [0, {k_max - 1}], got {values}")
+        if all(value == values[0] for value in values):  # one hypothesis for every row: no per-row routing to check
+            routing.mode, routing.hypothesis, routing.index = SINGLE, values[0], None
         else:
             routing.mode, routing.index = INDEXED, index.to(device)
-            routing.per_copy = copies
+            routing.per_copy, routing.ordered = copies, values == list(range(k_max))
     else:
         raise TypeError(f"hypotheses must be None, an int or a LongTensor, got {type(hypotheses).__name__}")
 

@@ -1,0 +1,102 @@
+"""MCLLoraLinear without gradient (decoding): result + scaling * (h A) B in one batched matmul, A read through a
+kept transposed copy on the CPU; the same output as the training forward, and never a stale copy of A (issue 40)."""
+
+import pytest
+import torch
+from torch import nn
+
+from loramcl.mcl.layers import HypothesisRouting, MCLLoraLinear
+from loramcl.mcl.routing import set_routing
+
+K = 3
+
+
+def _layer(dtype=torch.float32) -> MCLLoraLinear:
+    torch.manual_seed(0)
+    layer = MCLLoraLinear(nn.Linear(16, 8).to(dtype).requires_grad_(False), HypothesisRouting(), num_hypotheses=K,
+                          r=4, alpha=8, adapter_dtype=torch.float32)
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    return layer
+
+
+def _each_alone(layer: MCLLoraLinear, x: torch.Tensor, hypotheses: list[int]) -> torch.Tensor:
+    """Row group i through hypothesis hypotheses[i] alone (single routing), with gradient enabled."""
+    groups = x.chunk(len(hypotheses))
+    outputs = []
+    for k, group in zip(hypotheses, groups, strict=True):
+        set_routing(layer.routing, k, K, rows=None)
+        outputs.append(layer(group))
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize("hypotheses", [None, [0, 1, 2], [2, 0]])
+def test_the_decoding_forward_equals_each_hypothesis_alone(hypotheses):
+    """Stacked, indexed 0 ... K-1 (no gather) and indexed [2, 0] (a gather of the kept copy), on [rows, T, d] and
+    [rows, d] inputs, fewer and more than 16 rows per hypothesis (two ways of computing h A)."""
+    layer = _layer()
+    for shape in [(6, 5, 16), (6, 9, 16), (6, 16)]:
+        x = torch.randn(*shape[:-1], 16)
+        order = list(range(K)) if hypotheses is None else hypotheses
+        x = x[: len(order) * 2]
+        expected = _each_alone(layer, x, order)
+        set_routing(layer.routing, None if hypotheses is None else torch.tensor(hypotheses), K, rows=None,
+                    copies=True)
+        assert layer.routing.ordered == (hypotheses == [0, 1, 2])
+        with torch.no_grad():
+            decoded = layer(x)
+        assert torch.allclose(decoded, expected, atol=1e-6)
+
+
+def test_the_kept_transposed_a_follows_every_change_of_a():
+    """An optimizer step (in place), a copy_ under no_grad, a new Parameter and new .data all reach the next
+    decoding forward."""
+    layer = _layer()
+    x = torch.randn(6, 16)
+    set_routing(layer.routing, torch.tensor([0, 1, 2]), K, rows=None, copies=True)
+
+    def decoded_equals_training_forward():
+        with torch.no_grad():
+            decoded = layer(x)
+        return torch.allclose(decoded, layer(x), atol=1e-6)
+
+    assert decoded_equals_training_forward()
+    kept = layer._transposed_A[4]
+    optimizer = torch.optim.SGD([layer.lora_A], lr=1.0)
+    layer(x).square().sum().backward()
+    optimizer.step()
+    assert decoded_equals_training_forward()
+    assert layer._transposed_A[4] is not kept
+    with torch.no_grad():
+        layer.lora_A.copy_(torch.randn_like(layer.lora_A))
+    assert decoded_equals_training_forward()
+    layer.lora_A = nn.Parameter(torch.randn_like(layer.lora_A))
+    assert decoded_equals_training_forward()
+    layer.lora_A.data = torch.randn_like(layer.lora_A)
+    assert decoded_equals_training_forward()
+
+
+def test_a_bf16_decoding_forward_keeps_its_dtype_and_matches_the_training_forward():
+    layer = _layer(torch.bfloat16)
+    x = torch.randn(6, 5, 16, dtype=torch.bfloat16)
+    set_routing(layer.routing, torch.tensor([0, 1, 2]), K, rows=None, copies=True)
+    expected = layer(x)
+    with torch.no_grad():
+        decoded = layer(x)
+    assert decoded.dtype == torch.bfloat16
+    assert torch.allclose(decoded.float(), expected.float(), atol=3e-2, rtol=2e-2), (decoded - expected).abs().max()
+
+
+def test_a_hook_on_the_base_layer_keeps_the_base_output_it_was_handed():
+    """The adapters' term is added into the base layer's output in place only when no hook of the base layer holds
+    that output."""
+    layer = _layer()
+    x = torch.randn(6, 4, 16)
+    set_routing(layer.routing, torch.tensor([0, 1, 2]), K, rows=None, copies=True)
+    handed = []
+    layer.base_layer.register_forward_hook(lambda module, args, output: handed.append(output))
+    with torch.no_grad():
+        decoded = layer(x)
+        base = layer.base_layer.forward(x)
+    assert torch.equal(handed[0], base) and not torch.allclose(decoded, base)
+    assert torch.allclose(decoded, layer(x), atol=1e-6)
