@@ -1,10 +1,13 @@
 """MCLLoraLinear without gradient (decoding): result + scaling * (h A) B in one batched matmul, A read through a
 kept transposed copy on the CPU; the same output as the training forward, and never a stale copy of A (issue 40)."""
 
+import types
+
 import pytest
 import torch
 from torch import nn
 
+from loramcl.mcl.compat import UpstreamChanged, tensor_version
 from loramcl.mcl.layers import HypothesisRouting, MCLLoraLinear
 from loramcl.mcl.routing import set_routing
 
@@ -88,8 +91,8 @@ def test_a_bf16_decoding_forward_keeps_its_dtype_and_matches_the_training_forwar
 
 
 def test_a_hook_on_the_base_layer_keeps_the_base_output_it_was_handed():
-    """The adapters' term is added into the base layer's output in place only when no hook of the base layer holds
-    that output."""
+    """The adapters' term is added into a new tensor, never into the base layer's output: what a hook of the base
+    layer was handed stays the base output."""
     layer = _layer()
     x = torch.randn(6, 4, 16)
     set_routing(layer.routing, torch.tensor([0, 1, 2]), K, rows=None, copies=True)
@@ -100,3 +103,10 @@ def test_a_hook_on_the_base_layer_keeps_the_base_output_it_was_handed():
         base = layer.base_layer.forward(x)
     assert torch.equal(handed[0], base) and not torch.allclose(decoded, base)
     assert torch.allclose(decoded, layer(x), atol=1e-6)
+
+
+def test_a_torch_without_the_in_place_counter_is_refused_naming_it():
+    """The kept copy of A is checked against torch's in-place counter: where it is gone, decoding stops with the
+    package and what moved, never reuses a stale copy."""
+    with pytest.raises(UpstreamChanged, match=r"^torch .*Tensor\._version"):
+        tensor_version(types.SimpleNamespace())

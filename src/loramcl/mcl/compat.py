@@ -60,6 +60,17 @@ def _version_of(package: str) -> str:
         return "(not installed)"
 
 
+def tensor_version(tensor: torch.Tensor) -> int:
+    """torch's in-place counter of ``tensor`` (``Tensor._version``: every in-place write, an optimizer step's too, adds
+    one): what tells a kept copy of an adapter weight (``MCLLoraLinear``'s transposed A) that the weight changed."""
+    version = getattr(tensor, "_version", None)
+    if not isinstance(version, int):
+        raise upstream_error("Tensor._version, the in-place counter that a kept copy of the adapters' A is checked "
+                             "against at CPU decoding, is gone", "decode with torch.enable_grad() meanwhile",
+                             package="torch")
+    return version
+
+
 def cache_argument(model: nn.Module) -> str:
     """The keyword under which ``model``'s forward takes a KV cache: ``cache`` (transformers >= 5.24) or
     ``past_key_values`` (older releases), read off the forward's signature."""

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from loramcl.mcl.compat import tensor_version
 from loramcl.mcl.quantization import compute_dtype
 
 STACKED, SINGLE, INDEXED, DISABLED = "stacked", "single", "indexed", "disabled"
@@ -112,16 +113,12 @@ class MCLLoraLinear(nn.Module):
         h = self.dropout(x) if self.training else x  # [rows, ..., d_in]; dropout is the identity in eval mode
         if routing.mode != SINGLE and routing.positions is None and result.dtype == h.dtype and not (
                 torch.is_grad_enabled()):
-            # decoding: result + scaling * (h A) B in one batched matmul, no delta tensor, no separate scaling;
-            # into the base layer's fresh output unless a hook of the base layer was handed it
+            # decoding: result + scaling * (h A) B in one batched matmul, no delta tensor, no separate scaling
             grouped, a, b = self._grouped(h)  # [n, m*T, d_in]
             # h A as (A^T h^T)^T from m*T = 16 rows on: the CPU's batched matmul is faster with the long side last
             projected = torch.bmm(grouped, a) if grouped.shape[1] < 16 else torch.bmm(a.mT, grouped.mT).mT.contiguous()
             out = result.reshape(grouped.shape[0], -1, self.out_features)  # [n, m*T, d_out]
-            if self.base_layer._forward_hooks or out.data_ptr() != result.data_ptr():
-                return torch.baddbmm(out, projected, b, alpha=self.scaling).view(result.shape)
-            out.baddbmm_(projected, b, alpha=self.scaling)  # a view of result: result holds the sum
-            return result
+            return torch.baddbmm(out, projected, b, alpha=self.scaling).view(result.shape)
         delta = self._adapter_delta(h)  # [rows, ..., d_out], h's dtype
         if self.routing.positions is not None:
             if tuple(delta.shape[:2]) != tuple(self.routing.positions.shape[:2]):
@@ -179,8 +176,9 @@ class MCLLoraLinear(nn.Module):
         if torch.is_grad_enabled() or a.device.type != "cpu":
             return (a if index is None else a.index_select(0, index)).to(dtype)
         kept = self._transposed_A
-        if kept is None or kept[0] is not a or kept[1:4] != (a._version, a.data_ptr(), dtype):
-            kept = self._transposed_A = (a, a._version, a.data_ptr(), dtype, a.to(dtype).mT.contiguous())
+        version = tensor_version(a)
+        if kept is None or kept[0] is not a or kept[1:4] != (version, a.data_ptr(), dtype):
+            kept = self._transposed_A = (a, version, a.data_ptr(), dtype, a.to(dtype).mT.contiguous())
         transposed = kept[4]  # [K, r, d_in]
         return (transposed if index is None else transposed.index_select(0, index)).mT
 
