@@ -401,18 +401,18 @@ def peers(suite: Suite, args) -> list[dict] | str:
                       if name != "labels"}
             copies = repeat_examples(inputs, k, batch)  # hypothesis-major, as generate_hypotheses lays them out
             names = [f"h{h}" for h in range(k) for _ in range(batch)]
-            settings = dict(num_beams=beams, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                            repetition_penalty=1.1, do_sample=False)
+            generation = dict(num_beams=beams, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                              repetition_penalty=1.1, do_sample=False)
 
             def ours(log_probs: bool, inputs=inputs, strategy=strategy, beams=beams):
                 return generate_hypotheses(mcl, None, inputs, strategy=strategy, num_beams=beams, log_probs=log_probs,
                                            max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                            repetition_penalty=1.1)
 
-            sides = {"bare": lambda copies=copies, settings=settings: suite.base.generate(**copies, **settings),
+            sides = {"bare": lambda copies=copies, generation=generation: suite.base.generate(**copies, **generation),
                      "loramcl": lambda: ours(True), "loramcl-no-log-probs": lambda: ours(False),
-                     "peft": lambda copies=copies, names=names, settings=settings: peft.generate(
-                         **copies, adapter_names=names, **settings)}
+                     "peft": lambda copies=copies, names=names, generation=generation: peft.generate(
+                         **copies, adapter_names=names, **generation)}
             candidates, theirs = sides["loramcl"](), sides["peft"]()  # also the warm-up
             width = copies["input_ids"].shape[1]
             agreement = sum(row[h].token_ids == theirs[h * batch + i, width:].tolist()

@@ -1,5 +1,6 @@
-"""MCLLoraLinear without gradient (decoding): result + scaling * (h A) B in one batched matmul, A read through a
-kept transposed copy on the CPU; the same output as the training forward, and never a stale copy of A (issue 40)."""
+"""MCLLoraLinear decoding (without gradient, the batch as copies, one per hypothesis): result + scaling * (h A) B in
+one batched matmul, A read through a kept transposed copy on the CPU; the same output as the training forward, and
+never a stale copy of A (issue 40). Every other forward without gradient keeps the training arithmetic bit for bit."""
 
 import types
 
@@ -35,8 +36,8 @@ def _each_alone(layer: MCLLoraLinear, x: torch.Tensor, hypotheses: list[int]) ->
 
 @pytest.mark.parametrize("hypotheses", [None, [0, 1, 2], [2, 0]])
 def test_the_decoding_forward_equals_each_hypothesis_alone(hypotheses):
-    """Stacked, indexed 0 ... K-1 (no gather) and indexed [2, 0] (a gather of the kept copy), on [rows, T, d] and
-    [rows, d] inputs, fewer and more than 16 rows per hypothesis (two ways of computing h A)."""
+    """Stacked (the training arithmetic), indexed copies 0 ... K-1 (no gather) and [2, 0] (a gather of the kept
+    copy), on [rows, T, d] and [rows, d] inputs, fewer and more than 16 rows per hypothesis (two ways of h A)."""
     layer = _layer()
     for shape in [(6, 5, 16), (6, 9, 16), (6, 16)]:
         x = torch.randn(*shape[:-1], 16)
@@ -49,6 +50,19 @@ def test_the_decoding_forward_equals_each_hypothesis_alone(hypotheses):
         with torch.no_grad():
             decoded = layer(x)
         assert torch.allclose(decoded, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("hypotheses", [None, [2, 0, 1, 1, 0, 2]])
+def test_other_forwards_without_gradient_keep_the_training_arithmetic_bit_for_bit(hypotheses):
+    """Two-pass WTA's scoring pass (stacked) and evaluation (one hypothesis per example) give the forward with
+    gradient's outputs exactly, so the scoring pass picks the winners the backward pass trains (and `loramcl markov`
+    keeps its numbers): only decoding's copies take the fast path."""
+    layer = _layer()
+    x = torch.randn(6, 5, 16)
+    set_routing(layer.routing, None if hypotheses is None else torch.tensor(hypotheses), K, rows=6)
+    with torch.no_grad():
+        scored = layer(x)
+    assert torch.equal(scored, layer(x)) and layer._transposed_A is None
 
 
 def test_the_kept_transposed_a_follows_every_change_of_a():

@@ -111,10 +111,13 @@ class MCLLoraLinear(nn.Module):
         # gradients back): casting x up instead would save a float32 copy of every adapted layer's input for the
         # backward pass, 2x a bfloat16 input's bytes, once per layer that reads it (q, k and v: three copies).
         h = self.dropout(x) if self.training else x  # [rows, ..., d_in]; dropout is the identity in eval mode
-        if routing.mode != SINGLE and routing.positions is None and result.dtype == h.dtype and not (
+        if routing.per_copy and routing.positions is None and result.dtype == h.dtype and not (
                 torch.is_grad_enabled()):
-            # decoding: result + scaling * (h A) B in one batched matmul, no delta tensor, no separate scaling
-            grouped, a, b = self._grouped(h)  # [n, m*T, d_in]
+            # decoding (the batch is copies, one per hypothesis: generate_hypotheses): result + scaling * (h A) B in
+            # one batched matmul, no delta tensor, no separate scaling. Other forwards without gradient (two-pass
+            # WTA's scoring pass, evaluation) keep the training forward's arithmetic, so that they pick the same
+            # winners and give the same numbers to the last bit.
+            grouped, a, b = self._grouped(h, decoding=True)  # [n, m*T, d_in]
             # h A as (A^T h^T)^T from m*T = 16 rows on: the CPU's batched matmul is faster with the long side last
             projected = torch.bmm(grouped, a) if grouped.shape[1] < 16 else torch.bmm(a.mT, grouped.mT).mT.contiguous()
             out = result.reshape(grouped.shape[0], -1, self.out_features)  # [n, m*T, d_out]
@@ -135,9 +138,10 @@ class MCLLoraLinear(nn.Module):
         grouped, a, b = self._grouped(h)
         return torch.bmm(torch.bmm(grouped, a), b).reshape(out_shape)
 
-    def _grouped(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _grouped(self, h: torch.Tensor, decoding: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Stacked or indexed routing: (h's rows grouped [n, m*T, d_in], A [n, d_in, r], B [n, r, d_out]) in h's
-        dtype, group i of the rows running entry i's adapters."""
+        dtype, group i of the rows running entry i's adapters; ``decoding``: A from the kept transposed copy on the
+        CPU (``_first_factor``)."""
         routing, rows, d_in = self.routing, h.shape[0], self.in_features
         if routing.mode == STACKED:
             if rows % self.num_hypotheses:
@@ -158,9 +162,9 @@ class MCLLoraLinear(nn.Module):
             # per-row gather wrote and read GBs of weight copies per step); none when the entries are 0 ... K-1
             grouped = h.reshape(entries, -1, d_in)  # [n, m*T, d_in]
             if routing.ordered:
-                return grouped, self._first_factor(h.dtype), self._second_factor(h.dtype)
+                return grouped, self._first_factor(h.dtype, None, decoding), self._second_factor(h.dtype)
             index = routing.index.to(self.lora_A.device)  # [n]
-            return (grouped, self._first_factor(h.dtype, index),  # [n, d_in, r]
+            return (grouped, self._first_factor(h.dtype, index, decoding),  # [n, d_in, r]
                     self.lora_B.index_select(0, index).to(h.dtype))  # [n, r, d_out]
         raise RuntimeError(f"unknown routing mode {routing.mode!r}")
 
@@ -168,12 +172,14 @@ class MCLLoraLinear(nn.Module):
         b = self.lora_B  # [K, r, d_out]
         return b if b.dtype == dtype else b.to(dtype)
 
-    def _first_factor(self, dtype: torch.dtype, index: torch.Tensor | None = None) -> torch.Tensor:
-        """A [K or n, d_in, r] in ``dtype``. On the CPU without gradient, a view of A^T [K, r, d_in] (contiguous),
-        kept until A changes (its identity, version counter or storage): the CPU's batched matmul reads its columns
-        2-4x faster than A's own layout, and a transposed copy at every call would cost more than it saves."""
+    def _first_factor(self, dtype: torch.dtype, index: torch.Tensor | None = None, decoding: bool = False
+                      ) -> torch.Tensor:
+        """A [K or n, d_in, r] in ``dtype``. Decoding on the CPU without gradient: a view of A^T [K, r, d_in]
+        (contiguous), kept until A changes (its identity, version counter or storage): the CPU's batched matmul reads
+        its columns 2-4x faster than A's own layout, and a transposed copy at every call would cost more than it
+        saves."""
         a = self.lora_A
-        if torch.is_grad_enabled() or a.device.type != "cpu":
+        if not decoding or torch.is_grad_enabled() or a.device.type != "cpu":
             return (a if index is None else a.index_select(0, index)).to(dtype)
         kept = self._transposed_A
         version = tensor_version(a)
