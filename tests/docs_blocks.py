@@ -384,6 +384,9 @@ REGISTRY = {
                           "runs/bilingual/mcl-annealed --input runs/bilingual/data/test.jsonl"): Run(),
     (E + "bilingual.md", "loramcl evaluate --predictions preds.jsonl --references runs/bilingual/data/test.jsonl "
                           "--metrics sacrebleu,chrf,mbleu4"): Run(outputs=("eval/preds.json",)),
+    (E + "bilingual.md", "loramcl recipes copy bilingual table1"): Run(outputs=("table1/mle-r8.yaml",)),
+    (E + "bilingual.md", "loramcl bilingual --recipes table1 --threads 1"):
+        Run(append=_QUICK_DATA, outputs=("runs/bilingual/data/test.jsonl",), covered_by=_BILINGUAL, why=_CUT),
     (E + "bilingual.md", "make setup"): Make(why="installs (dry run)"),
     (E + "bilingual.md", ".venv/bin/loramcl bilingual --out runs/bilingual --threads 2"):
         Run(append=_QUICK_DATA, outputs=("runs/bilingual/data/test.jsonl",), covered_by=_BILINGUAL,
