@@ -54,10 +54,10 @@ def read_dataset(path: str, split: str | None = None, what: str = "data file"):
 
 def row_names(path: str) -> Callable[[int], str]:
     """How the errors name row i (0-based) of ``path``: its line in a JSONL file, else its row number (from 1)."""
-    from loramcl.utils.inputs import record_line
+    from loramcl.utils.inputs import record_names
 
     if Path(path).suffix.lower() == ".jsonl":
-        return lambda i: f"{path}:{record_line(path, i)}"
+        return record_names(path)
     return lambda i: f"{path} row {i + 1}"
 
 

@@ -21,6 +21,7 @@ from loramcl.utils.inputs import (
     model_positions,
     prompt_format,
     record_line,
+    record_names,
 )
 from loramcl.utils.threads import check_threads, use_threads
 from loramcl.utils.validate import require_int
@@ -127,7 +128,7 @@ def nll(
     pad_id = pad_token_id(tokenizer)
     # one example per reference, tokenized as `loramcl train` tokenized the same row (loramcl.data.formats)
     examples = prepare_dataset(Dataset.from_list(rows), tokenizer, None, "prompt", "references", chat_template,
-                               encoder_decoder, source=input, where=lambda i: f"{input}:{record_line(input, i)}")
+                               encoder_decoder, source=input, where=record_names(input))
     owner = examples["row"]
     rows = examples.select_columns(["input_ids", "labels"]).to_list()
     if (too_long := first_too_long(rows, model_positions(model), encoder_decoder)) is not None:
