@@ -193,9 +193,13 @@ def model_positions(model: str) -> PositionLimits:
 def record_line(path: str, index: int) -> int:
     """The line number of record ``index`` (0-based) of a JSONL file, whose blank lines hold no record (as
     ``loramcl.utils.files.read_jsonl`` reads it); for messages, read only then."""
+    return _record_lines(path)[index]
+
+
+def _record_lines(path: str) -> list[int]:
+    """The line number of each record of a JSONL file, in order."""
     with open(path, "rb") as lines:
-        records = (number for number, raw in enumerate(lines, start=1) if raw.strip())
-        return next(number for i, number in enumerate(records) if i == index)
+        return [number for number, raw in enumerate(lines, start=1) if raw.strip()]
 
 
 def record_names(path: str):
@@ -205,8 +209,7 @@ def record_names(path: str):
 
     def name(index: int) -> str:
         if not table:
-            with open(path, "rb") as lines:
-                table.extend(number for number, raw in enumerate(lines, start=1) if raw.strip())
+            table.extend(_record_lines(path))
         return f"{path}:{table[index]}"
 
     return name
