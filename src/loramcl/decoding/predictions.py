@@ -31,6 +31,7 @@ from loramcl.utils.inputs import (
     model_positions,
     prompt_format,
     record_line,
+    record_names,
 )
 from loramcl.utils.threads import check_threads, use_threads
 from loramcl.utils.validate import OptionError, require_int
@@ -201,8 +202,8 @@ def read_prompts(path: str, prompt_key: str) -> tuple[list, list[str | list[dict
     first = next((record for _, _, record in json_lines(path)), None)
     field = "messages" if isinstance(first, dict) and prompt_key not in first and "messages" in first else prompt_key
     records = read_jsonl(path, field, number_missing_ids=True, hint=" (choose the field with --prompt_key)")
-    prompts = [prompt_of(record[field], f"{path}:{record_line(path, index)}", field)
-               for index, record in enumerate(records.values())]
+    name = record_names(path)  # the file's line table read once, not once per record
+    prompts = [prompt_of(record[field], name(index), field) for index, record in enumerate(records.values())]
     if len({isinstance(p, str) for p in prompts}) > 1:
         index = next(i for i, p in enumerate(prompts) if isinstance(p, str) != isinstance(prompts[0], str))
         kind = "a text" if isinstance(prompts[index], str) else "a conversation"

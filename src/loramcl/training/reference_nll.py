@@ -38,9 +38,9 @@ def read_references(path: str, prompt_key: str, references_key: str) -> tuple[li
     key = "completion" if isinstance(first, dict) and references_key not in first and "completion" in first else \
         references_key
     records = read_jsonl(path, prompt_key, number_missing_ids=True, hint=" (choose the field with --prompt_key)")
-    rows = []
+    rows, name = [], record_names(path)  # the file's line table read once, not once per record
     for index, record in enumerate(records.values()):
-        where = f"{path}:{record_line(path, index)}"
+        where = name(index)
         if key not in record:
             has = ", ".join(f'"{k}"' for k in list(record)[:10] if k != "id")
             raise ValueError(f'{where} has no "{references_key}" field; its fields are {has} (choose the field with '
