@@ -188,6 +188,33 @@ def test_encoder_states_given_once_train_as_the_live_encoder(tmp_path):
     torch.testing.assert_close(given, live, atol=1e-6, rtol=1e-5)
 
 
+def test_encoder_states_kept_on_disk_are_computed_once_and_redone_when_the_rows_change(tmp_path, monkeypatch):
+    """Every run of a recipe (one process each) and the scoring stage read the clips' encoder states from
+    data/encoded/ instead of running the encoder again; other rows or another model build compute them anew."""
+    from loramcl.recipes.spoken_translation import reproduce
+    from loramcl.recipes.stages import Stages
+
+    calls = []
+
+    def encoder_states(model, rows):
+        calls.append([r["id"] for r in rows])
+        return [torch.randn(3, 4) for _ in rows]
+
+    monkeypatch.setattr(reproduce, "encoder_states", encoder_states)
+    model = tmp_path / "whisper-base"
+    model.mkdir()
+    (model / "built.json").write_text('{"settings": {"context_seconds": 6}}')
+    rows, path = [{"id": "a", "audio": "a.wav"}, {"id": "b", "audio": "b.wav"}], tmp_path / "data" / "train.st"
+    first = reproduce.kept_encoder_states(Stages(tmp_path), str(model), rows, path)
+    again = reproduce.kept_encoder_states(Stages(tmp_path), str(model), rows, path)  # another process
+    assert calls == [["a", "b"]] and len(again) == 2
+    assert all(torch.equal(x, y) for x, y in zip(first, again, strict=True))
+    reproduce.kept_encoder_states(Stages(tmp_path), str(model), rows[:1], path)
+    (model / "built.json").write_text('{"settings": {"context_seconds": 5}}')
+    reproduce.kept_encoder_states(Stages(tmp_path), str(model), rows[:1], path)
+    assert calls == [["a", "b"], ["a"], ["a"]] and not list(path.parent.glob("*.part"))
+
+
 def test_whisper_context_cut_keeps_the_first_positions(tmp_path):
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
@@ -272,6 +299,8 @@ def test_quick_end_to_end_on_whisper_base_then_every_stage_reused(tmp_path):
     assert "the paper's winner" in text and "(figures/tradeoff.png)" in text
     assert (out / "figures" / "tradeoff.png").stat().st_size > 10_000  # quality against diversity, every system
     assert "| mcl | 2 | 8 | annealed τ0=1, ρ=0.97 |" in text and "| mle | 1 | 16 | MLE |" in text
+    assert {p.name for p in (out / "data" / "encoded").glob("*.safetensors")} == {
+        "train.safetensors", "validation.safetensors", "test.safetensors"}
     again = spoken_translation(out=str(out), quick=True)
     assert set(again["timing_s"]) == {"report", "runs"}
 

