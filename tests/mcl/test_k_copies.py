@@ -187,6 +187,27 @@ def test_decoding_runs_a_frozen_tower_once_for_the_k_copies():
     torch.testing.assert_close(logits, expected, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("adapt_context", [True, False])
+def test_generate_hands_the_frozen_output_layer_a_contiguous_input(adapt_context):
+    """The prefill's last-position states are a strided slice; on a frozen output layer torch would multiply them
+    by the weight expanded once per row (``mcl.generate._contiguous_head_input``). Every call of the output layer
+    in a generate reads a contiguous input, and the hook is gone afterwards."""
+    mcl, _, batch, _ = wrapped_model("llama", num_hypotheses=K, adapt_context=adapt_context)
+    inputs = {"input_ids": batch["input_ids"][:, :T]}  # unpadded prompts
+    head = mcl.base_model.get_output_embeddings()
+    assert not head.weight.requires_grad
+    seen = []
+    handle = head.register_forward_hook(lambda module, args, output: seen.append(
+        (tuple(args[0].shape), args[0].is_contiguous())))
+    hooks = len(head._forward_pre_hooks)
+    generate_hypotheses(mcl, None, inputs, strategy="greedy", max_new_tokens=3, min_new_tokens=3)
+    handle.remove()
+    rows = K * len(inputs["input_ids"])
+    steps = [call for call in seen if call[0][0]]  # adapt_context=False: the context's run asks for no logits
+    assert steps[0][0][:2] == (rows, 1) and all(contiguous for _, contiguous in steps) and len(steps) == 3
+    assert len(head._forward_pre_hooks) == hooks
+
+
 def test_decoding_runs_an_encoder_without_adapters_once():
     """Whisper with adapters in its decoder only: the encoder runs on the B examples, not K*B, and every
     hypothesis decodes as it does alone."""
