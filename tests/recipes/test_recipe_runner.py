@@ -286,7 +286,7 @@ def _task(root, experiment, scores: bool, quick: bool = False):
 def test_the_nll_table_decides_which_runs_are_trained_and_scored(tmp_path):
     """A task that scores its references trains its decoded runs, then those of the NLL table (a quick run: the
     decoded ones only), and scores the table's runs in its order (default: every trained run); another task trains
-    every run, scores none and refuses an NLL table before any work."""
+    every run, scores none and refuses an NLL table, or a recipe that decodes no run, before any work."""
     from loramcl.recipes.experiment import Experiment
     from loramcl.recipes.runner import run_recipe
 
@@ -310,6 +310,14 @@ def test_the_nll_table_decides_which_runs_are_trained_and_scored(tmp_path):
     toy = type(_task(tmp_path, Experiment(), False))  # its hooks are never reached
     with pytest.raises(ValueError, match="nll_table: Toy scores no test reference"):
         run_recipe(toy, out=str(tmp_path / "out"), recipes=str(tmp_path))
+    (tmp_path / "experiment.yaml").write_text("decoded: []\n")  # nothing decoded and nothing scored: refused
+
+    class Silent(toy):
+        def systems(self, values, chosen):
+            return []
+
+    with pytest.raises(ValueError, match=r"decoded: \[\] decodes no run and Silent scores no test reference"):
+        run_recipe(Silent, out=str(tmp_path / "out"), recipes=str(tmp_path))
 
 
 TASK_COMMANDS = ("bilingual", "translation", "audio-captioning", "image-captioning", "spoken-translation")

@@ -303,6 +303,15 @@ def test_quick_end_to_end_on_whisper_base_then_every_stage_reused(tmp_path):
         "train.safetensors", "validation.safetensors", "test.safetensors"}
     again = spoken_translation(out=str(out), quick=True)
     assert set(again["timing_s"]) == {"report", "runs"}
+    # a recipe that decodes no run (experiment.yaml `decoded: []`): the likelihood table alone
+    from loramcl.recipes.spoken_translation.report import build_report
+    from loramcl.recipes.spoken_translation.reproduce import METRICS, Experiment
+
+    stats = json.loads((out / "data" / "stats.json").read_text())
+    alone = build_report(out, Experiment(), [], ["mcl", "mle"], ["mcl", "mle"], stats, METRICS)
+    assert alone["systems"] == {} and alone["likelihood"]["mcl"] == report["likelihood"]["mcl"]
+    text = (out / "report.md").read_text()
+    assert "No run is decoded" in text and "| mcl | 2 | 8 |" in text and "tradeoff" not in text
 
 
 def test_plain_generate_lets_the_model_write_the_task_tokens_whisper_suppresses():

@@ -183,6 +183,9 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
         require(experiment.nll_table is None, f"nll_table: {task_type.__name__} scores no test reference")
     task.check(model, values)
     systems = task.systems(values, chosen)
+    require(systems or task.scores_references, f"decoded: {experiment.decoded!r} decodes no run and "
+            f"{task_type.__name__} scores no test reference, so there is nothing to report: name a run in decoded, "
+            "or leave decoded out to decode every run")
     if quick:  # every decoding code path, with fewer decodes
         systems = one_per_strategy(systems)
     trained = task.trained_runs(names, systems) if runs is None else runs

@@ -69,12 +69,14 @@ def build_report(root: Path, experiment, systems, runs, scored: list[str], stats
                                 "language_tokens": [{t: n / len(test) for t, n in d.items()} for d in declared]}
     likelihood = runs_nll(root, scored, [r["id"] for r in test], references, [r["reference_modes"] for r in test])
     curves = training_curves({run: root / run for run in runs}, root / "figures" / "training.png")
-    tradeoff = tradeoff_figure(results, systems, records, "mbleu4", "chrf", root / "figures" / "tradeoff.png",
-                               title=f"Oracle chrF against mBLEU-4 (lower: more diverse), K = {experiment.candidates}")
-    shown = [s.name for s in systems if s.budget == min(x.budget for x in systems)]
-    examples = [{"source": r["source"], "fr": r["fr"][0], **{name: outputs[name][i] for name in shown}}
-                for i, r in enumerate(test[:EXAMPLES_SHOWN])]
-    figures = {"training": curves, "tradeoff": str(tradeoff)}
+    figures, examples = {"training": curves}, []
+    if systems:  # none when experiment.yaml decodes no run (`decoded: []`): the likelihood table only
+        figures["tradeoff"] = str(tradeoff_figure(
+            results, systems, records, "mbleu4", "chrf", root / "figures" / "tradeoff.png",
+            title=f"Oracle chrF against mBLEU-4 (lower: more diverse), K = {experiment.candidates}"))
+        shown = [s.name for s in systems if s.budget == min(x.budget for x in systems)]
+        examples = [{"source": r["source"], "fr": r["fr"][0], **{name: outputs[name][i] for name in shown}}
+                    for i, r in enumerate(test[:EXAMPLES_SHOWN])]
     return written_report(root, {"data": stats, "identifier": identifier_accuracy, "runs": records, "systems": results,
                                  "likelihood": likelihood, "examples": examples, "figures": figures,
                                  "num_test_items": len(test), "context_seconds": experiment.context_seconds}, markdown)
@@ -92,8 +94,12 @@ def markdown(report: dict) -> str:
         modes = split.get("modes")
         shown = f"{modes['en']} / {modes['fr']}" if modes else "–"
         lines.append(f"| {name} | {split['messages']} | {split['too_long']} | {split['minutes']} | {shown} |")
-    lines += ["", "## Runs", "", *runs_table(report["runs"]), "",
-              "## Quality and diversity at equal forward budget", "",
+    lines += ["", "## Runs", "", *runs_table(report["runs"]), ""]
+    if not systems:
+        return "\n".join([*lines, "No run is decoded (experiment.yaml: `decoded: []`).", "",
+                          *nll_section(report["likelihood"], MODES, "mode"), "",
+                          f"![training curves](figures/{Path(report['figures']['training']).name})", ""])
+    lines += ["## Quality and diversity at equal forward budget", "",
               "Oracle = best of the K candidates per message against every reference of both modes (vs EN / vs FR: "
               "against one mode's references only, sentence chrF). mBLEU-4: lower is more diverse.", "",
               "| system | budget | oracle BLEU | oracle chrF | oracle chrF vs EN / vs FR | mBLEU-4 | both modes |",
