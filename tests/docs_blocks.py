@@ -527,6 +527,13 @@ REGISTRY = {
         Run(append=_QUICK_DATA[:2], espeak=True, covered_by=_SPOKEN, why="the quick settings (2 training steps)"),
     (E + "spoken_translation.md", "loramcl spoken-translation --budgets [2]"):
         Run(append=_QUICK_DATA, espeak=True, covered_by=_SPOKEN, why=_CUT),
+    (E + "spoken_translation.md", "loramcl recipes copy spoken_translation spoken-long"):
+        Run(outputs=("spoken-long/mle-seed1.yaml", "spoken-long/mcl-seed1.yaml")),
+    (E + "spoken_translation.md", "loramcl spoken-translation --recipes spoken-long --stop_after train --runs "
+                                  "[mcl-seed1] --threads 1"):
+        Run(append=_QUICK_DATA[:2], espeak=True, covered_by=_SPOKEN, why="the quick settings (2 training steps)"),
+    (E + "spoken_translation.md", "loramcl spoken-translation --recipes spoken-long --threads 1"):
+        Run(append=_QUICK_DATA, espeak=True, covered_by=_SPOKEN, why=_CUT),
     (E + "translation.md", "loramcl translation"):
         Run(append=_QUICK_DATA, outputs=("runs/translation/data/test.jsonl",), covered_by=_TRANSLATION, why=_CUT),
     (E + "translation.md", "loramcl translation --quick true --out /tmp/quick"):
