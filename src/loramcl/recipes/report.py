@@ -100,14 +100,17 @@ def loss_name(mcl: dict, method: str = "mcl") -> str:
 
 
 def runs_table(records: dict[str, dict]) -> list[str]:
-    """One row per trained run (its run.json): K, rank, loss, steps x batch, trainable parameters, seconds."""
+    """One row per trained run (its run.json): K, rank, loss, steps x batch, trainable parameters, seconds (of the
+    process that finished it: a resumed run says from which checkpoint, its earlier processes' time not counted)."""
     lines = ["| run | K | rank | loss | steps x batch | trainable | seconds |", "|---|---:|---:|---|---|---:|---:|"]
     for run, record in records.items():
         method = record["settings"].get("method", "mcl")  # a baseline's configuration is under its method's name
         mcl, training = record["settings"][method], record["settings"]["training"]
+        resumed = record.get("resumed_from")
+        seconds = f"{record['seconds']:.0f}" + (f" (resumed from {resumed})" if resumed else "")
         lines.append(f"| {run} | {mcl.get('num_hypotheses', 1)} | {mcl.get('r', '–')} | {loss_name(mcl, method)} | "
-                     f"{training['steps']} x "
-                     f"{training['batch_size']} | {record['trainable_parameters']:,} | {record['seconds']:.0f} |")
+                     f"{training['steps']} x {training['batch_size']} | {record['trainable_parameters']:,} | "
+                     f"{seconds} |")
     return lines
 
 
