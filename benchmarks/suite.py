@@ -432,12 +432,12 @@ def bare_generate(base, inputs: dict, generation: dict):
     """The base alone, at its best: its output layer reads the prefill's last position as a contiguous tensor. The
     suite's base is frozen (its weights shared with the wrapped twins), and on a weight that does not require grad
     torch multiplies the strided [rows, 1, d] slice by the weight expanded per row (8x slower on SmolLM2's head),
-    which a base loaded with `from_pretrained` (weights requiring grad) does not do, and loramcl's generate avoids."""
-    head = base.get_output_embeddings().register_forward_pre_hook(lambda module, args: (args[0].contiguous(),))
-    try:
+    which a base loaded with `from_pretrained` (weights requiring grad) does not do, and loramcl's generate avoids
+    (``contiguous_head_input``)."""
+    from loramcl.mcl.generate import contiguous_head_input
+
+    with contiguous_head_input(base):
         return base.generate(**inputs, **generation)
-    finally:
-        head.remove()
 
 
 def targets(results: dict) -> list[dict]:

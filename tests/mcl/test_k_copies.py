@@ -190,7 +190,7 @@ def test_decoding_runs_a_frozen_tower_once_for_the_k_copies():
 @pytest.mark.parametrize("adapt_context", [True, False])
 def test_generate_hands_the_frozen_output_layer_a_contiguous_input(adapt_context):
     """The prefill's last-position states are a strided slice; on a frozen output layer torch would multiply them
-    by the weight expanded once per row (``mcl.generate._contiguous_head_input``). Every call of the output layer
+    by the weight expanded once per row (``mcl.generate.contiguous_head_input``). Every call of the output layer
     in a generate reads a contiguous input, and the hook is gone afterwards."""
     mcl, _, batch, _ = wrapped_model("llama", num_hypotheses=K, adapt_context=adapt_context)
     inputs = {"input_ids": batch["input_ids"][:, :T]}  # unpadded prompts

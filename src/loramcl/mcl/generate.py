@@ -19,6 +19,7 @@ from transformers.cache_utils import DynamicCache
 from loramcl.mcl.compat import cache_argument, check_token_ids, given_cache, upstream_error
 from loramcl.mcl.context import check_context_read, check_split_inputs, share_context
 from loramcl.mcl.copies import batch_size_of, equal_copies, first_copy, repeat_examples
+from loramcl.mcl.peft_interop import output_layer_of
 from loramcl.mcl.scope import ForwardCall
 
 
@@ -28,20 +29,20 @@ def generate(model, *args, **kwargs):
     check_token_ids(model.base_model, kwargs.get("input_ids", args[0] if args else None))
     if not model.hypotheses_chosen:
         raise RuntimeError("choose the hypotheses to decode: `with model.use_hypotheses(k): model.generate(...)`")
-    with _contiguous_head_input(model.base_model):
+    with contiguous_head_input(model.base_model):
         if model.mcl_config.adapt_context or model.adapters_disabled:
             return model.base_model.generate(*args, **kwargs)
         return _generate_without_context(model, *args, **kwargs)
 
 
 @contextlib.contextmanager
-def _contiguous_head_input(base: nn.Module):
-    """The output layer reads a contiguous input while generate runs. Its prefill hands it the last position's
-    states, a strided slice [rows, 1, d] of [rows, T, d]; on a weight that does not require grad (a frozen base)
-    torch's matmul does not fold that slice into one matrix product but runs a batched one over the weight expanded
-    rows times: 390 ms against 45 ms for SmolLM2's [40, 1, 576] x [576, 49152] on one CPU thread (torch 2.13).
-    The copy costs [rows, d] once per generate; the logits are the same products."""
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+def contiguous_head_input(base: nn.Module):
+    """The output layer reads a contiguous input while generate runs (``generate``; the benchmarks' bare base too).
+    Its prefill hands it the last position's states, a strided slice [rows, 1, d] of [rows, T, d]; on a weight that
+    does not require grad (a frozen base) torch's matmul does not fold that slice into one matrix product but runs a
+    batched one over the weight expanded rows times: 390 ms against 45 ms for SmolLM2's [40, 1, 576] x [576, 49152]
+    on one CPU thread (torch 2.13). The copy costs [rows, d] once per generate; the logits are the same products."""
+    head = output_layer_of(base)
     if not isinstance(head, nn.Module):
         yield
         return
