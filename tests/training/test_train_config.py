@@ -34,8 +34,10 @@ def test_each_setting_reaches_training_arguments(tmp_path):
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 3)
     assert args.activation_checkpointing is True and args.bf16 is True
     assert args.tf32 is None  # on this CPU: Trainer refuses tf32 without a GPU
-    assert precision_arguments(training, cuda=True) == {"bf16": True, "tf32": True}
-    assert precision_arguments(TrainConfig(), cuda=True) == {"bf16": False, "tf32": False}
+    cuda = torch.device("cuda")
+    assert precision_arguments(training, cuda) == {"bf16": True, "tf32": True}
+    assert precision_arguments(TrainConfig(), cuda) == {"bf16": False, "tf32": False}
+    assert precision_arguments(training, torch.device("xpu")) == {"bf16": True, "tf32": None}  # TF32 is CUDA's
 
 
 @pytest.mark.parametrize("loss", ["wta", "relaxed"])

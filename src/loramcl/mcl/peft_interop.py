@@ -292,9 +292,14 @@ def _quantized_reason(module: nn.Module) -> str | None:
     if isinstance(module, _ADAPTABLE) and torch.is_tensor(weight):
         if not weight.is_floating_point():
             return f"{type(module).__name__} with {weight.dtype} weights"
-        if type(weight) not in (torch.Tensor, nn.Parameter):
+        if type(weight) not in PLAIN_WEIGHTS:
             return f"{type(module).__name__} whose weight is a {type(weight).__name__}"
     return None
+
+
+# The weight types of a floating-point layer; any other tensor subclass (torchao's, a quantizer's) is refused. Tests
+# running on a fake accelerator (tests/fake_accelerator.py) add their device's tensor type.
+PLAIN_WEIGHTS = (torch.Tensor, nn.Parameter)
 
 
 def refuse_quantized(model: nn.Module, names: list[str] | None = None) -> None:

@@ -336,12 +336,12 @@ def training_arguments(training: TrainConfig, output_dir: str, evaluating: bool,
     import torch
     from transformers import TrainingArguments
 
-    saving, cuda = training.save_every > 0, torch.cuda.is_available()
+    saving, accelerator = training.save_every > 0, training_accelerator()
     micro_batch = training.batch_size // training.gradient_accumulation_steps
     values = dict(
         output_dir=output_dir, max_steps=training.steps, per_device_train_batch_size=micro_batch,
         gradient_accumulation_steps=training.gradient_accumulation_steps,
-        activation_checkpointing=training.activation_checkpointing, **precision_arguments(training, cuda),
+        activation_checkpointing=training.activation_checkpointing, **precision_arguments(training, accelerator),
         per_device_eval_batch_size=micro_batch, learning_rate=training.learning_rate,
         weight_decay=training.weight_decay, adam_beta2=training.adam_beta2, max_grad_norm=training.max_grad_norm,
         warmup_steps=training.warmup_steps, logging_steps=training.logging_steps,
@@ -349,14 +349,27 @@ def training_arguments(training: TrainConfig, output_dir: str, evaluating: bool,
         lr_scheduler_kwargs={"min_lr": training.min_learning_rate} if training.min_learning_rate else {},
         eval_strategy="steps" if evaluating else "no", eval_steps=training.eval_every if evaluating else None,
         save_strategy="steps" if saving else "no", save_steps=training.save_every if saving else None,
-        save_total_limit=training.keep_checkpoints, report_to=[], use_cpu=not cuda,
+        save_total_limit=training.keep_checkpoints, report_to=[], use_cpu=accelerator is None,
         seed=training.seed, data_seed=training.seed, remove_unused_columns=False, disable_tqdm=False)
     return TrainingArguments(**(values | overrides))
 
 
-def precision_arguments(training: TrainConfig, cuda: bool) -> dict:
+def training_accelerator():
+    """The device Trainer trains on when one is seen (``torch.accelerator``: CUDA, ROCm, XPU, or a backend registered
+    with torch), else None: the CPU. Apple's MPS is left out: training there is untested, and it stays on the CPU as
+    before."""
+    import torch
+
+    if not torch.accelerator.is_available():
+        return None
+    device = torch.accelerator.current_accelerator()
+    return None if device.type == "mps" else device
+
+
+def precision_arguments(training: TrainConfig, accelerator) -> dict:
     """Trainer's bf16 autocast and TF32 settings of ``training``; TF32 is a CUDA mode, which Trainer refuses
     without a GPU (None: left as torch has it)."""
+    cuda = accelerator is not None and accelerator.type == "cuda"
     return {"bf16": training.bf16, "tf32": training.tf32 if cuda else None}
 
 

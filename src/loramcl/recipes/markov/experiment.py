@@ -177,7 +177,7 @@ def learned_transitions(model: MCLModel, sequences: torch.Tensor, num_states: in
         return (sums / counts).cpu().numpy()  # a state a hypothesis never sees gives a NaN row: it learned nothing
 
     k = log_probs.shape[1]
-    return average(torch.nn.functional.one_hot(winners, k).double()), average(torch.ones(len(sequences), k).double())
+    return average(torch.nn.functional.one_hot(winners, k).double()), average(torch.ones(len(sequences), k, dtype=torch.float64, device=sequences.device))
 
 
 def _json_matrices(matrices: np.ndarray) -> list:
