@@ -94,8 +94,9 @@ class GroupedConvLoraLinear(MCLLoraLinear):
         k, (rows, length, d_in), r, d_out = self.num_hypotheses, h.shape, self.r, self.out_features
         batch = rows // k
         x = h.view(k, batch, length, d_in).permute(1, 0, 3, 2).reshape(batch, k * d_in, length)  # copy
-        weight_a = self.lora_A.transpose(1, 2).reshape(k * r, d_in, 1)  # group g: A_g^T
-        weight_b = self.lora_B.transpose(1, 2).reshape(k * d_out, r, 1)
+        # the float32 master adapters in h's dtype, as MCLLoraLinear computes (conv1d refuses mixed dtypes)
+        weight_a = self._first_factor(h.dtype).transpose(1, 2).reshape(k * r, d_in, 1)  # group g: A_g^T
+        weight_b = self._second_factor(h.dtype).transpose(1, 2).reshape(k * d_out, r, 1)
         y = F.conv1d(F.conv1d(x, weight_a, groups=k), weight_b, groups=k)  # [B, K*d_out, T]
         return y.view(batch, k, d_out, length).permute(1, 0, 3, 2).reshape(rows, length, d_out)  # copy
 
