@@ -98,9 +98,12 @@ def method_metadata(model) -> dict:
     return {"method": model.method, f"{model.method}_config": model.method_config.to_dict()}
 
 
-def load_adapters(model, path: str | os.PathLike, verify: bool = True, strict: bool = False) -> None:
+def load_adapters(model, path: str | os.PathLike, verify: bool = True, strict: bool = False,
+                  is_trainable: bool = False) -> None:
     """Load adapter weights written by ``save_pretrained`` into this model (same layers and the same settings
-    that change the outputs: K, r, alpha, use_rslora, adapt_context, ...).
+    that change the outputs: K, r, alpha, use_rslora, adapt_context, ...), then put it in eval mode unless
+    ``is_trainable=True`` (the trainer's resume: its modes are the trainer's to set). Which tensors train is left as
+    the model was built.
 
     Everything is checked before any weight is copied (see ``read_adapters``; ``verify=False`` skips the
     checksums), so a failed load leaves the model as it was. Adapters saved on other base weights, and files that
@@ -125,6 +128,8 @@ def load_adapters(model, path: str | os.PathLike, verify: bool = True, strict: b
             _copy_whole(layer.lora_A, tensors[f"{name}.lora_A"])
             _copy_whole(layer.lora_B, tensors[f"{name}.lora_B"])
         copy_scoring_head(model.scoring_head, tensors)
+    if not is_trainable:
+        model.eval()
 
 
 def copy_scoring_head(head: HypothesisScores | None, tensors: dict[str, torch.Tensor]) -> None:
