@@ -23,6 +23,9 @@ TRAINING_EDITS = {"dropout": 0.0, "loss": "annealed", "epsilon": 0.0, "temperatu
 OUTPUT_EDITS = {"alpha": 16.0, "r": 8, "use_rslora": True, "adapt_context": False, "adapter_dtype": "base",
                 "num_hypotheses": 2, "scoring": True, "target_modules": ["q_proj", "v_proj"],
                 "exclude_modules": ["down_proj"], "layers_to_transform": [0]}
+REORDERED = (TARGETS[::-1], TARGETS[1:] + TARGETS[:1])  # the same set of targets in other orders
+# The model used as load_mcl_model returns it (every other family calls .eval() first): its mode is what is measured.
+AS_RETURNED = "decoded as loaded (no .eval())"
 OLD_SAMPLE_ROWS = 8  # the earlier fingerprint hashed 8 evenly spaced rows of each tensor
 
 
@@ -119,6 +122,12 @@ def families(trials: int) -> dict[str, list[Callable]]:
             return f"{field} = {value!r}" + (" in a file without settings_sha256" if legacy else ""), base
         return fault
 
+    def checksum(value):
+        def fault(folder, rng, base):
+            _edit_json(folder, lambda m: m.update(settings_sha256=value))
+            return f"settings_sha256 = {value[:8]}...", base
+        return fault
+
     def fingerprint_removed(how, other_seed):
         def fault(folder, rng, base):
             _edit_json(folder, lambda m: m.pop("base_fingerprint") if how == "deleted" else
@@ -141,6 +150,9 @@ def families(trials: int) -> dict[str, list[Callable]]:
         "base edited outside the old sample": [lambda folder, rng, base: _row_outside_old_sample(rng, base)] * trials,
         "base_fingerprint removed": [fingerprint_removed(how, other) for how in ("deleted", "null")
                                      for other in (False, True)],
+        "target_modules reordered (allowed)": [edit("target_modules", order) for order in REORDERED],
+        "settings_sha256 edited": [checksum(value) for value in ("0" * 64, "f" * 64)],
+        AS_RETURNED: [lambda folder, rng, base: ("the folder as saved (dropout 0.1), decoded without .eval()", base)],
     }
 
 
@@ -183,7 +195,8 @@ def file_trials(root: Path, trials: int, seed: int) -> list[dict]:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
-                    loaded = load_mcl_model(copy.deepcopy(base), folder).eval()
+                    loaded = load_mcl_model(copy.deepcopy(base), folder)
+                    loaded = loaded if family == AS_RETURNED else loaded.eval()
                 except (ValueError, OSError) as error:
                     record.update(outcome="refused", message=str(error)[:300])
                     loaded = None

@@ -335,7 +335,7 @@ def _data_trials(root: Path, add) -> None:
         ("train", "--data.train_file", "train.jsonl"): {
             "an empty prompt": {**pair, "prompt": ""}, "an empty target": {**pair, "target": ""},
             "a target that is a list": {**pair, "target": ["w5", "w6"]}, "no target field": {"prompt": "w5"},
-            "a line that is not JSON": '{"prompt": "w5"',
+            "a line that is not JSON": '{"prompt": "w5"', "a line that is a list of numbers": [1, 2],
             "a prompt longer than the positions": {**pair, "prompt": LONG}},
         ("evaluate", "--predictions", "preds.jsonl"): {
             "no candidates field": {"id": "b", "text": "w5"}, "no candidate": {**pred, "candidates": []},

@@ -487,6 +487,12 @@ REGISTRY = {
                             "--file-trials 24 --seed 0"): _BENCH,
     (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 0 "
                             "--file-trials 0"): _BENCH,
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 0 --no-inputs "
+                            "--file-trials 24 --seed 0"): _BENCH,
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 0 --file-trials 0 "
+                            "--input-only data.train_file"): _BENCH,
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 8 --file-trials 0 "
+                            "--no-inputs --seed 0"): _BENCH,
     (G + "reliability.md", ".venv/bin/python benchmarks/fingerprint_cost.py --threads 1"): _BENCH,
     (G + "scores.md", "python benchmarks/default_settings.py --seeds 10 --settings wta, lowest (the paper's) wta, "
                        "random relaxed 0.05, lowest relaxed 0.05, random annealed tau0 1 (rho 0.999) relaxed 0.05, "

@@ -56,8 +56,8 @@ def test_a_file_that_cannot_be_read_is_one_line(tmp_path):
     mixed.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": "c",
                                                                                         "completion": ["d"]}))
     rows = read_dataset(str(mixed))
-    with pytest.raises(ValueError, match=r'mixed.jsonl:2: "completion" must be a text as in the first row, got '
-                                         r"\['d'\]: one format per file"):
+    with pytest.raises(ValueError, match=r'mixed.jsonl:2: "completion" must be a text \(the prompt/completion format '
+                                         r"of the first row\), got list \['d'\]: one format per file"):
         check_rows(rows, detect_format(rows[0]), where=row_names(str(mixed)))
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(json.dumps({"prompt": "a", "completion": "b"}).encode() + b"\n" +
@@ -83,3 +83,59 @@ def test_loramcl_train_names_a_parquet_file_without_the_formats_fields_before_to
         training_rows(str(path), DataConfig(train_file=str(path)), "training file")
     assert training_rows(str(path), DataConfig(train_file=str(path), prompt_key="question", target_key="answer"),
                          "training file").to_list() == [{"question": "a", "answer": "b"}]
+
+
+PAIR = b'{"prompt": "w5", "completion": "w40"}\n'
+JSONL_HINT = 'give one JSON object per line, e.g. {"prompt": "...", "completion": "..."}'
+# (family, file name, its bytes or rows to write, the one-line error that names it: "PATH": the file's path)
+BAD_FILES = [
+    ("empty file", "train.jsonl", b"", "training file PATH is empty (0 bytes): it holds no row; " + JSONL_HINT),
+    ("empty file", "train.csv", b"", "training file PATH is empty (0 bytes): it holds no row; give a header line "
+     "naming the fields, then one row per line"),
+    ("blank lines", "train.jsonl", b"\n \n", "training file PATH holds no row (blank lines only); " + JSONL_HINT),
+    ("non-object line", "train.jsonl", PAIR + b'"w6"\n', 'PATH:2 must be a JSON object (one row: its fields, e.g. '
+     '{"prompt": ..., "completion": ...}), got a text: "w6"'),
+    ("list of numbers", "train.jsonl", b"[1, 2]\n", 'PATH:1 must be a JSON object (one row: its fields, e.g. '
+     '{"prompt": ..., "completion": ...}), got a list: [1, 2]'),
+    ("list of numbers", "train.json", b"[1, 2]", "training file PATH must hold a list of JSON objects (one per row), "
+     'got [1, 2]: give a list of JSON objects, e.g. [{"prompt": "...", "completion": "..."}], or JSON lines'),
+    ("wrong field type", "train.jsonl", PAIR + b'{"prompt": 3, "completion": "w40"}\n',
+     'PATH:2: "prompt" must be a text, got int 3'),
+    ("wrong field type", "train.parquet", [{"prompt": "w5", "completion": 4}],
+     'PATH row 1: "completion" must be a text (the prompt/completion format of the first row), got int 4: one '
+     "format per file"),
+    ("not UTF-8", "train.jsonl", PAIR + b'{"prompt": "caf\xe9", "completion": "w40"}\n',
+     "PATH:2 is not UTF-8 text (byte 0xe9 at column 16): save the file as UTF-8"),
+    ("not UTF-8", "train.csv", b"prompt,completion\ncaf\xe9,w40\n",
+     "PATH:2 is not UTF-8 text (byte 0xe9 at column 4): save the file as UTF-8"),
+    ("no rows", "train.parquet", [], "training file PATH holds no row (its table has 0 rows); give a table of at least "
+     "one row"),
+    ("no rows", "train.csv", b"prompt,completion\n", "training file PATH holds no row (a header line only); give a "
+     "header line naming the fields, then one row per line"),
+    ("no rows", "train.json", b"[ ]", "training file PATH holds no row (an empty list); give a list of JSON objects, "
+     'e.g. [{"prompt": "...", "completion": "..."}], or JSON lines'),
+]
+
+
+@pytest.mark.parametrize("family,name,content,message", BAD_FILES,
+                         ids=[f"{family}-{name.split('.')[1]}" for family, name, _, _ in BAD_FILES])
+def test_each_bad_training_file_is_one_line_naming_the_file_what_is_expected_and_what_was_found(
+        tmp_path, family, name, content, message):
+    """Issue 51: an empty file said `cannot be read as json (StopIteration)`, a line [1, 2] `"text" must be a text, got
+    int 1` (datasets reads a JSON list of numbers as a column "text"), a Parquet table of no row `An error occurred
+    while generating the dataset`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from loramcl.training.config import DataConfig
+    from loramcl.training.fit import training_rows
+
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:  # a Parquet table of these rows, typed as written (no row: two text columns)
+        pq.write_table(pa.Table.from_pylist(content) if content else pa.table(
+            {"prompt": pa.array([], pa.string()), "completion": pa.array([], pa.string())}), path)
+    with pytest.raises(ValueError) as refused:
+        training_rows(str(path), DataConfig(train_file=str(path)), "training file")
+    assert str(refused.value) == message.replace("PATH", str(path))

@@ -95,6 +95,41 @@ def test_an_edit_is_named_even_for_a_new_field_and_when_the_header_lost_the_save
         load_mcl_model(copy.deepcopy(pristine), folder)
 
 
+def test_a_reordered_set_of_layers_loads_at_load_and_on_resume(tmp_path):
+    """Issue 51: target_modules reordered (the same set) was refused as an edit that "changes every output". Lists that
+    name a set of layers compare as sets, at load and on resume; another set is still refused."""
+    mcl, pristine, inputs, folder = _saved(tmp_path, exclude_modules=["k_proj", "up_proj"], layers_to_transform=[0, 1])
+    saved = json.loads((folder / "mcl_config.json").read_text())["mcl_config"]
+    reordered = {field: saved[field][::-1] for field in ("target_modules", "exclude_modules", "layers_to_transform")}
+    _edit_json(folder, lambda meta: meta["mcl_config"].update(reordered))
+    loaded = _silent_load(pristine, folder)
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).logits, mcl(**inputs).logits)
+    resumed = get_mcl_model(copy.deepcopy(pristine), MCLConfig.from_dict(saved | reordered))
+    resumed.load_adapters(folder)  # the resume path: the run's settings in another order
+    _edit_json(folder, lambda meta: meta["mcl_config"].update(layers_to_transform=[1]))
+    with pytest.raises(ValueError, match=r"edited after save: mcl_config\.layers_to_transform is \[1\], saved as "
+                                         r"\[0, 1\]\. These settings change every output"):
+        load_mcl_model(copy.deepcopy(pristine), folder)
+
+
+def test_a_wrong_settings_checksum_is_named_as_the_checksum(tmp_path):
+    """Issue 51: a wrong settings_sha256 was refused saying the weights file no longer held the saved settings, which
+    it did: the message says which value disagrees with which."""
+    _, pristine, _, folder = _saved(tmp_path)
+    recorded = json.loads((folder / "mcl_config.json").read_text())["settings_sha256"]
+    _edit_json(folder, lambda meta: meta.update(settings_sha256="0" * 64))
+    with pytest.raises(ValueError, match=rf"mcl_config\.json: settings_sha256 is 0{{64}}, but its settings and those "
+                                         r"saved in the header of mcl_adapters\.safetensors are the same and hash to "
+                                         rf"{recorded}: settings_sha256 was edited or damaged, not the settings"):
+        load_mcl_model(copy.deepcopy(pristine), folder)
+    _edit_json(folder, lambda meta: meta["mcl_config"].update(alpha=16))
+    with pytest.raises(ValueError, match=r"mcl_config\.json and the header of mcl_adapters\.safetensors hold other "
+                                         r"settings \(mcl_config\.alpha is 16, saved as 8, 'saved as' naming the "
+                                         r"header's\), and neither matches the settings_sha256"):
+        load_mcl_model(copy.deepcopy(pristine), folder)
+
+
 def test_the_baselines_settings_are_covered_the_same_way(tmp_path):
     """LoRA-MoE and multi-head folders: an edited alpha / module is refused naming it; a training setting (the
     router's initialisation) may be edited."""

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import wrapped_model
-from tiny_models import CASES, build_model
+from conftest import randomize_adapters, wrapped_model
+from tiny_models import CASES, build_batch, build_model
 
 from loramcl import MCLConfig, MCLLoraLinear, get_mcl_model, load_mcl_model
 from loramcl.utils.inputs import AdapterFilesWarning
@@ -41,6 +41,42 @@ def test_save_load_round_trips_exactly(tmp_path):
     with torch.no_grad():
         assert torch.equal(mcl(**inputs, labels=labels).nll, loaded(**inputs, labels=labels).nll)
     assert loaded.mcl_config == mcl.mcl_config
+
+
+@pytest.mark.parametrize("method", ["mcl", "moe", "multihead"])
+def test_every_load_path_decodes_in_eval_mode_unless_asked_to_train(tmp_path, method):
+    """A folder saved with dropout, loaded onto a base in eval mode: the model comes back in eval mode (two forwards of
+    one input equal) from load_mcl_model, load_adapters and models.load_model, as PEFT's; in its built modes only when
+    asked to train (issue 51: load_mcl_model returned it training, the saved dropout moving the logits by 0.5)."""
+    from loramcl.baselines import MoEConfig, MultiHeadConfig, get_moe_model, get_multihead_model
+    from loramcl.models import load_model
+
+    base = build_model("llama").eval()
+    base.save_pretrained(tmp_path / "base")
+    pristine = copy.deepcopy(base)
+    targets = CASES["llama"].targets
+    model = {"mcl": lambda: get_mcl_model(base, MCLConfig(num_hypotheses=2, r=4, dropout=0.5, target_modules=targets)),
+             "moe": lambda: get_moe_model(base, MoEConfig(num_experts=2, r=4, dropout=0.5, target_modules=targets)),
+             "multihead": lambda: get_multihead_model(base, MultiHeadConfig(num_hypotheses=2, init="random"))}[method]()
+    if method != "multihead":
+        randomize_adapters(model, std=1.0)
+    model.save_pretrained(tmp_path / "run")
+    inputs, _ = build_batch("llama", pristine)
+
+    def in_eval_mode(loaded):
+        assert not [name for name, module in loaded.named_modules() if module.training]
+        with torch.no_grad():
+            assert torch.equal(loaded(**inputs).logits, loaded(**inputs).logits)
+
+    loaded = load_mcl_model(copy.deepcopy(pristine), tmp_path / "run")
+    in_eval_mode(loaded)
+    loaded.train().load_adapters(tmp_path / "run")
+    in_eval_mode(loaded)
+    in_eval_mode(load_model(str(tmp_path / "base"), str(tmp_path / "run")))  # the CLI's and the recipes' loading
+    loaded.train().load_adapters(tmp_path / "run", is_trainable=True)  # the trainer's resume: its modes stay
+    assert loaded.training
+    trainable = load_mcl_model(copy.deepcopy(pristine), tmp_path / "run", is_trainable=True)
+    assert trainable.training and any(param.requires_grad for param in trainable.parameters())
 
 
 def test_loading_onto_another_model_or_folder_is_a_clear_error(tmp_path):

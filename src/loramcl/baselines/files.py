@@ -72,7 +72,7 @@ class BaselineModel(MCLModel):
     def structure_of(config) -> dict:
         raise NotImplementedError
 
-    def load_adapters(self, path, verify: bool = True, strict: bool = False) -> None:
+    def load_adapters(self, path, verify: bool = True, strict: bool = False, is_trainable: bool = False) -> None:
         saved, tensors = read_adapter_files(path, verify, strict)
         ours = self.method_config
         theirs = method_config(path, saved, self.method, type(ours))
@@ -82,3 +82,5 @@ class BaselineModel(MCLModel):
         check_tensors_fit(path, saved, tensors, self.layer_names, expected_shapes(self))
         check_wrapped_base_weights(path, saved, self.base_model, self.frozen_base.fingerprint, strict)
         copy_tensors(self, tensors)
+        if not is_trainable:  # as MCLModel.load_adapters
+            self.eval()

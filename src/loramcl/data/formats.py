@@ -276,8 +276,8 @@ def _references(completion, fmt: Format, where: str) -> list:
         if fmt.kind == CONVERSATIONAL and _is_message_list(completion):
             return [[message] for message in completion]  # each assistant message an answer
         shape = "a text" if fmt.kind == PROMPT_COMPLETION else "a list of assistant messages"
-        raise ValueError(f'{where}: "{fmt.completion}" must be {shape} as in the first row, got '
-                         f"{str(completion)[:60]}: one format per file")
+        raise ValueError(f'{where}: "{fmt.completion}" must be {shape} (the {fmt.kind} format of the first row), '
+                         f"got {type(completion).__name__} {str(completion)[:60]}: one format per file")
     if not isinstance(completion, list) or not completion:
         raise ValueError(f'{where}: "{fmt.completion}" must be a non-empty list of references (texts or assistant '
                          f"messages), got {str(completion)[:60]}")

@@ -8,12 +8,18 @@ torch-free (``datasets`` does not load it), so that `loramcl train` reads and ch
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 from loramcl.utils.files import decode_line, json_lines
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+# What a file of each kind holds, said when it holds no row or something else than rows.
+ROW_HINTS = {".jsonl": 'give one JSON object per line, e.g. {"prompt": "...", "completion": "..."}',
+        ".json": 'give a list of JSON objects, e.g. [{"prompt": "...", "completion": "..."}], or JSON lines',
+        ".csv": "give a header line naming the fields, then one row per line",
+        ".parquet": "give a table of at least one row", ".arrow": "give a table of at least one row"}
 
 
 def read_dataset(path: str, split: str | None = None, what: str = "data file"):
@@ -34,7 +40,7 @@ def read_dataset(path: str, split: str | None = None, what: str = "data file"):
         except (ValueError, FileNotFoundError) as error:
             raise ValueError(f"{what} {path} is a folder that datasets cannot read ({_first_line(error)}): give a "
                              f"file ({', '.join(BUILDERS)}) or a folder written by save_to_disk") from None
-        return _split_of(loaded, split, path)
+        return _with_rows(_split_of(loaded, split, path), path, what)
     suffix = Path(path).suffix.lower()
     if suffix not in BUILDERS:
         raise ValueError(f"{what} {path}: a {suffix or 'file without extension'} file is not read; give a "
@@ -42,14 +48,19 @@ def read_dataset(path: str, split: str | None = None, what: str = "data file"):
     if split not in (None, "train"):
         raise ValueError(f"{what} {path} is one file, one split: leave out split ({split!r} given), or give a folder "
                          "holding several splits")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"{what} {path} is empty (0 bytes): it holds no row; {ROW_HINTS[suffix]}")
     if suffix in (".jsonl", ".json", ".csv"):
-        _check_utf8(path)  # datasets' readers would read other bytes without a word
+        _check_text(path, suffix, what)  # datasets' readers would read other bytes, and lists, without a word
     try:
-        return datasets.load_dataset(BUILDERS[suffix], data_files=path, split="train")
+        loaded = datasets.load_dataset(BUILDERS[suffix], data_files=path, split="train")
     except Exception as error:  # datasets' parsers raise many kinds; ours names the file and line
         if suffix in (".jsonl", ".json"):
             _check_json_lines(path)
+        if (empty := _no_row(path, suffix)) is not None:
+            raise ValueError(f"{what} {path} holds no row ({empty}); {ROW_HINTS[suffix]}") from None
         raise ValueError(f"{what} {path} cannot be read as {BUILDERS[suffix]} ({_first_line(error)})") from None
+    return _with_rows(loaded, path, what)
 
 
 def row_names(path: str) -> Callable[[int], str]:
@@ -77,13 +88,48 @@ def _split_of(loaded, split: str | None, path: str):
     return loaded[split]
 
 
-def _check_utf8(path: str) -> None:
+def _with_rows(dataset, path: str, what: str):
+    if len(dataset) == 0:
+        raise ValueError(f"{what} {path} holds no row: nothing to train on or score")
+    return dataset
+
+
+def _check_text(path: str, suffix: str, what: str) -> None:
+    """A text file's bytes before datasets reads them: UTF-8 (named by line, byte and column), not blank, and JSON rows
+    that are objects: datasets reads a JSON list of numbers or texts (even the one line `[1, 2]` of a JSONL file) as a
+    column "text" of them, which the format's checks would then name as a field the file never had."""
     data = Path(path).read_bytes()
     try:
-        data.decode("utf-8")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
         line = data.count(b"\n", 0, error.start)
         decode_line(data.splitlines()[line], path, line + 1)  # names the line, byte and column
+    if not text.strip():
+        raise ValueError(f"{what} {path} holds no row (blank lines only); {ROW_HINTS[suffix]}")
+    if suffix == ".jsonl" and re.search(r"^[ \t]*[^{\s]", text, re.MULTILINE):
+        _check_json_lines(path)  # a line that is not an object: named with its line
+    if suffix == ".json" and (found := re.match(r"\s*\[\s*([^{\s])", text)):
+        if found[1] == "]":
+            raise ValueError(f"{what} {path} holds no row (an empty list); {ROW_HINTS[suffix]}")
+        raise ValueError(f"{what} {path} must hold a list of JSON objects (one per row), got "
+                         f"{text.strip()[:80]}: {ROW_HINTS[suffix]}")
+
+
+def _no_row(path: str, suffix: str) -> str | None:
+    """What a file that datasets could not read holds when it holds no row (datasets' error does not say it), else
+    None."""
+    if suffix in (".parquet", ".arrow"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_metadata(path).num_rows if suffix == ".parquet" else \
+                pa.ipc.open_stream(path).read_all().num_rows
+        except Exception:  # noqa: BLE001 - not a readable table: datasets' error says why
+            return None
+        return "its table has 0 rows" if rows == 0 else None
+    lines = [line for line in Path(path).read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+    return "a header line only" if suffix == ".csv" and len(lines) == 1 else None
 
 
 def _check_json_lines(path: str) -> None:
@@ -91,12 +137,12 @@ def _check_json_lines(path: str) -> None:
     of value than on the first line (a text here, a list there: datasets cannot read one column of both)."""
     kinds: dict[str, tuple[str, int]] = {}
     with open(path, "rb") as start:
-        if start.read(64).lstrip().startswith(b"["):
+        if path.lower().endswith(".json") and start.read(64).lstrip().startswith(b"["):
             return  # a JSON file holding one list: datasets' error says more
     for number, line, record in json_lines(path):
         if not isinstance(record, dict):
-            raise ValueError(f"{path}:{number} must be an object with the dataset's fields, got "
-                             f"{line.strip()[:80]}")
+            raise ValueError(f"{path}:{number} must be a JSON object (one row: its fields, e.g. {{\"prompt\": ..., "
+                             f"\"completion\": ...}}), got {_kind(record)}: {line.strip()[:80]}")
         for field, value in record.items():
             kind = _kind(value)
             if value is None:

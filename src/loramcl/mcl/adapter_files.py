@@ -43,6 +43,8 @@ SETTINGS_METADATA = "loramcl_settings"  # the output settings in the weights fil
 # (e.g. to continue training with another loss). Every other field is covered by settings_sha256.
 TRAINING_SETTINGS = frozenset({"dropout", "loss", "epsilon", "temperature0", "temperature_decay", "temperature_min",
                                "tie_break", "scoring_weight", "logits_chunk_size", "router_init", "router_std", "init"})
+# Settings that name a set of layers (which ones an adapter is on): the order of their lists changes nothing.
+ORDER_FREE = frozenset({"target_modules", "exclude_modules", "layers_to_transform"})
 STRICT_HINT = "strict=True, or --strict true in loramcl generate / nll, refuses this"
 
 
@@ -98,9 +100,12 @@ def method_metadata(model) -> dict:
     return {"method": model.method, f"{model.method}_config": model.method_config.to_dict()}
 
 
-def load_adapters(model, path: str | os.PathLike, verify: bool = True, strict: bool = False) -> None:
+def load_adapters(model, path: str | os.PathLike, verify: bool = True, strict: bool = False,
+                  is_trainable: bool = False) -> None:
     """Load adapter weights written by ``save_pretrained`` into this model (same layers and the same settings
-    that change the outputs: K, r, alpha, use_rslora, adapt_context, ...).
+    that change the outputs: K, r, alpha, use_rslora, adapt_context, ...), then put it in eval mode unless
+    ``is_trainable=True`` (the trainer's resume: its modes are the trainer's to set). Which tensors train is left as
+    the model was built.
 
     Everything is checked before any weight is copied (see ``read_adapters``; ``verify=False`` skips the
     checksums), so a failed load leaves the model as it was. Adapters saved on other base weights, and files that
@@ -111,7 +116,7 @@ def load_adapters(model, path: str | os.PathLike, verify: bool = True, strict: b
         raise ValueError(f"{path} {'has' if config.scoring else 'has no'} hypothesis scores (scoring="
                          f"{config.scoring}); this model was built with scoring={ours.scoring}")
     theirs, mine = (output_settings({"mcl_config": c.to_dict()})["mcl_config"] for c in (config, ours))
-    differing = [name for name in sorted(mine) if canonical(theirs.get(name)) != canonical(mine[name])]
+    differing = [name for name in sorted(mine) if not same_setting(name, theirs.get(name), mine[name])]
     if differing:
         raise ValueError(f"{path} holds adapters with {', '.join(f'{n}={theirs.get(n)!r}' for n in differing)}; "
                          f"this model has {', '.join(f'{n}={mine[n]!r}' for n in differing)}")
@@ -125,6 +130,8 @@ def load_adapters(model, path: str | os.PathLike, verify: bool = True, strict: b
             _copy_whole(layer.lora_A, tensors[f"{name}.lora_A"])
             _copy_whole(layer.lora_B, tensors[f"{name}.lora_B"])
         copy_scoring_head(model.scoring_head, tensors)
+    if not is_trainable:
+        model.eval()
 
 
 def copy_scoring_head(head: HypothesisScores | None, tensors: dict[str, torch.Tensor]) -> None:
@@ -292,18 +299,37 @@ def _check_settings(path, saved: dict, strict: bool) -> None:
         at_save = None
     edit_only = ("Only the training settings (" + ", ".join(sorted(TRAINING_SETTINGS & set(saved[key]))) +
                  ") may be edited")
-    if not isinstance(at_save, dict) or _digest(canonical(at_save)) != recorded:
+    if not isinstance(at_save, dict):
         raise ValueError(f"{config_file} was edited after save: its settings do not match the settings_sha256 "
-                         f"recorded then, and the weights file no longer holds the saved values to name the field. "
-                         f"One of {covered} changed; these change every output. Restore the file saved with the "
-                         f"adapters. {edit_only}")
+                         f"recorded then, and {WEIGHTS_NAME} was rewritten without the header that holds the saved "
+                         f"values, to name the field. One of {covered} changed; these change every output. Restore "
+                         f"the files saved with the adapters. {edit_only}")
     edits = [_edit(where + name, now, then, name)
              for where, now, then in ((f"{key}.", settings[key], at_save.get(key) or {}), ("", settings, at_save))
              for name in sorted(set(now) | set(then))
-             if name != key and canonical(now.get(name, ())) != canonical(then.get(name, ()))]
-    raise ValueError(f"{config_file} was edited after save: {'; '.join(edits)}. These settings change every output "
-                     f"of the adapters: restore the saved values (also in the header of {WEIGHTS_NAME}). To use "
-                     f"others, train or save adapters with them. {edit_only}")
+             if name != key and not same_setting(name, now.get(name, ()), then.get(name, ()))]
+    if _digest(canonical(at_save)) == recorded:  # the header holds the settings saved: mcl_config.json was edited
+        if not edits:
+            return  # only the order of a set (target_modules, ...) changed
+        raise ValueError(f"{config_file} was edited after save: {'; '.join(edits)}. These settings change every "
+                         f"output of the adapters: restore the saved values (also in the header of {WEIGHTS_NAME}). "
+                         f"To use others, train or save adapters with them. {edit_only}")
+    if not edits:  # both files hold the same settings; the checksum is what changed
+        raise ValueError(f"{config_file}: settings_sha256 is {recorded}, but its settings and those saved in the "
+                         f"header of {WEIGHTS_NAME} are the same and hash to {_digest(canonical(at_save))}: "
+                         "settings_sha256 was edited or damaged, not the settings. Restore it (save_pretrained "
+                         "writes it), or load with verify=False")
+    raise ValueError(f"{config_file} and the header of {WEIGHTS_NAME} hold other settings ({'; '.join(edits)}, "
+                     f"'saved as' naming the header's), and neither matches the settings_sha256 of {CONFIG_NAME}: "
+                     f"both files were changed after save. Restore the files saved with the adapters. {edit_only}")
+
+
+def same_setting(name: str, a, b) -> bool:
+    """Whether two values of the setting ``name`` are the same setting: the same JSON (``canonical``), and for
+    ``ORDER_FREE`` lists the same members in any order."""
+    if name in ORDER_FREE and isinstance(a, list) and isinstance(b, list):
+        return {canonical(item) for item in a} == {canonical(item) for item in b}
+    return canonical(a) == canonical(b)
 
 
 def _edit(field: str, now: dict, then: dict, name: str) -> str:

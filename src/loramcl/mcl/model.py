@@ -452,9 +452,11 @@ class MCLModel(ActivationCheckpointing, nn.Module):
         """Write the K hypotheses: ``mcl_adapters.safetensors`` and ``mcl_config.json``."""
         return adapter_files.save_pretrained(self, path, state_dict)
 
-    def load_adapters(self, path: str | os.PathLike, verify: bool = True, strict: bool = False) -> None:
-        """Load adapter weights written by ``save_pretrained`` into this model, everything checked first."""
-        adapter_files.load_adapters(self, path, verify, strict)
+    def load_adapters(self, path: str | os.PathLike, verify: bool = True, strict: bool = False,
+                      is_trainable: bool = False) -> None:
+        """Load adapter weights written by ``save_pretrained`` into this model, everything checked first; the model is
+        then in eval mode unless ``is_trainable=True`` (as PEFT's ``load_adapter``)."""
+        adapter_files.load_adapters(self, path, verify, strict, is_trainable)
 
     def export_hypothesis(self, k: int, path: str | os.PathLike, **options) -> str:
         """Write hypothesis k as a standard PEFT LoRA adapter folder (``PeftModel.from_pretrained`` loads it);
@@ -543,7 +545,8 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
                    verify: bool = True, fit_scores: bool = False, strict: bool = False) -> MCLModel:
     """Rebuild the MCL model saved in ``path`` on top of ``model`` (the same base model it was trained on).
 
-    As with PEFT, the adapters are frozen unless ``is_trainable=True`` (to continue training). The files are read
+    As with PEFT, the model is returned in eval mode (the dropout saved with the adapters off) and the adapters
+    frozen, unless ``is_trainable=True`` (to continue training: the modes are left as built). The files are read
     and checked against ``model`` (layer names and shapes, the weights' checksum unless ``verify=False``, finite
     values) before ``model`` is touched, so a failed load leaves it as it was.
 
@@ -567,7 +570,8 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
     method = saved.get("method", "mcl")
     if method in _BASELINE_LOADERS:  # a baseline (loramcl.baselines) checks and rebuilds its own layers
         module, _, loader = _BASELINE_LOADERS[method].partition(":")
-        return getattr(importlib.import_module(module), loader)(model, path, saved, tensors, is_trainable, strict)
+        loaded = getattr(importlib.import_module(module), loader)(model, path, saved, tensors, is_trainable, strict)
+        return loaded if is_trainable else loaded.eval()
     config = checked_mcl_config(path, saved, tensors)
     if fit_scores and not config.scoring:
         config = replace(config, scoring=True)
@@ -590,6 +594,7 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
     copy_scoring_head(mcl.scoring_head, tensors)
     if mcl.scoring_head is not None:
         mcl.scoring_head.requires_grad_(is_trainable or fit_scores)
-    return mcl
+    # decoding with the base in eval mode would otherwise run the new adapter layers' dropout (built in train mode)
+    return mcl if is_trainable or fit_scores else mcl.eval()
 
 

@@ -380,8 +380,6 @@ def training_rows(path: str, data: DataConfig, what: str):
     from loramcl.data.sources import read_dataset, row_names
 
     rows = read_dataset(path, data.split, what)
-    if len(rows) == 0:
-        raise ValueError(f"{what} {path} holds no row")
     where = row_names(path)
     fmt = detect_format(rows[0], data.prompt_key, data.target_key, where(0), "data.prompt_key / data.target_key")
     check_rows(rows, fmt, data.chat_template, where)

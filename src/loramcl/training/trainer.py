@@ -482,11 +482,11 @@ class MCLTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         # Trainer loads only its own weight files; ours are mcl_adapters.safetensors, checked as load_adapters does.
         mcl = self.accelerator.unwrap_model(model if model is not None else self.model)
-        mcl.load_adapters(resume_from_checkpoint)
+        mcl.load_adapters(resume_from_checkpoint, is_trainable=True)  # training goes on: Trainer sets the modes
 
     def _load_best_model(self) -> None:
         # As _load_from_checkpoint, for load_best_model_at_end (before the on_train_end callbacks see the model).
-        self._mcl_model().load_adapters(self.state.best_model_checkpoint)
+        self._mcl_model().load_adapters(self.state.best_model_checkpoint, is_trainable=True)
 
 
 def _own_arguments(args: TrainingArguments | None) -> TrainingArguments:
