@@ -8,6 +8,7 @@ registry entry is the doc's line itself.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -211,18 +212,67 @@ _ENGINE = ("an engine (vLLM on a GPU, llama.cpp) that is not installed here: the
 
 def serving_line(line: str) -> None:
     """A vLLM or llama.cpp line of docs/guide/serving.md names adapters the export writes (h0, h1 of the docs' K = 2
-    run; the folded ones for llama.cpp), a rank vLLM accepts, and room for every adapter in one batch."""
+    run; the folded ones for llama.cpp), a rank vLLM accepts, and room for every adapter in one batch; a llama.cpp
+    line is a line of a whole recipe (``llama_cpp_recipe`` checks the block)."""
     from loramcl.mcl.export import VLLM_RANKS
 
     folders = re.findall(r"(exported[\w-]*)/h(\d+)", line)
     assert all(int(k) < 2 for _, k in folders), f"the docs' run has hypotheses h0 and h1: {line}"
+    words = shlex.split(line, comments=True)
     if line.startswith("vllm serve"):
         rank, loras = (int(re.search(rf"--{name} (\d+)", line)[1]) for name in ("max-lora-rank", "max-loras"))
         assert rank in VLLM_RANKS and loras >= len(folders), line
     if "convert_lora_to_gguf" in line:
         assert folders and all(folder == "exported-folded" for folder, _ in folders), "llama.cpp needs --fold_scaling"
-    if line.startswith("curl"):
+        assert _option(words, "--base") == "models/SmolLM2-135M-Instruct", f"--base, the base's folder: {line}"
+    if line.startswith("curl localhost:8000"):
         assert re.search(r'"model": "h[01]"', line), line
+    if line.startswith("curl localhost:8080"):
+        _lora_scales(words, 2)
+
+
+def _option(words, name: str) -> str | None:
+    return words[words.index(name) + 1] if name in words else None
+
+
+def _lora_scales(words, k_total: int) -> int:
+    """The hypothesis a llama-server request decodes: its body's "lora" names each of the K adapters once, one at
+    scale 1.0 (returned), the others at 0.0 (an adapter left out is applied at scale 1: a mixture)."""
+
+    body = json.loads(_option(words, "-d"))
+    endpoint = words[1].split("/", 1)[1]
+    assert ("prompt" if endpoint == "completion" else "messages") in body, f"/{endpoint} takes {body}"
+    assert "lora" in body, f"a request without \"lora\" applies every adapter at scale 1: {' '.join(words)}"
+    scales = {entry["id"]: entry["scale"] for entry in body["lora"]}
+    assert len(body["lora"]) == len(scales) and sorted(scales) == list(range(k_total)), \
+        f"a request names the scale of every adapter 0 ... {k_total - 1} once: {body['lora']}"
+    assert sorted(scales.values()) == [0.0] * (k_total - 1) + [1.0], f"one scale 1.0, the others 0.0: {body['lora']}"
+    return next(i for i, scale in scales.items() if scale == 1.0)
+
+
+def llama_cpp_recipe(commands, folders: list[str], base: str) -> None:
+    """A llama.cpp recipe (docs/guide/serving.md's, an exported model card's), as lists of words: the base model
+    converted; each hypothesis folder in ``folders`` converted with --base ``base``; llama-server started on the
+    base's GGUF with every hypothesis's GGUF as --lora, in order, none applied; and one request per hypothesis,
+    each naming all K scales."""
+    def running(script: str) -> list:
+        return [w for w in commands if any(word.endswith(script) for word in w)]
+
+    (base_line,) = running("convert_hf_to_gguf.py")
+    assert base_line[base_line.index(next(w for w in base_line if w.endswith(".py"))) + 1] == base, base_line
+    converted = {}
+    for words in running("convert_lora_to_gguf.py"):
+        folder = words[words.index(next(w for w in words if w.endswith(".py"))) + 1]
+        assert _option(words, "--base") == base, f"each hypothesis converted with --base {base}: {words}"
+        converted[folder] = _option(words, "--outfile")
+    assert sorted(converted) == sorted(folders), f"converted {sorted(converted)}, not every hypothesis {folders}"
+    (server,) = [words for words in commands if words[0].endswith("llama-server")]
+    loras = [server[i + 1] for i, word in enumerate(server) if word == "--lora"]
+    assert _option(server, "-m") == _option(base_line, "--outfile"), f"the server's model is the base's GGUF: {server}"
+    assert loras == [converted[f] for f in folders], f"--lora, each hypothesis's GGUF in order: {loras}"
+    assert "--lora-init-without-apply" in server, f"llama-server applies every adapter unless: {server}"
+    served = {_lora_scales(words, len(folders)) for words in commands if words[0] == "curl"}
+    assert served == set(range(len(folders))), f"requests decode hypotheses {sorted(served)} of {len(folders)}"
 
 
 def serve_vllm_line(line: str) -> None:
@@ -602,10 +652,23 @@ REGISTRY = {
         "h0=exported/h0 h1=exported/h1",
         'curl localhost:8000/v1/completions -H Content-Type: application/json -d {"model": "h1", "prompt": '
         '"Translate: the file", "max_tokens": 32, "temperature": 0}',
-        "python convert_hf_to_gguf.py models/SmolLM2-135M-Instruct --outfile base.gguf",
-        "python convert_lora_to_gguf.py exported-folded/h0 --base models/SmolLM2-135M-Instruct --outfile h0.gguf",
-        "python convert_lora_to_gguf.py exported-folded/h1 --base models/SmolLM2-135M-Instruct --outfile h1.gguf",
-        "llama-server -m base.gguf --lora h0.gguf --lora h1.gguf --lora-init-without-apply")},
+        "git clone https://github.com/ggml-org/llama.cpp",
+        "python -m venv llama-env",
+        "llama-env/bin/pip install -r llama.cpp/requirements/requirements-convert_hf_to_gguf.txt",
+        "cmake -S llama.cpp -B llama.cpp/build -DLLAMA_USE_PREBUILT_UI=OFF",
+        "cmake --build llama.cpp/build --target llama-server -j 4",
+        "llama-env/bin/python llama.cpp/convert_hf_to_gguf.py models/SmolLM2-135M-Instruct --outfile "
+        "exported-folded/base.gguf",
+        *(f"llama-env/bin/python llama.cpp/convert_lora_to_gguf.py exported-folded/h{k} --base "
+          f"models/SmolLM2-135M-Instruct --outfile exported-folded/h{k}.gguf" for k in (0, 1)),
+        "llama.cpp/build/bin/llama-server -m exported-folded/base.gguf --lora exported-folded/h0.gguf --lora "
+        "exported-folded/h1.gguf --lora-init-without-apply",
+        *('curl localhost:8080/completion -H Content-Type: application/json -d {"prompt": "Translate: the file", '
+          f'"n_predict": 32, "temperature": 0, "lora": [{{"id": 0, "scale": {a}}}, {{"id": 1, "scale": {b}}}]}}'
+          for a, b in (("1.0", "0.0"), ("0.0", "1.0"))),
+        'curl localhost:8080/v1/chat/completions -H Content-Type: application/json -d {"messages": [{"role": "user", '
+        '"content": "Translate: the file"}], "max_tokens": 32, "temperature": 0, "lora": [{"id": 0, "scale": 1.0}, '
+        '{"id": 1, "scale": 0.0}]}')},
     **{(G + "serving.md", line): Check(serve_vllm_line, why="vLLM's CPU build in an environment of its own, run by "
                                        "hand (the parity it prints is written in the doc)") for line in (
         "python benchmarks/serve_vllm.py ours --run runs/mcl --prompts test.jsonl --n 64 --out ours.json",

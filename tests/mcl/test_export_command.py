@@ -4,10 +4,12 @@ import contextlib
 import io
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
 from peft import PeftModel
+from docs_blocks import extract_blocks, llama_cpp_recipe
 from test_cli import run_main
 from tiny_models import build_model, word_tokenizer
 from transformers import AutoModelForCausalLM
@@ -25,8 +27,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s> {% if m['role'] == 'assistant' %}w3
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A tiny Llama and two finished runs of 4 steps: K = 3 (paper's method), K = 2 context-once with the chat
-    template."""
+    """A tiny Llama and three finished runs of 4 steps: K = 3 (paper's method), K = 2 context-once with the chat
+    template, K = 2 with the chat template."""
     root = tmp_path_factory.mktemp("export")
     torch.manual_seed(0)
     build_model("llama").save_pretrained(root / "base")
@@ -44,6 +46,9 @@ def runs(tmp_path_factory):
         train(model=str(root / "base"), out=str(root / "once"), threads=1, training=training,
               mcl=MCLConfig(num_hypotheses=2, r=8, alpha=16, target_modules=["q_proj", "v_proj"],
                             adapt_context=False), data=DataConfig(**data, chat_template=True))
+        train(model=str(root / "base"), out=str(root / "chat"), threads=1, training=training,
+              mcl=MCLConfig(num_hypotheses=2, r=8, alpha=16, target_modules=["q_proj", "v_proj"]),
+              data=DataConfig(**data, chat_template=True))
     return root
 
 
@@ -124,3 +129,54 @@ def test_what_cannot_be_exported_is_refused_with_its_reason(runs, tmp_path, caps
         assert code in (1, 2) and line.startswith("loramcl export: error: "), err
         assert re.search(message, line), line
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 7))
+
+
+def _card_blocks(card) -> tuple[str, list]:
+    """The model card's python block, and its bash commands as lists of words."""
+    blocks = extract_blocks([str(card)])
+    python = next(b.text for b in blocks if b.lang == "python")
+    return python, [c.words for b in blocks if b.lang == "bash" for c in b.commands()]
+
+
+@pytest.mark.parametrize("run", ["mcl", "chat"])
+def test_the_model_card_runs_from_where_export_was_typed_with_the_prompt_as_trained(runs, tmp_path, monkeypatch,
+                                                                                     capsys, run):
+    """Issue 56 (and 52): the card's PEFT code, run from the folder `loramcl export` was typed in, decodes the
+    placeholder prompt formatted as the run trained (chat template or not) into generate_hypotheses' candidates; its
+    llama.cpp recipe converts the base and every exported hypothesis (with --base), serves them unapplied and sends
+    one request per hypothesis naming every scale, the prompt as trained."""
+    from loramcl.data.prompts import prompt_text
+    from loramcl.decoding import generate_hypotheses
+
+    monkeypatch.chdir(tmp_path)
+    main(["export", str(runs / run), "--out", "exported"])
+    python, commands = _card_blocks(tmp_path / "exported" / "README.md")
+    namespace = {}
+    exec(compile(python.replace("max_new_tokens=64", "max_new_tokens=6"), "README.md", "exec"), namespace)  # noqa: S102
+    tokenizer, chat = namespace["tokenizer"], run == "chat"
+    prompt = prompt_text(tokenizer, "your prompt", chat)
+    assert ("apply_chat_template" in python) == chat
+    mcl = load_mcl_model(AutoModelForCausalLM.from_pretrained(runs / "base"), runs / run).eval()
+    ours = generate_hypotheses(mcl, None, dict(tokenizer([prompt], return_tensors="pt", add_special_tokens=not chat)),
+                               strategy="greedy", max_new_tokens=6)
+    assert namespace["candidates"] == [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in ours[0]]
+
+    folders = [f"exported/h{k}" for k in range(mcl.num_hypotheses)]
+    llama_cpp_recipe(commands, folders, str(runs / "base"))
+    requests = {(words[1], json.dumps(json.loads(words[words.index("-d") + 1]).get("prompt"))) for words in commands
+                if words[0] == "curl" and "8080" in words[1]}
+    if chat:
+        assert requests == {("localhost:8080/v1/chat/completions", "null"),
+                            ("localhost:8080/completion", json.dumps(prompt))}, requests
+    else:
+        assert requests == {("localhost:8080/completion", json.dumps("your prompt"))}, requests
+    vllm = next(w for w in commands if w[0] == "vllm")
+    assert list(vllm[vllm.index("--lora-modules") + 1:]) == [f"{Path(f).name}={f}" for f in folders]
+
+
+def test_the_model_cards_llama_cpp_recipe_numbers_the_chosen_hypotheses_by_their_place(runs, tmp_path, monkeypatch,
+                                                                                       capsys):
+    monkeypatch.chdir(tmp_path)
+    main(["export", str(runs / "mcl"), "--out", "some", "--hypotheses", "0,2"])
+    _, commands = _card_blocks(tmp_path / "some" / "README.md")
+    llama_cpp_recipe(commands, ["some/h0", "some/h2"], str(runs / "base"))

@@ -47,9 +47,11 @@ from docs_blocks import (
     Module,
     Output,
     Run,
+    Block,
     expand,
     extract_blocks,
     is_assignment,
+    llama_cpp_recipe,
 )
 
 BLOCKS = extract_blocks()
@@ -142,6 +144,29 @@ def test_code_blocks_say_their_language_and_output_blocks_hold_no_command():
         else:
             assert block.lang in ("bash", "python"), f"{block.name}: unknown block language {block.lang!r}"
             assert Output not in kinds, f"{block.name}: a {block.lang} block is code, not an output"
+
+
+def _llama_cpp_commands(text: str) -> list:
+    return [c.words for c in Block("serving.md", 0, "bash", text).commands()]
+
+
+def test_the_serving_guides_llama_cpp_recipe_converts_serves_and_requests_every_hypothesis():
+    """Issue 56: the guide's llama.cpp blocks convert the base and h0, h1 (each with --base), start llama-server with
+    both unapplied, and send one request per hypothesis naming both scales; each fault is caught."""
+    text = "\n".join(b.text for b in BLOCKS if b.file == "docs/guide/serving.md"
+                     and re.search(r"llama|localhost:8080", b.text))
+    base, folders = "models/SmolLM2-135M-Instruct", ["exported-folded/h0", "exported-folded/h1"]
+    llama_cpp_recipe(_llama_cpp_commands(text), folders, base)
+    h1 = next(ln for ln in text.splitlines() if "convert_lora_to_gguf.py exported-folded/h1" in ln)
+    scale = ', {"id": 1, "scale": 0.0}'
+    for fault, broken in [("not every hypothesis", text.replace(h1, "")),
+                          ("--base", text.replace(f" --base {base} --outfile exported-folded/h1", " --outfile "
+                                                  "exported-folded/h1")),
+                          ("every adapter 0 ... 1", text.replace(scale, "", 1)),
+                          ("without \"lora\"", re.sub(r', "lora": \[[^]]*\]', "", text, count=1)),
+                          ("applies every adapter", text.replace(" --lora-init-without-apply", ""))]:
+        with pytest.raises(AssertionError, match=re.escape(fault)):
+            llama_cpp_recipe(_llama_cpp_commands(broken), folders, base)
 
 
 # ---------------------------------------------------------------------------------------------------------------

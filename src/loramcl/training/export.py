@@ -6,6 +6,8 @@ for PEFT's mixed-adapter batches, vLLM, SGLang, LoRAX and llama.cpp (docs/guide/
 from __future__ import annotations
 
 import json
+import os
+import shlex
 from pathlib import Path
 
 from loramcl.mcl.config import MCLConfig, saved_values
@@ -22,6 +24,7 @@ from loramcl.utils.inputs import (
 from loramcl.utils.validate import OptionError
 
 CARD_NAME = "README.md"
+CARD_PROMPT = "your prompt"  # the model card's placeholder, shown as the run's prompts were (chat template or not)
 
 
 def export(
@@ -69,9 +72,10 @@ def export(
     saved = json.loads((Path(adapters) / MCL_CONFIG).read_text(encoding="utf-8"))
     method = saved.get("method", "mcl")
     config = MCLConfig.from_dict(saved_values(saved["mcl_config"])) if method == "mcl" else None
-    if config is not None and not config.adapt_context and invocation is None:
-        invocation = _chat_invocation(adapters if (Path(adapters) / "tokenizer_config.json").is_file() else base,
-                                      record)
+    chat = bool(((record[1] if record else {}).get("data") or {}).get("chat_template"))
+    tokenizer_folder = str(adapters) if (Path(adapters) / "tokenizer_config.json").is_file() else base
+    if config is not None and not config.adapt_context and invocation is None and chat:
+        invocation = _chat_invocation(tokenizer_folder)
 
     from loramcl.mcl.export import export_all
     from loramcl.models import load_model
@@ -79,10 +83,19 @@ def export(
     mcl = load_model(base, adapters, strict=strict)  # the base model's folder is recorded in each adapter_config.json
     folders = export_all(mcl, out, chosen, fold_scaling=fold_scaling, alora_invocation_tokens=invocation)
     card = Path(out) / CARD_NAME
-    card.write_text(model_card(mcl, base, folders, record, adapters, fold_scaling, invocation), encoding="utf-8")
+    rendered = _rendered_prompt(tokenizer_folder) if chat else None
+    card.write_text(model_card(mcl, _from_here(base), [_from_here(f) for f in folders], record, adapters,
+                               fold_scaling, invocation, _from_here(tokenizer_folder), rendered), encoding="utf-8")
     print(f"{len(folders)} hypotheses as PEFT LoRA adapters ({', '.join(Path(f).name for f in folders)}) and their "
           f"model card: {out}")
     return str(out)
+
+
+def _from_here(path: str) -> str:
+    """``path`` relative to the folder `loramcl export` runs in when it lies inside it (the CLI makes every path
+    absolute), else absolute: the model card's commands run from that folder, wherever it is."""
+    relative = os.path.relpath(path)
+    return str(path) if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
 
 
 def _hypothesis_list(text: str | int | None, option: str) -> list[int] | None:
@@ -105,12 +118,9 @@ def _base_model_of(adapters: str, record: tuple[Path, dict] | None) -> str:
                       f"base_model_name_or_path in {MCL_CONFIG}): give --model, the folder of the base model")
 
 
-def _chat_invocation(tokenizer_folder: str, record: tuple[Path, dict] | None) -> list[int] | None:
+def _chat_invocation(tokenizer_folder: str) -> list[int]:
     """The last token of the chat template's assistant header (the run's tokenizer, saved beside its adapters, else
-    the base model's), for a run trained with the chat template: every prompt of that run ends with it. None
-    otherwise (the export then says what to give)."""
-    if record is None or not (record[1].get("data") or {}).get("chat_template"):
-        return None
+    the base model's), for a run trained with the chat template: every prompt of that run ends with it."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
@@ -119,8 +129,17 @@ def _chat_invocation(tokenizer_folder: str, record: tuple[Path, dict] | None) ->
     return [int(ids[-1])]
 
 
+def _rendered_prompt(tokenizer_folder: str) -> str:
+    """CARD_PROMPT as a run trained with the chat template read it: one user turn and the assistant header."""
+    from transformers import AutoTokenizer
+
+    from loramcl.data.prompts import prompt_text
+
+    return prompt_text(AutoTokenizer.from_pretrained(tokenizer_folder), CARD_PROMPT, chat_template=True)
+
+
 def model_card(mcl, base: str, folders: list[str], record: tuple[Path, dict] | None, adapters: str,
-               fold_scaling: bool, invocation: list[int] | None) -> str:
+               fold_scaling: bool, invocation: list[int] | None, tokenizer_folder: str, rendered: str | None) -> str:
     """The model card of an export: what the hypotheses are, the run that trained them, how to load and serve them."""
     cfg = mcl.mcl_config
     names = [Path(f).name for f in folders]
@@ -149,16 +168,14 @@ def model_card(mcl, base: str, folders: list[str], record: tuple[Path, dict] | N
                                  f"{settings['training'].get('learning_rate')} ({run.get('seconds', '?')} s)"))
     rows += _metrics(log)
     table = "\n".join(f"| {name} | {value} |" for name, value in rows)
-    mixed = ", ".join(f'"{n}"' for n in names)
-    model_class = type(mcl.base_model).__name__
     rslora_note = " (export with --fold_scaling: llama.cpp ignores use_rslora)" if cfg.use_rslora and not \
         fold_scaling else ""
-    padding = "" if getattr(mcl.config, "is_encoder_decoder", False) else ', padding_side="left"'
 
     return f"""# {len(names)} LoRA-MCL hypotheses of {Path(base).name}
 
 Each folder is one hypothesis, a standard PEFT LoRA adapter of the same base model: each decodes its own answer, and
 together they give {len(names)} diverse, plausible answers per prompt. Written by `loramcl export` from `{adapters}`.
+The commands below run from the folder where `loramcl export` was typed (their paths are relative to it).
 
 | | |
 |---|---|
@@ -167,30 +184,90 @@ together they give {len(names)} diverse, plausible answers per prompt. Written b
 ## Load them in PEFT, all hypotheses in one batch
 
 ```python
-from peft import PeftModel
-from transformers import AutoTokenizer, {model_class}
-
-base = {model_class}.from_pretrained("{base}")
-model = PeftModel.from_pretrained(base, "{names[0]}", adapter_name="{names[0]}")
-{chr(10).join(f'model.load_adapter("{n}", adapter_name="{n}")' for n in names[1:])}
-tokenizer = AutoTokenizer.from_pretrained("{base}"{padding})
-names = [{mixed}]
-batch = tokenizer(["your prompt"] * len(names), return_tensors="pt", padding=True)
-outputs = model.generate(**batch, adapter_names=names, max_new_tokens=64, do_sample=False)
+{_peft_snippet(mcl, base, folders, tokenizer_folder, rendered is not None)}
 ```
 
 ## Serve them
 
 ```bash
 # vLLM: the prompt sent once per hypothesis, "model": "h0" ... (in Python, one LoRARequest per hypothesis)
-vllm serve {base} --enable-lora --max-loras {len(names)} --max-lora-rank {_vllm_rank(cfg.r)} \\
-  --lora-modules {' '.join(f'{n}=./{n}' for n in names)}
-# llama.cpp: each hypothesis converted to a GGUF LoRA{rslora_note}
-python convert_lora_to_gguf.py ./{names[0]} --base {base} --outfile {names[0]}.gguf
+vllm serve {shlex.quote(base)} --enable-lora --max-loras {len(names)} --max-lora-rank {_vllm_rank(cfg.r)} \\
+  --lora-modules {' '.join(shlex.quote(f'{Path(f).name}={f}') for f in folders)}
+{_llama_cpp(base, folders, rendered, rslora_note)}
 ```
 
 More in loramcl's docs/guide/serving.md.
 """
+
+
+def _peft_snippet(mcl, base: str, folders: list[str], tokenizer_folder: str, chat: bool) -> str:
+    """The card's PEFT code: the exported folders loaded as named adapters, the placeholder prompt formatted as the
+    run's prompts were (the chat template's user turn without special tokens added, or the bare text with them),
+    one row per hypothesis decoded by PEFT's mixed-adapter batch."""
+    model_class = type(mcl.base_model).__name__
+    decoder_only = not getattr(mcl.config, "is_encoder_decoder", False)
+    names = [Path(f).name for f in folders]
+    padding = ', padding_side="left"' if decoder_only else ""
+    text = json.dumps
+    lines = ["from peft import PeftModel", f"from transformers import AutoTokenizer, {model_class}", "",
+             f"base = {model_class}.from_pretrained({text(base)})",
+             f"model = PeftModel.from_pretrained(base, {text(folders[0])}, adapter_name={text(names[0])})",
+             *(f"model.load_adapter({text(f)}, adapter_name={text(n)})" for f, n in zip(folders[1:], names[1:],
+                                                                                         strict=True)),
+             f"tokenizer = AutoTokenizer.from_pretrained({text(tokenizer_folder)}{padding})",
+             f"names = {text(names)}"]
+    if chat:  # as loramcl trained it: one user turn and the assistant header, special tokens written by the template
+        lines += [f'prompt = tokenizer.apply_chat_template([{{"role": "user", "content": {text(CARD_PROMPT)}}}], '
+                  'tokenize=False, add_generation_prompt=True)',
+                  'batch = tokenizer([prompt] * len(names), return_tensors="pt", padding=True, add_special_tokens=False)']
+    else:
+        lines.append(f'batch = tokenizer([{text(CARD_PROMPT)}] * len(names), return_tensors="pt", padding=True)')
+    new_tokens = 'outputs[:, batch["input_ids"].shape[1]:]' if decoder_only else "outputs"
+    lines += ["outputs = model.generate(**batch, adapter_names=names, max_new_tokens=64, do_sample=False)",
+              f"candidates = tokenizer.batch_decode({new_tokens}, skip_special_tokens=True)  # one per hypothesis"]
+    return "\n".join(lines)
+
+
+def _llama_cpp(base: str, folders: list[str], rendered: str | None, rslora_note: str) -> str:
+    """The card's llama.cpp recipe, from the folder where `loramcl export` was typed: the converters' environment
+    and llama-server built from a source checkout, the base and every hypothesis converted (each with --base), the
+    server holding the K adapters unapplied, and one request per hypothesis naming every adapter's scale, its prompt
+    as the run was trained (``rendered``: the chat template's rendering of CARD_PROMPT; None: the bare prompt)."""
+    q = shlex.quote
+    base_gguf = str(Path(folders[0]).parent / "base.gguf")
+    ggufs = [f"{folder}.gguf" for folder in folders]
+    python = "llama-env/bin/python llama.cpp/"
+
+    def request(k: int, endpoint: str, body: dict) -> str:
+        body["lora"] = [{"id": i, "scale": 1.0 if i == k else 0.0} for i in range(len(folders))]
+        return f"curl localhost:8080/{endpoint} -H 'Content-Type: application/json' -d {q(json.dumps(body))}"
+
+    if rendered is None:  # trained on bare prompts: /completion, the prompt as it is
+        requests = [request(k, "completion", {"prompt": CARD_PROMPT, "n_predict": 64, "temperature": 0})
+                    for k in range(len(folders))]
+    else:  # trained with the chat template: the server renders the model's own, or /completion takes it rendered
+        chat = {"messages": [{"role": "user", "content": CARD_PROMPT}], "max_tokens": 64, "temperature": 0}
+        requests = [request(k, "v1/chat/completions", dict(chat)) for k in range(len(folders))]
+        requests += ["# the same on /completion: the prompt rendered with the chat template, as loramcl trained",
+                     request(0, "completion", {"prompt": rendered, "n_predict": 64, "temperature": 0})]
+    return "\n".join([
+        "# llama.cpp: its converters run from its source checkout, in an environment of their own (its requirements:",
+        "# sentencepiece, transformers < 5); llama-server built there (pip's llama-cpp-python has none), offline",
+        "git clone https://github.com/ggml-org/llama.cpp",
+        "python -m venv llama-env",
+        "llama-env/bin/pip install -r llama.cpp/requirements/requirements-convert_hf_to_gguf.txt",
+        "cmake -S llama.cpp -B llama.cpp/build -DLLAMA_USE_PREBUILT_UI=OFF",
+        "cmake --build llama.cpp/build --target llama-server -j 4",
+        f"# the base model, then every hypothesis, each with --base (the base model's folder){rslora_note}",
+        f"{python}convert_hf_to_gguf.py {q(base)} --outfile {q(base_gguf)}",
+        *(f"{python}convert_lora_to_gguf.py {q(f)} --base {q(base)} --outfile {q(g)}" for f, g in zip(folders, ggufs,
+                                                                                                     strict=True)),
+        "# adapter i is the i-th --lora; none applies until a request names its scale",
+        f"llama.cpp/build/bin/llama-server -m {q(base_gguf)} {' '.join(f'--lora {q(g)}' for g in ggufs)} "
+        "--lora-init-without-apply",
+        "# one request per hypothesis, EVERY adapter's scale named: 1.0 for it, 0.0 for the others (a request without",
+        '# "lora" applies all of them at 1.0 and decodes a mixture of the hypotheses)',
+        *requests])
 
 
 def _vllm_rank(r: int) -> int:
