@@ -62,7 +62,8 @@ def test_annealed_at_tiny_temperature_equals_wta_and_stays_finite(temperature):
     weights = annealed_weights(nll, temperature)
     assert torch.isfinite(weights).all()
     torch.testing.assert_close(weights, wta_weights(nll), atol=1e-12, rtol=0)
-    config = MCLConfig(num_hypotheses=3, loss="annealed", temperature0=temperature, temperature_min=0.0)
+    config = MCLConfig(num_hypotheses=3, loss="annealed", temperature0=temperature, temperature_decay=0.999,
+                       temperature_min=0.0)
     loss, _ = mcl_loss(nll.clone().requires_grad_(), config)
     assert torch.isfinite(loss) and loss.item() == pytest.approx(nll.min(dim=1).values.mean().item())
 
@@ -74,13 +75,13 @@ def test_any_non_finite_nll_makes_every_loss_non_finite(loss, bad_row):
     # A finite loss here would let MCLTrainer train on (and checkpoint) a broken hypothesis: its guard sees the loss.
     nll = torch.tensor([bad_row, [1.0, 2.0, 3.0]], requires_grad=True)
     config = MCLConfig(num_hypotheses=3, loss=loss, epsilon=0.1 if loss == "relaxed" else 0.0)
-    value, _ = mcl_loss(nll, config)
+    value, _ = mcl_loss(nll, config, total_steps=100)
     assert not torch.isfinite(value)
 
 
 def test_annealed_at_huge_temperature_is_the_uniform_mean():
     nll = _nll(k=5)
-    config = MCLConfig(num_hypotheses=5, loss="annealed", temperature0=1e9)
+    config = MCLConfig(num_hypotheses=5, loss="annealed", temperature0=1e9, temperature_decay=0.999)
     loss, weights = mcl_loss(nll, config)
     torch.testing.assert_close(weights, torch.full_like(weights, 0.2))
     torch.testing.assert_close(loss, nll.mean())

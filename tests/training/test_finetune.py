@@ -91,7 +91,9 @@ def exported(folders):
 def test_train_writes_adapters_logs_and_learns(folders, trained):
     out, printed = trained
     assert re.search(r"^step 3: loss \d\.\d+, grad_norm [\d.e-]+, learning_rate [\d.e-]+, win_rate_h0 [\d.]+, "
-                     r"win_rate_h1 [\d.]+, epoch [\d.]+$", printed, re.M)  # numbers, not quoted strings
+                     r"win_rate_h1 [\d.]+, nll_h0 [\d.]+, nll_h1 [\d.]+, split_gap [\d.e-]+, tokens_per_second "
+                     r"[\d.e+]+, labelled_tokens_per_second [\d.e+]+, step_time [\d.e-]+, epoch [\d.]+$", printed,
+                     re.M)  # numbers, not quoted strings
     assert "step 6: eval_loss " in printed and "'" not in printed
     log = json.loads((out / "train_log.json").read_text())
     evals = [e["eval_loss"] for e in log if "eval_loss" in e]
