@@ -6,7 +6,9 @@ share of the wins (``win_rate_h{k}``), its mean training NLL (``nll_h{k}``) and 
 mean_k nll_h{k} minus the oracle NLL mean_b min_k nll[b, k], in nats per token. Identical hypotheses have a gap of 0
 (each models the whole data); hypotheses that split are each poor on the others' examples, so the gap grows. It costs
 one sum per step (no host read), and it is the measure docs/experiments/bilingual.md used to see when the languages
-split (0.06 before, 0.36 to 0.57 after, against an oracle NLL near 2.4).
+split (0.06 before, 0.36 to 0.57 after). The first log also holds ``initial_nll``, the mean NLL of the first step's
+examples (the base model's, LoRA's B being 0): the gap is judged against what training gained, initial_nll minus the
+oracle NLL, since a frozen base's NLL sets the scale (a tiny random base stays near 4 nats whatever it learns).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import torch
 
 from loramcl.mcl.config import MCLConfig
 
-SPLIT_GAP = 0.05  # a split gap under 5% of the oracle NLL: the hypotheses are nearly the same model (not split)
-FAR_ABOVE = 0.10  # a rarely winning hypothesis whose NLL is 10% above the others' mean has fallen behind them
+SPLIT_GAP = 0.10  # a split gap under 10% of the NLL training gained: the hypotheses are nearly one model (not split)
+BEHIND = 0.5  # a rarely winning hypothesis that kept less than half the others' gain has fallen behind them
 LOW_SHARE = 0.25  # "rarely winning": under a quarter of a fair share, 1 / (4K) (K = 3: 8.3%)
 
 
@@ -32,11 +34,14 @@ class Record:
     shares: list[float]  # [K]
     nll: list[float] | None  # [K]; None in logs written before loramcl logged it
     gap: float | None
+    initial: float | None = None  # the first step's mean NLL (``initial_nll`` of the run's first log)
 
 
-def log_values(wins: torch.Tensor, nll_sum: torch.Tensor, oracle_sum: torch.Tensor) -> dict[str, float]:
+def log_values(wins: torch.Tensor, nll_sum: torch.Tensor, oracle_sum: torch.Tensor,
+               initial: torch.Tensor | None = None) -> dict[str, float]:
     """The log of the steps since the previous one, from their summed wins [K], per-hypothesis NLLs [K] and oracle
-    NLL (one host read): ``win_rate_h{k}``, and for K >= 2 ``nll_h{k}`` and ``split_gap``."""
+    NLL (one host read): ``win_rate_h{k}``, and for K >= 2 ``nll_h{k}``, ``split_gap`` and, given the first step's
+    [NLL sum, examples] ``initial``, ``initial_nll``."""
     wins, nll_sum, oracle_sum = wins.tolist(), nll_sum.tolist(), float(oracle_sum)
     total = sum(wins)
     if not total:
@@ -46,18 +51,21 @@ def log_values(wins: torch.Tensor, nll_sum: torch.Tensor, oracle_sum: torch.Tens
         nll = [value / total for value in nll_sum]
         logs |= {f"nll_h{k}": value for k, value in enumerate(nll)}
         logs["split_gap"] = sum(nll) / len(nll) - oracle_sum / total
+        if initial is not None and initial[1] > 0:
+            logs["initial_nll"] = float(initial[0] / initial[1])
     return logs
 
 
 def records_of(log_history: list[dict], num_hypotheses: int) -> list[Record]:
     """The training logs of ``log_history`` (Trainer's, as train_log.json holds it) as records."""
     records, last = [], 0
+    initial = next((log["initial_nll"] for log in log_history if "initial_nll" in log), None)
     for log in log_history:
         if "win_rate_h0" not in log or "step" not in log:
             continue
         shares = [log.get(f"win_rate_h{k}", 0.0) for k in range(num_hypotheses)]
         nll = [log[f"nll_h{k}"] for k in range(num_hypotheses)] if "nll_h0" in log else None
-        records.append(Record(last, log["step"], shares, nll, log.get("split_gap")))
+        records.append(Record(last, log["step"], shares, nll, log.get("split_gap"), initial))
         last = log["step"]
     return records
 
@@ -80,18 +88,22 @@ def window(records: list[Record], steps: int) -> Record | None:
     known = all(r.nll is not None and r.gap is not None for r in recent)
     nll = [mean([r.nll[i] for r in recent]) for i in range(k)] if known else None
     gap = mean([r.gap for r in recent]) if known else None
-    return Record(recent[0].first, end, shares, nll, gap)
+    return Record(recent[0].first, end, shares, nll, gap, records[0].initial)
 
 
 def fallen_behind(merged: Record, idle_share: float) -> list[int]:
     """The hypotheses of ``merged`` that have stopped taking part: each won less than ``idle_share`` of the examples,
-    or less than a quarter of a fair share with a training NLL FAR_ABOVE the others' mean."""
+    or less than a quarter of a fair share while keeping less than half (BEHIND) of the others' gain in training NLL
+    since the first step (its NLL stays near the base model's while theirs falls)."""
     k = len(merged.shares)
     behind = []
     for i, share in enumerate(merged.shares):
-        others = None if merged.nll is None else sum(v for j, v in enumerate(merged.nll) if j != i) / (k - 1)
-        if share < idle_share or (share < LOW_SHARE / k and others is not None
-                                  and merged.nll[i] > (1 + FAR_ABOVE) * others):
+        lagging = False
+        if merged.nll is not None and merged.initial is not None:
+            others = sum(v for j, v in enumerate(merged.nll) if j != i) / (k - 1)
+            gained = merged.initial - others
+            lagging = gained > 0 and merged.nll[i] - others > BEHIND * gained
+        if share < idle_share or (share < LOW_SHARE / k and lagging):
             behind.append(i)
     return behind
 
@@ -161,12 +173,15 @@ def verdict(records: list[Record], config: MCLConfig, window_steps: int, idle_sh
     steps = [merged.first, merged.last]
     shares = ", ".join(f"h{i} {100 * s:.1f}%" for i, s in enumerate(merged.shares))
     numbers = f"win shares {shares}"
-    oracle = None
+    oracle = gained = None
     if merged.nll is not None:
         oracle = sum(merged.nll) / k - merged.gap
         nll = ", ".join(f"h{i} {v:.3f}" for i, v in enumerate(merged.nll))
-        ratio = f" ({100 * merged.gap / oracle:.1f}% of the oracle NLL {oracle:.3f})" if oracle > 0 else ""
-        numbers += f"; training NLL {nll}; split gap {merged.gap:.3f} nats per token{ratio}"
+        numbers += f"; training NLL {nll}; oracle NLL {oracle:.3f}; split gap {merged.gap:.3f} nats per token"
+        if merged.initial is not None:
+            gained = merged.initial - oracle
+            share = f"{100 * merged.gap / gained:.0f}% of the {gained:.3f} gained" if gained > 0 else "nothing gained"
+            numbers += f" ({share} since the first step's NLL {merged.initial:.3f})"
     where = f"over steps {merged.first}-{merged.last}"
     behind = fallen_behind(merged, idle_share)
     first = None
@@ -182,10 +197,13 @@ def verdict(records: list[Record], config: MCLConfig, window_steps: int, idle_sh
         named = ", ".join(f"h{i} (since step {since(records, i)})" for i in behind)
         text = (f"partly collapsed: {named} won under {100 * LOW_SHARE / k:.1f}% of the examples {where} with a "
                 f"training NLL above the others' (a hypothesis on a rare mode looks the same: check its outputs)")
-    elif merged.gap is not None and merged.gap < SPLIT_GAP * max(oracle, 0.0):
+    elif gained is not None and gained <= 0:
         kind = "not split"
-        text = (f"not split: the hypotheses' NLLs are within {100 * SPLIT_GAP:g}% of the oracle NLL of each other "
-                f"{where}: each still models the whole data")
+        text = f"not split: the oracle NLL {where} is no lower than the first step's: training has not learned yet"
+    elif gained is not None and merged.gap < SPLIT_GAP * gained:
+        kind = "not split"
+        text = (f"not split: the split gap {where} is under {100 * SPLIT_GAP:g}% of what training gained: the "
+                "hypotheses are still nearly one model of the whole data")
     else:
         kind = "split"
         text = f"split {where}"
@@ -209,6 +227,7 @@ class CollapseWatch:
         self.window, self.share = window, share
         self._recent: collections.deque[Record] = collections.deque()
         self._since_step = 0  # where the first record starts
+        self._initial: float | None = None  # initial_nll of the first log
         self._warned = False
 
     def observe(self, step: int, logs: dict, loss: str) -> str | None:
@@ -219,8 +238,9 @@ class CollapseWatch:
         k = sum(1 for name in logs if name.startswith("win_rate_h"))
         first = self._recent[-1].last if self._recent else self._since_step
         nll = [logs[f"nll_h{i}"] for i in range(k)] if "nll_h0" in logs else None
+        self._initial = logs.get("initial_nll", self._initial)
         self._recent.append(Record(first, step, [logs[f"win_rate_h{i}"] for i in range(k)], nll,
-                                   logs.get("split_gap")))
+                                   logs.get("split_gap"), self._initial))
         while self._recent and self._recent[0].last <= step - self.window:
             self._recent.popleft()  # entirely before the window
         if self._warned or k < 2:
@@ -239,8 +259,8 @@ class CollapseWatch:
             behind = fallen_behind(merged, 0.0)
             if behind:
                 message = (f"{self._named(merged, behind)} won less than {100 * LOW_SHARE / k:.1f}% of the examples "
-                           f"over steps {merged.first}-{step} with a training NLL more than {100 * FAR_ABOVE:g}% "
-                           "above the others' (a partial collapse)")
+                           f"over steps {merged.first}-{step} and kept less than {100 * BEHIND:g}% of the others' "
+                           "gain in training NLL (a partial collapse)")
         if message is None:
             return None
         self._warned = True

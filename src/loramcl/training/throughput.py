@@ -79,7 +79,8 @@ class Throughput(TrainerCallback):
         """Add a micro-batch's labelled tokens (labels other than -100) and all its tokens (attention masks; the
         token ids where there is none), on the device (no host read)."""
         labels, ids = inputs.get("labels"), inputs.get("input_ids")
-        masks = [inputs[name] for name in ("attention_mask", "decoder_attention_mask") if torch.is_tensor(inputs.get(name))]
+        masks = [inputs[name] for name in ("attention_mask", "decoder_attention_mask")
+                 if torch.is_tensor(inputs.get(name))]
         if torch.is_tensor(labels):
             self.counts[0] += (labels != IGNORE_INDEX).sum()  # a 0-dim tensor adds to any device's
         if masks:

@@ -188,6 +188,7 @@ class MCLTrainer(Trainer):
         self._train_wins = torch.zeros(k, dtype=torch.long, device=self.args.device)  # [K] since the last log
         self._train_nll = torch.zeros(k, device=self.args.device)  # [K] sum over the examples since the last log
         self._train_oracle = torch.zeros((), device=self.args.device)  # sum of min_k nll, likewise
+        self._initial_nll = torch.zeros(2, device=self.args.device)  # [NLL sum, examples] of the first step
         self.specialisation = None  # the verdict at the end of train()
         two_pass = self.two_pass_wta and model.mcl_config.loss == "wta"
         self._throughput = Throughput(self.args.device, flops_per_token(model.parameter_counts()[1], k, two_pass),
@@ -239,6 +240,9 @@ class MCLTrainer(Trainer):
         nll = outputs.nll.detach().float()  # [B, K], what the loss saw
         self._train_nll += nll.sum(dim=0).to(self._train_nll.device)
         self._train_oracle += nll.min(dim=1).values.sum().to(self._train_oracle.device)
+        if self.state.global_step == 0:  # the base model's NLL (B = 0), against which the split gap is judged
+            self._initial_nll += torch.stack([nll.mean(dim=1).sum(), torch.tensor(nll.shape[0])]).to(
+                self._initial_nll.device)
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
     def _evaluation_loss(self, model: nn.Module, inputs: dict, return_outputs: bool):
@@ -369,10 +373,10 @@ class MCLTrainer(Trainer):
                 self._raise_nonfinite()
             if self.accelerator.reduce(self._nonfinite_grad_norm.int(), reduction="sum"):
                 self._raise_nonfinite_grad_norm()
-            sums = [self.accelerator.reduce(total.clone(), reduction="sum")
-                    for total in (self._train_wins, self._train_nll, self._train_oracle)]
-            logs.update(log_values(*sums))  # win_rate_h{k}, nll_h{k}, split_gap
-            for total in (self._train_wins, self._train_nll, self._train_oracle):
+            totals = (self._train_wins, self._train_nll, self._train_oracle, self._initial_nll)
+            sums = [self.accelerator.reduce(total.clone(), reduction="sum") for total in totals]
+            logs.update(log_values(*sums))  # win_rate_h{k}, nll_h{k}, split_gap; initial_nll in the first log
+            for total in totals:
                 total.zero_()
             self._watch_for_collapse(logs)
             if self._mcl_model().mcl_config.loss == "annealed":
