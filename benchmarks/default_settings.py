@@ -57,6 +57,8 @@ SETTINGS = {
     "relaxed 0.05, random": {"loss": "relaxed", "epsilon": 0.05, "tie_break": "random"},
     "annealed tau0 1 (rho 0.999)": {"loss": "annealed", "temperature0": 1.0, "temperature_decay": 0.999,
                                     "temperature_min": 1e-6, "tie_break": "lowest"},
+    "annealed tau0 1 (auto)": {"loss": "annealed", "temperature0": 1.0, "temperature_decay": "auto",
+                               "temperature_min": 1e-6, "tie_break": "lowest"},
 }
 SETTINGS = {name: {"dropout": 0.0, **fields} for name, fields in SETTINGS.items()} | {
     f"{name}, dropout 0.1": {**SETTINGS[name], "dropout": 0.1} for name in
@@ -197,8 +199,9 @@ def main() -> None:
                     started = time.perf_counter()
                     train_setting(base, train_file, out, SETTINGS[name], args.hypotheses, seed, args.steps)
                     table, oracle = languages_won(base, out, train_file, languages)
+                    verdict = json.loads((out / "run.json").read_text())["specialisation"]
                     runs.append({"seed": seed, "win_rates": final_win_rates(out), "languages": table,
-                                 "oracle_nll": oracle, "seconds": time.perf_counter() - started})
+                                 "oracle_nll": oracle, "verdict": verdict, "seconds": time.perf_counter() - started})
                 results.append({"base": base_kind, "setting": name, "fields": SETTINGS[name], "runs": runs})
                 print(row(results[-1]), flush=True)
     if args.json:
@@ -206,7 +209,8 @@ def main() -> None:
 
 
 def row(result: dict) -> str:
-    """One markdown table line: base | setting | win rates | collapsed | idle | split | oracle NLL."""
+    """One markdown table line: base | setting | win rates | collapsed | idle | split | oracle NLL | the trainer's
+    verdicts (split / not split / partly collapsed: MCLTrainer's own, from its training logs alone)."""
     runs = result["runs"]
     shares = [sorted(r["win_rates"], reverse=True) for r in runs]
     mean = " / ".join(f"{statistics.mean(column):.2f}" for column in zip(*shares, strict=True))
@@ -215,8 +219,10 @@ def row(result: dict) -> str:
     split = sum(is_split(r["languages"]) for r in runs)
     oracle = statistics.mean(r["oracle_nll"] for r in runs)
     n = len(runs)
+    verdicts = " / ".join(str(sum(r["verdict"]["kind"] == kind for r in runs))
+                          for kind in ("split", "not split", "partly collapsed"))
     return (f"| {result['base']} | {result['setting']} | {mean} | {collapsed}/{n} | {idle}/{n} | {split}/{n} | "
-            f"{oracle:.3f} |")
+            f"{oracle:.3f} | {verdicts} |")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ def test_annealed_at_tiny_temperature_equals_wta_and_stays_finite(temperature):
     weights = annealed_weights(nll, temperature)
     assert torch.isfinite(weights).all()
     torch.testing.assert_close(weights, wta_weights(nll), atol=1e-12, rtol=0)
-    config = MCLConfig(num_hypotheses=3, loss="annealed", temperature0=temperature, temperature_min=0.0)
+    config = MCLConfig(num_hypotheses=3, loss="annealed", temperature0=temperature, temperature_decay=0.999,
+                       temperature_min=0.0)
     loss, _ = mcl_loss(nll.clone().requires_grad_(), config)
     assert torch.isfinite(loss) and loss.item() == pytest.approx(nll.min(dim=1).values.mean().item())
 
@@ -74,13 +75,13 @@ def test_any_non_finite_nll_makes_every_loss_non_finite(loss, bad_row):
     # A finite loss here would let MCLTrainer train on (and checkpoint) a broken hypothesis: its guard sees the loss.
     nll = torch.tensor([bad_row, [1.0, 2.0, 3.0]], requires_grad=True)
     config = MCLConfig(num_hypotheses=3, loss=loss, epsilon=0.1 if loss == "relaxed" else 0.0)
-    value, _ = mcl_loss(nll, config)
+    value, _ = mcl_loss(nll, config, total_steps=100)
     assert not torch.isfinite(value)
 
 
 def test_annealed_at_huge_temperature_is_the_uniform_mean():
     nll = _nll(k=5)
-    config = MCLConfig(num_hypotheses=5, loss="annealed", temperature0=1e9)
+    config = MCLConfig(num_hypotheses=5, loss="annealed", temperature0=1e9, temperature_decay=0.999)
     loss, weights = mcl_loss(nll, config)
     torch.testing.assert_close(weights, torch.full_like(weights, 0.2))
     torch.testing.assert_close(loss, nll.mean())
@@ -139,3 +140,54 @@ def test_weighted_nll_and_shape_checks():
     torch.testing.assert_close(weighted_nll(nll, torch.full_like(nll, 1 / 3)), nll.mean())
     with pytest.raises(ValueError, match=r"shape \[batch, K=2\]"):
         mcl_loss(nll, MCLConfig(num_hypotheses=2))
+
+
+@pytest.mark.parametrize("steps", [1, 60, 1000])
+def test_auto_decay_brings_tau_to_its_floor_at_the_stated_fraction_of_the_run(steps):
+    from loramcl.mcl.losses import AUTO_FLOOR_FRACTION, floor_step, temperature_decay
+
+    config = MCLConfig(num_hypotheses=3, loss="annealed", temperature0=2.0, temperature_min=1e-4)
+    assert config.temperature_decay == "auto"  # the default
+    floor = floor_step(steps)
+    assert floor == max(1, math.ceil(AUTO_FLOOR_FRACTION * steps)) and floor <= steps
+    rho = temperature_decay(config, steps)
+    assert 2.0 * rho**floor == pytest.approx(1e-4, rel=1e-9)  # tau0 * rho^t reaches tau_min at the floor step
+    assert temperature_at(0, config, steps) == 2.0
+    assert temperature_at(floor - 1, config, steps) == pytest.approx(2.0 * rho ** (floor - 1))
+    assert temperature_at(floor - 1, config, steps) > 1e-4
+    assert temperature_at(floor, config, steps) is None and temperature_at(steps, config, steps) is None  # WTA
+
+
+def test_the_papers_decay_is_kept_when_given_and_auto_needs_the_runs_length():
+    from loramcl.mcl.losses import temperature_decay
+
+    paper = MCLConfig(num_hypotheses=3, loss="annealed", temperature_decay=0.999)
+    assert temperature_decay(paper, 60) == 0.999
+    assert temperature_at(60, paper, 60) == pytest.approx(0.999**60)
+    assert round(0.999**60, 2) == 0.94  # the short run never left the soft regime
+    auto = MCLConfig(num_hypotheses=3, loss="annealed")
+    with pytest.raises(ValueError, match="temperature_decay 'auto' sets rho from the run's number of optimizer steps"):
+        mcl_loss(_nll(), auto)
+    _, weights = mcl_loss(_nll(), auto, training=False)  # evaluation: the schedule's end, vanilla WTA
+    assert torch.equal(weights, wta_weights(_nll(), "random"))
+    with pytest.raises(ValueError, match="temperature_decay 'auto' brings tau to temperature_min, which is 0"):
+        MCLConfig(loss="annealed", temperature_min=0.0)
+    with pytest.raises(ValueError, match="'auto' fits it to the run's steps"):
+        MCLConfig(loss="annealed", temperature_decay="fast")
+
+
+def test_every_packaged_annealed_recipe_names_its_decay_and_the_papers_keep_0999():
+    from pathlib import Path
+
+    import yaml
+
+    import loramcl.recipes
+
+    decays = {}
+    for path in Path(loramcl.recipes.__file__).parent.rglob("*.yaml"):
+        mcl = (yaml.safe_load(path.read_text()) or {}).get("mcl") or {}
+        if mcl.get("loss") == "annealed":
+            decays[path.relative_to(Path(loramcl.recipes.__file__).parent).as_posix()] = mcl.get("temperature_decay")
+    assert decays and all(isinstance(decay, float) for decay in decays.values()), decays
+    for paper in ("audio_captioning/clotho/mcl-annealed.yaml", "audio_captioning/audiocaps/mcl-annealed.yaml"):
+        assert decays[paper] == 0.999

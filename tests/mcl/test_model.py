@@ -197,7 +197,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
 
 def test_low_precision_base_keeps_float32_adapters():
     base = build_model("llama").to(torch.bfloat16)
-    mcl = get_mcl_model(base, MCLConfig(num_hypotheses=2, target_modules=["q_proj"], loss="annealed"))
+    mcl = get_mcl_model(base, MCLConfig(num_hypotheses=2, target_modules=["q_proj"], loss="annealed",
+                                        temperature_decay=0.999))
     inputs, labels = build_batch("llama", base)
     out = mcl(**inputs, labels=labels)
     layer = next(layer for _, layer in mcl.mcl_layers())

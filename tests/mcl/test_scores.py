@@ -163,7 +163,7 @@ def test_a_collapse_is_warned_once_and_a_healthy_run_is_not(tmp_path, recwarn):
     collapsed = run(collapsing=True)
     assert len(collapsed) == 1  # once, though the collapse lasts
     message = str(collapsed[0].message)
-    assert "h1 (0.0%)" in message and "loss='relaxed'" in message and "annealed" in message
+    assert "h1 (0.0%, NLL " in message and "loss='relaxed'" in message and "annealed" in message
     recwarn.clear()
     assert run(collapsing=False) == []
 

@@ -91,7 +91,9 @@ def exported(folders):
 def test_train_writes_adapters_logs_and_learns(folders, trained):
     out, printed = trained
     assert re.search(r"^step 3: loss \d\.\d+, grad_norm [\d.e-]+, learning_rate [\d.e-]+, win_rate_h0 [\d.]+, "
-                     r"win_rate_h1 [\d.]+, epoch [\d.]+$", printed, re.M)  # numbers, not quoted strings
+                     r"win_rate_h1 [\d.]+, nll_h0 [\d.]+, nll_h1 [\d.]+, split_gap [\d.e-]+, initial_nll [\d.]+, "
+                     r"tokens_per_second [\d.e+]+, labelled_tokens_per_second [\d.e+]+, step_time [\d.e-]+, "
+                     r"epoch [\d.]+$", printed, re.M)  # numbers, not quoted strings
     assert "step 6: eval_loss " in printed and "'" not in printed
     log = json.loads((out / "train_log.json").read_text())
     evals = [e["eval_loss"] for e in log if "eval_loss" in e]
@@ -291,3 +293,27 @@ def test_decoding_takes_the_prompt_format_of_the_training_run(folders, trained, 
     (run / "peft").mkdir()
     assert prompt_format(str(run / "peft"), None) is True and prompt_format(str(folders / "mcl"), None) is False
     assert prompt_format(None, None) is False
+
+
+def test_train_says_whether_the_hypotheses_split_and_logs_its_speed(folders, capsys):
+    """The verdict in the console, train_log.json and run.json; tokens per second and step time at every logging step
+    of a CPU run (no GPU: no memory fields)."""
+    out = folders / "verdict"
+    main(["train", "--model", str(folders / "base"), "--out", str(out), "--data.train_file",
+          str(folders / "train.jsonl"), "--mcl.num_hypotheses", "2", "--mcl.r", "4", "--mcl.target_modules",
+          "[q_proj, v_proj]", "--training.steps", "6", "--training.batch_size", "8", "--training.logging_steps", "2",
+          "--training.learning_rate", "1e-2", "--threads", "1"])
+    printed = capsys.readouterr()
+    run = json.loads((out / "run.json").read_text())
+    judged = run["specialisation"]
+    assert judged["kind"] in ("split", "not split", "partly collapsed") and judged["steps"][1] == 6
+    assert judged["line"].startswith("specialisation: ") and judged["line"] in " ".join((printed.out + printed.err)
+                                                                                          .split())
+    log = json.loads((out / "train_log.json").read_text())
+    assert log[-1] == {"step": 6, "specialisation": judged}
+    training = [entry for entry in log if "loss" in entry]
+    assert [entry["step"] for entry in training] == [2, 4, 6]
+    for entry in training:
+        assert entry["tokens_per_second"] > entry["labelled_tokens_per_second"] > 0 and entry["step_time"] > 0
+        assert "peak_allocated_gb" not in entry and "mfu" not in entry
+    assert "initial_nll" in training[0] and {"nll_h0", "nll_h1", "split_gap"} <= set(training[-1])

@@ -294,3 +294,12 @@ def test_best_only_saves_are_published_whole_and_evaluations_that_save_nothing_l
                                                                                              f"checkpoint-{saved[-1]}")
     assert outputs and all(path == str(tmp_path) or "incomplete-" in path for path in outputs)
     assert run.evaluate()["eval_nll_h0"] > 0 and run.predict(run.eval_dataset).metrics["test_win_rate_h0"] >= 0
+
+
+def test_auto_annealing_reaches_its_floor_within_the_trainers_max_steps(tmp_path):
+    mcl = _model(loss="annealed", temperature0=1.0, temperature_min=1e-6)  # temperature_decay "auto"
+    trainer = MCLTrainer(mcl, args=_args(tmp_path, max_steps=10), train_dataset=_dataset(8))
+    trainer.train()
+    temperatures = [log["temperature"] for log in trainer.state.log_history if "loss" in log]
+    rho = 1e-6 ** (1 / 9)  # tau reaches 1e-6 at step ceil(0.9 * 10) = 9
+    assert temperatures[:9] == pytest.approx([rho**t for t in range(9)]) and temperatures[9] == 0.0  # then WTA

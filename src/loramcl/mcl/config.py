@@ -65,8 +65,11 @@ class MCLConfig:
     temperature0: float = 1.0
     """Annealed MCL: initial temperature tau(0)."""
 
-    temperature_decay: float = 0.999
-    """Annealed MCL: tau(t) = temperature0 * temperature_decay**t, t counting optimizer steps."""
+    temperature_decay: float | Literal["auto"] = "auto"
+    """Annealed MCL: tau(t) = temperature0 * temperature_decay**t, t counting optimizer steps. 'auto' (the default):
+    the decay that brings tau to temperature_min at 90% of the run's optimizer steps (MCLTrainer's max_steps), so a
+    run of any length anneals and ends in vanilla WTA; the paper's 0.999 takes 13,800 steps from 1 to 1e-6 and left
+    tau at 0.94 after a 60-step run (docs/guide/scores.md, "How much training until the hypotheses split")."""
 
     temperature_min: float = 1e-6
     """Annealed MCL: once tau(t) < temperature_min the loss is vanilla WTA."""
@@ -157,9 +160,13 @@ class MCLConfig:
                     f"epsilon must be in [0, (K-1)/K] = [0, {k - 1}/{k}] for K={k} (at most {upper!r}), "
                     f"got {self.epsilon!r}.{hint}", "epsilon")
         require_real("temperature0", self.temperature0, low=0.0, low_open=True)
-        require_real("temperature_decay", self.temperature_decay, low=0.0, high=1.0, low_open=True,
-              hint=" (1 keeps the temperature constant)")
+        if self.temperature_decay != "auto":
+            require_real("temperature_decay", self.temperature_decay, low=0.0, high=1.0, low_open=True,
+                         hint=" (1 keeps the temperature constant; 'auto' fits it to the run's steps)")
         require_real("temperature_min", self.temperature_min, low=0.0)
+        require(self.temperature_decay != "auto" or self.temperature_min > 0, "temperature_decay 'auto' brings tau "
+                "to temperature_min, which is 0 (never reached): set temperature_min > 0 (default 1e-6), or give "
+                "temperature_decay a number", "temperature_min")
         require(self.temperature_min < self.temperature0, f"temperature_min {self.temperature_min!r} is not below "
                 f"temperature0 {self.temperature0!r}: annealing would be vanilla WTA from the first step (set loss "
                 "wta for that), or lower temperature_min", "temperature_min")

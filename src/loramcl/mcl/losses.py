@@ -53,13 +53,41 @@ def annealed_weights(nll: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(-gap / max(temperature, 1e-30), dim=1)
 
 
-def temperature_at(step: int, config: MCLConfig) -> float | None:
-    """tau(t) = tau0 * rho^t at optimizer step t, or None once below temperature_min (hard WTA from then on)."""
-    if config.temperature_decay == 1.0:
+# temperature_decay "auto": tau reaches temperature_min at this fraction of the run's optimizer steps, and the loss is
+# vanilla WTA from there, as in our two annealed runs that split (docs/experiments/bilingual.md: WTA from step 182 of
+# 200; markov.md's three chains: from step 458 of 500).
+AUTO_FLOOR_FRACTION = 0.9
+
+
+def floor_step(total_steps: int) -> int:
+    """The optimizer step from which ``temperature_decay="auto"`` is vanilla WTA: ceil(AUTO_FLOOR_FRACTION * T)."""
+    return max(1, math.ceil(AUTO_FLOOR_FRACTION * total_steps))
+
+
+def temperature_decay(config: MCLConfig, total_steps: int | None = None) -> float:
+    """rho of tau(t) = tau0 * rho^t: ``config.temperature_decay``, or for "auto" the rho that brings tau0 to
+    temperature_min at ``floor_step(total_steps)``: (tau_min / tau0)^(1 / floor_step)."""
+    if config.temperature_decay != "auto":
+        return config.temperature_decay
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"temperature_decay 'auto' sets rho from the run's number of optimizer steps, and none is "
+                         f"known (got {total_steps!r}): train with MCLTrainer (it sets MCLModel.training_steps from "
+                         "max_steps), set model.training_steps yourself, or give temperature_decay a number (the "
+                         "paper's: 0.999)")
+    return math.exp((math.log(config.temperature_min) - math.log(config.temperature0)) / floor_step(total_steps))
+
+
+def temperature_at(step: int, config: MCLConfig, total_steps: int | None = None) -> float | None:
+    """tau(t) = tau0 * rho^t at optimizer step t, or None once below temperature_min (hard WTA from then on); with
+    ``temperature_decay="auto"``, rho from ``total_steps`` (``temperature_decay``) and None from ``floor_step`` on."""
+    decay = temperature_decay(config, total_steps)
+    if config.temperature_decay == "auto" and step >= floor_step(total_steps):
+        return None  # tau has reached its floor (computed, it may round a hair above it)
+    if decay == 1.0:
         tau = config.temperature0
     else:
         # In log space: rho^t underflows to 0.0 long before tau0 * rho^t stops being representable.
-        log_tau = math.log(config.temperature0) + step * math.log(config.temperature_decay)
+        log_tau = math.log(config.temperature0) + step * math.log(decay)
         tau = math.exp(log_tau) if log_tau > -700 else 0.0
     return None if tau < config.temperature_min or tau == 0.0 else tau
 
@@ -74,25 +102,33 @@ def weighted_nll(nll: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (weights.detach().to(nll.dtype) * nll).sum(dim=1).mean()
 
 
-WeightFn = Callable[[torch.Tensor, MCLConfig, int], torch.Tensor]
+WeightFn = Callable[[torch.Tensor, MCLConfig, int, int | None], torch.Tensor]
 
 
-def _annealed(nll: torch.Tensor, config: MCLConfig, step: int) -> torch.Tensor:
-    temperature = temperature_at(step, config)
+def _annealed(nll: torch.Tensor, config: MCLConfig, step: int, total_steps: int | None) -> torch.Tensor:
+    temperature = temperature_at(step, config, total_steps)
     return wta_weights(nll, config.tie_break) if temperature is None else annealed_weights(nll, temperature)
 
 
 ASSIGNMENTS: dict[str, WeightFn] = {
-    "wta": lambda nll, config, step: wta_weights(nll, config.tie_break),
-    "relaxed": lambda nll, config, step: relaxed_weights(nll, config.epsilon, config.tie_break),
+    "wta": lambda nll, config, step, total_steps: wta_weights(nll, config.tie_break),
+    "relaxed": lambda nll, config, step, total_steps: relaxed_weights(nll, config.epsilon, config.tie_break),
     "annealed": _annealed,
 }
 
 
-def mcl_loss(nll: torch.Tensor, config: MCLConfig, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The configured loss of ``nll`` [B, K] at optimizer step ``step``: (scalar loss, weights q [B, K])."""
+def mcl_loss(nll: torch.Tensor, config: MCLConfig, step: int = 0, total_steps: int | None = None,
+             training: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The configured loss of ``nll`` [B, K] at optimizer step ``step`` of ``total_steps`` (needed by the annealed
+    loss's ``temperature_decay="auto"`` only): (scalar loss, weights q [B, K]). Outside training (``training``
+    False) or with K = 1, an "auto" schedule of unknown length is read at its end: vanilla WTA (no run's length to
+    fit, and nothing learns from these weights; MCLTrainer's evaluation loss is WTA anyway)."""
     if nll.dim() != 2 or nll.shape[1] != config.num_hypotheses:
         raise ValueError(f"nll must have shape [batch, K={config.num_hypotheses}], got {tuple(nll.shape)}")
+    assignment = ASSIGNMENTS[config.loss]
+    if (config.loss == "annealed" and config.temperature_decay == "auto" and total_steps is None
+            and (not training or config.num_hypotheses == 1)):
+        assignment = ASSIGNMENTS["wta"]
     with torch.no_grad():
-        weights = ASSIGNMENTS[config.loss](nll.detach(), config, step)
+        weights = assignment(nll.detach(), config, step, total_steps)
     return weighted_nll(nll, weights), weights

@@ -126,6 +126,7 @@ class MCLModel(ActivationCheckpointing, nn.Module):
         self.layer_names = layer_names
         self.frozen_base = base
         self.training_step = 0  # optimizer step, for the annealed temperature; MCLTrainer keeps it current
+        self.training_steps: int | None = None  # the run's optimizer steps (temperature_decay "auto"), MCLTrainer sets
         self._explicit_routing = 0
         self._adapters_disabled = 0
         self._detached: str | None = None  # how the adapters left the base model: 'merged in place' / 'unloaded'
@@ -336,7 +337,7 @@ class MCLModel(ActivationCheckpointing, nn.Module):
             if block_states is not None:
                 states.append(block_states.view(k, -1, block_states.shape[-1]))  # [K, n, d]
         nll = torch.cat(nll, dim=1).T  # [B, K]
-        loss, weights = mcl_loss(nll, self.mcl_config, self.training_step)
+        loss, weights = mcl_loss(nll, self.mcl_config, self.training_step, self.training_steps, self.training)
         if self.scoring_head is None:
             return MCLOutput(loss=loss, nll=nll, weights=weights)
         # The head learns even inside the trainer's no-grad scoring pass of two-pass WTA (its inputs are detached).

@@ -95,7 +95,8 @@ def loss_name(mcl: dict, method: str = "mcl") -> str:
     if mcl["loss"] == "relaxed":
         return f"relaxed ε={mcl['epsilon']:g}"
     if mcl["loss"] == "annealed":
-        return f"annealed τ0={mcl['temperature0']:g}, ρ={mcl['temperature_decay']:g}"
+        decay = mcl["temperature_decay"]
+        return f"annealed τ0={mcl['temperature0']:g}, ρ={decay if isinstance(decay, str) else format(decay, 'g')}"
     return "WTA"
 
 

@@ -141,8 +141,9 @@ def train(
     Writes to `out`: the adapters and tokenizer (MCLModel.save_pretrained: load with `--adapters OUT` in `loramcl
     generate`), `peft/` for K = 1 (a standard PEFT LoRA adapter, for single-model decoders such as diverse beam
     search), `checkpoints/` (the last `training.keep_checkpoints` resumable checkpoints, every
-    `training.save_every` steps), `train_log.json` (every logged loss, win rate and validation NLL) and `run.json`
-    (the settings, threads, trainable parameters, seconds), written last: a run with a run.json is finished.
+    `training.save_every` steps), `train_log.json` (every logged loss, win rate, training NLL per hypothesis, speed and
+    validation NLL, then the verdict on the hypotheses' specialisation) and `run.json` (the settings, threads,
+    trainable parameters, seconds, the verdict), written last: a run with a run.json is finished.
 
     A causal LM reads prompt + target and learns the target tokens; an encoder-decoder (T5, BART, Marian, NLLB...)
     reads the prompt in its encoder and learns the target as its labels (docs/guide/cli.md).
@@ -322,6 +323,8 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     run = {"settings": settings, "resumed_from": trainer.resumed_from and Path(trainer.resumed_from).name,
            "threads": torch.get_num_threads(), "train_examples": len(train_set), "trainable_parameters": trainable,
            "total_parameters": total, "seconds": round(seconds, 1)}
+    if trainer.specialisation is not None:  # did the hypotheses split (K >= 2; its line was logged)
+        run["specialisation"] = trainer.specialisation.to_dict()
     if writing:
         (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")
         logger.info(f"trained {trainable:,} of {total:,} parameters in {seconds:.0f} s: {out_dir}")

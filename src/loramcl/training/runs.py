@@ -39,6 +39,9 @@ def quantization_settings(quantization: str | None) -> dict:
 
 # Fields that decide how a run is computed, not its adapters: a run resumed or compared with another value is the same
 _COMPUTATION_ONLY = {"mcl": ("logits_chunk_size",)}
+# Fields that act only under one loss (loss name, fields): a run under another loss is the same whatever they hold (a
+# WTA run recorded when temperature_decay's default was 0.999 is the run of today's default, "auto")
+_LOSS_ONLY = {"mcl": ("annealed", ("temperature0", "temperature_decay", "temperature_min"))}
 
 
 def _as_configs(settings: dict) -> dict:
@@ -51,6 +54,9 @@ def _as_configs(settings: dict) -> dict:
             if key in METHOD_CONFIGS and isinstance(value, dict):
                 result[key] = METHOD_CONFIGS[key].from_dict(value).to_dict()
                 for name in _COMPUTATION_ONLY.get(key, ()):
+                    del result[key][name]
+                loss, fields = _LOSS_ONLY.get(key, (None, ()))
+                for name in fields if result[key].get("loss") != loss else ():
                     del result[key][name]
             elif key in ("data", "training") and isinstance(value, dict):
                 result[key] = asdict((DataConfig if key == "data" else TrainConfig)(**value))

@@ -7,10 +7,10 @@ loss, logs how often each hypothesis wins, saves the adapters in our format, and
 
 from __future__ import annotations
 
-import collections
 import copy
 import inspect
 import json
+import logging
 import math
 import os
 import warnings
@@ -23,12 +23,14 @@ from torch.distributed.tensor import DTensor
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
 from loramcl.mcl.compat import check_trainer_methods
-from loramcl.mcl.losses import temperature_at
+from loramcl.mcl.losses import floor_step, temperature_at, temperature_decay
 from loramcl.mcl.losses import winners as loss_winners
 from loramcl.mcl.model import MCLModel
 from loramcl.mcl.nll import IGNORE_INDEX, examples_without_targets
 from loramcl.training.checkpoints import StagedCheckpoints, checkpoint_step, checkpoint_to_resume
 from loramcl.training.distributed import AdaptersOnlyStateDict, refuse_data_parallel, refuse_fsdp1
+from loramcl.training.specialisation import CollapseWatch, log_values, records_of, verdict, verdict_window
+from loramcl.training.throughput import Throughput, flops_per_token
 
 TRAINING_ARGS_NAME = "training_args.json"  # TrainingArguments.to_dict(), tokens masked; never read back
 # Private Trainer methods MCLTrainer overrides, each where no public hook or callback event computes the same (the
@@ -36,6 +38,7 @@ TRAINING_ARGS_NAME = "training_args.json"  # TrainingArguments.to_dict(), tokens
 # checked to exist when a trainer is built, and by a test to be complete.
 PRIVATE_TRAINER_OVERRIDES = ("_set_signature_columns_if_needed", "_save", "_load_from_checkpoint", "_load_best_model")
 PRIVATE_TRAINER_CALLS = ()
+logger = logging.getLogger(__name__)  # `loramcl train` shows it (docs/guide/cli.md)
 
 
 def scoring_block(batch: int, num_hypotheses: int) -> int:
@@ -89,48 +92,6 @@ def padding_id(processing_class, model: nn.Module) -> int | None:
     return None
 
 
-class CollapseWatch:
-    """The share of the examples each hypothesis won over the last ``window`` optimizer steps, from the win counts of
-    each training log; a warning (once) when one has won less than ``share`` of them."""
-
-    def __init__(self, window: int, share: float) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"collapse_window must be a number of steps >= 1, got {window!r}")
-        if not 0.0 <= share < 1.0:
-            raise ValueError(f"collapse_share must be in [0, 1), got {share!r}")
-        self.window, self.share = window, share
-        self._recent: collections.deque = collections.deque()  # (first step, last step, wins [K]) per log
-        self._since_step = 0
-        self._warned = False
-
-    def observe(self, step: int, wins: torch.Tensor, loss: Callable[[], str]) -> str | None:
-        """Record the wins [K] of the training steps up to ``step``; the warning to give, once, or None. ``loss``:
-        the training loss's name, named in the warning."""
-        self._recent.append((self._since_step, step, wins))
-        self._since_step = step
-        while self._recent and self._recent[0][1] <= step - self.window:
-            self._recent.popleft()  # entirely before the window
-        if self._warned or len(wins) < 2 or not self._recent:
-            return None
-        first = self._recent[0][0]
-        if step - first < self.window:
-            return None  # the window is not covered yet
-        recent = torch.stack([w for _, _, w in self._recent]).sum(dim=0).double()  # [K]
-        if recent.sum() == 0:
-            return None
-        shares = recent / recent.sum()
-        idle = [k for k, share in enumerate(shares.tolist()) if share < self.share]
-        if not idle:
-            return None
-        self._warned = True
-        named = ", ".join(f"h{k} ({100 * shares[k]:.1f}%)" for k in idle)
-        return (f"hypothesis collapse: {named} won less than {100 * self.share:g}% of the examples over steps "
-                f"{first}-{step} (loss={loss()!r}); a hypothesis that never wins gets no gradient under vanilla WTA "
-                "and stays where it is. Remedies: relaxed WTA (MCLConfig(loss='relaxed', epsilon=0.05)), annealed "
-                "MCL (loss='annealed'), random tie-breaking at initialisation (tie_break='random'), or fewer "
-                "hypotheses than the data has modes.")
-
-
 class MCLTrainer(Trainer):
     """Train an ``MCLModel`` exactly as a ``Trainer`` trains any model.
 
@@ -145,12 +106,20 @@ class MCLTrainer(Trainer):
         the winners' forward + backward on B rows. "auto" (default): ``scoring_block(B, K)``; None: the whole
         batch at once (K*B rows). The winners and the gradient are the same either way.
     collapse_window, collapse_share: a warning (once) when a hypothesis has won less than ``collapse_share`` of the
-        examples over the last ``collapse_window`` optimizer steps, naming the remedies.
+        examples over the last ``collapse_window`` optimizer steps, or over the last quarter of them less than a
+        quarter of a fair share with a training NLL 10% above the others' (``specialisation.CollapseWatch``), naming
+        the remedies.
     scoring_learning_rate: the learning rate of the hypothesis-scores head (``MCLConfig(scoring=True)``); default
         the trainer's. With Adam the scoring loss's weight beta barely matters (the step is normalised), this does.
 
     Logged while training: ``loss``, ``win_rate_h{k}`` (share of examples won by hypothesis k since the last
-    log: a hypothesis near 0 has collapsed) and ``temperature`` for the annealed loss (0 once hard WTA).
+    log: a hypothesis near 0 has collapsed), for K >= 2 ``nll_h{k}`` (its mean training NLL) and ``split_gap``
+    (mean_k nll_h{k} minus the mean of min_k: how far the hypotheses have split), ``temperature`` for the annealed
+    loss (0 once hard WTA), and the speed (``training.throughput``): ``tokens_per_second``,
+    ``labelled_tokens_per_second``, ``step_time`` and on a GPU ``peak_allocated_gb``, ``peak_reserved_gb``, ``mfu``.
+    When training ends, a verdict on the specialisation (``specialisation.verdict``: split, not split or partly
+    collapsed, with the changes to try) is logged, appended to ``state.log_history`` as ``{"specialisation": ...}``
+    and kept as ``trainer.specialisation`` (None for K = 1).
     Evaluation reports ``eval_loss`` as the vanilla WTA loss (mean over examples of min_k NLL, eq. 2)
     whatever the training loss, plus ``eval_nll_h{k}``, ``eval_win_rate_h{k}`` and, with hypothesis scores
     (``MCLConfig(scoring=True)``), ``eval_mixture_nll``. A ``compute_metrics`` function receives the per-example
@@ -217,6 +186,14 @@ class MCLTrainer(Trainer):
             raise ValueError("compute_loss_func is not used by MCLTrainer: the loss is MCLConfig.loss; choose it there")
         k = model.num_hypotheses
         self._train_wins = torch.zeros(k, dtype=torch.long, device=self.args.device)  # [K] since the last log
+        self._train_nll = torch.zeros(k, device=self.args.device)  # [K] sum over the examples since the last log
+        self._train_oracle = torch.zeros((), device=self.args.device)  # sum of min_k nll, likewise
+        self._initial_nll = torch.zeros(2, device=self.args.device)  # [NLL sum, examples] of the first step
+        self.specialisation = None  # the verdict at the end of train()
+        two_pass = self.two_pass_wta and model.mcl_config.loss == "wta"
+        self._throughput = Throughput(self.args.device, flops_per_token(model.parameter_counts()[1], k, two_pass),
+                                      self.args.world_size)
+        self.add_callback(self._throughput)
         self._last_temperature: float | None = None  # tau used by the latest training step (annealed loss)
         self._nonfinite_loss = torch.zeros((), dtype=torch.bool, device=self.args.device)  # checked when logging
         self._nonfinite_grad_norm = torch.zeros((), dtype=torch.bool, device=self.args.device)  # likewise
@@ -237,6 +214,7 @@ class MCLTrainer(Trainer):
         if not model.training:
             return self._evaluation_loss(model, inputs, return_outputs)
         mcl.training_step = self.state.global_step
+        mcl.training_steps = self.state.max_steps or (self.args.max_steps if self.args.max_steps > 0 else None)
         if self.two_pass_wta and mcl.mcl_config.loss == "wta" and mcl.num_hypotheses > 1:
             per_block = self.scoring_examples_per_block
             if per_block == "auto" and torch.is_tensor(inputs.get("labels")):
@@ -255,9 +233,16 @@ class MCLTrainer(Trainer):
             outputs = model(**inputs)
             winners = outputs.weights.argmax(dim=1)  # [B]: the loss's winners (ties broken as the loss broke them)
         self._nonfinite_loss |= ~torch.isfinite(outputs.loss.detach())  # no host sync here
-        self._last_temperature = temperature_at(mcl.training_step, mcl.mcl_config)
+        if mcl.mcl_config.loss == "annealed" and mcl.num_hypotheses > 1:
+            self._last_temperature = temperature_at(mcl.training_step, mcl.mcl_config, mcl.training_steps)
         wins = torch.bincount(winners, minlength=mcl.num_hypotheses)  # [K]
         self._train_wins += wins.to(self._train_wins.device)
+        nll = outputs.nll.detach().float()  # [B, K], what the loss saw
+        self._train_nll += nll.sum(dim=0).to(self._train_nll.device)
+        self._train_oracle += nll.min(dim=1).values.sum().to(self._train_oracle.device)
+        if self.state.global_step == 0:  # the base model's NLL (B = 0), against which the split gap is judged
+            self._initial_nll += torch.stack([nll.mean(dim=1).sum(), torch.tensor(nll.shape[0])]).to(
+                self._initial_nll.device)
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
     def _evaluation_loss(self, model: nn.Module, inputs: dict, return_outputs: bool):
@@ -273,6 +258,7 @@ class MCLTrainer(Trainer):
         return (loss, {"nll": nll}) if return_outputs else loss
 
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+        self._throughput.count(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.accelerator.sync_gradients and self.args.max_grad_norm > 0:  # the gradients Trainer clips next
             self._scoring_gradients.before_clipping(model)
@@ -293,8 +279,10 @@ class MCLTrainer(Trainer):
         callbacks.insert(0, self._checkpoints.publisher)
         callbacks.append(self._checkpoints)
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                                   ignore_keys_for_eval=ignore_keys_for_eval)
+            self._judge_specialisation()
+            return output
         finally:
             self._checkpoints.unstage(self.args)
             self._scoring_gradients.restore()
@@ -307,7 +295,26 @@ class MCLTrainer(Trainer):
             # The checkpoint ends the run. Trainer would still take one more optimizer step before it checks
             # max_steps (and write a checkpoint-{max_steps + 1}): no epoch is left to run instead.
             num_train_epochs = min(num_train_epochs, self._resume_step // num_update_steps_per_epoch)
+        config = self._mcl_model().mcl_config
+        if config.loss == "annealed" and config.temperature_decay == "auto" and self.is_world_process_zero():
+            logger.info(f"annealed MCL: temperature_decay auto = {temperature_decay(config, max_steps):.6g} per step, "
+                        f"tau {config.temperature0:g} -> {config.temperature_min:g} at step {floor_step(max_steps)} "
+                        f"of {max_steps}, vanilla WTA from there")
         return (num_train_epochs, num_update_steps_per_epoch, *rest, max_steps)
+
+    def _judge_specialisation(self) -> None:
+        """The verdict on the hypotheses' specialisation over the run's last steps, from its training logs (those of
+        the checkpoint it resumed from too): logged, appended to the log history, kept as ``self.specialisation``."""
+        mcl = self._mcl_model()
+        found = verdict(records_of(self.state.log_history, mcl.num_hypotheses), mcl.mcl_config,
+                        verdict_window(self._collapse.window, self.state.global_step), self._collapse.share,
+                        self._last_temperature)
+        self.specialisation = found
+        if found is None:
+            return
+        self.state.log_history.append({"step": self.state.global_step, "specialisation": found.to_dict()})
+        if self.is_world_process_zero():
+            (logger.info if found.kind == "split" else logger.warning)(found.line)
 
     def _check_targets(self, dataset, name: str) -> None:
         """Every example needs a target token (its mean NLL is 0/0 otherwise): checked on the whole dataset before
@@ -366,15 +373,16 @@ class MCLTrainer(Trainer):
                 self._raise_nonfinite()
             if self.accelerator.reduce(self._nonfinite_grad_norm.int(), reduction="sum"):
                 self._raise_nonfinite_grad_norm()
-            wins = self.accelerator.reduce(self._train_wins.clone(), reduction="sum")
-            total = int(wins.sum())
-            if total:
-                for k, count in enumerate(wins.tolist()):
-                    logs[f"win_rate_h{k}"] = count / total
-            self._train_wins.zero_()
-            self._watch_for_collapse(wins.cpu())
+            totals = (self._train_wins, self._train_nll, self._train_oracle, self._initial_nll)
+            sums = [self.accelerator.reduce(total.clone(), reduction="sum") for total in totals]
+            logs.update(log_values(*sums))  # win_rate_h{k}, nll_h{k}, split_gap; initial_nll in the first log
+            for total in totals:
+                total.zero_()
+            self._watch_for_collapse(logs)
             if self._mcl_model().mcl_config.loss == "annealed":
                 logs["temperature"] = self._last_temperature or 0.0  # of the latest step; 0 once hard WTA
+            logs.update(self._throughput.logs(self.state.global_step,
+                                              lambda total: self.accelerator.reduce(total, reduction="sum")))
         elif f"{self._eval_prefix}_loss" in logs:  # evaluate() logs its metrics: in place, it returns the same dict
             logs.update(self._hypothesis_metrics())
         super().log(logs, start_time)
@@ -402,10 +410,10 @@ class MCLTrainer(Trainer):
             finite = torch.isfinite(torch.as_tensor(norm)).to(self._nonfinite_grad_norm.device)
             self._nonfinite_grad_norm |= ~finite  # no host sync here
 
-    def _watch_for_collapse(self, wins: torch.Tensor) -> None:
+    def _watch_for_collapse(self, logs: dict) -> None:
         """Warn once (``CollapseWatch``) when a hypothesis has stopped winning: under vanilla WTA it then gets no
         gradient and never recovers."""
-        message = self._collapse.observe(self.state.global_step, wins, lambda: self._mcl_model().mcl_config.loss)
+        message = self._collapse.observe(self.state.global_step, logs, self._mcl_model().mcl_config.loss)
         if message is not None and self.is_world_process_zero():
             warnings.warn(message, stacklevel=2)
 
