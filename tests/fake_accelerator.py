@@ -9,8 +9,9 @@ accelerate (``ACCELERATE_TORCH_DEVICE``) pointing at it, so Trainer and our devi
 they would to a GPU. Its tensors are ``OnFake`` wrappers around CPU tensors; one dispatch mode runs every aten
 operation on the wrapped CPU tensors and enforces CUDA's placement rules:
 
-- an operation mixing a ``fakegpu`` tensor with a CPU tensor of one or more dimensions raises, as CUDA does (a
-  0-dimensional CPU tensor is a scalar CUDA accepts; CPU index tensors in indexing are accepted, as CUDA does);
+- an operation mixing a ``fakegpu`` tensor with a CPU tensor raises, as CUDA does (a 0-dimensional CPU tensor is a
+  scalar CUDA accepts in an elementwise operation, torch's ``pointwise`` tag, not in ``cat`` or ``stack``; CPU index
+  tensors in indexing are accepted, as CUDA does);
 - ``.to("fakegpu")``, ``device="fakegpu"`` factories and ``torch.tensor(..., device=)`` give ``fakegpu`` tensors;
   ``.cpu()`` gives a plain CPU tensor; ``.numpy()`` of a ``fakegpu`` tensor raises, as for a CUDA tensor.
 
@@ -119,7 +120,10 @@ class _Placement(TorchDispatchMode):
             return args[0].clone()
         flat, _ = tree_flatten((args, kwargs))
         on_fake = any(isinstance(t, OnFake) for t in flat)
-        on_host = [t for t in flat if type(t) is torch.Tensor and t.device.type == "cpu" and t.dim() > 0]
+        # CUDA takes a 0-dimensional CPU tensor as a scalar in an elementwise operation only (not in cat, stack, ...)
+        scalars = torch.Tag.pointwise in func.tags
+        on_host = [t for t in flat if type(t) is torch.Tensor and t.device.type == "cpu"
+                   and (t.dim() > 0 or not scalars)]
         if on_fake and on_host and func not in _CROSS_DEVICE:
             shapes = ", ".join(str(tuple(t.shape)) for t in on_host)
             raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "

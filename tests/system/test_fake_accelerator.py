@@ -27,6 +27,8 @@ def test_the_fake_device_fails_where_a_gpu_fails_and_computes_what_the_cpu_compu
         with pytest.raises(RuntimeError, match="same device.*fakegpu:0 and cpu"):
             on_device + torch.ones(2, 3)  # a tensor made without device=
         assert torch.equal((on_device + torch.tensor(1.0)).cpu(), x + 1)  # a 0-d CPU tensor is a scalar, as on CUDA
+        with pytest.raises(RuntimeError, match="same device"):  # ... in elementwise operations only
+            torch.stack([on_device.sum(), torch.tensor(2.0)])
         assert torch.equal(on_device[torch.tensor([1])].cpu(), x[[1]])  # CPU indices, as CUDA accepts
         assert torch.ones(2, device=on_device.device).device == FAKE
         assert torch.tensor([1, 2], device=FAKE).device == FAKE

@@ -241,8 +241,8 @@ class MCLTrainer(Trainer):
         self._train_nll += nll.sum(dim=0).to(self._train_nll.device)
         self._train_oracle += nll.min(dim=1).values.sum().to(self._train_oracle.device)
         if self.state.global_step == 0:  # the base model's NLL (B = 0), against which the split gap is judged
-            self._initial_nll += torch.stack([nll.mean(dim=1).sum(), torch.tensor(nll.shape[0])]).to(
-                self._initial_nll.device)
+            self._initial_nll[0] += nll.mean(dim=1).sum().to(self._initial_nll.device)
+            self._initial_nll[1] += nll.shape[0]
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
     def _evaluation_loss(self, model: nn.Module, inputs: dict, return_outputs: bool):
