@@ -72,6 +72,13 @@ def export(
     if config is not None and not config.adapt_context and invocation is None:
         invocation = _chat_invocation(adapters if (Path(adapters) / "tokenizer_config.json").is_file() else base,
                                       record)
+        if invocation is None:
+            raise OptionError("alora_invocation_tokens", "these hypotheses were trained with the context computed "
+                              "once (--mcl.adapt_context false): they act from the prompt's last token on, and a PEFT "
+                              "LoRA acts at every position. Export them as activated LoRA with "
+                              "--alora_invocation_tokens ID, ID the token every prompt of the run ends with (a run "
+                              "with --data.chat_template true finds it itself); or decode them with `loramcl generate "
+                              f"--adapters {adapters}`")
 
     from loramcl.mcl.export import export_all
     from loramcl.models import load_model
