@@ -281,7 +281,7 @@ _META = (("...", "--predictions\x00preds.jsonl\x00--references\x00refs.jsonl"),)
 
 # (doc file, item) -> how it is exercised. An item is a command of a bash block, or the first line of another block.
 # docs/guide/data.md's example files: each is the block that starts with its name (written by test_docs_run.py)
-DATA_FILES = ("pairs.jsonl", "chat.jsonl", "conversational.jsonl", "text.jsonl", "references.jsonl")
+DATA_FILES = ("pairs.jsonl", "chat.jsonl", "conversational.jsonl", "text.jsonl", "references.jsonl", "short.jsonl")
 
 REGISTRY = {
     ("README.md", "make main"): Make(shows=("loramcl markov --out runs/markov",),
