@@ -331,7 +331,7 @@ _META = (("...", "--predictions\x00preds.jsonl\x00--references\x00refs.jsonl"),)
 
 # (doc file, item) -> how it is exercised. An item is a command of a bash block, or the first line of another block.
 # docs/guide/data.md's example files: each is the block that starts with its name (written by test_docs_run.py)
-DATA_FILES = ("pairs.jsonl", "chat.jsonl", "conversational.jsonl", "text.jsonl", "references.jsonl")
+DATA_FILES = ("pairs.jsonl", "chat.jsonl", "conversational.jsonl", "text.jsonl", "references.jsonl", "short.jsonl")
 
 REGISTRY = {
     ("README.md", "make main"): Make(shows=("loramcl markov --out runs/markov",),
@@ -519,6 +519,8 @@ REGISTRY = {
         Run(replace=(("...", _META[0][1] + "\x00--metrics\x00cider_d,mbleu4"),),
             why="`...`: the files of the first line and two metrics (the captioning preset's METEOR JVM, about 7 s, "
                 "runs on the first and fourth lines)"),
+    (G + "metrics.md", "loramcl evaluate ... --metrics short_answers --dedupe true"):
+        Run(replace=_META, why="`...`: the files of the first line"),
     (G + "metrics.md", "loramcl plot-tradeoff --runs eval/run_a.json,eval/run_b.json --x mbleu4 --y cider_d --out "
                         "tradeoff.png"): Run(outputs=("tradeoff.png",)),
     (G + "metrics.md", "loramcl plot-tradeoff --runs eval/mt/*.json --x pairwise_bleu --y loo_bleu --out mt.png"):

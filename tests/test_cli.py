@@ -288,3 +288,25 @@ def test_a_bare_nested_true_false_option_means_true():
     assert _bare_booleans(["train", "--mcl.scoring", "--data.chat_template"], train) == [
         "train", "--mcl.scoring", "true", "--data.chat_template", "true"]
     assert _bare_booleans(["train", "--mcl.r", "--x"], train) == ["train", "--mcl.r", "--x"]
+
+
+def test_other_packages_import_noise_is_kept_off_the_console_and_our_warnings_are_not():
+    """torchao's failed CUDA library loads, torch's pytree Enum deprecation (from torchao) and bitsandbytes' missing
+    optional CPU kernel are logged as they are imported, on every model command: the commands leave them out, and
+    other records of the same loggers, and our own warnings, still show."""
+    script = (
+        "import logging, warnings\n"
+        "from loramcl.cli import _one_line_warnings, _library_log, _quiet_import_noise\n"
+        "with _one_line_warnings('loramcl x'), _library_log('loramcl x'), _quiet_import_noise():\n"
+        "    import torchao, bitsandbytes\n"
+        "    import bitsandbytes.backends.cpu.ops\n"
+        "    logging.getLogger('torchao').warning('something else')\n"
+        "    logging.getLogger('loramcl').warning('ours')\n"
+        "    warnings.warn('ours too')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = run.stderr.splitlines()
+    assert not [line for line in lines if "Failed to load" in line or "Enum subclass" in line], run.stderr
+    assert "something else" in run.stderr
+    assert "loramcl x: warning: ours" in lines and any(line.endswith(": ours too") for line in lines)

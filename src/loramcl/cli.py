@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             settle_before_torch()  # a command that runs a model: the free cores, and OpenMP's waits
     prefix = f"loramcl {command}" if command else "loramcl"
     try:
-        with _one_line_warnings(prefix), _library_log(prefix):
+        with _one_line_warnings(prefix), _library_log(prefix), _quiet_import_noise():
             # `loramcl recipes copy <task>/<name> <dir>` and `loramcl export RUN` take positional arguments; every
             # other command takes options, never abbreviated (argparse would take --training.step for
             # --training.steps without a word)
@@ -140,6 +140,40 @@ def _one_line_warnings(prefix: str):
         yield
     finally:
         warnings.showwarning = shown
+
+
+# Log records other packages write as they are imported, on every model command, that tell a user of loramcl nothing
+# to act on: {logger: the start of the message}. Checked on torchao 0.18, bitsandbytes 0.50, torch 2.13.
+IMPORT_NOISE = {
+    # torchao's CUDA extensions (_C_mxfp8, _C_cutlass_90a) on a machine without their CUDA: torchao runs without them
+    "torchao": "Failed to load ",
+    # torchao registers Enum classes with torch's pytree, which torch 2.13 deprecates: a note to torchao's authors
+    "torch.utils._pytree": "%s is an Enum subclass and is now natively supported",
+    # bitsandbytes' optional CPU kernel package `kernels`; without it bitsandbytes uses its own CPU code
+    "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward",
+}
+
+
+class _ImportNoise(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno < logging.ERROR and str(record.msg).startswith(self.start))
+
+
+@contextlib.contextmanager
+def _quiet_import_noise():
+    """The records of ``IMPORT_NOISE`` left out while a command runs; every other record of those loggers shows."""
+    filters = [(logging.getLogger(name), _ImportNoise(start)) for name, start in IMPORT_NOISE.items()]
+    for logger, noise in filters:
+        logger.addFilter(noise)
+    try:
+        yield
+    finally:
+        for logger, noise in filters:
+            logger.removeFilter(noise)
 
 
 def _is_ours(category: type, filename: str) -> bool:

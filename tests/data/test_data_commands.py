@@ -107,3 +107,17 @@ def test_conversational_rows_of_several_answers_are_trained_decoded_and_scored_f
           "--nll", str(tmp_path / "nll.jsonl"), "--out", str(tmp_path / "eval")])
     assert json.loads((tmp_path / "eval" / "second.json").read_text())["metrics"]["bleu1"] == pytest.approx(1.0)
     capsys.readouterr()
+
+
+def test_nll_names_the_completion_field_it_reads_and_one_hypothesis_in_the_singular(base, tmp_path, capsys):
+    rows = [{"prompt": f"w{10 + i}", "completion": [f"w{40 + i}", "w7"]} for i in range(4)]
+    data = write(tmp_path / "answers.jsonl", rows)
+    run = tmp_path / "mle"
+    main(["train", "--model", str(base), "--out", str(run), "--data.train_file", data, "--mcl.num_hypotheses", "1",
+          *TRAIN])
+    capsys.readouterr()
+    main(["nll", "--model", str(base), "--adapters", str(run), "--input", data, "--out", str(tmp_path / "nll.jsonl"),
+          "--threads", "1", "--progress", "false"])
+    out = capsys.readouterr().out
+    assert '("prompt" + "completion"; the loss on "completion"' in out and '"references"' not in out, out
+    assert "NLL of 8 references under 1 hypothesis:" in out

@@ -220,3 +220,28 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_row(tokeni
     with pytest.raises(ValueError, match=r"^the dataset row 1: the chat template renders message 2 \(an assistant "
                                          r"turn\) or those before it differently once later turns follow"):
         prepared(rewriting, [TWO_TURNS])
+
+
+def test_smollm2s_default_system_prompt_costs_16_tokens_and_a_system_message_of_ones_own_replaces_it(tokenizer):
+    """docs/guide/data.md, "What the chat template adds": SmolLM2's template writes its default system prompt into
+    every prompt that has no system message (16 tokens); a conversational row with its own system message, empty
+    included, replaces it, in training and in `loramcl generate`'s rendering alike."""
+    from loramcl.data.prompts import prompt_text
+
+    question = "Name a word that means: put money in a bank"
+    user = [{"role": "user", "content": question}]
+    answer = [{"role": "assistant", "content": "deposit"}]
+
+    def prompt_tokens(prompt) -> int:
+        return len(tokenizer(prompt_text(tokenizer, prompt, True), add_special_tokens=False).input_ids)
+
+    plain = len(tokenizer(question).input_ids)
+    default, empty = prompt_tokens(question), prompt_tokens([{"role": "system", "content": ""}, *user])
+    assert (plain, default, empty) == (11, 41, 25)
+    assert "You are a helpful AI assistant named SmolLM" in prompt_text(tokenizer, question, True)
+    rows = [{"prompt": [{"role": "system", "content": ""}, *user], "completion": answer}]
+    trained = prepared(tokenizer, rows)[0]
+    rendered = tokenizer(prompt_text(tokenizer, rows[0]["prompt"], True), add_special_tokens=False).input_ids
+    assert trained["input_ids"][:empty] == rendered  # the prompt as generate renders it, without the default
+    with_default = prepared(tokenizer, [{"prompt": user, "completion": answer}])[0]
+    assert len(with_default["input_ids"]) - len(trained["input_ids"]) == default - empty == 16

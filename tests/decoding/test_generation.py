@@ -589,3 +589,24 @@ def test_a_placeholder_token_past_the_embeddings_is_not_out_of_vocabulary():
     check_token_ids(model, torch.tensor([[3, 200, 200, 5]]))
     with pytest.raises(ValueError, match=rf"input_ids holds 201 \(row 0, position 2\).*vocabulary of {VOCAB} tokens"):
         check_token_ids(model, torch.tensor([[3, 200, 201, 5]]))
+
+
+def test_beams_come_best_first_by_the_length_normalised_beam_score_not_by_log_prob():
+    """docs/guide/decoding.md: a single model's beams come in beam search's order, its score per generated token
+    (length_penalty 1, EOS counted) after the logits processors; log_prob is the raw sum, so a shorter candidate with
+    a higher log_prob may come later. length_penalty=0 ranks by the sum. Checked over end tokens that end beams early."""
+    model = build_model("llama").eval()
+    inputs = left_padded_prompts()
+    unordered = 0
+    for eos in range(3, 40, 3):
+        for length_penalty in (1.0, 0.0):
+            outs = generate_hypotheses(model, None, inputs, strategy="beam", num_beams=6, num_sequences=4,
+                                       max_new_tokens=NEW_TOKENS, pad_token_id=0, eos_token_id=eos,
+                                       length_penalty=length_penalty)
+            for row in outs:
+                lengths = [len(c.token_ids) + (len(c.token_ids) < NEW_TOKENS) for c in row]  # EOS counted
+                scores = [c.log_prob / n ** length_penalty for c, n in zip(row, lengths, strict=True)]
+                assert all(a >= b - 1e-4 for a, b in zip(scores, scores[1:])), (eos, length_penalty, scores)
+                log_probs = [c.log_prob for c in row]
+                unordered += any(a < b - 1e-4 for a, b in zip(log_probs, log_probs[1:]))
+    assert unordered  # the default ranking differs from log_prob's somewhere: the test can tell them apart

@@ -147,3 +147,61 @@ def test_adapters_on_a_base_with_other_weights_are_warned_by_each_command(saved,
         error = capsys.readouterr().err.strip().splitlines()[-1]
         assert stopped.value.code == 1 and error.startswith(f"loramcl {command}: error: the adapters in "), error
         assert not (tmp_path / f"strict_{command}.jsonl").exists()
+
+
+def spelling_tokenizer():
+    """A word-level tokenizer of the tiny models' vocabulary whose words are spellings of two answers: even ids
+    "deposit" (deposit, Deposit, dEposit, ...: other cases of its letters), odd ids "depositing"; so two different
+    beams of one token are often one answer, and any 4 candidates hold a repeat (3 texts at most with "")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def spelling(word: str, n: int) -> str:  # the n-th case pattern of ``word``
+        return "".join(c.upper() if n >> i & 1 else c for i, c in enumerate(word))
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {spelling("deposit" if i % 2 == 0 else "depositing", i // 2): i
+                                                 for i in range(3, 97)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def test_dedupe_keeps_each_answer_once_and_fills_from_the_spare_beams(saved, tmp_path, capsys):
+    from loramcl.metrics.short_answers import normalise_answer
+
+    model = tmp_path / "spellings"
+    AutoModelForCausalLM.from_pretrained(saved / "base").save_pretrained(model)
+    spelling_tokenizer().save_pretrained(model)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["deposit", "Deposit depositing", "x"]))
+    options = dict(model=str(model), input=str(prompts), strategy="beam", max_new_tokens=1, num_sequences=4)
+    plain = read(generate(out=str(tmp_path / "plain.jsonl"), num_beams=4, **options))
+    assert all(len({normalise_answer(c) for c in r["candidates"]}) < 4 for r in plain)  # one word twice, or more
+    every = read(generate(out=str(tmp_path / "every.jsonl"), num_beams=8, **{**options, "num_sequences": 8}))
+    capsys.readouterr()
+    deduped = read(generate(out=str(tmp_path / "deduped.jsonl"), num_beams=8, dedupe=True, **options))
+    for all_beams, row in zip(every, deduped, strict=True):
+        seen, expected = set(), []
+        for text, log_prob in zip(all_beams["candidates"], all_beams["log_probs"], strict=True):
+            if normalise_answer(text) not in seen:
+                seen.add(normalise_answer(text))
+                expected.append((text, log_prob))
+        assert list(zip(row["candidates"], row["log_probs"], strict=True)) == expected[:4]  # first of each, in order
+        assert "hypotheses" not in row
+    fewer = sum(len(r["candidates"]) < 4 for r in deduped)
+    assert f"--dedupe: {fewer} of 3 prompts have fewer than 4 distinct candidates" in capsys.readouterr().out
+
+
+def test_a_single_model_names_no_hypothesis_k1_included(saved, tmp_path):
+    """The decoding guide: hypothesis None for a single model; an MCL model with K = 1 (LoRA-MLE) is one."""
+    base = AutoModelForCausalLM.from_pretrained(saved / "base")
+    mle = get_mcl_model(base, MCLConfig(num_hypotheses=1, r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    mle.save_pretrained(tmp_path / "mle")
+    beams = read(generate(model=str(saved / "base"), adapters=str(tmp_path / "mle"), input=str(saved / "prompts.jsonl"),
+                          out=str(tmp_path / "mle.jsonl"), strategy="beam", num_beams=3, num_sequences=3,
+                          max_new_tokens=3))
+    greedy = read(generate(model=str(saved / "base"), adapters=str(tmp_path / "mle"), input=str(saved / "prompts.jsonl"),
+                           out=str(tmp_path / "greedy.jsonl"), max_new_tokens=3))
+    assert all("hypotheses" not in r for r in beams + greedy)
+    assert len(beams[0]["candidates"]) == 3 and len(greedy[0]["candidates"]) == 1

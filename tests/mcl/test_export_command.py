@@ -120,7 +120,8 @@ def test_what_cannot_be_exported_is_refused_with_its_reason(runs, tmp_path, caps
         ([str(runs / "mcl"), "--out", str(tmp_path / "o4"), "--hypotheses", "3"],
          "hypotheses: 3 is no hypothesis of this model; it has 3, numbered 0 to 2"),
         ([str(no_chat), "--out", str(tmp_path / "o5"), "--model", str(runs / "base")],
-         r"adapt_context=False.*export them as activated LoRA"),
+         r"--mcl.adapt_context false.*--alora_invocation_tokens ID, ID the token every prompt of the run ends "
+         "with"),  # the flag of the command, not the Python API's argument
         ([str(runs / "once"), "--out", str(tmp_path / "o6"), "--alora_invocation_tokens", "1,3"],
          "must be one token id"),
     ]:

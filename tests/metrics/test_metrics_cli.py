@@ -52,7 +52,7 @@ def test_evaluate_writes_every_metric(full_run):
     # the preset's SPICE and SPIDEr: not computed, with the reason, in the report and in one line on stderr
     assert set(report["unavailable"]) == {"spice", "spider"}
     assert report["unavailable"]["spice"].startswith("SPICE is not set up. SPICE needs Stanford CoreNLP 3.6.0")
-    assert "| spice, spider | not computed | | SPICE is not set up." in markdown
+    assert "| spice, spider | not computed | | | SPICE is not set up." in markdown
     assert report["stderr"].splitlines()[-1] == (
         "loramcl evaluate: not computed: spice, spider: SPICE is not set up (the report says how to set it up; "
         "--exclude spice,spider leaves them out)")
@@ -117,7 +117,7 @@ def test_mismatched_and_duplicate_ids_are_named(tmp_path):
 
 
 def test_unknown_metric_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown metric\(s\) \['bleu5'\]; presets: \['captioning', 'translation'\]"):
+    with pytest.raises(ValueError, match=r"unknown metric\(s\) \['bleu5'\]; presets: \['captioning', 'short_answers', 'translation'\]"):
         evaluate(PREDS, REFS, metrics="bleu5", out=str(tmp_path))
 
 

@@ -69,10 +69,11 @@ def test_win_rates_per_group():
     out = win_rates(scores, groups)
     assert out["win_rate"] == pytest.approx([0.6, 0.4])
     assert out["tie_rate"] == pytest.approx(0.2)
-    assert out["by_group"]["fr"] == {"win_rate": [1.0, 0.0], "num_items": 2}
+    assert out["by_group"]["fr"] == {"win_rate": [1.0, 0.0], "won": [1.0, 0.0], "tied": 0.0, "none_scored": 0.0,
+                                     "num_items": 2}
     assert out["by_group"]["en"]["win_rate"] == pytest.approx([1 / 3, 2 / 3])
     table = win_rate_table(out, "cider_d")
-    assert "| fr | 2 | 100.0 | 0.0 |" in table and "| all | 5 | 60.0 | 40.0 |" in table
+    assert "| fr | 2 | 100.0 | 0.0 |" in table and "| all | 5 | 40.0 | 40.0 | 20.0 | 0.0 |" in table  # the tie apart
     assert win_rates(-scores, higher_is_better=False)["win_rate"] == out["win_rate"]
     with pytest.raises(ValueError, match="one label per item"):
         win_rates(scores, ["fr"])

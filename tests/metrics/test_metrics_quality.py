@@ -203,3 +203,9 @@ def test_bad_input_says_what_to_change():
         bleu([None], [["a"]])
     with pytest.raises(ValueError, match="same number K of candidates"):
         candidate_scores(bleu, [["a", "b"], ["c"]], [["a"], ["c"]])
+
+
+def test_the_ptb_tokenizer_leaves_no_line_on_stderr(capfd):
+    """The jar reports "PTBTokenizer tokenized N tokens at ..." on stderr at every call; `evaluate` shows none."""
+    assert ptb_tokenize(["A cat, on the mat."]) == ["a cat on the mat"]
+    assert "PTBTokenizer" not in capfd.readouterr().err

@@ -32,7 +32,8 @@ class Candidate:
         logits, i.e. *before* repetition penalty, temperature, top-k/top-p/typical filtering or diversity
         penalty. For an MCL candidate it is the likelihood under hypothesis ``hypothesis``, so candidates of all
         strategies are comparable. None when ``log_probs=False``.
-    hypothesis: the MCL hypothesis (adapter set) that produced it; None for a single-model baseline.
+    hypothesis: the MCL hypothesis (adapter set) that produced it, where the model has several (K >= 2; also a
+        single-model decoding of one of them, ``hypotheses=[k]``); None for a single model (K = 1 included).
     score: p(k | c) of that hypothesis for this input, for an MCL model with hypothesis scores
         (``MCLConfig(scoring=True)``) when all K hypotheses are decoded; read from the prefill of the same generate.
     """
@@ -140,6 +141,8 @@ class Decoder:
                  routing: int | None) -> None:
         self.model, self.tokenizer, self.kwargs, self.seed, self.log_probs = model, tokenizer, kwargs, seed, log_probs
         self.routing = routing  # the one hypothesis of an MCL model that a baseline runs on
+        # which hypothesis made a candidate, said only where there were several to choose from
+        self.named = isinstance(model, MCLModel) and model.num_hypotheses > 1
         self.eos = eos_ids(model, kwargs)
         self.device = next(model.parameters()).device
 
@@ -203,7 +206,7 @@ class Decoder:
                 probabilities = head(states[order]).exp()[:, torch.tensor(selected)].tolist()  # [B][K'] p(k | c)
         for c, k in enumerate(selected):
             for i in range(rows):
-                candidates[c * rows + i].hypothesis = k
+                candidates[c * rows + i].hypothesis = k if self.named else None
                 if probabilities is not None:
                     candidates[c * rows + i].score = probabilities[i][c]
         return [[candidates[c * rows + i] for c in range(copies)] for i in range(rows)]
@@ -298,7 +301,8 @@ class Decoder:
                      for row, mask in zip(generated.tolist(), keep.tolist(), strict=True)]
         texts = (text_tokenizer(self.tokenizer).batch_decode(token_ids, skip_special_tokens=True)
                  if self.tokenizer is not None else [None] * len(token_ids))
-        return [Candidate(text, ids, None if log_prob is None else log_prob[n], hypothesis=self.routing)
+        return [Candidate(text, ids, None if log_prob is None else log_prob[n],
+                          hypothesis=self.routing if self.named else None)
                 for n, (text, ids) in enumerate(zip(texts, token_ids, strict=True))]
 
     def _rescore(self, batch: dict, sequences: torch.Tensor, alive: torch.Tensor, per_input: int) -> list[float]:

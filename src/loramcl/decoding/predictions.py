@@ -8,6 +8,7 @@ torch and transformers load inside ``generate``, so `loramcl --help` stays fast.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -54,6 +55,7 @@ def generate(
     sort_by_score: bool = False,
     strict: bool = False,
     quantization: Quantization | None = None,
+    dedupe: bool = False,
     **decoding,
 ) -> str:
     """Decode K candidates per prompt of a JSONL file; write them as `loramcl evaluate` reads predictions.
@@ -90,6 +92,11 @@ def generate(
             were converted after save; by default each is a warning.
         quantization: the base model quantized as it loads (nf4, fp4, int8, torchao-int8:
             docs/guide/quantization.md); default: as the training run of `adapters` did (its run.json), else none.
+        dedupe: keep each candidate text once per prompt (case, punctuation, the articles a/an/the and white space
+            aside: ``loramcl.metrics.short_answers.normalise_answer``), the first, best-ranked one. Beam search of a
+            single model returns all its num_beams beams and keeps the K first distinct ones, so set num_beams above
+            K to have spares; other decodings have none, so a line may hold fewer than K candidates: the command
+            says how many prompts have fewer, and `loramcl evaluate --dedupe true` reads such lines.
         decoding: the options of ``loramcl.decoding.Decoding`` (strategy, num_beams or budget, num_sequences,
             hypotheses, max_new_tokens, repetition_penalty, temperature, top_k, top_p, typical_p, seed,
             num_beam_groups, diversity_penalty); seed + b seeds batch b.
@@ -121,8 +128,14 @@ def generate(
     texts = [prompt_text(tok, p, chat_template) for p in prompts]
     lengths = [len(tokens) for tokens in tok(texts, add_special_tokens=not chat_template)["input_ids"]]
     check_generated_positions(limits, options.max_new_tokens, input, lengths)
+    wanted = None  # candidates per prompt, with dedupe
     if (decoded := decoded_model_of(adapters)) is not None:  # the decoding against the adapters' kind and K
-        plan(options, decoded, augment=augment is not None, sort_by_score=sort_by_score)
+        planned = plan(options, decoded, augment=augment is not None, sort_by_score=sort_by_score)
+        wanted = len(planned.selected) if planned.mcl else options.num_sequences
+        if dedupe and options.strategy == "beam" and not planned.mcl and planned.num_beams > wanted:
+            # every beam returned: the spares replace the duplicates
+            options = dataclasses.replace(options, num_beams=planned.num_beams, budget=None,
+                                          num_sequences=planned.num_beams)
     decoder = load_model(model, adapters, dtype, device, strict=strict, quantization=quantization)
     augment_fn = _import_function(augment) if augment else None
 
@@ -131,6 +144,7 @@ def generate(
     bar = tqdm(total=len(prompts), unit="prompt", desc="generate", file=sys.stderr, disable=not progress,
                dynamic_ncols=True)
     candidates_per_prompt = []
+    from loramcl.metrics.short_answers import deduplicate
 
     def write(path: str) -> None:
         with bar, open(path, "w", encoding="utf-8") as f:
@@ -143,15 +157,24 @@ def generate(
                 outs = generate_hypotheses(decoder, tok, batch, decoding=options, seed=seed, augment=augment_fn,
                                            sort_by_score=sort_by_score)
                 for item_id, candidates in zip(ids[start:start + batch_size], outs, strict=True):
+                    if dedupe:
+                        candidates = [candidates[i] for i in deduplicate([c.text for c in candidates])][:wanted]
+                        candidates_per_prompt.append(len(candidates))
                     record = prediction_record(item_id, candidates, strip=False, scores=True)
                     f.write(json.dumps(record, ensure_ascii=False) + "\n")
-                candidates_per_prompt.append(len(outs[0]))
+                if not dedupe:
+                    candidates_per_prompt.append(len(outs[0]))
                 bar.update(len(chunk))
 
     # under a temporary name until every prompt is decoded: a failure leaves an existing file as it was
     write_atomically(out_path, write)
-    per_prompt = candidates_per_prompt[0]
+    per_prompt = max(candidates_per_prompt)
     print(f"{len(prompts)} prompts x {per_prompt} candidates ({options.strategy}): {out_path}")
+    if dedupe:
+        fewer = [n for n in candidates_per_prompt if n < (wanted or per_prompt)]
+        print(f"--dedupe: {len(fewer)} of {len(prompts)} prompts have fewer than {wanted or per_prompt} distinct "
+              f"candidates" + (f" (as few as {min(fewer)}); `loramcl evaluate --dedupe true` reads them" if fewer
+                               else ""))
     return str(out_path)
 
 

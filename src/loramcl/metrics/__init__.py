@@ -6,6 +6,7 @@
     diversity      div_n, mbleu  (among the K candidates)
     translation    loo_bleu, pairwise_bleu, references_covered, bleu_plus_one (Shen et al. 2019, sacrebleu),
                    sacrebleu_sentence, chrf_sentence
+    short_answers  exact_match (SQuAD's normalisation), distinct candidates, first_occurrences (--dedupe)
     nll            oracle_nll (references' NLL under K hypotheses)
     specialisation win_rates, win_rate_table
     suite          evaluate_candidates: all of them in one call (the Python side of `loramcl evaluate`)
@@ -17,7 +18,8 @@ The modules import their heavy libraries inside the functions.
 
 from loramcl.metrics.diversity import div_n, mbleu
 from loramcl.metrics.nll import oracle_nll
-from loramcl.metrics.oracle import candidate_scores, oracle, uses_corpus_statistics, winners
+from loramcl.metrics.oracle import candidate_scores, mean_over_candidates, oracle, uses_corpus_statistics, winners
+from loramcl.metrics.short_answers import distinct_candidates, exact_match, normalise_answer
 from loramcl.metrics.quality import bleu, cider_d, meteor, rouge_l, sbert_sim, spice, spider
 from loramcl.metrics.specialisation import likelihood_wins, win_rate_table, win_rates
 from loramcl.metrics.suite import METRICS, PRESETS, evaluate_candidates, markdown_report, resolve_metrics
@@ -33,7 +35,8 @@ from loramcl.metrics.translation import (
 
 __all__ = [
     "bleu", "meteor", "rouge_l", "cider_d", "spice", "spider", "sbert_sim",
-    "candidate_scores", "oracle", "winners", "uses_corpus_statistics",
+    "candidate_scores", "oracle", "mean_over_candidates", "winners", "uses_corpus_statistics",
+    "exact_match", "distinct_candidates", "normalise_answer",
     "div_n", "mbleu", "loo_bleu", "pairwise_bleu", "references_covered", "bleu_plus_one", "sacrebleu_sentence",
     "chrf_sentence", "oracle_nll",
     "win_rates", "likelihood_wins", "win_rate_table", "evaluate_candidates", "markdown_report", "resolve_metrics",

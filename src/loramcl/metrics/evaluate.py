@@ -34,6 +34,7 @@ def evaluate(
     sbert_model: LocalPath | None = None,
     bleu_tokenize: str = "13a",
     tokenize: bool = True,
+    dedupe: bool = False,
 ) -> dict[str, str]:
     """Score K candidates per item on quality (oracle) and diversity; write a JSON, a markdown table, per-item scores.
 
@@ -45,7 +46,9 @@ def evaluate(
             match; "id" is optional in every file: a line without one is numbered by its position (0, 1, ...), as
             `generate` and `nll` number it. A training file of several answers per prompt is read as it is: its
             "completion" list (texts, or assistant messages' contents) when it has no "references".
-        metrics: presets ("captioning", "translation") and/or metric names, comma-separated (e.g. "bleu4,div2").
+        metrics: presets ("captioning", "translation", "short_answers") and/or metric names, comma-separated (e.g.
+            "bleu4,div2", "exact_match,chrf,distinct"). Every oracle (best of K) metric is reported with its mean
+            over the K candidates beside it.
             A preset's metric whose tool is missing (SPICE and SPIDEr without the SPICE jars) is reported as not
             computed, with the reason; a metric named here whose tool is missing is an error.
         out: output folder.
@@ -60,8 +63,20 @@ def evaluate(
         sbert_model: local sentence-transformers folder (default: the packaged all-MiniLM-L6-v2).
         bleu_tokenize: sacrebleu tokenizer for Loo-BLEU and Pairwise-BLEU (the paper: 13a).
         tokenize: PTB-tokenize before the COCO and diversity metrics (the paper's protocol).
+        dedupe: count each candidate text once per item (case, punctuation, articles and white space aside): the
+            oracle, the mean over the candidates and the winners read the first of equal candidates only; reads the
+            lines of `loramcl generate --dedupe` (fewer candidates where fewer distinct ones were found). The set
+            metrics (div, mbleu, pairwise_bleu, loo_bleu, refs_covered) need the candidates as decoded.
     """
-    from loramcl.metrics.io import load_mixture_nll, load_nll, load_run, load_scores, to_jsonable, write_json
+    from loramcl.metrics.io import (
+        candidate_positions,
+        load_mixture_nll,
+        load_nll,
+        load_run,
+        load_scores,
+        to_jsonable,
+        write_json,
+    )
     from loramcl.metrics.oracle import winners
     from loramcl.metrics.suite import METRICS, evaluate_candidates, markdown_report, unavailable_groups
     from loramcl.utils.files import shown_ids
@@ -73,7 +88,8 @@ def evaluate(
         winner_metric=winner_metric, nll=load_nll(nll, ids, refs, candidates) if nll else None, spice_dir=spice_dir,
         sbert_model=sbert_model, bleu_tokenize=bleu_tokenize, tokenize=tokenize,
         mixture_nll=load_mixture_nll(nll, ids, refs) if nll else None,
-        scores=load_scores(predictions, ids, candidates),
+        scores=None if dedupe else load_scores(predictions, ids, candidates), dedupe=dedupe,
+        positions=candidate_positions(predictions),
     )
     name = name or Path(predictions).name.removesuffix(".jsonl").removesuffix(".json")
     report = {"name": name, "predictions": str(predictions), "references": str(references), **report}
@@ -87,11 +103,14 @@ def evaluate(
     # Per item, every candidate's score: to look at winners and failures item by item.
     winner_metric = report["specialisation"]["metric"]
     higher = METRICS[winner_metric].higher_is_better if winner_metric in METRICS else True
-    best = winners(scores[winner_metric], higher)
+    counted = report.pop("candidates_counted")
+    best = winners(scores[winner_metric], higher, counted)
     items_path = out_dir / f"{name}.items.jsonl"
     with items_path.open("w", encoding="utf-8") as f:
         for i, item_id in enumerate(ids):
             row = {"id": item_id, "winner": int(best[i]), "scores": {m: s[i] for m, s in scores.items()}}
+            if counted is not None:
+                row["counted"] = counted[i]
             f.write(json.dumps(to_jsonable(row)) + "\n")
 
     print(markdown)

@@ -76,6 +76,18 @@ def load_run(predictions_path: str | Path, references_path: str | Path, group_ke
     return ids, candidates, refs, groups
 
 
+def candidate_positions(predictions_path: str | Path) -> str:
+    """What candidate k of a predictions file is: "hypothesis" where its lines say which hypothesis decoded each
+    candidate (an MCL model's, `loramcl generate`'s "hypotheses"), else "beam position" (a single model's candidates
+    in its output order)."""
+    records = read_jsonl(predictions_path, "candidates", number_missing_ids=True)
+    def by_hypothesis(record: dict) -> bool:  # one hypothesis's K beams ("hypotheses": [2, 2, 2]) are positions
+        hypotheses = record.get("hypotheses")
+        return isinstance(hypotheses, list) and len(set(map(str, hypotheses))) == len(hypotheses)
+
+    return "hypothesis" if all(map(by_hypothesis, records.values())) else "beam position"
+
+
 def load_nll(path: str | Path, ids: list, references: list[list[str]] | None = None,
              candidates: list[list[str]] | None = None) -> list[np.ndarray]:
     """Per-item [R_i, K] NLL arrays in the order of `ids`, checked: one row per reference of the item (when

@@ -51,25 +51,44 @@ def candidate_scores(
 
 
 def oracle(
-    scores: np.ndarray | Mapping[str, np.ndarray], higher_is_better: bool = True
+    scores: np.ndarray | Mapping[str, np.ndarray], higher_is_better: bool = True, kept: np.ndarray | None = None
 ) -> float | dict[str, float]:
     """Mean over items of the best candidate's score: [N, K] -> float (a dict of matrices -> a dict of floats).
 
     Each metric takes its own best candidate (the paper's eq. is per metric), so the oracle BLEU-4 and the oracle
-    CIDEr-D of one run may come from different candidates of the same item.
+    CIDEr-D of one run may come from different candidates of the same item. ``kept`` ([N, K] bool, e.g.
+    ``short_answers.first_occurrences``): the candidates that count; the others are left out.
     """
     if isinstance(scores, Mapping):
-        return {name: oracle(s, higher_is_better) for name, s in scores.items()}
+        return {name: oracle(s, higher_is_better, kept) for name, s in scores.items()}
+    scores = _checked(scores, kept)
+    best = np.nanmax(scores, axis=1) if higher_is_better else np.nanmin(scores, axis=1)
+    return float(best.mean())
+
+
+def mean_over_candidates(scores: np.ndarray, kept: np.ndarray | None = None) -> float:
+    """Mean over items of the mean over the K candidates (the kept ones): what one candidate drawn at random
+    scores, beside the oracle's best of K. [N, K] -> float."""
+    return float(np.nanmean(_checked(scores, kept), axis=1).mean())
+
+
+def _checked(scores: np.ndarray, kept: np.ndarray | None) -> np.ndarray:
+    """[N, K] float scores, the candidates outside ``kept`` set to NaN (at least one kept per item)."""
     scores = np.asarray(scores, dtype=float)
     if scores.ndim != 2 or scores.shape[1] == 0:
         raise ValueError(f"oracle expects a score matrix [items, candidates], got shape {scores.shape}")
     if np.isnan(scores).any():
         raise ValueError("the score matrix has NaN entries: the oracle of an undefined score is undefined")
-    best = scores.max(axis=1) if higher_is_better else scores.min(axis=1)
-    return float(best.mean())
+    if kept is None:
+        return scores
+    kept = np.asarray(kept, dtype=bool)
+    if kept.shape != scores.shape or not kept.any(axis=1).all():
+        raise ValueError(f"kept must be [items, candidates] = {scores.shape} with a kept candidate per item")
+    return np.where(kept, scores, np.nan)
 
 
-def winners(scores: np.ndarray, higher_is_better: bool = True) -> np.ndarray:
-    """Index of the best candidate per item, [N, K] -> [N]; ties go to the lowest k (as the training loss does)."""
-    scores = np.asarray(scores, dtype=float)
-    return scores.argmax(axis=1) if higher_is_better else scores.argmin(axis=1)
+def winners(scores: np.ndarray, higher_is_better: bool = True, kept: np.ndarray | None = None) -> np.ndarray:
+    """Index of the best candidate per item, [N, K] -> [N]; ties go to the lowest k (as the training loss does);
+    only the ``kept`` candidates ([N, K] bool) can win."""
+    scores = _checked(scores, kept)
+    return np.nanargmax(scores, axis=1) if higher_is_better else np.nanargmin(scores, axis=1)

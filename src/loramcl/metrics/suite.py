@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loramcl.metrics import diversity, quality, translation
+from loramcl.metrics import diversity, quality, short_answers, translation
 from loramcl.metrics.nll import check_nll_columns, oracle_nll
-from loramcl.metrics.oracle import candidate_scores, oracle, winners
+from loramcl.metrics.oracle import candidate_scores, mean_over_candidates, oracle, winners
 from loramcl.metrics.ranking import ranking_quality
 from loramcl.metrics.specialisation import win_rates
 from loramcl.metrics.text import check_candidate_sets, check_pairs, ptb_tokenize, require_java
@@ -38,6 +38,10 @@ METRICS: dict[str, Metric] = {
                         "oracle sBERT similarity"),
     "sacrebleu": Metric("oracle", True, "oracle sentence BLEU (sacrebleu, raw text, 0-100)", "oracle sentence BLEU"),
     "chrf": Metric("oracle", True, "oracle sentence chrF (sacrebleu, raw text, 0-100)", "oracle chrF"),
+    "exact_match": Metric("oracle", True, "oracle exact match: a candidate equal to a reference after SQuAD's "
+                          "normalisation (case, punctuation, articles, white space)", "oracle exact match"),
+    "distinct": Metric("diversity", True, "distinct candidates per item after the same normalisation",
+                       "distinct candidates", True),
     **{f"div{n}": Metric("diversity", True, f"Div-{n}: distinct / total {n}-grams among the K", f"Div-{n}", True)
        for n in range(1, 5)},
     **{f"mbleu{n}": Metric("diversity", False, f"mBLEU-{n}: BLEU-{n} of each candidate vs the K-1 others",
@@ -63,6 +67,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "captioning": ("bleu1", "bleu2", "bleu3", "bleu4", "meteor", "rouge_l", "cider_d", "spice", "spider",
                    "sbert_sim", "div1", "div2", "mbleu4"),
     "translation": ("loo_bleu", "pairwise_bleu", "refs_covered"),  # paper App. H.6, Shen et al. 2019
+    "short_answers": ("exact_match", "chrf", "distinct"),  # one word or a few: docs/guide/metrics.md
 }
 
 # Metrics that need a tool some machines lack: the SPICE jars (not installable offline), the sentence encoder
@@ -70,8 +75,12 @@ PRESETS: dict[str, tuple[str, ...]] = {
 # the missing tool is an error.
 OPTIONAL_TOOLS: dict[str, tuple[str, ...]] = {"spice": ("spice", "spider"), "sentence encoder": ("sbert_sim",)}
 
-RAW_TEXT = {"sacrebleu", "chrf"}  # sacrebleu tokenizes (or not) on its own
+RAW_TEXT = {"sacrebleu", "chrf", "exact_match", "distinct"}  # sacrebleu tokenizes (or not) on its own; the short
+# answers' normalisation is their own
 NEEDS_PTB = {name for name, m in METRICS.items() if m.kind in ("oracle", "diversity")} - RAW_TEXT
+# Metrics of the K candidates as a set: they compare the candidates with each other (or hold references out), so they
+# read the candidates as decoded, duplicates included; with dedupe (a varying number per item) they are left out.
+SET_METRICS = {name for name, m in METRICS.items() if m.kind in ("diversity", "translation")} - {"distinct"}
 
 
 def _split(value: str | Sequence[str]) -> list[str]:
@@ -113,6 +122,8 @@ def evaluate_candidates(
     sbert_batch_size: int = 64,
     bleu_tokenize: str = "13a",
     tokenize: bool = True,
+    dedupe: bool = False,
+    positions: str = "hypothesis",
 ) -> dict:
     """Every requested metric for N items x K candidates with R_i references each.
 
@@ -137,16 +148,30 @@ def evaluate_candidates(
         bleu_tokenize: sacrebleu tokenizer of the translation metrics (the paper: 13a).
         tokenize: PTB-tokenize the text for the COCO metrics and diversity (the paper's protocol). False when the
             text is tokenized already.
+        dedupe: count each candidate text once per item (after ``short_answers.normalise_answer``): the oracle, the
+            mean over the candidates and the winners read the first of equal candidates only. Items may then have
+            fewer candidates than others (as `loramcl generate --dedupe` writes them). The set metrics (Div-n,
+            mBLEU, Pairwise-BLEU, Loo-BLEU, #refs covered) compare K candidates as decoded: refused by name, left
+            out of a preset (said in "unavailable").
+        positions: what candidate k is, for the win-rate table: "hypothesis" (an MCL model) or "beam position" (a
+            single model's candidates in its output order).
 
     Returns:
-        {"metrics": {name: value}, "unavailable": {name: reason}, "notes": {name: how it was computed, where it
+        {"metrics": {name: value}, "mean_over_candidates": {oracle metric: mean over items of the mean over its
+        candidates}, "unavailable": {name: reason}, "notes": {name: how it was computed, where it
         differs from the definition's usual case}, "candidate_scores": {name: array [N, K]},
         "specialisation": {...}, "num_items", "num_candidates", "references_per_item", "timing_s": {step: seconds},
         "settings": {...}}.
     """
     start = time.perf_counter()
     names = resolve_metrics(metrics, exclude)
+    if positions not in ("hypothesis", "beam position"):
+        raise ValueError(f"positions must be 'hypothesis' or 'beam position', got {positions!r}")
+    if dedupe:  # items of fewer candidates filled with repeats of their first, which the mask leaves out
+        width = max((len(c) for c in candidates), default=0)
+        candidates = [list(c) + [c[0]] * (width - len(c)) if c else c for c in candidates]
     num_candidates = check_candidate_sets(candidates)
+    kept = short_answers.first_occurrences(candidates) if dedupe else None  # [N, K] or None
     check_pairs([c[0] for c in candidates], references)
     if nll is not None:
         check_nll_columns(np.shape(nll[0])[-1] if len(nll) else 0, num_candidates, "nll")
@@ -172,6 +197,13 @@ def evaluate_candidates(
             sbert_model = quality.default_sentence_encoder()
 
         check_tool("sentence encoder", find_encoder)
+    if dedupe:
+        refused = [n for n in names if n in SET_METRICS]
+        if named & set(refused):
+            raise ValueError(f"{', '.join(sorted(named & set(refused)))} compare the K candidates as decoded: "
+                             "evaluate them without --dedupe (exact_match, distinct and every oracle metric take it)")
+        unavailable.update(dict.fromkeys(refused, "a set metric: it compares the K candidates as decoded, so it is "
+                                                   "left out with --dedupe (evaluate without it for this one)"))
     if unavailable:
         names = [n for n in names if n not in unavailable]
         if not names:
@@ -241,6 +273,8 @@ def evaluate_candidates(
                               tokenize=bleu_tokenize)
         if "chrf" in names:
             matrices |= timed("chrf", candidate_scores, translation.chrf_sentence, candidates, references)
+        if "exact_match" in names:
+            matrices |= timed("exact_match", candidate_scores, short_answers.exact_match, candidates, references)
         if "sbert_sim" in names:
             matrices |= timed("sbert_sim", candidate_scores, quality.sbert_sim, cands_tok, refs_tok,
                               model=sbert_model, batch_size=sbert_batch_size)
@@ -251,7 +285,11 @@ def evaluate_candidates(
         if executor is not None:
             executor.shutdown(cancel_futures=True)
 
-    values: dict[str, float] = {n: oracle(matrices[n]) for n in names if METRICS[n].kind == "oracle"}
+    oracle_names = [n for n in names if METRICS[n].kind == "oracle"]
+    values: dict[str, float] = {n: oracle(matrices[n], kept=kept) for n in oracle_names}
+    mean_values = {n: mean_over_candidates(matrices[n], kept) for n in oracle_names}
+    if "distinct" in names:
+        values["distinct"] = short_answers.distinct_candidates(candidates)
     div_orders = [int(n[3:]) for n in names if n.startswith("div")]
     if div_orders:
         values |= timed("div", diversity.div_n, cands_tok, div_orders)
@@ -276,7 +314,8 @@ def evaluate_candidates(
         matrices |= timed("sacrebleu", candidate_scores, translation.sacrebleu_sentence, candidates, references,
                           tokenize=bleu_tokenize)
     higher_is_better = METRICS[winner_metric].higher_is_better if winner_metric in METRICS else True
-    specialisation = {"metric": winner_metric, **win_rates(matrices[winner_metric], groups, higher_is_better)}
+    specialisation = {"metric": winner_metric, "positions": positions,
+                      **win_rates(matrices[winner_metric], groups, higher_is_better, kept)}
     if likelihood is not None:
         specialisation["nll_win_rate"] = likelihood["win_rate"]
     if mixture_nll is not None:
@@ -288,7 +327,7 @@ def evaluate_candidates(
         if np.shape(scores) != (len(candidates), num_candidates):
             raise ValueError(f"scores must give p(k | c) for each of the {num_candidates} candidates of the "
                              f"{len(candidates)} items, got shape {np.shape(scores)}")
-        values |= ranking_quality(scores, winners(matrices[winner_metric], higher_is_better))
+        values |= ranking_quality(scores, winners(matrices[winner_metric], higher_is_better, kept))
         values.pop("score_chance")
         specialisation["score_chance"] = 1.0 / num_candidates
 
@@ -296,6 +335,7 @@ def evaluate_candidates(
     ref_counts = [len(r) for r in references]
     return {
         "metrics": values,
+        "mean_over_candidates": mean_values,
         "unavailable": unavailable,
         "notes": notes,
         "likelihood": likelihood,
@@ -306,7 +346,8 @@ def evaluate_candidates(
         "references_per_item": {"min": min(ref_counts), "max": max(ref_counts), "mean": float(np.mean(ref_counts))},
         "timing_s": timing,
         "settings": {"metrics": names, "tokenize": "ptb" if tokenize else "none", "bleu_tokenize": bleu_tokenize,
-                     "sbert_model": sbert_model if "sbert_sim" in names else None},
+                     "sbert_model": sbert_model if "sbert_sim" in names else None, "dedupe": dedupe},
+        "candidates_counted": None if kept is None else kept.tolist(),
     }
 
 
@@ -325,17 +366,30 @@ def markdown_report(report: dict) -> str:
     lines = [f"# {report.get('name', 'evaluation')}", "",
              f"{report['num_items']} items x {report['num_candidates']} candidates, "
              f"{report['references_per_item']['min']}-{report['references_per_item']['max']} references per item.", "",
-             "| metric | value | better | what |", "|---|---:|:---:|---|"]
+             *_dedupe_line(report),
+             "| metric | value | mean over the candidates | better | what |", "|---|---:|---:|:---:|---|"]
+    means = report.get("mean_over_candidates") or {}
     for name, value in report["metrics"].items():
         metric = METRICS[name]
-        lines.append(f"| {name} | {value:.4g} | {'↑' if metric.higher_is_better else '↓'} | {metric.what} |")
+        mean = f"{means[name]:.4g}" if name in means else ""
+        lines.append(f"| {name} | {value:.4g} | {mean} | {'↑' if metric.higher_is_better else '↓'} | {metric.what} |")
     for reason, names in unavailable_groups(report.get("unavailable") or {}).items():
-        lines.append(f"| {', '.join(names)} | not computed | | {reason} |")
+        lines.append(f"| {', '.join(names)} | not computed | | | {reason} |")
     lines += [f"\n{name}: {note}." for name, note in (report.get("notes") or {}).items()]
-    lines += ["", win_rate_table(report["specialisation"], report["specialisation"]["metric"])]
+    wins = report["specialisation"]
+    lines += ["", win_rate_table(wins, wins["metric"], wins.get("positions", "hypothesis"))]
     if report.get("likelihood"):
         lik = report["likelihood"]
         lines += ["", "| hypothesis | NLL | PPL | best for (% of references) |", "|---|---:|---:|---:|"]
         rows = zip(lik["hypothesis_nll"], lik["hypothesis_ppl"], lik["win_rate"], strict=True)
         lines += [f"| h{k} | {n:.4f} | {p:.3f} | {100 * w:.1f} |" for k, (n, p, w) in enumerate(rows)]
     return "\n".join(lines) + "\n"
+
+
+def _dedupe_line(report: dict) -> list[str]:
+    counted = report.get("candidates_counted")
+    if counted is None:
+        return []
+    total = sum(len(row) for row in counted)
+    return [f"--dedupe: each candidate text counted once per item ({sum(map(sum, counted))} of the {total} "
+            "candidates); the oracle, the mean over the candidates and the winners read those.", ""]

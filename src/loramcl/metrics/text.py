@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
 
 
 def require_java(what: str) -> str:
@@ -51,11 +55,32 @@ def ptb_tokenize(texts: Sequence[str]) -> list[str]:
         require_java("The PTB tokenizer")
         from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
-        tokenized = PTBTokenizer().tokenize({i: [{"caption": t}] for i, t in enumerate(unique)})
+        with _stderr_kept_on_failure():  # the jar's "PTBTokenizer tokenized N tokens at ..." line, every call
+            tokenized = PTBTokenizer().tokenize({i: [{"caption": t}] for i, t in enumerate(unique)})
         if len(tokenized) != len(unique):  # the tokenizer zips lines to ids: a lost line drops ids
             raise RuntimeError(f"the PTB tokenizer returned {len(tokenized)} lines for {len(unique)} sentences")
         table.update({t: tokenized[i][0] for i, t in enumerate(unique)})
     return [table[t] for t in flat]
+
+
+@contextlib.contextmanager
+def _stderr_kept_on_failure() -> Iterator[None]:
+    """What a child process writes on our stderr (file descriptor 2, which it inherits) held back, and shown only if
+    the block fails: the PTB tokenizer's jar reports its token count there on success."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            held.seek(0)
+            sys.stderr.write(held.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def check_texts(texts: Sequence[str], what: str) -> None:
@@ -98,6 +123,7 @@ def check_candidate_sets(candidates: Sequence[Sequence[str]], what: str = "candi
         odd = [i for i, c in enumerate(candidates) if len(c) != k][:5]
         raise ValueError(
             f"every item needs the same number K of candidates (one per hypothesis); item 0 has {k}, "
-            f"items {odd} have {[len(candidates[i]) for i in odd]}"
+            f"items {odd} have {[len(candidates[i]) for i in odd]} (a file of `loramcl generate --dedupe`, with "
+            "fewer candidates where fewer distinct ones were found: evaluate it with --dedupe true)"
         )
     return sizes.pop()

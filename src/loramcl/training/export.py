@@ -74,7 +74,14 @@ def export(
     config = MCLConfig.from_dict(saved_values(saved["mcl_config"])) if method == "mcl" else None
     chat = bool(((record[1] if record else {}).get("data") or {}).get("chat_template"))
     tokenizer_folder = str(adapters) if (Path(adapters) / "tokenizer_config.json").is_file() else base
-    if config is not None and not config.adapt_context and invocation is None and chat:
+    if config is not None and not config.adapt_context and invocation is None:
+        if not chat:
+            raise OptionError("alora_invocation_tokens", "these hypotheses were trained with the context computed "
+                              "once (--mcl.adapt_context false): they act from the prompt's last token on, and a PEFT "
+                              "LoRA acts at every position. Export them as activated LoRA with "
+                              "--alora_invocation_tokens ID, ID the token every prompt of the run ends with (a run "
+                              "with --data.chat_template true finds it itself); or decode them with `loramcl generate "
+                              f"--adapters {adapters}`")
         invocation = _chat_invocation(tokenizer_folder)
 
     from loramcl.mcl.export import export_all

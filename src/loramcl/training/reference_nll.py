@@ -27,10 +27,10 @@ from loramcl.utils.threads import check_threads, use_threads
 from loramcl.utils.validate import require_int
 
 
-def read_references(path: str, prompt_key: str, references_key: str) -> tuple[list, list[dict]]:
-    """(ids, rows {"prompt", "references": [...]}) of a file of prompts and their references: the prompt a text or a
+def read_references(path: str, prompt_key: str, references_key: str) -> tuple[list, list[dict], str]:
+    """(ids, rows {"prompt", key: [...]}, key) of a file of prompts and their references: the prompt a text or a
     conversation, the references a text, a list of texts or of assistant messages, under ``references_key`` (else
-    "completion", as a training file holds them: docs/guide/data.md)."""
+    "completion", as a training file holds them: docs/guide/data.md); key is the field read, so the log names it."""
     from loramcl.data.formats import prompt_of
     from loramcl.utils.files import json_lines, read_jsonl
 
@@ -48,10 +48,10 @@ def read_references(path: str, prompt_key: str, references_key: str) -> tuple[li
         references = record[key] if isinstance(record[key], list) else [record[key]]
         if not references or not all(isinstance(r, str) and r.strip() or isinstance(r, dict) for r in references):
             raise ValueError(f'{where}: "{key}" must be a non-empty text or list of non-empty texts')
-        rows.append({"prompt": prompt_of(record[prompt_key], where, prompt_key), "references": references})
+        rows.append({"prompt": prompt_of(record[prompt_key], where, prompt_key), key: references})
     if len({isinstance(row["prompt"], str) for row in rows}) > 1:
         raise ValueError(f"{path}: some prompts are texts and others conversations: one format per file")
-    return list(records), rows
+    return list(records), rows, key
 
 
 def nll(
@@ -110,7 +110,7 @@ def nll(
                          "MCL (or K = 1 MLE) run of `loramcl train`")
     check_output(out, folder=False, example="nll.jsonl")
     check_file(input, "input file")
-    ids, rows = read_references(input, prompt_key, references_key)
+    ids, rows, field = read_references(input, prompt_key, references_key)
     chat_template = prompt_format(adapters, chat_template)
     encoder_decoder = is_encoder_decoder(model)
 
@@ -127,7 +127,7 @@ def nll(
     tokenizer = AutoTokenizer.from_pretrained(model)
     pad_id = pad_token_id(tokenizer)
     # one example per reference, tokenized as `loramcl train` tokenized the same row (loramcl.data.formats)
-    examples = prepare_dataset(Dataset.from_list(rows), tokenizer, None, "prompt", "references", chat_template,
+    examples = prepare_dataset(Dataset.from_list(rows), tokenizer, None, "prompt", field, chat_template,
                                encoder_decoder, source=input, where=record_names(input))
     owner = examples["row"]
     rows = examples.select_columns(["input_ids", "labels"]).to_list()
@@ -158,5 +158,7 @@ def nll(
     with out_path.open("w", encoding="utf-8") as f:
         for item_id, values in zip(ids, per_item, strict=True):
             f.write(json.dumps({"id": item_id, **values}) + "\n")
-    print(f"NLL of {len(rows)} references under {decoder.num_hypotheses} hypotheses: {out_path}")
+    k = decoder.num_hypotheses
+    print(f"NLL of {len(rows)} reference{'s' * (len(rows) != 1)} under {k} hypothes{'is' if k == 1 else 'es'}: "
+          f"{out_path}")
     return str(out_path)
