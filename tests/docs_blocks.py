@@ -206,6 +206,16 @@ def pinned(line: str) -> None:
         assert any(re.match(r"build\b", d) for d in extras["dev"]), "`build` is not in the dev extra"
 
 
+def gpu_wheels(line: str) -> None:
+    """benchmarks/gpu_wheels.sh downloads the lock's version of each package it names (a network download: not run
+    here), and the GPU check installs what it downloads."""
+    script = (ROOT / line.split("#")[0].split()[1]).read_text()
+    names = re.search(r"names=\(([^)]*)\)", script).group(1).split() + ["bitsandbytes"]
+    lock = (ROOT / "constraints.txt").read_text().lower()
+    for name in names:
+        assert re.search(rf"(?m)^{re.escape(name.lower())}==", lock), f"gpu_wheels.sh: {name} is not in the lock"
+
+
 _ENGINE = ("an engine (vLLM on a GPU, llama.cpp) that is not installed here: the line's adapters, rank and option "
            "values are checked against the export's (the PEFT folders themselves are tested in covered_by)")
 
@@ -410,6 +420,11 @@ REGISTRY = {
         ".venv/bin/python benchmarks/suite.py --shape llama-1b --device cuda --dtype bfloat16 --steps 3 --repeats 2",
         ".venv/bin/python benchmarks/host_syncs.py --device cuda --dtype bfloat16",
         ".venv/bin/python benchmarks/suite.py --shape cpu-small --threads 1 --quantized")},
+    ("docs/benchmarks.md", "bash benchmarks/gpu_wheels.sh"): Check(gpu_wheels, None, "downloads wheels for the GPU "
+                                                                   "machine: the names it downloads are the lock's"),
+    ("docs/benchmarks.md", ".venv/bin/python benchmarks/gpu_check.py --dry-run --out runs/gpu-check"): Module(
+        parse_only=True, covered_by="tests/system/test_gpu_check.py::test_the_dry_run_passes_every_step",
+        why="the whole dry run takes minutes: its test runs it"),
     (G + "quantization.md", "import torch"): Python(
         "plain", subs=(('load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,',
                         "load_in_8bit=True,"),),

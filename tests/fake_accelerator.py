@@ -53,6 +53,11 @@ def _register() -> None:
         return
     from torch.utils import backend_registration as registration
 
+    if not hasattr(registration, "_setup_privateuseone_for_python_backend"):  # experimental in torch 2.13
+        raise RuntimeError(f"torch {torch.__version__} has no torch.utils.backend_registration."
+                           "_setup_privateuseone_for_python_backend: the fake accelerator cannot register its device; "
+                           "find its successor in torch's test/test_privateuseone_python_backend.py")
+
     class Hooks(registration._DummyPrivateUse1Hook):
         def is_available(self) -> bool:
             return _ACTIVE[0]

@@ -310,3 +310,23 @@ def test_other_packages_import_noise_is_kept_off_the_console_and_our_warnings_ar
     assert not [line for line in lines if "Failed to load" in line or "Enum subclass" in line], run.stderr
     assert "something else" in run.stderr
     assert "loramcl x: warning: ours" in lines and any(line.endswith(": ours too") for line in lines)
+
+
+@pytest.mark.parametrize("given", [None, ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512"),
+                                   ("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.8")])
+def test_commands_run_with_expandable_segments_unless_the_allocator_is_set(given, monkeypatch, capsys):
+    """Issue 50: the ALMA recipe reserved 76.0 GB for 52.8 allocated on an H200 with torch's default segments, 52.4
+    for 50.9 with expandable ones; a user's own allocator settings are kept."""
+    from loramcl.cli import ALLOCATOR_SETTINGS
+
+    for name in ALLOCATOR_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    if given:
+        monkeypatch.setenv(*given)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    capsys.readouterr()
+    if given:
+        assert os.environ[given[0]] == given[1] and sum(name in os.environ for name in ALLOCATOR_SETTINGS) == 1
+    else:
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
