@@ -267,16 +267,18 @@ def test_every_option_of_every_command_has_its_help(command, capsys):
 
 
 def test_the_hypotheses_need_no_option_and_another_method_refuses_changed_ones():
-    """`loramcl train` without --mcl.* trains MCLConfig()'s hypotheses; with --method moe or multihead an --mcl block
-    that changes them is refused (it would be ignored), one equal to the defaults (the command line always gives one)
-    is not."""
+    """`loramcl train` without --mcl.* trains MCLConfig()'s hypotheses (an annealed loss's decay fitted to the run:
+    COMMAND_MCL); with --method moe or multihead an --mcl block that changes them is refused (it would be ignored),
+    one equal to the defaults (the command line always gives one) is not."""
+    from dataclasses import replace
+
     from loramcl.baselines import MoEConfig
     from loramcl.mcl.config import MCLConfig
-    from loramcl.training.fit import method_config, train
+    from loramcl.training.fit import COMMAND_MCL, method_config, train
 
-    assert train.__defaults__[0] == MCLConfig()  # jsonargparse gives `--mcl.*` these defaults
-    assert method_config("mcl", None, None, None) == MCLConfig()
-    assert method_config("moe", MCLConfig(), MoEConfig(r=4), None) == MoEConfig(r=4)
+    assert train.__defaults__[0] == COMMAND_MCL == replace(MCLConfig(), temperature_decay="auto")  # `--mcl.*`'s
+    assert method_config("mcl", None, None, None) == COMMAND_MCL
+    assert method_config("moe", COMMAND_MCL, MoEConfig(r=4), None) == MoEConfig(r=4)
     with pytest.raises(ValueError, match=r"--mcl\.\* configures method 'mcl' but method is 'moe'"):
         method_config("moe", MCLConfig(r=4), MoEConfig(), None)
 

@@ -146,8 +146,9 @@ def test_weighted_nll_and_shape_checks():
 def test_auto_decay_brings_tau_to_its_floor_at_the_stated_fraction_of_the_run(steps):
     from loramcl.mcl.losses import AUTO_FLOOR_FRACTION, floor_step, temperature_decay
 
-    config = MCLConfig(num_hypotheses=3, loss="annealed", temperature0=2.0, temperature_min=1e-4)
-    assert config.temperature_decay == "auto"  # the default
+    assert MCLConfig().temperature_decay == 0.999  # the paper's; `loramcl train`'s default is "auto"
+    config = MCLConfig(num_hypotheses=3, loss="annealed", temperature0=2.0, temperature_min=1e-4,
+                       temperature_decay="auto")
     floor = floor_step(steps)
     assert floor == max(1, math.ceil(AUTO_FLOOR_FRACTION * steps)) and floor <= steps
     rho = temperature_decay(config, steps)
@@ -165,13 +166,13 @@ def test_the_papers_decay_is_kept_when_given_and_auto_needs_the_runs_length():
     assert temperature_decay(paper, 60) == 0.999
     assert temperature_at(60, paper, 60) == pytest.approx(0.999**60)
     assert round(0.999**60, 2) == 0.94  # the issue's short run never left the soft regime
-    auto = MCLConfig(num_hypotheses=3, loss="annealed")
+    auto = MCLConfig(num_hypotheses=3, loss="annealed", temperature_decay="auto")
     with pytest.raises(ValueError, match="temperature_decay 'auto' sets rho from the run's number of optimizer steps"):
         mcl_loss(_nll(), auto)
     _, weights = mcl_loss(_nll(), auto, training=False)  # evaluation: the schedule's end, vanilla WTA
     assert torch.equal(weights, wta_weights(_nll(), "random"))
     with pytest.raises(ValueError, match="temperature_decay 'auto' brings tau to temperature_min, which is 0"):
-        MCLConfig(loss="annealed", temperature_min=0.0)
+        MCLConfig(loss="annealed", temperature_min=0.0, temperature_decay="auto")
     with pytest.raises(ValueError, match="'auto' fits it to the run's steps"):
         MCLConfig(loss="annealed", temperature_decay="fast")
 

@@ -107,8 +107,9 @@ def test_only_the_first_process_writes_the_finished_run(tmp_path, monkeypatch):
 
 
 def test_a_wta_run_recorded_with_the_old_decay_default_is_the_same_run(tmp_path):
-    """temperature_decay acts under the annealed loss only: a WTA run recorded when its default was 0.999 is still
-    finished (not retrained) under today's default 'auto'; an annealed run with another decay is another run."""
+    """temperature_decay acts under the annealed loss only: a WTA run recorded when `loramcl train`'s default was
+    0.999 is still finished (not retrained) under today's default 'auto'; an annealed run with another decay is
+    another run."""
     import json
 
     from loramcl.training.runs import finished_run
@@ -117,7 +118,7 @@ def test_a_wta_run_recorded_with_the_old_decay_default_is_the_same_run(tmp_path)
         return {"model": "m", "mcl": MCLConfig(**fields).to_dict()}
 
     (tmp_path / "run.json").write_text(json.dumps({"settings": settings(loss="wta", temperature_decay=0.999)}))
-    assert finished_run(tmp_path, settings(loss="wta"))
+    assert finished_run(tmp_path, settings(loss="wta", temperature_decay="auto"))
     (tmp_path / "run.json").write_text(json.dumps({"settings": settings(loss="annealed", temperature_decay=0.999)}))
-    assert not finished_run(tmp_path, settings(loss="annealed"))
+    assert not finished_run(tmp_path, settings(loss="annealed", temperature_decay="auto"))
     assert finished_run(tmp_path, settings(loss="annealed", temperature_decay=0.999))

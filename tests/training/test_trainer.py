@@ -297,7 +297,7 @@ def test_best_only_saves_are_published_whole_and_evaluations_that_save_nothing_l
 
 
 def test_auto_annealing_reaches_its_floor_within_the_trainers_max_steps(tmp_path):
-    mcl = _model(loss="annealed", temperature0=1.0, temperature_min=1e-6)  # temperature_decay "auto"
+    mcl = _model(loss="annealed", temperature0=1.0, temperature_min=1e-6, temperature_decay="auto")
     trainer = MCLTrainer(mcl, args=_args(tmp_path, max_steps=10), train_dataset=_dataset(8))
     trainer.train()
     temperatures = [log["temperature"] for log in trainer.state.log_history if "loss" in log]

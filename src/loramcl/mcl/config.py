@@ -65,11 +65,12 @@ class MCLConfig:
     temperature0: float = 1.0
     """Annealed MCL: initial temperature tau(0)."""
 
-    temperature_decay: float | Literal["auto"] = "auto"
-    """Annealed MCL: tau(t) = temperature0 * temperature_decay**t, t counting optimizer steps. 'auto' (the default):
-    the decay that brings tau to temperature_min at 90% of the run's optimizer steps (MCLTrainer's max_steps), so a
-    run of any length anneals and ends in vanilla WTA; the paper's 0.999 takes 13,800 steps from 1 to 1e-6 and left
-    tau at 0.94 after a 60-step run (docs/guide/scores.md, "How much training until the hypotheses split")."""
+    temperature_decay: float | Literal["auto"] = 0.999
+    """Annealed MCL: tau(t) = temperature0 * temperature_decay**t, t counting optimizer steps (default: the paper's
+    0.999). 'auto' (`loramcl train`'s default): the decay that brings tau to temperature_min at 90% of the run's
+    optimizer steps (MCLTrainer's max_steps), so a run of any length anneals and ends in vanilla WTA; 0.999 takes
+    13,800 steps from 1 to 1e-6 and left tau at 0.94 after a 60-step run (docs/guide/scores.md, "How much training
+    until the hypotheses split")."""
 
     temperature_min: float = 1e-6
     """Annealed MCL: once tau(t) < temperature_min the loss is vanilla WTA."""

@@ -50,6 +50,9 @@ from loramcl.utils.validate import OptionError
 # No `if TYPE_CHECKING: import torch` here: jsonargparse runs such blocks to resolve the commands' annotations, which
 # would import torch before every `loramcl train` / `nll` could check its files (tests/test_cli.py).
 METHODS = ("mcl", "moe", "multihead")  # LoRA-MCL (K = 1: LoRA-MLE), LoRA-MoE, multi-head MCL
+# `loramcl train`'s --mcl block: MCLConfig's defaults (the paper's), but an annealed run's temperature decay fitted
+# to the run's length (issue 52: a first try is too short for the paper's 0.999 to leave the soft regime)
+COMMAND_MCL = MCLConfig(temperature_decay="auto")
 MethodConfig = MCLConfig | MoEConfig | MultiHeadConfig
 logger = logging.getLogger(__name__)  # a run's progress, which `loramcl <command>` shows (docs/guide/cli.md)
 
@@ -79,13 +82,13 @@ def data_sha256(path: str) -> str:
 def method_config(method: str, mcl: MCLConfig | None, moe: MoEConfig | None,
                   multihead: MultiHeadConfig | None) -> MethodConfig:
     """The configuration of the trained method: no other method's block may be given, and a baseline's own must be;
-    LoRA-MCL's defaults to MCLConfig() (the `--mcl` block of the command line always holds one: a block of other
+    LoRA-MCL's defaults to COMMAND_MCL (the `--mcl` block of the command line always holds one: a block of other
     values than those defaults, with another method, is refused)."""
-    given = {"mcl": mcl if mcl is not None else MCLConfig(), "moe": moe, "multihead": multihead}
+    given = {"mcl": mcl if mcl is not None else COMMAND_MCL, "moe": moe, "multihead": multihead}
     if method not in given:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     others = [name for name, config in given.items()
-              if name != method and config is not None and not (name == "mcl" and config == MCLConfig())]
+              if name != method and config is not None and not (name == "mcl" and config == COMMAND_MCL)]
     if others:
         raise ValueError(f"--{others[0]}.* configures method '{others[0]}' but method is '{method}': set --method "
                          f"{others[0]} (method: {others[0]} in a recipe), or remove the {others[0]} block")
@@ -122,7 +125,7 @@ def train(
     model: ModelPath,
     out: LocalPath,
     data: DataConfig,
-    mcl: MCLConfig = MCLConfig(),  # noqa: B008 (read, never changed: replace() makes the copies)
+    mcl: MCLConfig = COMMAND_MCL,
     training: TrainConfig = TrainConfig(),  # noqa: B008 (frozen, so sharing it is safe)
     method: Literal["mcl", "moe", "multihead"] = "mcl",
     moe: MoEConfig | None = None,
@@ -151,8 +154,8 @@ def train(
     Args:
         model: local folder of a causal or sequence-to-sequence LM (transformers format).
         out: output folder.
-        mcl: the hypotheses and loss of method mcl (default: MCLConfig(), K = 2 hypotheses of rank 8 with vanilla
-            WTA on PEFT's default layers).
+        mcl: the hypotheses and loss of method mcl (default: K = 2 hypotheses of rank 8 with vanilla WTA on PEFT's
+            default layers; an annealed loss's temperature_decay is 'auto', fitted to the run's steps).
         data: the training data (a local JSONL, JSON, Parquet, CSV, Arrow file or save_to_disk folder: prompt/
             completion, conversations, messages, text or several references per prompt) and their tokenization
             (--data.train_file, --data.validation_file, ...).
@@ -222,7 +225,7 @@ def check_max_length(max_length: int, limits: PositionLimits) -> None:
 
 def _scored_run_config(run: str, method: str, mcl: MCLConfig | None) -> MCLConfig:
     """The MCLConfig of the finished LoRA-MCL run ``run``, with hypothesis scores on (``train(scores_for=run)``)."""
-    if method != "mcl" or mcl not in (None, MCLConfig()):
+    if method != "mcl" or mcl not in (None, COMMAND_MCL):
         raise ValueError("scores_for learns the scores of a finished LoRA-MCL run with that run's own settings: "
                          "leave out --mcl.* and --method")
     record = Path(run) / MCL_CONFIG

@@ -40,7 +40,7 @@ def quantization_settings(quantization: str | None) -> dict:
 # Fields that decide how a run is computed, not its adapters: a run resumed or compared with another value is the same
 _COMPUTATION_ONLY = {"mcl": ("logits_chunk_size",)}
 # Fields that act only under one loss (loss name, fields): a run under another loss is the same whatever they hold (a
-# WTA run recorded when temperature_decay's default was 0.999 is the run of today's default, "auto")
+# WTA run recorded when `loramcl train`'s temperature_decay default was 0.999 is the run of today's default, "auto")
 _LOSS_ONLY = {"mcl": ("annealed", ("temperature0", "temperature_decay", "temperature_min"))}
 
 
