@@ -159,10 +159,13 @@ def _recipes_quick(ctx: Context) -> list[list[str]]:
 
 
 def _suite(ctx: Context) -> list[list[str]]:
-    shape = ["--shape", "tiny"] if ctx.dry else ["--shape", "llama-1b", "--device", "cuda", "--dtype", "bfloat16",
-                                                 "--seqs", "256", "--new-tokens", "32"]
-    return [[ctx.python, str(BENCHMARKS / "suite.py"), *shape, "--sections", "training", "decoding", "--steps", "1",
-             "--repeats", "1", "--out", str(ctx.work / "suite")]]
+    if ctx.dry:  # the tiny shape's training section (tests/system/test_benchmark_suite.py runs the rest)
+        measured = ["--shape", "tiny", "--sections", "training", "--seqs", "16"]
+    else:
+        measured = ["--shape", "llama-1b", "--device", "cuda", "--dtype", "bfloat16", "--seqs", "256",
+                    "--new-tokens", "32", "--sections", "training", "decoding"]
+    return [[ctx.python, str(BENCHMARKS / "suite.py"), *measured, "--steps", "1", "--repeats", "1",
+             "--out", str(ctx.work / "suite")]]
 
 
 # Limits: about 1.5x what each step took on an H200 (2026-11-28, docs/benchmarks.md "The GPU check"); each loramcl
@@ -217,14 +220,20 @@ class _Killer:
         self.timer.cancel()
 
 
-def run_steps(ctx: Context, steps: list[Step], budget: float, out: Path) -> list[dict]:
-    results, started = [], time.monotonic()
-    for step in steps:
-        limit = step.dry_limit if ctx.dry else step.limit
-        spent = time.monotonic() - started
-        row = {"step": step.name, "limit_s": limit, "numbers": {}}
+def run_steps(ctx: Context, steps: list[Step], budget: float, out: Path, jobs: int = 1) -> list[dict]:
+    """Each step in turn (``jobs`` > 1: that many at a time, for the dry run on a machine of several cores; a GPU's
+    steps run one by one), the summary rewritten as each ends; a step whose limit would pass ``budget`` is skipped."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    started, lock = time.monotonic(), threading.Lock()
+    results = [{"step": step.name, "limit_s": step.dry_limit if ctx.dry else step.limit, "numbers": {},
+                "status": "not run", "seconds": 0.0} for step in steps]
+
+    def run(step: Step, row: dict) -> None:
+        limit, spent = row["limit_s"], time.monotonic() - started
         if spent + limit > budget:
-            row |= {"status": f"skipped (budget: {spent:.0f} s spent of {budget:.0f})", "seconds": 0.0}
+            row |= {"status": f"skipped (budget: {spent:.0f} s spent of {budget:.0f})"}
         else:
             print(f"\n== {step.name} (at most {limit} s; {spent:.0f} s of {budget:.0f} spent) ==", flush=True)
             step_start = time.monotonic()
@@ -235,8 +244,11 @@ def run_steps(ctx: Context, steps: list[Step], budget: float, out: Path) -> list
                     break
             row |= {"status": status, "seconds": round(time.monotonic() - step_start, 1)}
             print(f"== {step.name}: {status} in {row['seconds']} s", flush=True)
-        results.append(row)
-        write_summary(results, ctx, out)
+        with lock:
+            write_summary(results, ctx, out)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        list(pool.map(run, steps, results))
     return results
 
 
@@ -537,6 +549,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="the same steps on the CPU at tiny shapes")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for all steps (default 480)")
     parser.add_argument("--steps", nargs="+", choices=[s.name for s in STEPS], help="these steps only, in order")
+    parser.add_argument("--jobs", type=int, default=1, help="steps run at a time (the dry run on several cores; a "
+                        "GPU's one by one)")
     parser.add_argument("--internal", choices=sorted(INTERNAL), help=argparse.SUPPRESS)
     parser.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -555,7 +569,10 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("gpu_check: torch sees no GPU here; --dry-run runs the steps on the CPU")
     ctx.work.mkdir(parents=True, exist_ok=True)
     steps = [s for s in STEPS if args.steps is None or s.name in args.steps]
-    results = run_steps(ctx, steps, args.budget, args.out)
+    if args.jobs > 1 and not ctx.dry:
+        raise SystemExit("gpu_check: --jobs runs steps side by side, for the dry run: on one GPU they would share "
+                         "its memory and time each other")
+    results = run_steps(ctx, steps, args.budget, args.out, args.jobs)
     print(f"\n{(args.out / 'gpu_check.md').read_text()}")
     failed = [row["step"] for row in results if row["status"] != "ok"]
     if failed:

@@ -15,7 +15,7 @@ from loramcl.baselines.multihead import MultiHeadModel
 from loramcl.cli import main
 from loramcl.decoding.predictions import generate
 from loramcl.recipes.files import packaged_recipes
-from loramcl.training.fit import train
+from loramcl.training.fit import COMMAND_MCL, train
 from loramcl.training.reference_nll import nll
 
 
@@ -94,6 +94,6 @@ def test_baseline_recipes_select_their_method():
     for method, config_class in (("moe", MoEConfig), ("multihead", MultiHeadConfig)):
         values = parser.instantiate_classes(parser.parse_args(
             ["--config", str(recipes / "common.yaml"), "--config", str(recipes / f"{method}.yaml")]))
-        assert values.method == method and isinstance(values[method], config_class) and values.mcl == MCLConfig()
+        assert values.method == method and isinstance(values[method], config_class) and values.mcl == COMMAND_MCL
     with pytest.raises(ArgumentError, match="lora-moe"):  # an unknown method is refused by the parser itself
         parser.parse_args(["--config", str(recipes / "common.yaml"), "--method", "lora-moe"])

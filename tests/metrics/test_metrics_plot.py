@@ -67,9 +67,9 @@ def test_axes_carry_the_metric_names_and_the_better_direction():
     assert (figure.axes[0].get_xlabel(), figure.axes[0].get_ylabel()) == (
         "mBLEU-4 (lower = more diverse) ←", "oracle chrF (higher = better) →")
     plt.close(figure)
-    figure = draw_tradeoff([{"metrics": {"div2": 0.5, "distinct": 2.9}}], "div2", "distinct")
+    figure = draw_tradeoff([{"metrics": {"div2": 0.5, "my_count": 2.9}}], "div2", "my_count")
     assert (figure.axes[0].get_xlabel(), figure.axes[0].get_ylabel()) == ("Div-2 (higher = more diverse) →",
-                                                                          "distinct")  # unknown: the key
+                                                                          "my_count")  # unknown: the key
     plt.close(figure)
 
 

@@ -19,7 +19,7 @@ import gpu_check  # noqa: E402
 
 def test_the_dry_run_passes_every_step(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out",
-                           str(tmp_path), "--budget", "1500"], capture_output=True, text=True)
+                           str(tmp_path), "--budget", "1500", "--jobs", "2"], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert results["dry_run"] and [row["step"] for row in results["steps"]] == [s.name for s in gpu_check.STEPS]

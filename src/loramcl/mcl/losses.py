@@ -77,6 +77,15 @@ def temperature_decay(config: MCLConfig, total_steps: int | None = None) -> floa
     return math.exp((math.log(config.temperature_min) - math.log(config.temperature0)) / floor_step(total_steps))
 
 
+def schedule_line(config: MCLConfig, total_steps: int) -> str | None:
+    """What an annealed run's "auto" schedule chose, for its log; None for any other loss or decay."""
+    if config.loss != "annealed" or config.temperature_decay != "auto":
+        return None
+    return (f"annealed MCL: temperature_decay auto = {temperature_decay(config, total_steps):.6g} per step, tau "
+            f"{config.temperature0:g} -> {config.temperature_min:g} at step {floor_step(total_steps)} of "
+            f"{total_steps}, vanilla WTA from there")
+
+
 def temperature_at(step: int, config: MCLConfig, total_steps: int | None = None) -> float | None:
     """tau(t) = tau0 * rho^t at optimizer step t, or None once below temperature_min (hard WTA from then on); with
     ``temperature_decay="auto"``, rho from ``total_steps`` (``temperature_decay``) and None from ``floor_step`` on."""

@@ -595,7 +595,6 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
     copy_scoring_head(mcl.scoring_head, tensors)
     if mcl.scoring_head is not None:
         mcl.scoring_head.requires_grad_(is_trainable or fit_scores)
-    # decoding with the base in eval mode would otherwise run the new adapter layers' dropout (built in train mode)
-    return mcl if is_trainable or fit_scores else mcl.eval()
+    return mcl if is_trainable or fit_scores else mcl.eval()  # else the new layers' dropout (built training) acts
 
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
 from loramcl.mcl.compat import check_trainer_methods
-from loramcl.mcl.losses import floor_step, temperature_at, temperature_decay
+from loramcl.mcl.losses import schedule_line, temperature_at
 from loramcl.mcl.losses import winners as loss_winners
 from loramcl.mcl.model import MCLModel
 from loramcl.mcl.nll import IGNORE_INDEX, examples_without_targets
@@ -295,11 +295,9 @@ class MCLTrainer(Trainer):
             # The checkpoint ends the run. Trainer would still take one more optimizer step before it checks
             # max_steps (and write a checkpoint-{max_steps + 1}): no epoch is left to run instead.
             num_train_epochs = min(num_train_epochs, self._resume_step // num_update_steps_per_epoch)
-        config = self._mcl_model().mcl_config
-        if config.loss == "annealed" and config.temperature_decay == "auto" and self.is_world_process_zero():
-            logger.info(f"annealed MCL: temperature_decay auto = {temperature_decay(config, max_steps):.6g} per step, "
-                        f"tau {config.temperature0:g} -> {config.temperature_min:g} at step {floor_step(max_steps)} "
-                        f"of {max_steps}, vanilla WTA from there")
+        schedule = schedule_line(self._mcl_model().mcl_config, max_steps)
+        if schedule is not None and self.is_world_process_zero():
+            logger.info(schedule)
         return (num_train_epochs, num_update_steps_per_epoch, *rest, max_steps)
 
     def _judge_specialisation(self) -> None:
@@ -411,8 +409,7 @@ class MCLTrainer(Trainer):
             self._nonfinite_grad_norm |= ~finite  # no host sync here
 
     def _watch_for_collapse(self, logs: dict) -> None:
-        """Warn once (``CollapseWatch``) when a hypothesis has stopped winning: under vanilla WTA it then gets no
-        gradient and never recovers."""
+        """Warn once (``CollapseWatch``) when a hypothesis has stopped winning (no gradient under WTA: for good)."""
         message = self._collapse.observe(self.state.global_step, logs, self._mcl_model().mcl_config.loss)
         if message is not None and self.is_world_process_zero():
             warnings.warn(message, stacklevel=2)
