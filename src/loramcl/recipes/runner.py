@@ -148,6 +148,7 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     experiment.yaml's where given (not None)."""
     import dataclasses
 
+    from loramcl.recipes.ensemble import ASSEMBLED, assemble, ensemble_values, ensembles, with_members
     from loramcl.recipes.files import recipe_folder, run_names
     from loramcl.training.runs import file_stamp, run_record, run_stamp
 
@@ -173,6 +174,9 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     unknown = sorted(set(runs or []) - set(names))
     require(not unknown, f"runs: no run file for {unknown} (runs: {names})")
     values = {run: task.run_values(run, model) for run in names}
+    members = ensembles(values)  # {ensemble run: its member runs}
+    for run, runs_of in members.items():
+        values[run] = ensemble_values(run, runs_of, values)
     model = values[names[0]]["model"]
     for run, v in values.items():
         require(v["model"] == model, f"run {run}: every run of a recipe folder trains the same model ({model})")
@@ -188,13 +192,18 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
             "or leave decoded out to decode every run")
     if quick:  # every decoding code path, with fewer decodes
         systems = one_per_strategy(systems)
-    trained = task.trained_runs(names, systems) if runs is None else runs
+    trained = with_members(task.trained_runs(names, systems) if runs is None else runs, members)
 
     task.prepare_data(model, values)
     if stop_after == "data":
         return {"data": str(task.data)}
     for run in trained:  # retrained when its recipe or its data changed, resumed when it was interrupted
-        task.train(run, values[run])
+        if run in members:  # its members, trained before it, as one K-hypothesis model
+            stamps = {member: run_stamp(root / member) for member in members[run]}
+            stages.run(f"assemble {run}", root / run / ASSEMBLED, {"members": stamps}, assemble, root, run,
+                       values[run], members[run])
+        else:
+            task.train(run, values[run])
     if stop_after == "train":
         return {"runs": {run: str(root / run) for run in trained}}
 
