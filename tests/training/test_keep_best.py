@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from loramcl import DataConfig, MCLConfig, TrainConfig, load_mcl_model
 from loramcl.training.fit import train
 from loramcl.training.trainer import MCLTrainer
+from loramcl.utils.inputs import training_record
 
 TARGETS = ["q_proj", "v_proj"]
 # The validation loss each evaluation reports (by step): lowest at step 4, a middle evaluation, then rising again.
@@ -72,6 +73,8 @@ def test_keep_best_keeps_the_adapters_of_the_best_validation_step(folders, tmp_p
     check_best(folders, out, evaluations)
     assert (out / "best" / "peft" / "adapter_config.json").is_file()  # a K = 1 run's PEFT adapter, as OUT/peft
     assert not (tmp_path / "mle" / "incomplete-best").exists()
+    # generate / nll read the run's settings (prompt format, quantization) above OUT/best, as above OUT/peft
+    assert training_record(str(out / "best"))[0] == training_record(str(out / "best" / "peft"))[0] == out / "run.json"
 
 
 def test_a_resumed_run_keeps_the_best_of_the_steps_before_it(folders, tmp_path, evaluations):

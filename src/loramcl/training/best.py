@@ -13,9 +13,8 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from loramcl.training.checkpoints import publish, staging_folder
-from loramcl.utils.inputs import PEFT_FOLDER
+from loramcl.utils.inputs import BEST_FOLDER, PEFT_FOLDER
 
-BEST = "best"  # inside a run's `out`
 BEST_RECORD = "best.json"
 
 
@@ -33,7 +32,7 @@ def write_adapters(model, folder: Path, export_peft: bool, processor, writing: b
 
 def best_record(out: str | Path) -> dict | None:
     """The step and validation loss of the adapters kept in ``out``/best (None: none kept)."""
-    path = Path(out) / BEST / BEST_RECORD
+    path = Path(out) / BEST_FOLDER / BEST_RECORD
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
@@ -46,7 +45,7 @@ class BestAdapters(TrainerCallback):
                  resumed: bool) -> None:
         self.model, self.export_peft, self.processor = model, export_peft, processor
         self.writing, self.gathering = writing, gathering
-        self.folder = Path(out) / BEST
+        self.folder = Path(out) / BEST_FOLDER
         record = best_record(out) if resumed else None
         if record is None and writing:
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -57,7 +56,7 @@ class BestAdapters(TrainerCallback):
         if loss is None or not math.isfinite(loss) or loss >= self.loss:
             return
         self.loss = loss
-        staged = Path(staging_folder(str(self.folder))) / BEST  # every process sees the same loss: all take part
+        staged = Path(staging_folder(str(self.folder))) / BEST_FOLDER  # every process sees the same loss: all take part
         if self.writing:
             shutil.rmtree(staged.parent, ignore_errors=True)
         write_adapters(self.model, staged, self.export_peft, self.processor, self.writing, self.gathering)
