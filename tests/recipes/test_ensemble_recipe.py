@@ -1,6 +1,7 @@
 """The recipes' ensemble run kind: a run file naming member runs; the runner trains the members, assembles them into
 one K-hypothesis model that the later stages read as a LoRA-MCL run (its NLL table row: the oracle over the
-members), and refuses members that cannot be one model before any work."""
+members), and refuses members that cannot be one model before any work. And an NLL table row of a run's
+best-validation adapters ('<run>@best', training.keep_best)."""
 
 import json
 
@@ -103,3 +104,29 @@ def test_members_that_cannot_be_one_model_are_refused_before_any_work(recipe):
     with pytest.raises(ValueError, match="member m1's mcl: block differs from m0's"):
         run_recipe(Toy, out=str(tmp_path / "out"), recipes=str(folder), threads=1)
     assert not (tmp_path / "out" / "data").exists()
+
+
+def test_an_nll_table_row_scores_a_runs_best_validation_adapters(recipe, monkeypatch):
+    from loramcl.training.reference_nll import nll
+    from loramcl.training.trainer import MCLTrainer
+
+    tmp_path, folder = recipe
+    metrics = MCLTrainer._hypothesis_metrics  # the validation loss lowest at step 1 of 2: best != last
+    monkeypatch.setattr(MCLTrainer, "_hypothesis_metrics",
+                        lambda self: metrics(self) | {"eval_loss": {1: 1.0, 2: 2.0}[self.state.global_step]})
+    (folder / "experiment.yaml").write_text("decoded: []\nnll_table: [m0, m0@best]\nbudgets: [2]\n")
+    (folder / "m0.yaml").write_text(MLE + "training:\n  keep_best: true\n  eval_every: 1\n")
+    out = tmp_path / "out"
+    report = run_recipe(Toy, out=str(out), recipes=str(folder), threads=1)
+    assert list(report["likelihood"]) == ["m0", "m0@best"]
+    assert json.loads((out / "m0" / "best" / "best.json").read_text())["step"] == 1
+    nll(model=str(tmp_path / "base"), adapters=str(out / "m0" / "best"), input=str(out / "data" / "test.jsonl"),
+        out=str(tmp_path / "best.jsonl"), threads=1)
+    read = {name: [json.loads(line)["nll"] for line in path.read_text().splitlines()]
+            for name, path in (("best", tmp_path / "best.jsonl"), ("row", out / "nll" / "m0@best.jsonl"),
+                               ("last", out / "nll" / "m0.jsonl"))}
+    assert read["row"] == read["best"] != read["last"]
+    (folder / "experiment.yaml").write_text("decoded: []\nnll_table: [m1@best]\nbudgets: [2]\n")
+    with pytest.raises(ValueError, match=r"nll_table: m1@best scores the best-validation adapters of m1, which keeps "
+                                         "none: set `training: {keep_best: true}`"):
+        run_recipe(Toy, out=str(out), recipes=str(folder), threads=1)
