@@ -92,7 +92,7 @@ class TextTask(runner.Task):
 
     def decode(self, system: System, values: dict, arguments: dict, decode: DecodeConfig) -> None:
         from loramcl.decoding.predictions import generate
-        from loramcl.training.fit import PEFT_FOLDER
+        from loramcl.utils.inputs import PEFT_FOLDER
 
         single = self.hypotheses(values) == 1
         generate(model=values["model"], input=str(self.test), out=str(self.stages.predictions(system.name)),

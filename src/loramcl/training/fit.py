@@ -32,7 +32,6 @@ from loramcl.training.runs import (
 from loramcl.utils.files import sha256
 from loramcl.utils.inputs import (
     MCL_CONFIG,
-    PEFT_FOLDER,
     RUN_RECORD,
     Dtype,
     LocalPath,
