@@ -102,6 +102,8 @@ def test_a_fresh_run_drops_an_earlier_runs_best_and_keep_best_needs_validation(f
         (tmp_path / "best" / "best.json").write_text(json.dumps({"step": 99, "eval_loss": 0.1}))
         kept = BestAdapters(None, tmp_path, False, None, writing=True, gathering=False, resumed=resumed)
         assert (kept.loss, (tmp_path / "best").exists()) == ((0.1, True) if resumed else (float("inf"), False))
+    with pytest.raises(ValueError, match="keep_best must be true or false, got 'yes'"):
+        TrainConfig(keep_best="yes")
     with pytest.raises(ValueError, match="keep_best keeps the adapters of the lowest validation loss: give a "
                                          "validation file"):
         train(model=str(folders / "base"), out=str(tmp_path / "none"), mcl=MCLConfig(r=2, target_modules=TARGETS),
