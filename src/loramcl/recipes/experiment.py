@@ -11,6 +11,13 @@ from typing import ClassVar
 from loramcl.recipes.grid import MCL_DECODINGS, DecodeConfig, check_budgets
 from loramcl.utils.validate import require
 
+BEST = "@best"  # an NLL table entry '<run>@best': the run's best-validation adapters (training.keep_best), not its last
+
+
+def trained_run(entry: str) -> str:
+    """The run an NLL table entry scores: 'mle@best' -> 'mle'."""
+    return entry.removesuffix(BEST)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Experiment:
@@ -44,7 +51,8 @@ class Experiment:
 
     nll_table: list[str] | None = None
     """Runs of the oracle-NLL table (paper Table 1), in order, for a task that scores its test references (default:
-    every run); trained after the decoded runs, never decoded unless they are in ``decoded`` too."""
+    every run); trained after the decoded runs, never decoded unless they are in ``decoded`` too. '<run>@best' scores
+    the run's best-validation adapters (its `training: keep_best: true`) in a row of its own."""
 
     sources: dict = field(default_factory=dict)
     """Where each data file of ``data_files`` comes from, by the name of its setting (e.g. train_file: "ALMA's
@@ -81,7 +89,7 @@ class Experiment:
         chosen = getattr(self, name)
         if chosen is None:
             return list(runs if default is None else default)
-        unknown = sorted(set(chosen) - set(runs))
+        unknown = sorted({trained_run(run) if name == "nll_table" else run for run in chosen} - set(runs))
         require(not unknown, f"{name}: no run file for {unknown} (runs: {sorted(runs)})")
         return list(chosen)
 

@@ -109,7 +109,9 @@ def runs_table(records: dict[str, dict]) -> list[str]:
         mcl, training = record["settings"][method], record["settings"]["training"]
         resumed = record.get("resumed_from")
         seconds = f"{record['seconds']:.0f}" + (f" (resumed from {resumed})" if resumed else "")
-        lines.append(f"| {run} | {mcl.get('num_hypotheses', 1)} | {mcl.get('r', '–')} | {loss_name(mcl, method)} | "
+        members = record["settings"].get("ensemble")  # an ensemble run (recipes.ensemble): its members' training
+        loss = f"ensemble of {' + '.join(members)}" if members else loss_name(mcl, method)
+        lines.append(f"| {run} | {mcl.get('num_hypotheses', 1)} | {mcl.get('r', '–')} | {loss} | "
                      f"{training['steps']} x {training['batch_size']} | {record['trainable_parameters']:,} | "
                      f"{seconds} |")
     return lines

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
-from loramcl.recipes.experiment import Experiment
+from loramcl.recipes.experiment import BEST, Experiment, trained_run
 from loramcl.recipes.grid import DecodeConfig, System, chosen_budgets, one_per_strategy
 from loramcl.recipes.stages import Stages
 from loramcl.utils.inputs import check_device, check_output
@@ -105,7 +105,8 @@ class Task(ABC):
         if not self.scores_references:
             return runs
         decoded = list(dict.fromkeys(system.run for system in systems))
-        return list(dict.fromkeys(decoded + ([] if self.quick else self.experiment.table_runs(runs))))
+        table = [] if self.quick else [trained_run(entry) for entry in self.experiment.table_runs(runs)]
+        return list(dict.fromkeys(decoded + table))
 
     @abstractmethod
     def train(self, run: str, values: dict) -> None:
@@ -126,10 +127,17 @@ class Task(ABC):
         if not self.scores_references:
             return []
         table = self.experiment.nll_table
-        return list(runs) if table is None else [run for run in table if run in runs]
+        return list(runs) if table is None else [entry for entry in table if trained_run(entry) in runs]
+
+    def scored_folder(self, run: str) -> Path:
+        """The adapters an NLL table entry scores: root/<run>, or root/<run>/best for '<run>@best'."""
+        from loramcl.utils.inputs import BEST_FOLDER
+
+        return self.root / trained_run(run) / (BEST_FOLDER if run.endswith(BEST) else "")
 
     def score(self, run: str, values: dict, decode: DecodeConfig, out: Path) -> None:
-        """Write to ``out`` the NLL of every test reference under every hypothesis of ``run``."""
+        """Write to ``out`` the NLL of every test reference under every hypothesis of ``run`` (an NLL table entry: a
+        run, or '<run>@best'; its adapters are ``scored_folder(run)``)."""
         raise NotImplementedError(f"{type(self).__name__} scores no run")
 
     def evaluate(self, systems: list[System]) -> None:
@@ -148,6 +156,7 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     experiment.yaml's where given (not None)."""
     import dataclasses
 
+    from loramcl.recipes.ensemble import ASSEMBLED, assemble, ensemble_values, ensembles, with_members
     from loramcl.recipes.files import recipe_folder, run_names
     from loramcl.training.runs import file_stamp, run_record, run_stamp
 
@@ -173,12 +182,20 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     unknown = sorted(set(runs or []) - set(names))
     require(not unknown, f"runs: no run file for {unknown} (runs: {names})")
     values = {run: task.run_values(run, model) for run in names}
+    members = ensembles(values)  # {ensemble run: its member runs}
+    for run, runs_of in members.items():
+        values[run] = ensemble_values(run, runs_of, values)
     model = values[names[0]]["model"]
     for run, v in values.items():
         require(v["model"] == model, f"run {run}: every run of a recipe folder trains the same model ({model})")
     task.model = model
     if task.scores_references:
-        experiment.table_runs(names)  # each run of the NLL table has its run file
+        for entry in experiment.table_runs(names):  # each run of the NLL table has its run file
+            keeps_best = (values[trained_run(entry)].get("training") or {}).get("keep_best") is True
+            require(not entry.endswith(BEST) or (keeps_best and trained_run(entry) not in members),
+                    f"nll_table: {entry} scores the best-validation adapters of {trained_run(entry)}, which keeps "
+                    "none: set `training: {keep_best: true}` in its run file (an ensemble keeps none), or name "
+                    f"{trained_run(entry)}")
     else:
         require(experiment.nll_table is None, f"nll_table: {task_type.__name__} scores no test reference")
     task.check(model, values)
@@ -188,13 +205,18 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
             "or leave decoded out to decode every run")
     if quick:  # every decoding code path, with fewer decodes
         systems = one_per_strategy(systems)
-    trained = task.trained_runs(names, systems) if runs is None else runs
+    trained = with_members(task.trained_runs(names, systems) if runs is None else runs, members)
 
     task.prepare_data(model, values)
     if stop_after == "data":
         return {"data": str(task.data)}
     for run in trained:  # retrained when its recipe or its data changed, resumed when it was interrupted
-        task.train(run, values[run])
+        if run in members:  # its members, trained before it, as one K-hypothesis model
+            stamps = {member: run_stamp(root / member) for member in members[run]}
+            stages.run(f"assemble {run}", root / run / ASSEMBLED, {"members": stamps}, assemble, root, run,
+                       values[run], members[run])
+        else:
+            task.train(run, values[run])
     if stop_after == "train":
         return {"runs": {run: str(root / run) for run in trained}}
 
@@ -204,10 +226,10 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
         stages.decode(system, arguments, decode.batch_size, task.test, task.decode, system, values[system.run],
                       dict(arguments), decode, extra=task.decoding_settings())
     for run in task.scored_runs(trained, systems):
-        path = root / "nll" / f"{run}.jsonl"
+        path, trained_as = root / "nll" / f"{run}.jsonl", trained_run(run)  # run: 'mle' or 'mle@best'
         stages.run(f"nll {run}", path.with_suffix(".settings.json"),
-                   {"trained": run_stamp(root / run), "test": file_stamp(task.test)}, task.score, run, values[run],
-                   decode, path)
+                   {"trained": run_stamp(root / trained_as), "test": file_stamp(task.test)}, task.score, run,
+                   values[trained_as], decode, path)
     task.evaluate(systems)
 
     report = stages.timed("report", task.report, systems, trained)

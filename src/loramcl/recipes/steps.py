@@ -186,6 +186,6 @@ class ProcessorTask(runner.Task):
         from loramcl.models import load_model
 
         processor = self.processor(values["model"])
-        model = load_model(values["model"], str(self.root / run), values.get("dtype", "float32"), self.device)
+        model = load_model(values["model"], str(self.scored_folder(run)), values.get("dtype", "float32"), self.device)
         score_to_jsonl(out, model, self.reference_examples(processor), self.collator(processor), decode.batch_size,
                        self.device)

@@ -92,7 +92,7 @@ class TextTask(runner.Task):
 
     def decode(self, system: System, values: dict, arguments: dict, decode: DecodeConfig) -> None:
         from loramcl.decoding.predictions import generate
-        from loramcl.training.fit import PEFT_FOLDER
+        from loramcl.utils.inputs import PEFT_FOLDER
 
         single = self.hypotheses(values) == 1
         generate(model=values["model"], input=str(self.test), out=str(self.stages.predictions(system.name)),
@@ -103,6 +103,6 @@ class TextTask(runner.Task):
     def score(self, run: str, values: dict, decode: DecodeConfig, out: Path) -> None:
         from loramcl.training.reference_nll import nll
 
-        nll(model=values["model"], adapters=str(self.root / run), input=str(self.test), out=str(out),
+        nll(model=values["model"], adapters=str(self.scored_folder(run)), input=str(self.test), out=str(out),
             references_key=self.references_key, chat_template=self.chat_template, batch_size=decode.batch_size,
             dtype=values.get("dtype", "float32"), device=self.device)

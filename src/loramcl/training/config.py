@@ -129,6 +129,11 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """Checkpoints kept (the newest ones)."""
 
+    keep_best: bool = False
+    """Keep the adapters of the validation with the lowest ``eval_loss`` (the oracle NLL min_k for K >= 2) in
+    ``OUT/best`` beside the last ones, with ``best.json`` saying its step and loss (``training.best``); needs a
+    validation file. A resumed run carries the best of the steps before it over."""
+
     seed: int = 0
     """Model init, data order and dropout seed."""
 
@@ -146,7 +151,7 @@ class TrainConfig:
         require(self.batch_size % steps == 0, f"gradient_accumulation_steps {steps} must divide batch_size "
                 f"{self.batch_size} (the examples of one optimizer step): set batch_size to a multiple of it, e.g. "
                 f"{-(-self.batch_size // steps) * steps}", "gradient_accumulation_steps")
-        for name in ("activation_checkpointing", "bf16", "tf32"):
+        for name in ("activation_checkpointing", "bf16", "tf32", "keep_best"):
             require(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         require_real("learning_rate", self.learning_rate, low=0.0, high=MAX_LEARNING_RATE, low_open=True,
                      hint=_LEARNING_RATE_HINT)

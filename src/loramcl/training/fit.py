@@ -32,7 +32,6 @@ from loramcl.training.runs import (
 from loramcl.utils.files import sha256
 from loramcl.utils.inputs import (
     MCL_CONFIG,
-    PEFT_FOLDER,
     RUN_RECORD,
     Dtype,
     LocalPath,
@@ -276,8 +275,12 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     import torch
     from transformers import PrinterCallback, ProgressCallback, set_seed
 
+    from loramcl.training.best import write_adapters
     from loramcl.training.trainer import MCLTrainer
 
+    if training.keep_best and eval_set is None:
+        raise ValueError("keep_best keeps the adapters of the lowest validation loss: give a validation file "
+                         "(--data.validation_file), or set keep_best false")
     out_dir = Path(out)
     checkpoints = out_dir / CHECKPOINTS
     set_seed(training.seed)
@@ -302,6 +305,13 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     if saving:
         checkpoints.mkdir(parents=True, exist_ok=True)
         (checkpoints / SETTINGS_NAME).write_text(json.dumps(settings, indent=1) + "\n")
+    writing = trainer.is_world_process_zero()  # the other processes hold the same adapters, or shards of them
+    export_peft = method == "mcl" and mcl.num_hypotheses == 1  # a K = 1 run is a PEFT adapter too
+    if training.keep_best:
+        from loramcl.training.best import BestAdapters
+
+        trainer.add_callback(BestAdapters(mcl_model, out_dir, export_peft, processor, writing,
+                                          trainer.is_fsdp_enabled, resumed=last_checkpoint is not None))
     if last_checkpoint is not None:
         logger.info(f"resuming from the newest whole checkpoint in {checkpoints}")
     started = time.perf_counter()
@@ -313,14 +323,9 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
         progress.close_bars()
     seconds = time.perf_counter() - started
 
-    writing = trainer.is_world_process_zero()  # the other processes hold the same adapters, or shards of them
-    if writing or trainer.is_fsdp_enabled:  # sharded: every process takes part in gathering them; the first writes
-        mcl_model.save_pretrained(out_dir)
-        if method == "mcl" and mcl.num_hypotheses == 1:  # likewise
-            mcl_model.export_hypothesis(0, out_dir / PEFT_FOLDER)
+    # sharded: every process takes part in gathering the adapters; the first writes
+    write_adapters(mcl_model, out_dir, export_peft, processor, writing, trainer.is_fsdp_enabled)
     if writing:
-        if processor is not None:
-            processor.save_pretrained(out_dir)
         (out_dir / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
     trainable, total = mcl_model.parameter_counts()
     run = {"settings": settings, "resumed_from": trainer.resumed_from and Path(trainer.resumed_from).name,

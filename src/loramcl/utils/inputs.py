@@ -26,6 +26,7 @@ Quantization = Literal["nf4", "fp4", "int8", "torchao-int8"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 RUN_RECORD = "run.json"  # written last by `loramcl train` in its `out` folder
 PEFT_FOLDER = "peft"  # where a K = 1 run of `loramcl train` exports its adapter, inside `out`
+BEST_FOLDER = "best"  # a run's best-validation adapters (training.keep_best), beside the last ones
 MCL_CONFIG = "mcl_config.json"  # loramcl.mcl.adapter_files.CONFIG_NAME (not imported: that module imports torch)
 PEFT_CONFIG = "adapter_config.json"
 # The packaged models' folder names (as the recipes name them) and the command that writes such a folder.
@@ -295,12 +296,17 @@ def check_model_options(model: str, dtype: str, adapters: str | None = None) -> 
 
 
 def training_record(adapters: str | None) -> tuple[Path, dict] | None:
-    """(path, settings) of the `loramcl train` run that wrote ``adapters``: its run.json beside them, or one folder
-    up for the PEFT export of a K = 1 run (OUT/peft). None for adapters without a run record."""
+    """(path, settings) of the `loramcl train` run that wrote ``adapters``: its run.json beside them, or that of the
+    run above the PEFT export of a K = 1 run (OUT/peft), its best adapters (OUT/best, ``training.keep_best``) or
+    both (OUT/best/peft). None for adapters without a run record."""
     if adapters is None:
         return None
-    folder = Path(adapters)
-    for path in (folder / RUN_RECORD, *([folder.parent / RUN_RECORD] if folder.name == PEFT_FOLDER else [])):
+    paths, folder = [Path(adapters) / RUN_RECORD], Path(adapters)
+    for name in (PEFT_FOLDER, BEST_FOLDER):
+        if folder.name == name:
+            folder = folder.parent
+            paths.append(folder / RUN_RECORD)
+    for path in paths:
         if path.is_file():
             try:
                 settings = json.loads(path.read_text(encoding="utf-8")).get("settings")

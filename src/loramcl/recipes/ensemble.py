@@ -1,0 +1,82 @@
+"""The ensemble run kind of the recipes: a run file holding `ensemble: [run, run, ...]` names K member runs of its
+folder (e.g. LoRA-MLE runs at rank r with different seeds), trained by the runner like any run, then assembled into
+one K-hypothesis model folder (``loramcl.mcl.ensemble.assemble_hypotheses``) that every later stage reads as it reads
+a LoRA-MCL run: the NLL table gives the oracle NLL over the members, decoding one candidate per member."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from loramcl.recipes.files import method_of, num_hypotheses
+from loramcl.utils.validate import require
+
+ENSEMBLE = "ensemble"  # the run file's setting naming the members
+ASSEMBLED = "ensemble.json"  # the assembly stage's record, in the ensemble's folder
+SHARED = ("model", "dtype", "quantization")  # what every member and the ensemble's decoding use alike
+
+
+def ensembles(values: dict[str, dict]) -> dict[str, list[str]]:
+    """{ensemble run: its member runs} of a recipe folder's runs (``values``: each run's settings), checked: two or
+    more distinct member runs of the folder, none an ensemble itself, each LoRA-MCL (K = 1: LoRA-MLE), with the same
+    `mcl:` block but num_hypotheses and the same model, dtype and quantization."""
+    found = {run: v[ENSEMBLE] for run, v in values.items() if ENSEMBLE in v}
+    for run, members in found.items():
+        names = isinstance(members, list) and all(isinstance(m, str) for m in members)
+        require(names and len(set(members)) == len(members) >= 2, f"run {run}: ensemble must list two or more "
+               f"distinct run names of its folder, got {members!r}")
+        unknown = sorted(set(members) - set(values))
+        require(not unknown, f"run {run}: ensemble names {unknown}, which have no run file (runs: {sorted(values)})")
+        nested = sorted(set(members) & set(found))
+        require(not nested, f"run {run}: its members {nested} are ensembles themselves: name their members instead")
+        first = values[members[0]]
+        for member in members:
+            method, _ = method_of(values[member])
+            require(method == "mcl", f"run {run}: member {member} trains method {method}; an ensemble's members "
+                   "are LoRA-MCL runs (K = 1: LoRA-MLE)")
+            block = {**values[member]["mcl"], "num_hypotheses": None}
+            require(block == {**first["mcl"], "num_hypotheses": None}, f"run {run}: member {member}'s mcl: block "
+                   f"differs from {members[0]}'s beyond num_hypotheses: the members of one model share their "
+                   "adapters' settings (change only the training seed or data)")
+            differing = [name for name in SHARED if values[member].get(name) != first.get(name)]
+            require(not differing, f"run {run}: member {member} differs from {members[0]} in {differing}")
+    return found
+
+
+def ensemble_values(run: str, members: Sequence[str], values: dict[str, dict]) -> dict:
+    """The settings the stages read of ensemble ``run``: its first member's, its own `out`, `ensemble`, and an `mcl:`
+    block whose K is the sum of its members'."""
+    first = values[members[0]]
+    k = sum(num_hypotheses(values[member]) for member in members)
+    return first | {"out": values[run]["out"], ENSEMBLE: list(members), "mcl": first["mcl"] | {"num_hypotheses": k}}
+
+
+def with_members(runs: Sequence[str], found: dict[str, list[str]]) -> list[str]:
+    """``runs`` in order, each ensemble preceded by those of its members not trained before it."""
+    return list(dict.fromkeys(name for run in runs for name in [*found.get(run, []), run]))
+
+
+def assemble(root: Path, run: str, values: dict, members: Sequence[str]) -> None:
+    """Write root/``run``: the members' (root/<member>) hypotheses as one MCL model folder, a run.json (the members'
+    stamps; seconds: the members' training time, the ensemble's training cost) and an empty train_log.json."""
+    from loramcl.mcl.ensemble import assemble_hypotheses
+    from loramcl.models import training_model_loader
+    from loramcl.training.runs import run_record
+
+    started = time.perf_counter()
+    out = root / run
+    base = training_model_loader(values["model"], values.get("dtype", "float32"), values.get("quantization"))()
+    model = assemble_hypotheses(base, [root / member for member in members])
+    model.save_pretrained(out)
+    records = [run_record(root / member) for member in members]
+    trainable = sum(r["trainable_parameters"] for r in records)  # each member's, trained on its own
+    total = records[0]["total_parameters"] + trainable - records[0]["trainable_parameters"]
+    settings = records[0]["settings"] | {"mcl": model.mcl_config.to_dict(), ENSEMBLE: list(members)}
+    record = {"settings": settings, "members": {m: r["seconds"] for m, r in zip(members, records, strict=True)},
+              "resumed_from": None, "trainable_parameters": trainable, "total_parameters": total,
+              "seconds": round(sum(r["seconds"] for r in records), 1),
+              "assembly_seconds": round(time.perf_counter() - started, 1)}
+    (out / "train_log.json").write_text("[]\n")  # no training of its own: the members' logs are theirs
+    (out / "run.json").write_text(json.dumps(record, indent=1) + "\n")  # last: a folder with a run.json is finished
