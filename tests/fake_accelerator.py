@@ -127,8 +127,8 @@ class _Placement(TorchDispatchMode):
         on_fake = any(isinstance(t, OnFake) for t in flat)
         # CUDA takes a 0-dimensional CPU tensor as a scalar in an elementwise operation only (not in cat, stack, ...)
         scalars = torch.Tag.pointwise in func.tags
-        on_host = [t for t in flat if type(t) is torch.Tensor and t.device.type == "cpu"
-                   and (t.dim() > 0 or not scalars)]
+        on_host = [t for t in flat if isinstance(t, torch.Tensor) and not isinstance(t, OnFake)  # Parameters too
+                   and t.device.type == "cpu" and (t.dim() > 0 or not scalars)]
         if on_fake and on_host and func not in _CROSS_DEVICE:
             shapes = ", ".join(str(tuple(t.shape)) for t in on_host)
             raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "

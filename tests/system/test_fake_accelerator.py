@@ -36,6 +36,8 @@ def test_the_fake_device_fails_where_a_gpu_fails_and_computes_what_the_cpu_compu
             on_device.numpy()
         assert on_device.tolist() == x.tolist()
         assert torch.accelerator.current_accelerator().type == "fakegpu"
+        with pytest.raises(RuntimeError, match="same device"):  # a layer left on the CPU
+            torch.nn.Linear(3, 2)(on_device)
 
 
 def test_the_markov_main_job_runs_with_the_model_on_an_accelerator(tmp_path):
