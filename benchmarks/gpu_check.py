@@ -319,17 +319,13 @@ def internal_cli(ctx: Context, args: list[str]) -> None:
 def internal_tiny_llama(ctx: Context, args: list[str]) -> None:
     """A tiny Llama (the real class, random weights) with a word-level tokenizer, and prompt/completion rows."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from tiny_models import VOCAB, word_tokenizer
+    from tiny_models import build_model, word_tokenizer
 
     model_folder, data = Path(args[0]), Path(args[1])
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                         bos_token_id=1, eos_token_id=2, pad_token_id=0))
-    model.save_pretrained(model_folder)
+    build_model("llama").save_pretrained(model_folder)
     word_tokenizer().save_pretrained(model_folder)
     data.mkdir(parents=True, exist_ok=True)
     for split, count in (("train", 32), ("test", 4)):

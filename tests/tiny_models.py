@@ -298,6 +298,20 @@ def token_rows(n: int = 16, length: int = 8, seed: int = 0, prompt: int = 2) -> 
     return rows
 
 
+def save_tiny_run_inputs(root, examples: int = 16):
+    """A tiny Llama (seed 0) and its word tokenizer in ``root/base``, and ``examples`` prompt/target rows of two
+    words each in ``root/train.jsonl``: what a `loramcl train` test reads. Returns ``root``."""
+    import json
+
+    torch.manual_seed(0)
+    build_model("llama").save_pretrained(root / "base")
+    word_tokenizer().save_pretrained(root / "base")
+    rows = [{"prompt": f"w{5 + i % 7} w{20 + i % 5}", "target": f"w{40 + i % 3} w{60 + i % 4}"}
+            for i in range(examples)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
 def word_tokenizer():
     """A word-level tokenizer over the tiny models' vocabulary: w3 ... w96, with <pad>=0, <s>=1, </s>=2."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -4,8 +4,7 @@ commands as LoRA-MCL; bad combinations say what to change."""
 import json
 
 import pytest
-import torch
-from tiny_models import build_model, word_tokenizer
+from tiny_models import save_tiny_run_inputs
 from transformers import AutoModelForCausalLM
 
 from loramcl import DataConfig, MCLConfig, TrainConfig, load_mcl_model
@@ -22,11 +21,7 @@ from loramcl.training.reference_nll import nll
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("baselines")
-    torch.manual_seed(0)
-    build_model("llama").save_pretrained(root / "base")
-    word_tokenizer().save_pretrained(root / "base")
-    rows = [{"prompt": f"w{5 + i % 7} w{20 + i % 5}", "target": f"w{40 + i % 3} w{60 + i % 4}"} for i in range(16)]
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    save_tiny_run_inputs(root)
     prompts = [{"id": "a", "prompt": "w5 w20", "references": ["w40 w60"]}, {"id": "b", "prompt": "w6 w21",
                                                                             "references": ["w41"]}]
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from fake_accelerator import FAKE, fake_accelerator
-from tiny_models import build_model, word_tokenizer
+from tiny_models import save_tiny_run_inputs
 
 from loramcl.cli import main
 from loramcl.recipes.markov.chains import preset_mixture
@@ -55,11 +55,7 @@ def test_the_markov_main_job_runs_with_the_model_on_an_accelerator(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fake-accelerator")
-    build_model("llama").save_pretrained(root / "model")
-    word_tokenizer().save_pretrained(root / "model")
-    rows = [{"prompt": f"w{5 + i % 7} w{9 + i % 5}", "completion": f"w{40 + i % 3}"} for i in range(16)]
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    root = save_tiny_run_inputs(tmp_path_factory.mktemp("fake-accelerator"))
     refs = [{"id": str(i), "prompt": f"w{5 + i} w9", "references": [f"w{40 + i}", "w41"]} for i in range(3)]
     (root / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in refs))
     return root
@@ -69,15 +65,15 @@ def test_train_generate_nll_and_evaluate_with_the_model_on_an_accelerator(tiny, 
     run, preds = tmp_path / "run", tmp_path / "preds.jsonl"
     device = ["--device", "fakegpu", "--debug"]
     with fake_accelerator():
-        main(["train", "--model", str(tiny / "model"), "--out", str(run), "--data.train_file",
+        main(["train", "--model", str(tiny / "base"), "--out", str(run), "--data.train_file",
               str(tiny / "train.jsonl"), "--data.max_length", "16", "--mcl.num_hypotheses", "2", "--mcl.r", "4",
               "--mcl.target_modules", "[q_proj, v_proj]", "--training.steps", "2", "--training.batch_size", "4",
               "--training.save_every", "0", "--threads", "1", "--debug"])
         for strategy in ("greedy", "beam", "sample"):
-            main(["generate", "--model", str(tiny / "model"), "--adapters", str(run), "--input",
+            main(["generate", "--model", str(tiny / "base"), "--adapters", str(run), "--input",
                   str(tiny / "test.jsonl"), "--out", str(preds), "--max_new_tokens", "3", "--strategy", strategy,
                   *(["--budget", "4"] if strategy == "beam" else []), *device])
-        main(["nll", "--model", str(tiny / "model"), "--adapters", str(run), "--input", str(tiny / "test.jsonl"),
+        main(["nll", "--model", str(tiny / "base"), "--adapters", str(run), "--input", str(tiny / "test.jsonl"),
               "--out", str(tmp_path / "nll.jsonl"), *device])
     main(["evaluate", "--predictions", str(preds), "--references", str(tiny / "test.jsonl"), "--metrics",
           "sacrebleu,div2", "--tokenize", "false", "--nll", str(tmp_path / "nll.jsonl"), "--out", str(tmp_path / "e")])

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from tiny_models import CASES, build_model, word_tokenizer
+from tiny_models import CASES, build_model, save_tiny_run_inputs, word_tokenizer
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from loramcl import DataConfig, MCLConfig, TrainConfig, load_mcl_model
@@ -52,11 +52,7 @@ def test_chat_template_prompts_are_wrapped_once_without_extra_special_tokens():
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("finetune")
-    torch.manual_seed(0)
-    build_model("llama").save_pretrained(root / "base")
-    word_tokenizer().save_pretrained(root / "base")
-    rows = [{"prompt": f"w{5 + i % 7} w{20 + i % 5}", "target": f"w{40 + i % 3} w{60 + i % 4}"} for i in range(24)]
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    save_tiny_run_inputs(root, 24)
     test = [{"id": "a", "prompt": "w5 w20", "references": ["w40 w60", "w41"]}, {"id": "b", "prompt": "w6",
                                                                                  "references": "w42 w61 w62"}]
     (root / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))

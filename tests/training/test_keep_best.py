@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import build_model, word_tokenizer
+from tiny_models import save_tiny_run_inputs
 from transformers import AutoModelForCausalLM
 
 from loramcl import DataConfig, MCLConfig, TrainConfig, load_mcl_model
@@ -23,11 +23,7 @@ LOSSES = {2: 3.0, 4: 1.0, 6: 2.0, 8: 2.5}
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("keep_best")
-    torch.manual_seed(0)
-    build_model("llama").save_pretrained(root / "base")
-    word_tokenizer().save_pretrained(root / "base")
-    rows = [{"prompt": f"w{5 + i % 7} w{20 + i % 5}", "target": f"w{40 + i % 3} w{60 + i % 4}"} for i in range(16)]
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    save_tiny_run_inputs(root)
     return root
 
 
