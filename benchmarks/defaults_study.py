@@ -1,0 +1,377 @@
+"""Which MCL defaults make K hypotheses split on a user's first-try budget, measured on three real tasks (issue 53).
+
+Every run trains SmolLM2-135M-Instruct through `loramcl train`'s own code (`finetune.train`: LoRA r = 8 on q_proj and
+v_proj, the docs' first command; 16 examples a step; one CPU thread) on a task with several right answers per prompt,
+K = the task's number of modes, and decodes the test prompts at an equal forward budget of K rows:
+
+  markov     the paper's three-chain Markov mixture (``--preset three``: forward cycle, backward cycle, stay, each
+             transition 0.8) written as letters: "Sequence: a" -> " b c a b c c a b" (8 states). K = 3. A candidate
+             is valid when it is 8 states whose chain-typical transitions (probability 0.8 under its best chain) are
+             at least 6 of the 8; its mode is that best chain.
+  bilingual  English UI messages of the gettext catalogs -> French or German (the bilingual recipe's data: 15-70
+             characters, the language drawn per example, never said). K = 2. Quality: chrF against every reference
+             of both languages (oracle: best of K; mean over K); mode: the candidate's language (a character n-gram
+             identifier trained on the catalogs' own text).
+  short      short English UI words of the catalogs (1-12 characters: "Save", "Open file") -> French, German or
+             Spanish, the language drawn per example. K = 3. Valid: the candidate equals one of the catalogs'
+             translations in any of the three languages (SQuAD normalisation); mode: its language.
+
+Settings (the candidate defaults; every one with random tie-breaking, `loramcl train`'s):
+  wta               vanilla winner-takes-all (the CLI's default loss)
+  relaxed-0.05/0.1  relaxed WTA, epsilon 0.05 (the paper's translation value) / 0.1 (the README's quickstart)
+  annealed-auto     annealed WTA, tau0 1, `temperature_decay: auto` (tau reaches its floor at 90% of the run)
+and the baselines at equal trainable parameters (one LoRA of rank 8K, `mle`): beam search of K beams and K samples.
+
+Per run: the trainer's logs every 5 steps (win shares sorted, split gap over what training gained, i.e. against
+steps), its verdict, the win table by mode on 96 training examples after training (the share of examples whose
+winner is the hypothesis that wins most of their mode: 1/K for no split, 1 for a clean split by mode), and on the
+test prompts: valid share (markov, short) or chrF, oracle and mean over K, distinct answers and modes covered per prompt.
+
+    python benchmarks/defaults_study.py --model models/SmolLM2-135M-Instruct --out /tmp/defaults \
+        --tasks markov bilingual short --settings wta relaxed-0.05 relaxed-0.1 annealed-auto mle --seeds 0 1
+    python benchmarks/defaults_study.py --out /tmp/defaults --table       # the markdown table of what has finished
+
+Finished runs (a results.json) are kept and skipped, so the command can be stopped and started again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+STATES = "abc"
+SETTINGS = {
+    "wta": {"loss": "wta"},
+    "relaxed-0.05": {"loss": "relaxed", "epsilon": 0.05},
+    "relaxed-0.1": {"loss": "relaxed", "epsilon": 0.1},
+    "annealed-auto": {"loss": "annealed", "temperature0": 1.0, "temperature_decay": "auto"},
+    "mle": {},  # one LoRA of rank 8K: LoRA-MLE at K hypotheses' trainable parameters
+}
+TASKS = {"markov": 3, "bilingual": 2, "short": 3}  # task -> K, its number of modes
+SHORT_LANGUAGES = ("fr", "de", "es")
+PROMPT = "Translate: {source}\n"  # the bilingual recipe's prompt
+
+
+# ---- the tasks' data -----------------------------------------------------------------------------------------
+
+def markov_rows(count: int, seed: int, length: int = 8) -> list[dict]:
+    """``count`` rows: prompt "Sequence: x0", target the next ``length`` states of the drawn chain, mode its index."""
+    from loramcl.recipes.markov.chains import preset_mixture
+
+    mixture = preset_mixture("three")
+    mixture.seq_len = length + 1
+    states, chains = mixture.sample(count, seed)
+    return [{"prompt": f"Sequence: {STATES[s[0]]}", "target": "".join(f" {STATES[x]}" for x in s[1:]),
+             "mode": int(c)} for s, c in zip(states, chains, strict=True)]
+
+
+def markov_prompts() -> list[dict]:
+    return [{"prompt": f"Sequence: {state}", "references": []} for state in STATES]
+
+
+def gettext_items(languages: tuple[str, ...], min_chars: int, max_chars: int, max_words: int | None = None
+                  ) -> list[dict]:
+    """English messages with a usable translation in every language: {source, <lang>: [translations]}."""
+    from loramcl.data.gettext_pairs import read_catalogs, usable
+
+    catalogs = {lang: read_catalogs("/usr/share/locale", lang) for lang in languages}
+    items = []
+    for source in sorted(set.intersection(*(set(c) for c in catalogs.values()))):
+        if not (min_chars <= len(source) <= max_chars and usable(source)) or not source[0].isalpha():
+            continue
+        if max_words is not None and len(source.split()) > max_words:
+            continue
+        item = {"source": source}
+        for lang, catalog in catalogs.items():
+            item[lang] = [t for t, _ in sorted(catalog[source].items(), key=lambda tc: (-tc[1], tc[0]))
+                          if usable(t) and t.strip().lower() != source.strip().lower() and len(t) <= 4 * max_chars]
+        if all(item[lang] for lang in languages):
+            items.append(item)
+    return items
+
+
+def translation_task(languages: tuple[str, ...], items: list[dict], train: int, test: int, seed: int):
+    """Split by English message (normalised); train rows draw one language per example; test rows keep all."""
+    from loramcl.data.gettext_pairs import normalise
+
+    groups: dict[str, list[dict]] = {}
+    for item in items:
+        groups.setdefault(normalise(item["source"]), []).append(item)
+    keys = sorted(groups)
+    random.Random(seed).shuffle(keys)
+    rng = random.Random(seed + 1)
+    train_rows, test_rows = [], []
+    for key in keys[test:test + train]:
+        item = groups[key][0]
+        mode = rng.randrange(len(languages))
+        train_rows.append({"prompt": PROMPT.format(source=item["source"]), "target": item[languages[mode]][0],
+                           "mode": mode})
+    for key in keys[:test]:
+        item = groups[key][0]
+        test_rows.append({"prompt": PROMPT.format(source=item["source"]),
+                          "references": [t for lang in languages for t in item[lang]],
+                          "reference_modes": [m for m, lang in enumerate(languages) for _ in item[lang]]})
+    return train_rows, test_rows
+
+
+def build_task(task: str, folder: Path, train: int, test: int) -> None:
+    """train.jsonl (prompt, target, mode) and test.jsonl (prompt, references, reference_modes) in ``folder``."""
+    if (folder / "test.jsonl").exists():
+        return
+    if task == "markov":
+        train_rows, test_rows = markov_rows(train, seed=0), markov_prompts()
+    elif task == "bilingual":
+        train_rows, test_rows = translation_task(("fr", "de"), gettext_items(("fr", "de"), 15, 70), train, test, 0)
+    else:
+        train_rows, test_rows = translation_task(SHORT_LANGUAGES, gettext_items(SHORT_LANGUAGES, 1, 12, 2),
+                                                 train, test, 0)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train", train_rows), ("test", test_rows)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+# ---- training ------------------------------------------------------------------------------------------------
+
+def train_run(model: Path, data: Path, out: Path, setting: str, hypotheses: int, seed: int, steps: int,
+              learning_rate: float, rank: int = 8) -> None:
+    """One `loramcl train` run (finetune.train) of ``setting``; MLE is one LoRA of rank rank * K."""
+    from loramcl.mcl.config import MCLConfig
+    from loramcl.training import fit as finetune
+    from loramcl.training.config import DataConfig, TrainConfig
+
+    if setting == "mle":
+        mcl = MCLConfig(num_hypotheses=1, r=rank * hypotheses, alpha=float(rank * hypotheses),
+                        target_modules=["q_proj", "v_proj"])
+    else:  # alpha = r: the scale alpha / r stays 1, MCLConfig's default at r = 8
+        mcl = MCLConfig(num_hypotheses=hypotheses, r=rank, alpha=float(rank), target_modules=["q_proj", "v_proj"],
+                        **SETTINGS[setting])
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        finetune.train(model=str(model), out=str(out), data=DataConfig(train_file=str(data / "train.jsonl")),
+                       mcl=mcl, training=TrainConfig(steps=steps, seed=seed, learning_rate=learning_rate,
+                                                     logging_steps=5, save_every=0), threads=1)
+
+
+# ---- decoding and scoring ------------------------------------------------------------------------------------
+
+MAX_NEW_TOKENS = {"markov": 20, "bilingual": 48, "short": 12}
+
+
+def decode(model: Path, run: Path, task: str, rows: list[dict], hypotheses: int, strategy: str) -> list[list[str]]:
+    """K candidates per test prompt: MCL greedy per hypothesis; MLE beam search of K beams or K samples."""
+    from transformers import AutoTokenizer
+
+    from loramcl.decoding import generate_hypotheses
+    from loramcl.models import load_model
+
+    tokenizer = AutoTokenizer.from_pretrained(run)
+    net = load_model(str(model), adapters=str(run))
+    options = {"strategy": strategy, "max_new_tokens": MAX_NEW_TOKENS[task]}
+    if strategy != "greedy":
+        options |= {"num_sequences": hypotheses, "seed": 0} | ({"num_beams": hypotheses} if strategy == "beam" else {})
+    outs = []
+    for start in range(0, len(rows), 20):
+        prompts = [r["prompt"] for r in rows[start:start + 20]]
+        outs += [[c.text for c in cands] for cands in generate_hypotheses(net, tokenizer, prompts, log_probs=False,
+                                                                          **options)]
+    return outs
+
+
+def markov_score(prompt: str, text: str) -> tuple[bool, int | None]:
+    """(valid, mode): 8 states of which at least 6 transitions are their best chain's typical (0.8) ones."""
+    from loramcl.recipes.markov.chains import PRESET_CHAINS
+
+    states = [STATES.index(prompt[-1])] + [STATES.index(w) if w in STATES else -1 for w in text.split()]
+    if len(states) != 9 or min(states) < 0:
+        return False, None
+    typical = [sum(PRESET_CHAINS["three"][k][a][b] > 0.5 for a, b in zip(states, states[1:])) for k in range(3)]
+    best = max(range(3), key=typical.__getitem__)
+    return typical[best] >= 6, best
+
+
+def score(task: str, rows: list[dict], candidates: list[list[str]], identifier) -> dict:
+    """Valid share (markov, short) or chrF (bilingual): best of K and mean over K; distinct answers and modes
+    covered per prompt."""
+    from sacrebleu.metrics import CHRF
+
+    from loramcl.metrics.short_answers import normalise_answer
+
+    chrf = CHRF()
+    quality, modes = [], []
+    for row, cands in zip(rows, candidates, strict=True):
+        if task == "markov":
+            scored = [markov_score(row["prompt"], c) for c in cands]
+            quality.append([float(valid) for valid, _ in scored])
+            modes.append([mode for valid, mode in scored if valid])
+        elif task == "short":
+            refs = {normalise_answer(r): m for r, m in zip(row["references"], row["reference_modes"], strict=True)}
+            quality.append([float(normalise_answer(c) in refs) for c in cands])
+            modes.append(identifier.predict([c for c in cands if c.strip()]))
+        else:
+            quality.append([chrf.sentence_score(c, row["references"]).score for c in cands])
+            modes.append(identifier.predict([c for c in cands if c.strip()]))
+    return {"oracle": statistics.mean(max(q) for q in quality), "mean": statistics.mean(np.mean(q) for q in quality),
+            "distinct": statistics.mean(len({normalise_answer(c) for c in cands}) for cands in candidates),
+            "modes_covered": statistics.mean(len(set(m) - {"empty", "en"}) for m in modes)}
+
+
+def language_identifier(data: Path, task: str):
+    """A character n-gram language identifier trained on the task's own training targets and English sources."""
+    from loramcl.analysis.language import LanguageIdentifier
+
+    languages = ("fr", "de") if task == "bilingual" else SHORT_LANGUAGES
+    rows = read_rows(data / "train.jsonl")
+    texts = [r["target"] for r in rows] + [r["prompt"].split(": ", 1)[1].strip() for r in rows]
+    labels = [languages[r["mode"]] for r in rows] + ["en"] * len(rows)
+    return LanguageIdentifier().fit(texts, labels)
+
+
+def wins_by_mode(model: Path, run: Path, data: Path, hypotheses: int, examples: int = 96) -> list[list[int]]:
+    """[mode][k]: training examples of each mode (the first ``examples``) that hypothesis k wins after training."""
+    from transformers import AutoTokenizer
+
+    from loramcl.data.prompts import collate, encode_pairs, pad_token_id
+    from loramcl.models import load_model
+
+    rows = read_rows(data / "train.jsonl")[:examples]
+    tokenizer = AutoTokenizer.from_pretrained(run)
+    net = load_model(str(model), adapters=str(run))
+    batch = collate(encode_pairs(tokenizer, [r["prompt"] for r in rows], [r["target"] for r in rows]),
+                    pad_token_id(tokenizer))
+    with torch.no_grad():
+        winners = net(**batch).nll.argmin(dim=1).tolist()  # nll: [N, K]
+    modes = max(r["mode"] for r in rows) + 1
+    return [[sum(w == k and r["mode"] == m for w, r in zip(winners, rows, strict=True)) for k in range(hypotheses)]
+            for m in range(modes)]
+
+
+def mode_purity(table: list[list[int]]) -> float:
+    """Share of examples won by their mode's most frequent winner: 1 when each mode has its own hypothesis... or
+    when one hypothesis wins everything, so read it with the win shares (a collapsed run has one share near 1)."""
+    return sum(max(row) for row in table) / max(sum(map(sum, table)), 1)
+
+
+def logged_curve(run: Path) -> list[dict]:
+    """The trainer's logs: step, sorted win shares, split gap as a share of what training gained."""
+    curve, initial = [], None
+    for entry in json.loads((run / "train_log.json").read_text()):
+        if "win_rate_h0" not in entry:
+            continue
+        initial = entry.get("initial_nll", initial)
+        shares = sorted((v for k, v in entry.items() if k.startswith("win_rate_h")), reverse=True)
+        oracle = min(v for k, v in entry.items() if k.startswith("nll_h")) if "nll_h0" in entry else None
+        gained = (initial - (statistics.mean(v for k, v in entry.items() if k.startswith("nll_h"))
+                             - entry["split_gap"])) if initial is not None and "split_gap" in entry else None
+        curve.append({"step": entry["step"], "shares": [round(s, 3) for s in shares],
+                      "gap": entry.get("split_gap"), "gap_share": (entry["split_gap"] / gained
+                                                                    if gained and gained > 0 else None),
+                      "best_nll": oracle})
+    return curve
+
+
+# ---- the study -----------------------------------------------------------------------------------------------
+
+def one_run(args, task: str, setting: str, seed: int) -> dict:
+    data, run = args.out / "data" / task, args.out / task / f"{setting}-s{seed}"
+    if (run / "results.json").exists():
+        return json.loads((run / "results.json").read_text())
+    hypotheses = TASKS[task]
+    started = time.perf_counter()
+    if not (run / "run.json").exists():
+        train_run(args.model, data, run, setting, hypotheses, seed, args.steps, args.learning_rate, args.rank)
+    trained = time.perf_counter() - started
+    rows = read_rows(data / "test.jsonl")
+    identifier = None if task == "markov" else language_identifier(data, task)
+    strategies = ["beam", "sample"] if setting == "mle" else ["greedy"]
+    decoded = {s: decode(args.model, run, task, rows, hypotheses, s) for s in strategies}
+    result = {"task": task, "setting": setting, "seed": seed, "K": hypotheses, "steps": args.steps,
+              "learning_rate": args.learning_rate, "rank": args.rank, "train_seconds": round(trained),
+              "test": {s: score(task, rows, c, identifier) for s, c in decoded.items()}}
+    if setting != "mle":
+        table = wins_by_mode(args.model, run, data, hypotheses)
+        result |= {"verdict": json.loads((run / "run.json").read_text()).get("specialisation"),
+                   "curve": logged_curve(run), "wins_by_mode": table, "mode_purity": mode_purity(table)}
+    (run / "candidates.json").write_text(json.dumps(decoded, ensure_ascii=False, indent=0) + "\n")
+    (run / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=Path("models/SmolLM2-135M-Instruct"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--learning_rate", type=float, default=2e-3)
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank of each hypothesis (LoRA-MLE: rank * K)")
+    parser.add_argument("--train_examples", type=int, default=2000)
+    parser.add_argument("--test_prompts", type=int, default=60)
+    parser.add_argument("--table", action="store_true", help="only print the table of the finished runs")
+    args = parser.parse_args()
+    if args.table:
+        print(table(args.out))
+        return
+    torch.set_num_threads(1)
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    for task in args.tasks:
+        build_task(task, args.out / "data" / task, args.train_examples, args.test_prompts)
+    for seed in args.seeds:
+        for task in args.tasks:
+            for setting in args.settings:
+                result = one_run(args, task, setting, seed)
+                print(json.dumps({k: result[k] for k in ("task", "setting", "seed", "train_seconds", "test")}),
+                      flush=True)
+
+
+def table(out: Path) -> str:
+    """One markdown line per task and setting, over the finished seeds."""
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("*/*/results.json"))]
+    lines = ["| task | K | system | seeds | win shares (sorted) | split gap / gain | mode purity | verdicts "
+             "(split / not / partly) | valid or chrF: best of K | mean over K | distinct | modes covered |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for task in TASKS:
+        for setting in SETTINGS:
+            runs = [r for r in results if r["task"] == task and r["setting"] == setting]
+            for strategy in ("greedy", "beam", "sample"):
+                done = [r for r in runs if strategy in r["test"]]
+                if not done:
+                    continue
+                test = {key: statistics.mean(r["test"][strategy][key] for r in done)
+                        for key in ("oracle", "mean", "distinct", "modes_covered")}
+                scale = "{:.1f}" if task == "bilingual" else "{:.2f}"
+                if setting == "mle":
+                    training = "| | | |"
+                else:
+                    last = [r["curve"][-1] for r in done if r["curve"]]  # none in a run shorter than one log
+                    shares = " / ".join(f"{statistics.mean(c):.2f}" for c in zip(*(x["shares"] for x in last),
+                                                                                   strict=True)) or "-"
+                    gaps = [x["gap_share"] for x in last if x["gap_share"] is not None]
+                    verdicts = " / ".join(str(sum((r["verdict"] or {}).get("kind") == kind for r in done))
+                                          for kind in ("split", "not split", "partly collapsed"))
+                    training = (f"| {shares} | {statistics.mean(gaps) if gaps else float('nan'):.2f} | "
+                                f"{statistics.mean(r['mode_purity'] for r in done):.2f} | {verdicts}")
+                name = f"LoRA-MLE r{done[0].get('rank', 8) * TASKS[task]}, {strategy} {TASKS[task]}" if setting == "mle" else setting
+                lines.append(f"| {task} | {TASKS[task]} | {name} | {len(done)} {training} | "
+                             f"{scale.format(test['oracle'])} | {scale.format(test['mean'])} | "
+                             f"{test['distinct']:.2f} | {test['modes_covered']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

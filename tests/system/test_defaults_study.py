@@ -1,0 +1,78 @@
+"""The defaults study's scoring (benchmarks/defaults_study.py, issue 53) against hand-computed values, and one run of
+its pipeline (train, decode, score, win table by mode, reuse) on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import defaults_study as study  # noqa: E402
+from tiny_models import save_tiny_run_inputs  # noqa: E402
+
+
+def test_markov_candidates_are_valid_when_six_of_eight_transitions_are_one_chains_typical_ones():
+    # chain 0 cycles a -> b -> c, chain 1 cycles backwards, chain 2 stays (each transition 0.8)
+    assert study.markov_score("Sequence: a", " b c a b c a b c") == (True, 0)
+    assert study.markov_score("Sequence: a", " c b a c b a c b") == (True, 1)
+    assert study.markov_score("Sequence: b", " b b b b b b b b") == (True, 2)
+    assert study.markov_score("Sequence: a", " b c a b c a a a") == (True, 0)  # 6 of 8 forward: still typical
+    assert study.markov_score("Sequence: a", " b c a b c c c b") == (False, 0)  # 5 forward, 2 stays, 1 backward
+    assert study.markov_score("Sequence: a", " b c a") == (False, None)  # not 8 states
+    assert study.markov_score("Sequence: a", " b c a b c a b d") == (False, None)  # not a state
+
+
+def test_scores_count_valid_answers_distinct_answers_and_languages():
+    rows = [{"prompt": "Translate: Save\n", "references": ["Enregistrer", "Speichern", "Guardar"],
+             "reference_modes": [0, 1, 2]},
+            {"prompt": "Translate: Open\n", "references": ["Ouvrir", "Öffnen", "Abrir"], "reference_modes": [0, 1, 2]}]
+
+    class ByWord:  # a stand-in identifier: the language of each known word
+        languages = {"enregistrer": "fr", "speichern": "de", "ouvrir": "fr", "offnen": "de", "save": "en"}
+
+        def predict(self, texts):
+            return [self.languages.get(t.strip(" .").lower(), "es") for t in texts]
+
+    candidates = [["Enregistrer", "speichern.", "Save"], ["Ouvrir", "Ouvrir", "Ouvrir"]]
+    result = study.score("short", rows, candidates, ByWord())
+    assert result["oracle"] == 1.0  # each prompt has a valid candidate
+    assert result["mean"] == pytest.approx((2 / 3 + 1) / 2)
+    assert result["distinct"] == 2.0  # 3 and 1
+    assert result["modes_covered"] == 1.5  # fr + de (English is no target language), and fr
+
+
+def test_mode_purity_and_the_logged_curve(tmp_path):
+    assert study.mode_purity([[30, 2, 0], [1, 29, 2], [0, 3, 29]]) == pytest.approx(88 / 96)
+    assert study.mode_purity([[10, 10], [10, 10]]) == 0.5
+    log = [{"loss": 1.0, "step": 5, "win_rate_h0": 0.25, "win_rate_h1": 0.75, "nll_h0": 3.0, "nll_h1": 2.0,
+            "split_gap": 0.5, "initial_nll": 4.0},
+           {"loss": 0.9, "step": 10, "win_rate_h0": 0.5, "win_rate_h1": 0.5, "nll_h0": 2.0, "nll_h1": 2.0,
+            "split_gap": 1.0}]
+    (tmp_path / "train_log.json").write_text(json.dumps(log))
+    curve = study.logged_curve(tmp_path)
+    # gained = initial NLL - oracle NLL, the oracle being mean_k nll_h{k} - split gap: 4 - 2 = 2, then 4 - 1 = 3
+    assert [c["step"] for c in curve] == [5, 10] and curve[0]["shares"] == [0.75, 0.25]
+    assert curve[0]["gap_share"] == pytest.approx(0.25) and curve[1]["gap_share"] == pytest.approx(1 / 3)
+
+
+def test_one_run_trains_decodes_scores_and_is_reused(tmp_path):
+    base = save_tiny_run_inputs(tmp_path) / "base"
+    args = Namespace(model=base, out=tmp_path / "study", steps=2, learning_rate=1e-3, rank=4)
+    study.build_task("markov", args.out / "data" / "markov", train=64, test=3)
+    result = study.one_run(args, "markov", "relaxed-0.1", seed=0)
+    assert result["K"] == 3 and set(result["test"]) == {"greedy"}
+    assert sum(map(sum, result["wins_by_mode"])) == 64  # every training example (under 96) has one winner
+    assert 0 <= result["test"]["greedy"]["oracle"] <= 1 and result["test"]["greedy"]["distinct"] >= 1
+    run = args.out / "markov" / "relaxed-0.1-s0"
+    assert json.loads((run / "run.json").read_text())["settings"]["mcl"]["epsilon"] == 0.1
+    (run / "run.json").unlink()  # a finished run is read back, not trained again
+    assert study.one_run(args, "markov", "relaxed-0.1", seed=0) == result
+    mle = study.one_run(args, "markov", "mle", seed=0)
+    assert set(mle["test"]) == {"beam", "sample"} and "wins_by_mode" not in mle
+    assert json.loads((args.out / "markov" / "mle-s0" / "run.json").read_text())["settings"]["mcl"]["r"] == 12
+    assert "| markov | 3 | relaxed-0.1 | 1 |" in study.table(args.out)
