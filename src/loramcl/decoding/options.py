@@ -22,6 +22,7 @@ STRATEGIES: tuple[str, ...] = get_args(Strategy)
 MCL_STRATEGIES = ("greedy", "beam", "sample", "diverse_beam")
 BASELINE_STRATEGIES = ("beam", "diverse_beam", "sample", "tta", "stochastic_router")
 BEAM_STRATEGIES = ("beam", "diverse_beam", "tta", "stochastic_router")  # those that take num_beams or a budget
+UNCOMPILED_STRATEGIES = ("diverse_beam", "stochastic_router")  # their own steps: compile does not serve them
 # Beams, candidates, groups or a forward budget per input: every one is a row of each decoding step, times the batch
 # (and K for an MCL model). The paper's largest budget is 15 (K = 5, beam 3 per hypothesis); torch's sizes overflow
 # long before 10^18.
@@ -132,7 +133,7 @@ class Decoding:
                     f"(strategy is {strategy!r}, which would ignore it): set strategy 'sample' or leave {name} out",
                     name)
         require(isinstance(self.compile, bool), f"compile must be true or false, got {self.compile!r}", "compile")
-        require(not self.compile or strategy not in ("diverse_beam", "stochastic_router"), f"compile: strategy "
+        require(not self.compile or strategy not in UNCOMPILED_STRATEGIES, f"compile: strategy "
                 f"{strategy!r} runs its own steps (diverse beam search's groups, the router's sampled experts), not "
                 "transformers' compiled decoding step: decode it with compile=False", "compile")
         require(strategy != "diverse_beam" or self.diversity_penalty is not None,
