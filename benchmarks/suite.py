@@ -13,12 +13,15 @@ of the same run:
   peers      generate_hypotheses (with its default log-probabilities, and without) vs PEFT's mixed-adapter generate
              on the same K hypotheses (loramcl.to_peft), with the bare base model decoding the same K*B rows with no
              adapters beside them: the physical limit; K in {3, 5}, greedy and beam 2, batch 1 and 8
+  compiled   generate_hypotheses K=5 eager and compiled (compile=True), beside the bare base eager and compiled the
+             same way (benchmarks/compiled_decoding.py); by default with --device cuda only
 then prints which of the issue's targets are met. Writes <out>/suite-<shape>-<device>.json and .md.
 
     python benchmarks/suite.py --shape cpu-small --threads 1                      # CPU, a few minutes
     python benchmarks/suite.py --shape llama-1b --device cuda --dtype bfloat16    # on a GPU: llama-1b, llama-8b,
     python benchmarks/suite.py --shape qwen2-audio --device cuda --dtype bfloat16 #   qwen2-audio
     python benchmarks/suite.py --shape cpu-small --threads 1 --quantized          # quantized bases (issue 39)
+    python benchmarks/suite.py --shape llama-8b --device cuda --dtype bfloat16 --sections compiled  # issue 54
 
 Models share one frozen base (every variant wraps a twin of its modules, no copy of the weights). Peak memory: on
 CUDA torch.cuda.max_memory_allocated during one step; on the CPU the resident set sampled during one step (the
@@ -35,6 +38,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import compiled_decoding
 import torch
 from common import (
     RELEASE_FREED_MEMORY,
@@ -68,7 +72,7 @@ def peer_name(setting: tuple) -> str:
 
 
 PEER_SIDES = ("bare", "loramcl", "loramcl-no-log-probs", "peft")
-SECTIONS = ("training", "context", "decoding", "peers")
+SECTIONS = ("training", "context", "decoding", "peers", "compiled")  # compiled: by default on a GPU only
 AUDIO_TARGETS = [*TARGETS, "fc1", "fc2"]  # the paper's: the audio encoder's layers too (q, k, v, fc1, fc2)
 
 
@@ -469,6 +473,10 @@ def targets(results: dict) -> list[dict]:
         floor = 1.5 if gpu and row["k"] == 5 and row["batch"] == 1 else 1.0  # the issue's GPU aim, else never slower
         add(f"{where}: PEFT mixed batch / loramcl (defaults) >= {floor:g}", row["peft_over_loramcl"], floor,
             at_most=False)
+    for row in results.get("compiled") if gpu and isinstance(results.get("compiled"), list) else []:  # issue 54
+        if row["k"] == 5 and row["strategy"] == "greedy":
+            add("compiled K=5 greedy batch 1: loramcl / bare base, both compiled <= 1.10",
+                row["compiled_over_bare_compiled"], 1.10)
     for row in results["decoding"]:
         if row["k"] == 5 and row["strategy"] == "greedy" and row["context"] == "full":
             add(f"decoding K=5 greedy batch 1: batched / loop throughput >= {2.5 if gpu else 1.5}", row["speedup"],
@@ -512,6 +520,7 @@ def run(args) -> dict:
     results["context_once"] = context_once(suite, args) if "context" in args.sections else skipped
     results["decoding"] = decoding(suite, args) if "decoding" in args.sections else []
     results["peers"] = peers(suite, args) if "peers" in args.sections else skipped
+    results["compiled"] = compiled_decoding.compiled_rows(suite, args) if "compiled" in args.sections else skipped
     results["environment"] = environment(args)
     results["targets"] = targets(results)
     return results
@@ -568,6 +577,7 @@ def markdown(results: dict) -> str:
                   for row in results["peers"]]
     else:
         lines.append(f"Against PEFT's mixed-adapter batches: {results['peers']}.")
+    lines += compiled_decoding.markdown(results.get("compiled", "not measured"), settings["new_tokens"])
     lines += ["", "| issue 18 target | measured | limit | met |", "|---|---|---|---|"]
     lines += [f"| {t['target']} | {t['measured']:.2f} | {t['limit']:.2f} | {'yes' if t['met'] else '**no**'} |"
               for t in results["targets"]]
@@ -599,8 +609,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("runs/benchmarks"), help="folder of the JSON and markdown")
     parser.add_argument("--quantized", action="store_true", help="only the quantized bases' rows (issue 39): K=5 "
                         "two-pass MCL vs PEFT's K=1 LoRA on unquantized, nf4, int8 and torchao int8 bases")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
-                        help="what to measure (default: all)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS,
+                        help="what to measure (default: all; compiled only with --device cuda)")
     parser.add_argument("--peers", nargs="+", choices=[peer_name(p) for p in PEERS],
                         help="only these peer settings, K/decoding/batch (default: all; one a run keeps each short)")
     args = parser.parse_args(argv)
@@ -608,6 +618,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.seqs = tuple(args.seqs or shape.seqs)
     args.batch = args.batch or shape.batch
     args.new_tokens = args.new_tokens or shape.new_tokens
+    args.sections = args.sections or [s for s in SECTIONS if s != "compiled" or args.device.startswith("cuda")]
     try:
         check_request(shape, args.device, args.dtype, args.allow_cpu)
     except ValueError as error:

@@ -404,6 +404,7 @@ REGISTRY = {
         ".venv/bin/python benchmarks/suite.py --shape llama-1b --device cuda --dtype bfloat16",
         ".venv/bin/python benchmarks/suite.py --shape llama-8b --device cuda --dtype bfloat16",
         ".venv/bin/python benchmarks/suite.py --shape qwen2-audio --device cuda --dtype bfloat16",
+        ".venv/bin/python benchmarks/suite.py --shape llama-8b --device cuda --dtype bfloat16 --sections compiled",
         ".venv/bin/python benchmarks/suite.py --shape smollm2-135m --sections peers --threads 1",
         ".venv/bin/python benchmarks/training_step.py --steps 5 --threads 1",
         ".venv/bin/python benchmarks/training_step.py --steps 4 --threads 1 --vocab 32768 --only stacked loop "

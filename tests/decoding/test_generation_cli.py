@@ -205,3 +205,26 @@ def test_a_single_model_names_no_hypothesis_k1_included(saved, tmp_path):
                            out=str(tmp_path / "greedy.jsonl"), max_new_tokens=3))
     assert all("hypotheses" not in r for r in beams + greedy)
     assert len(beams[0]["candidates"]) == 3 and len(greedy[0]["candidates"]) == 1
+
+
+def test_compile_decodes_the_same_candidates_on_a_static_cache(saved, monkeypatch):
+    """--compile true: the steps compiled (aot_eager here: the same graphs without inductor's C++ build), the same
+    candidates and log-probabilities as eager decoding."""
+    from loramcl.decoding import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    records = {}
+    for flag in ("false", "true"):
+        out = saved / f"compile_{flag}.jsonl"
+        CLI(generate, args=["--model", str(saved / "base"), "--adapters", str(saved / "mcl"), "--input",
+                            str(saved / "prompts.jsonl"), "--out", str(out), "--max_new_tokens", "4", "--compile",
+                            flag], as_positional=False)
+        records[flag] = read(out)
+    compiled_frames = torch._dynamo.utils.counters["frames"]["ok"]
+    torch._dynamo.reset()
+    assert compiled_frames > 0
+    assert [r["candidates"] for r in records["true"]] == [r["candidates"] for r in records["false"]]
+    assert [v for r in records["true"] for v in r["log_probs"]] == pytest.approx(
+        [v for r in records["false"] for v in r["log_probs"]], abs=1e-5)

@@ -62,7 +62,7 @@ def test_other_forwards_without_gradient_keep_the_training_arithmetic_bit_for_bi
     set_routing(layer.routing, None if hypotheses is None else torch.tensor(hypotheses), K, rows=6)
     with torch.no_grad():
         scored = layer(x)
-    assert torch.equal(scored, layer(x)) and layer._transposed_A is None
+    assert torch.equal(scored, layer(x)) and not any(transposed for *_, transposed in layer._kept_copies)
 
 
 def test_the_kept_transposed_a_follows_every_change_of_a():
@@ -78,12 +78,12 @@ def test_the_kept_transposed_a_follows_every_change_of_a():
         return torch.allclose(decoded, layer(x), atol=1e-6)
 
     assert decoded_equals_training_forward()
-    kept = layer._transposed_A[4]
+    kept = layer._kept_copies["lora_A", torch.float32, True][3]
     optimizer = torch.optim.SGD([layer.lora_A], lr=1.0)
     layer(x).square().sum().backward()
     optimizer.step()
     assert decoded_equals_training_forward()
-    assert layer._transposed_A[4] is not kept
+    assert layer._kept_copies["lora_A", torch.float32, True][3] is not kept
     with torch.no_grad():
         layer.lora_A.copy_(torch.randn_like(layer.lora_A))
     assert decoded_equals_training_forward()
@@ -91,6 +91,32 @@ def test_the_kept_transposed_a_follows_every_change_of_a():
     assert decoded_equals_training_forward()
     layer.lora_A.data = torch.randn_like(layer.lora_A)
     assert decoded_equals_training_forward()
+
+
+def test_the_cast_once_copies_follow_the_weights_and_are_not_used_under_grad():
+    """bfloat16 activations on float32 masters: without gradient A and B are cast once and kept (a second forward
+    casts nothing), an optimizer step reaches the next forward, and a forward with gradient casts through autograd
+    (its gradient reaches the masters) and keeps nothing."""
+    layer = _layer(torch.bfloat16)
+    x = torch.randn(6, 16, dtype=torch.bfloat16)
+    set_routing(layer.routing, torch.tensor([0, 1, 2]), K, rows=None, copies=True)
+    trained = layer(x)  # with gradient
+    assert layer._kept_copies == {}
+    trained.float().square().sum().backward()
+    assert layer.lora_A.grad is not None and layer.lora_B.grad.dtype == torch.float32
+    with torch.no_grad():
+        first = layer(x)
+        kept = {key: value[3] for key, value in layer._kept_copies.items()}
+        assert {(name, dtype) for name, dtype, _ in kept} == {("lora_A", torch.bfloat16), ("lora_B", torch.bfloat16)}
+        assert torch.equal(layer(x), first)
+        assert all(layer._kept_copies[key][3] is copy for key, copy in kept.items())  # nothing cast again
+    torch.optim.SGD([layer.lora_A, layer.lora_B], lr=1.0).step()
+    with torch.no_grad():
+        stepped = layer(x)
+    assert all(layer._kept_copies[key][3] is not copy for key, copy in kept.items())
+    layer._kept_copies.clear()
+    with torch.no_grad():
+        assert torch.equal(stepped, layer(x)) and not torch.equal(stepped, first)  # as freshly cast copies give
 
 
 def test_a_bf16_decoding_forward_keeps_its_dtype_and_matches_the_training_forward():

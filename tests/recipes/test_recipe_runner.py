@@ -96,6 +96,19 @@ def test_systems_decode_at_equal_forward_budget(system, single, expected):
     assert arguments == common | expected
 
 
+def test_decoding_compile_reaches_the_systems_it_serves():
+    """decoding.compile: true compiles greedy, beam, sampling and tta systems; diverse beam search (beam 1 per
+    hypothesis at B = K included) and its own steps decode eagerly, as its refusal of compile says."""
+    decode = DecodeConfig(max_new_tokens=20, repetition_penalty=1.1, compile=True)
+    assert System("mcl-beam-b4", "mcl", "beam", 4).decoding(2, False, decode)["compile"] is True
+    assert System("mle-tta-b4", "mle", "tta", 4).decoding(2, True, decode)["compile"] is True
+    assert "compile" not in System("mcl-beam-b2", "mcl", "beam", 2).decoding(2, False, decode)
+    assert "compile" not in System("mcl-dbs-b4", "mcl", "diverse_beam", 4).decoding(2, False, decode)
+    assert "compile" not in System("mcl-beam-b4", "mcl", "beam", 4).decoding(2, False, DECODE)
+    with pytest.raises(ValueError, match="compile must be true or false"):
+        DecodeConfig(compile="yes")
+
+
 @pytest.mark.parametrize("system, single, message", [
     (System("mle-greedy", "mle", "greedy", 2), True, "a single model .* decodes with"),
     (System("mcl-tta", "mcl", "tta", 2), False, "an MCL model decodes with"),

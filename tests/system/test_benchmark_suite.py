@@ -129,6 +129,26 @@ def test_the_peer_rows_asked_for_are_the_ones_measured(tmp_path):
         suite.parse(["--shape", "tiny", "--peers", "4/greedy/1"])
 
 
+def test_the_compiled_rows_run_on_request_and_decode_eagers_tokens(tmp_path, monkeypatch):
+    """--sections compiled (issue 54; not a CPU default): loramcl and the bare base, eager and compiled, side by side;
+    compiled decoding gave eager decoding's tokens (the section checks it on the CPU). aot_eager: inductor's C++ build
+    is not what is tested."""
+    from loramcl.decoding import compiled
+
+    assert "compiled" not in suite.parse(["--shape", "tiny"]).sections
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    args = suite.parse(["--shape", "tiny", "--sections", "compiled", "--repeats", "1", "--out", str(tmp_path)])
+    try:
+        results = suite.run(args)
+    finally:
+        torch._dynamo.reset()
+    rows = results["compiled"]
+    assert [(row["k"], row["strategy"]) for row in rows] == [(5, "greedy"), (5, "beam 2/hypothesis")]
+    assert all(row["same_tokens"] == 1 and row["compiled_over_bare_compiled"] > 0 for row in rows)
+    assert "Compiled decoding" in suite.markdown(results)
+
+
 def test_the_indexed_routing_benchmark_checks_both_computations_agree_then_times_them(capsys, monkeypatch):
     """benchmarks/indexed_routing.py on a small layer: the gather per index entry and the former gather per row
     give the same output (the script asserts it), then one row of timings each."""

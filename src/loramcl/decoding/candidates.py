@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from loramcl.decoding.compiled import check_static_cache, compiled_steps
 from loramcl.decoding.token_log_probs import BeamTokenLogProbs, ChosenTokenLogProbs, generating_module
 from loramcl.mcl.compat import check_token_ids
 from loramcl.mcl.copies import NOT_PER_EXAMPLE, batch_dim, batch_size_of, repeat_examples
@@ -138,8 +139,9 @@ class Decoder:
     """Runs ``generate`` for one call of ``generate_hypotheses`` and turns its output into candidates."""
 
     def __init__(self, model: nn.Module, tokenizer, kwargs: dict, seed: int | None, log_probs: bool,
-                 routing: int | None) -> None:
+                 routing: int | None, compile: bool = False) -> None:
         self.model, self.tokenizer, self.kwargs, self.seed, self.log_probs = model, tokenizer, kwargs, seed, log_probs
+        self.compile = compile  # the steps of generate compiled, on a static cache (decoding.compiled)
         self.routing = routing  # the one hypothesis of an MCL model that a baseline runs on
         # which hypothesis made a candidate, said only where there were several to choose from
         self.named = isinstance(model, MCLModel) and model.num_hypotheses > 1
@@ -169,8 +171,11 @@ class Decoder:
                 kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), recorder])
             hook = generating_module(self.model).register_forward_hook(recorder.keep_logits)
         try:
-            with self._routed(routing, copies):
+            steps = compiled_steps(generating_module(self.model)) if self.compile else contextlib.nullcontext()
+            with self._routed(routing, copies), steps:
                 output = self.model.generate(**batch, **kwargs)
+                if self.compile:
+                    check_static_cache(output, hf_model(self.model))
                 return self._candidates(output, batch, per_input=extra.get("num_return_sequences", 1),
                                         recorder=recorder)
         finally:

@@ -22,6 +22,7 @@ STRATEGIES: tuple[str, ...] = get_args(Strategy)
 MCL_STRATEGIES = ("greedy", "beam", "sample", "diverse_beam")
 BASELINE_STRATEGIES = ("beam", "diverse_beam", "sample", "tta", "stochastic_router")
 BEAM_STRATEGIES = ("beam", "diverse_beam", "tta", "stochastic_router")  # those that take num_beams or a budget
+UNCOMPILED_STRATEGIES = ("diverse_beam", "stochastic_router")  # their own steps: compile does not serve them
 # Beams, candidates, groups or a forward budget per input: every one is a row of each decoding step, times the batch
 # (and K for an MCL model). The paper's largest budget is 15 (K = 5, beam 3 per hypothesis); torch's sizes overflow
 # long before 10^18.
@@ -62,6 +63,10 @@ class Decoding:
             b seed + b. None: the global RNG (for stochastic_router: a seed drawn from it).
         num_beam_groups: diverse_beam of a single model: groups (default K); for MCL the groups are the hypotheses.
         diversity_penalty: diverse_beam: λ of the Hamming diversity term (the paper: 0.8 or 1.0).
+        compile: decode on a static KV cache with the decoding step compiled (torch.compile; CUDA graphs on a GPU,
+            where eager decoding waits on the host): the same tokens, faster on a GPU once compiled (the first call
+            compiles). greedy, beam, sample and tta; not with diverse_beam, stochastic_router or adapters whose
+            context is computed once (adapt_context=False). Off by default: on the CPU it is not faster.
     """
 
     strategy: Strategy = "greedy"
@@ -78,6 +83,7 @@ class Decoding:
     seed: int | None = 0
     num_beam_groups: int | None = None
     diversity_penalty: float | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         require(self.strategy in STRATEGIES, f"unknown strategy {self.strategy!r}: MCL models decode with "
@@ -126,6 +132,10 @@ class Decoding:
             require(strategy == "sample" or value == neutral, f"{name} {value} acts on strategy 'sample' only "
                     f"(strategy is {strategy!r}, which would ignore it): set strategy 'sample' or leave {name} out",
                     name)
+        require(isinstance(self.compile, bool), f"compile must be true or false, got {self.compile!r}", "compile")
+        require(not self.compile or strategy not in UNCOMPILED_STRATEGIES, f"compile: strategy "
+                f"{strategy!r} runs its own steps (diverse beam search's groups, the router's sampled experts), not "
+                "transformers' compiled decoding step: decode it with compile=False", "compile")
         require(strategy != "diverse_beam" or self.diversity_penalty is not None,
                 f"strategy {strategy!r} needs diversity_penalty >= 0 (λ of the Hamming diversity term: the paper "
                 "uses 0.8 or 1.0; 0 gives beam search per group)", "strategy")
@@ -156,6 +166,8 @@ class DecodedModel:
     """An MCL model with hypothesis scores p(k | c)."""
     name: str = "the model"
     """What the messages call it (its class)."""
+    context_once: bool = False
+    """An MCL model whose context is computed once (``MCLConfig(adapt_context=False)``)."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +188,9 @@ def plan(decoding: Decoding, model: DecodedModel, augment: bool = False, sort_by
     strategy, num_sequences, k = decoding.strategy, decoding.num_sequences, model.num_hypotheses
     require(strategy != "stochastic_router" or model.router, "strategy 'stochastic_router' samples the experts of a "
             f"LoRA-MoE model (loramcl.baselines.get_moe_model); {model.name} has no router", "strategy")
+    require(not (decoding.compile and model.context_once), f"compile: {model.name} computes its context once "
+            "(MCLConfig(adapt_context=False)) into a dynamic cache shared by the hypotheses, which the static KV cache "
+            "of compiled decoding cannot hold yet: decode with compile=False", "compile")
     selected = None
     if decoding.hypotheses is not None:
         selected = list(decoding.hypotheses)

@@ -198,7 +198,7 @@ def decoded_model_of(adapters: str | None) -> DecodedModel | None:
         return None
     names = {"moe": "the LoRA-MoE model", "multihead": "the multi-head model"}
     return DecodedModel(k, router=method == "moe", scoring=config.get("scoring") is True,
-                        name=names.get(method, "the model"))
+                        name=names.get(method, "the model"), context_once=config.get("adapt_context") is False)
 
 
 def prediction_record(item_id, candidates: Sequence, strip: bool = True, scores: bool = False) -> dict:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from loramcl.decoding.candidates import Candidate, Decoder, eos_ids, hf_model, is_encoder_decoder, text_tokenizer
+from loramcl.decoding.compiled import check_compilable, generate_options
 from loramcl.decoding.options import DecodedModel, Decoding, plan, split_options
 from loramcl.mcl.copies import batch_size_of
 from loramcl.mcl.model import MCLModel
@@ -106,7 +107,7 @@ def generate_hypotheses(
 
     kwargs = _generate_kwargs(model, tokenizer, decoding, num_beams, log_probs, generate_kwargs)
     decoder = Decoder(model, tokenizer, kwargs, decoding.seed, log_probs,
-                       routing=selected[0] if selected is not None and not mcl_path else None)
+                       routing=selected[0] if selected is not None and not mcl_path else None, compile=decoding.compile)
     if mcl_path:
         outs = decoder.mcl(batch, selected, decoding.diversity_penalty if strategy == "diverse_beam" else None)
         return [sorted(c, key=lambda x: -x.score) for c in outs] if sort_by_score else outs
@@ -127,7 +128,8 @@ def decoded_model(model: nn.Module) -> DecodedModel:
     """What ``plan`` checks a decoding against, read off ``model``."""
     return DecodedModel(model.num_hypotheses if isinstance(model, MCLModel) else None,
                         router=hasattr(model, "stochastic_router"),
-                        scoring=getattr(model, "scoring_head", None) is not None, name=type(model).__name__)
+                        scoring=getattr(model, "scoring_head", None) is not None, name=type(model).__name__,
+                        context_once=isinstance(model, MCLModel) and not model.mcl_config.adapt_context)
 
 
 def _check_positions(model: nn.Module, batch: dict, max_new_tokens: int) -> None:
@@ -215,6 +217,9 @@ def _generate_kwargs(model, tokenizer, decoding: Decoding, num_beams: int, log_p
     if sample:
         kwargs.update(temperature=decoding.temperature, top_k=decoding.top_k, top_p=decoding.top_p,
                       typical_p=decoding.typical_p)
+    if decoding.compile:  # transformers' generate allocates the static cache and compiles its steps
+        check_compilable(hf_model(model))
+        kwargs.update(generate_options())
     if "pad_token_id" not in kwargs:
         pad = getattr(text_tokenizer(tokenizer), "pad_token_id", None) if tokenizer is not None else None
         if pad is None:

@@ -68,6 +68,10 @@ def _generate_without_context(model, input_ids: torch.Tensor | None = None, **kw
         return _generate_encoder_once(model, input_ids, **kwargs)
     check_split_inputs({"input_ids": input_ids, **{n: v for n, v in kwargs.items() if torch.is_tensor(v)}},
                        type(model.base_model).__name__)
+    if kwargs.get("cache_implementation") not in (None, "dynamic"):
+        raise ValueError(f"adapt_context=False decodes from its own dynamic cache of the prompt, shared by the copies: "
+                         f"leave cache_implementation={kwargs['cache_implementation']!r} out (in generate_hypotheses: "
+                         "compile=False)")
     if given_cache(kwargs) is not None or kwargs.get("use_cache") is False:
         raise ValueError("adapt_context=False decodes from its own cache of the prompt: leave the cache "
                          "(cache / past_key_values) and use_cache out")

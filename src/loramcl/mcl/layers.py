@@ -80,7 +80,9 @@ class MCLLoraLinear(nn.Module):
         device, dtype = base_layer.weight.device, adapter_dtype or compute_dtype(base_layer)
         self.lora_A = nn.Parameter(torch.empty(num_hypotheses, in_features, r, device=device, dtype=dtype))
         self.lora_B = nn.Parameter(torch.zeros(num_hypotheses, r, out_features, device=device, dtype=dtype))
-        self._transposed_A: tuple | None = None  # (lora_A, version, storage, dtype, A^T [K, r, d_in]): CPU decoding
+        # inference's copies of the adapters in the activations' dtype, kept until the weights change (``_kept``):
+        # (name, dtype, transposed) -> (weight, version, storage, copy)
+        self._kept_copies: dict[tuple, tuple] = {}
         self.reset_adapters()
 
     def reset_adapters(self) -> None:
@@ -134,7 +136,9 @@ class MCLLoraLinear(nn.Module):
         out_shape = (*h.shape[:-1], self.out_features)
         if self.routing.mode == SINGLE:
             k = self.routing.hypothesis
-            return h @ self.lora_A[k].to(h.dtype) @ self.lora_B[k].to(h.dtype)
+            if torch.is_grad_enabled():  # the cast of hypothesis k's slice alone
+                return h @ self.lora_A[k].to(h.dtype) @ self.lora_B[k].to(h.dtype)
+            return h @ self._first_factor(h.dtype)[k] @ self._second_factor(h.dtype)[k]  # the kept copies
         grouped, a, b = self._grouped(h)
         return torch.bmm(torch.bmm(grouped, a), b).reshape(out_shape)
 
@@ -165,28 +169,41 @@ class MCLLoraLinear(nn.Module):
                 return grouped, self._first_factor(h.dtype, None, decoding), self._second_factor(h.dtype)
             index = routing.index.to(self.lora_A.device)  # [n]
             return (grouped, self._first_factor(h.dtype, index, decoding),  # [n, d_in, r]
-                    self.lora_B.index_select(0, index).to(h.dtype))  # [n, r, d_out]
+                    self._second_factor(h.dtype).index_select(0, index))  # [n, r, d_out]
         raise RuntimeError(f"unknown routing mode {routing.mode!r}")
 
     def _second_factor(self, dtype: torch.dtype) -> torch.Tensor:
-        b = self.lora_B  # [K, r, d_out]
-        return b if b.dtype == dtype else b.to(dtype)
+        return self._kept("lora_B", dtype)  # [K, r, d_out]
 
     def _first_factor(self, dtype: torch.dtype, index: torch.Tensor | None = None, decoding: bool = False
                       ) -> torch.Tensor:
         """A [K or n, d_in, r] in ``dtype``. Decoding on the CPU without gradient: a view of A^T [K, r, d_in]
-        (contiguous), kept until A changes (its identity, version counter or storage): the CPU's batched matmul reads
-        its columns 2-4x faster than A's own layout, and a transposed copy at every call would cost more than it
-        saves."""
-        a = self.lora_A
-        if not decoding or torch.is_grad_enabled() or a.device.type != "cpu":
-            return (a if index is None else a.index_select(0, index)).to(dtype)
-        kept = self._transposed_A
-        version = tensor_version(a)
-        if kept is None or kept[0] is not a or kept[1:4] != (version, a.data_ptr(), dtype):
-            kept = self._transposed_A = (a, version, a.data_ptr(), dtype, a.to(dtype).mT.contiguous())
-        transposed = kept[4]  # [K, r, d_in]
-        return (transposed if index is None else transposed.index_select(0, index)).mT
+        (contiguous): the CPU's batched matmul reads its columns 2-4x faster than A's own layout."""
+        transposed = (decoding and self.lora_A.device.type == "cpu" and not torch.is_grad_enabled()
+                      and not torch.compiler.is_compiling())
+        a = self._kept("lora_A", dtype, transposed)  # [K, d_in, r], or A^T [K, r, d_in]
+        a = a if index is None else a.index_select(0, index)
+        return a.mT if transposed else a
+
+    def _kept(self, name: str, dtype: torch.dtype, transposed: bool = False) -> torch.Tensor:
+        """Adapter tensor ``name`` in ``dtype`` (``transposed``: its last two dimensions swapped, contiguous).
+
+        Without gradient (inference), a copy kept until the weight changes (its identity, version counter or
+        storage: an optimizer step, a ``copy_``, a new Parameter or ``.data``, a move): a decoding step then runs no
+        cast kernel per layer (bfloat16 activations on float32 masters) and no transpose. With gradient, autograd's
+        cast (its backward casts the gradient back to the master's dtype). Under ``torch.compile`` the cast is in
+        the graph: the check reads Python state that a graph cannot keep."""
+        weight = getattr(self, name)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or (weight.dtype == dtype and not transposed):
+            weight = weight.to(dtype)
+            return weight.mT.contiguous() if transposed else weight
+        key, version = (name, dtype, transposed), tensor_version(weight)
+        kept = self._kept_copies.get(key)
+        if kept is None or kept[0] is not weight or kept[1:3] != (version, weight.data_ptr()):
+            copy = weight.detach().to(dtype)
+            kept = self._kept_copies[key] = (weight, version, weight.data_ptr(),
+                                             copy.mT.contiguous() if transposed else copy)
+        return kept[3]
 
     def delta_weight(self, k: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight update of hypothesis k in the base layer's layout and ``dtype`` (default: its compute dtype)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from loramcl.decoding.options import BASELINE_STRATEGIES, MCL_STRATEGIES
+from loramcl.decoding.options import BASELINE_STRATEGIES, MCL_STRATEGIES, UNCOMPILED_STRATEGIES
 from loramcl.utils.validate import require, require_int, require_real, require_seed
 
 # the baselines a recipe compares: every single-model strategy but LoRA-MoE's stochastic router
@@ -36,12 +36,18 @@ class DecodeConfig:
     seed: int = 0
     """Seed of sampling and test-time augmentation (batch b uses seed + b)."""
 
+    compile: bool = False
+    """Decode on a static KV cache with the steps compiled (``generate_hypotheses(compile=True)``; for a GPU) every
+    system whose strategy it serves; diverse beam search (diverse MCL decoding, and beam 1 per hypothesis at B = K)
+    and the stochastic router run their own steps and decode eagerly."""
+
     def __post_init__(self) -> None:
         require_int("max_new_tokens", self.max_new_tokens)
         require_real("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
         require_int("batch_size", self.batch_size)
         require_real("diversity_penalty", self.diversity_penalty, low=0.0)
         require_seed("seed", self.seed)
+        require(isinstance(self.compile, bool), f"compile must be true or false, got {self.compile!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,7 +107,10 @@ class System:
             per_candidate = budget.mcl_num_beams if not single_model else budget.budget // k
             require(per_candidate == 1, f"system {self.name}: {strategy} advances one sequence per candidate, so its "
                    f"forward budget is K = {k}, not {self.budget}")
-        return arguments | self.options
+        arguments |= self.options
+        if decode.compile and arguments["strategy"] not in UNCOMPILED_STRATEGIES:
+            arguments["compile"] = True
+        return arguments
 
     def to_dict(self) -> dict:
         return asdict(self)
