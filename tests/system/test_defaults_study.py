@@ -58,6 +58,8 @@ def test_mode_purity_and_the_logged_curve(tmp_path):
     # gained = initial NLL - oracle NLL, the oracle being mean_k nll_h{k} - split gap: 4 - 2 = 2, then 4 - 1 = 3
     assert [c["step"] for c in curve] == [5, 10] and curve[0]["shares"] == [0.75, 0.25]
     assert curve[0]["gap_share"] == pytest.approx(0.25) and curve[1]["gap_share"] == pytest.approx(1 / 3)
+    assert study.split_step(curve) == 5 and study.split_step(curve, threshold=0.3) == 10
+    assert study.split_step([*curve, {**curve[0], "step": 15, "gap_share": 0.05}]) is None  # fell back under 10%
 
 
 def test_one_run_trains_decodes_scores_and_is_reused(tmp_path):
