@@ -179,7 +179,9 @@ class MCLLoraLinear(nn.Module):
         its columns 2-4x faster than A's own layout, and a transposed copy at every call would cost more than it
         saves."""
         a = self.lora_A
-        if not decoding or torch.is_grad_enabled() or a.device.type != "cpu":
+        # compiled, the compiler lays the operands out itself (and the kept copy's check compares data pointers: a
+        # graph break)
+        if not decoding or torch.is_grad_enabled() or a.device.type != "cpu" or torch.compiler.is_compiling():
             return (a if index is None else a.index_select(0, index)).to(dtype)
         kept = self._transposed_A
         version = tensor_version(a)

@@ -1,0 +1,62 @@
+"""What an MCL forward needs from the host about a batch, computed once outside the forward (DESIGN decision 13).
+
+The forward itself reads nothing on the host when it is given ``label_index``, so that ``torch.compile`` traces it
+whole: the checks that read values (token ids inside the vocabulary, a target token in every example) and the one
+data-dependent size (how many label positions there are, N) run here, once per batch (``MCLTrainer``) or once per
+call (``generate_hypotheses`` checks its token ids at its entry). A forward given no ``label_index`` calls
+``checked_label_index`` itself: the same checks and errors, one host read each.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+from torch import nn
+
+from loramcl.mcl.compat import check_token_ids
+from loramcl.mcl.nll import IGNORE_INDEX, aligned_targets, check_targets
+
+
+def label_index(positions: torch.Tensor) -> torch.Tensor:
+    """The flat indices (row * T + t) of the True entries of ``positions`` [rows, T], in the order a boolean mask
+    reads them: [N] long. N depends on the values: one host read (``nonzero``)."""
+    return positions.flatten().nonzero().squeeze(1)
+
+
+def checked_label_index(model: nn.Module, inputs: dict, labels: torch.Tensor) -> torch.Tensor:
+    """Check a batch of ``model`` (an MCLModel) and return the ``label_index`` its forward takes: [N] flat indices
+    (b * T + t) of the output positions that predict a label, in the order of ``aligned_targets(labels)``. Raises
+    the forward's errors: a token id outside the vocabulary (``check_token_ids``), an example without a target
+    token (``check_targets``)."""
+    base = model.base_model
+    check_token_ids(base, inputs.get("input_ids"))
+    targets = aligned_targets(labels, causal=not getattr(base.config, "is_encoder_decoder", False))  # [B, T]
+    check_targets(targets)
+    return label_index(targets != IGNORE_INDEX)
+
+
+def stacked_label_index(index: torch.Tensor, copies: int, positions_per_copy: int) -> torch.Tensor:
+    """``index`` [N] over one copy of the batch (B*T positions) -> [copies*N] over ``copies`` copies stacked
+    hypothesis-major (copy k holds positions k*B*T ... (k+1)*B*T - 1): a fixed-shape gather, no host read."""
+    offsets = torch.arange(copies, device=index.device).unsqueeze(1) * positions_per_copy  # [copies, 1]
+    return (index.unsqueeze(0) + offsets).flatten()  # [copies*N]
+
+
+def decoder_input_ids_from_labels(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    """The decoder inputs an encoder-decoder builds itself when given only labels (teacher forcing): its
+    ``prepare_decoder_input_ids_from_labels`` (T5, BART, Marian, mBART, Pegasus), else its module's
+    ``shift_tokens_right(labels, pad_token_id, decoder_start_token_id)`` as its forward calls it (Whisper)."""
+    if hasattr(model, "prepare_decoder_input_ids_from_labels"):
+        return model.prepare_decoder_input_ids_from_labels(labels=labels)
+    shift = getattr(sys.modules.get(type(model).__module__), "shift_tokens_right", None)
+    config = model.config
+    start, pad = getattr(config, "decoder_start_token_id", None), getattr(config, "pad_token_id", None)
+    if shift is not None and len(inspect.signature(shift).parameters) == 3:
+        if start is None or pad is None:
+            raise ValueError(f"{type(model).__name__} derives decoder inputs from labels with its config's "
+                             f"decoder_start_token_id ({start}) and pad_token_id ({pad}): set both in its config, "
+                             "or pass decoder_input_ids")
+        return shift(labels, pad, start)
+    raise ValueError(f"pass decoder_input_ids: {type(model).__name__} has no rule to derive them from labels")
