@@ -1,10 +1,10 @@
 """What an MCL forward needs from the host about a batch, computed once outside the forward (DESIGN decision 13).
 
-The forward itself reads nothing on the host when it is given ``label_index``, so that ``torch.compile`` traces it
+The forward itself reads nothing on the host when it is given ``target_index``, so that ``torch.compile`` traces it
 whole: the checks that read values (token ids inside the vocabulary, a target token in every example) and the one
 data-dependent size (how many label positions there are, N) run here, once per batch (``MCLTrainer``) or once per
-call (``generate_hypotheses`` checks its token ids at its entry). A forward given no ``label_index`` calls
-``checked_label_index`` itself: the same checks and errors, one host read each.
+call (``generate_hypotheses`` checks its token ids at its entry). A forward given no ``target_index`` calls
+``checked_target_index`` itself: the same checks and errors, one host read each.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from loramcl.mcl.compat import check_token_ids
 from loramcl.mcl.nll import IGNORE_INDEX, aligned_targets, check_targets
 
 
-def label_index(positions: torch.Tensor) -> torch.Tensor:
+def flat_index(positions: torch.Tensor) -> torch.Tensor:
     """The flat indices (row * T + t) of the True entries of ``positions`` [rows, T], in the order a boolean mask
     reads them: [N] long. N depends on the values: one host read (``nonzero``)."""
     return positions.flatten().nonzero().squeeze(1)
 
 
-def checked_label_index(model: nn.Module, inputs: dict, labels: torch.Tensor) -> torch.Tensor:
-    """Check a batch of ``model`` (an MCLModel) and return the ``label_index`` its forward takes: [N] flat indices
+def checked_target_index(model: nn.Module, inputs: dict, labels: torch.Tensor) -> torch.Tensor:
+    """Check a batch of ``model`` (an MCLModel) and return the ``target_index`` its forward takes: [N] flat indices
     (b * T + t) of the output positions that predict a label, in the order of ``aligned_targets(labels)``. Raises
     the forward's errors: a token id outside the vocabulary (``check_token_ids``), an example without a target
     token (``check_targets``)."""
@@ -34,10 +34,26 @@ def checked_label_index(model: nn.Module, inputs: dict, labels: torch.Tensor) ->
     check_token_ids(base, inputs.get("input_ids"))
     targets = aligned_targets(labels, causal=not getattr(base.config, "is_encoder_decoder", False))  # [B, T]
     check_targets(targets)
-    return label_index(targets != IGNORE_INDEX)
+    return flat_index(targets != IGNORE_INDEX)
 
 
-def stacked_label_index(index: torch.Tensor, copies: int, positions_per_copy: int) -> torch.Tensor:
+def batch_target_index(model: nn.Module, inputs: dict, compiled: bool) -> torch.Tensor | None:
+    """The batch's ``checked_target_index`` [N] as ``MCLTrainer`` takes it: its token ids and targets checked and its
+    label positions found here, once per batch, rather than in the forward of each pass (which then reads nothing on
+    the host and compiles whole). ``compiled``: N and the sequence length may differ at every batch, so they are
+    marked dynamic (the forward compiles once for all of them, not once per length). None without labels."""
+    labels = inputs.get("labels")
+    if not torch.is_tensor(labels):
+        return None
+    index = checked_target_index(model, inputs, labels)
+    if compiled:
+        torch._dynamo.maybe_mark_dynamic(index, 0)
+        for value in (labels, *(inputs[name] for name in ("input_ids", "attention_mask") if name in inputs)):
+            torch._dynamo.maybe_mark_dynamic(value, 1)
+    return index
+
+
+def stacked_target_index(index: torch.Tensor, copies: int, positions_per_copy: int) -> torch.Tensor:
     """``index`` [N] over one copy of the batch (B*T positions) -> [copies*N] over ``copies`` copies stacked
     hypothesis-major (copy k holds positions k*B*T ... (k+1)*B*T - 1): a fixed-shape gather, no host read."""
     offsets = torch.arange(copies, device=index.device).unsqueeze(1) * positions_per_copy  # [copies, 1]

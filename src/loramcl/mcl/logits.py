@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from loramcl.mcl.batch import label_index
+from loramcl.mcl.batch import flat_index
 from loramcl.mcl.config import MCLConfig
 from loramcl.mcl.copies import ExamplesNotSeparable, select_examples
 from loramcl.mcl.layers import INDEXED, HypothesisRouting
@@ -107,7 +107,7 @@ class LabelLogits:
         if call.context_positions is not None:
             rows = torch.arange(hidden.shape[0], device=hidden.device)
             call.context_states = hidden[rows, call.context_positions].detach()  # [rows, d]
-        flat = call.logit_index if call.logit_index is not None else label_index(positions)  # [N]
+        flat = call.logit_index if call.logit_index is not None else flat_index(positions)  # [N]
         if self.routes_output_layer and self.routing.mode == INDEXED:
             # one hypothesis per example -> one per label token, the rows the routed output layer now sees
             rows = torch.div(flat, positions.shape[1], rounding_mode="floor")  # [N]: the row of each label token

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
-from loramcl.mcl.batch import checked_label_index
+from loramcl.mcl.batch import batch_target_index
 from loramcl.mcl.compat import check_trainer_methods
 from loramcl.mcl.losses import schedule_line, temperature_at
 from loramcl.mcl.losses import winners as loss_winners
@@ -212,26 +212,26 @@ class MCLTrainer(Trainer):
     def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None):
         mcl = self._mcl_model()
+        index = batch_target_index(mcl, inputs, self.args.torch_compile)  # the batch's host reads, once
         if not model.training:
-            return self._evaluation_loss(model, inputs, return_outputs)
+            return self._evaluation_loss(model, inputs, return_outputs, index)
         mcl.training_step = self.state.global_step
         mcl.training_steps = self.state.max_steps or (self.args.max_steps if self.args.max_steps > 0 else None)
-        index = batch_label_index(mcl, inputs, self.args.torch_compile)  # the batch's host reads, once
         if self.two_pass_wta and mcl.mcl_config.loss == "wta" and mcl.num_hypotheses > 1:
             per_block = self.scoring_examples_per_block
             if per_block == "auto":  # compiled: the whole batch (a block's label positions would read the host)
                 per_block = None if index is None or self.args.torch_compile else scoring_block(
                     inputs["labels"].shape[0], mcl.num_hypotheses)
             with torch.no_grad():  # nll [B, K]; the scoring head, if any, learns from this pass
-                scored = model(**inputs, examples_per_block=per_block, label_index=index)
+                scored = model(**inputs, examples_per_block=per_block, target_index=index)
             winners = loss_winners(scored.nll, mcl.mcl_config.tie_break)  # [B]; no host read between the passes
-            outputs = model(**inputs, hypotheses=winners, label_index=index)  # forward + backward of the winners
+            outputs = model(**inputs, hypotheses=winners, target_index=index)  # forward + backward of the winners
             outputs.nll = scored.nll
             if scored.scoring_loss is not None:
                 outputs.loss = outputs.loss + mcl.mcl_config.scoring_weight * scored.scoring_loss
                 outputs.log_scores, outputs.mixture_nll = scored.log_scores, scored.mixture_nll
         else:
-            outputs = model(**inputs, label_index=index)
+            outputs = model(**inputs, target_index=index)
             winners = outputs.weights.argmax(dim=1)  # [B]: the loss's winners (ties broken as the loss broke them)
         self._nonfinite_loss |= ~torch.isfinite(outputs.loss.detach())  # no host sync here
         if mcl.mcl_config.loss == "annealed" and mcl.num_hypotheses > 1:
@@ -246,12 +246,11 @@ class MCLTrainer(Trainer):
             self._initial_nll[1] += nll.shape[0]
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
-    def _evaluation_loss(self, model: nn.Module, inputs: dict, return_outputs: bool):
+    def _evaluation_loss(self, model: nn.Module, inputs: dict, return_outputs: bool, index: torch.Tensor | None):
         """The vanilla WTA loss (eq. 2) whatever the training loss; the per-example NLL recorded for the metrics the
         evaluation logs, and the predictions ``compute_metrics`` receives ({"nll": [B, K]})."""
         with torch.no_grad():
-            index = batch_label_index(self._mcl_model(), inputs, self.args.torch_compile)
-            outputs = model(**inputs, label_index=index)
+            outputs = model(**inputs, target_index=index)
         nll = outputs.nll.detach()  # [B, K]
         self._eval_nll.append(self.accelerator.gather_for_metrics(nll).float().cpu())
         if outputs.mixture_nll is not None:
@@ -526,22 +525,6 @@ def _tokenized(dataset, processing_class, args: TrainingArguments, model: MCLMod
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
     return prepare_dataset(dataset, tokenizer, getattr(args, "max_length", None), encoder_decoder=encoder_decoder,
                            source=name).select_columns(["input_ids", "labels"])
-
-
-def batch_label_index(model: MCLModel, inputs: dict, compiled: bool) -> torch.Tensor | None:
-    """The batch's checked ``label_index`` [N] (``loramcl.mcl.batch``): its token ids and targets checked and its label
-    positions found here, once per batch, rather than in the forward of each pass (which then reads nothing on the
-    host and compiles whole). ``compiled``: N and the sequence length may differ at every batch, so they are marked
-    dynamic (the forward compiles once for all of them, not once per length). None without labels."""
-    labels = inputs.get("labels")
-    if not torch.is_tensor(labels):
-        return None
-    index = checked_label_index(model, inputs, labels)
-    if compiled:
-        torch._dynamo.maybe_mark_dynamic(index, 0)
-        for value in (labels, *(inputs[name] for name in ("input_ids", "attention_mask") if name in inputs)):
-            torch._dynamo.maybe_mark_dynamic(value, 1)
-    return index
 
 
 def _norm(parameters: list[nn.Parameter]) -> torch.Tensor:
