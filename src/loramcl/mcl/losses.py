@@ -114,6 +114,14 @@ def temperature_tensor(step: torch.Tensor, config: MCLConfig, total_steps: int |
     return torch.where(hard, 0.0, tau)
 
 
+def step_tensor(kept: torch.Tensor, step: int, device: torch.device) -> torch.Tensor:
+    """``step`` in a 0-dim tensor on ``device``, ``kept`` refilled where it is there already (filling it queues a
+    kernel, no host sync; a CPU step read by a GPU graph would be copied in, waiting for the stream): what a compiled
+    forward passes to ``temperature_tensor``."""
+    kept = kept if kept.device == device else torch.zeros((), dtype=torch.long, device=device)
+    return kept.fill_(step)
+
+
 def weighted_nll(nll: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """mean_b sum_k q[b, k] nll[b, k] with q detached.
 

@@ -56,7 +56,7 @@ from loramcl.mcl.copies import (
 from loramcl.mcl.fingerprint import FrozenBase, base_fingerprint, check_base_weights, known_fingerprint
 from loramcl.mcl.layers import DISABLED, INDEXED, SINGLE, HypothesisRouting, MCLLoraLinear, linear_features
 from loramcl.mcl.logits import LabelLogits
-from loramcl.mcl.losses import mcl_loss
+from loramcl.mcl.losses import mcl_loss, step_tensor
 from loramcl.mcl.nll import IGNORE_INDEX, aligned_targets, chunked_token_nll, mean_token_nll, row_means
 from loramcl.mcl.peft_interop import (
     matched_layer_names,
@@ -186,7 +186,7 @@ class MCLModel(ActivationCheckpointing, nn.Module):
     @training_step.setter
     def training_step(self, step: int) -> None:
         self._training_step = step
-        self._step.fill_(step)
+        self._step = step_tensor(self._step, step, self.adapter_device())
 
     @property
     def method_config(self):
