@@ -15,7 +15,7 @@ import sys
 import torch
 from torch import nn
 
-from loramcl.mcl.compat import check_token_ids
+from loramcl.mcl.compat import bad_token_ids, raise_bad_token_ids
 from loramcl.mcl.nll import IGNORE_INDEX, aligned_targets, check_targets
 
 
@@ -29,12 +29,20 @@ def checked_target_index(model: nn.Module, inputs: dict, labels: torch.Tensor) -
     """Check a batch of ``model`` (an MCLModel) and return the ``target_index`` its forward takes: [N] flat indices
     (b * T + t) of the output positions that predict a label, in the order of ``aligned_targets(labels)``. Raises
     the forward's errors: a token id outside the vocabulary (``check_token_ids``), an example without a target
-    token (``check_targets``)."""
-    base = model.base_model
-    check_token_ids(base, inputs.get("input_ids"))
+    token (``check_targets``). One host read: the two checks' verdicts and N together (on a GPU, one sync)."""
+    base, input_ids = model.base_model, inputs.get("input_ids")
     targets = aligned_targets(labels, causal=not getattr(base.config, "is_encoder_decoder", False))  # [B, T]
-    check_targets(targets)
-    return flat_index(targets != IGNORE_INDEX)
+    positions = targets != IGNORE_INDEX  # [B, T]
+    bad = bad_token_ids(base, input_ids)  # [B, T] or None
+    verdicts = [positions.sum(), (~positions.any(dim=1)).any()]  # N; an example without a target
+    if bad is not None:
+        verdicts.append(bad.any().to(positions.device))  # an id outside the vocabulary
+    count, without_target, *bad_ids = torch.stack([verdict.long() for verdict in verdicts]).tolist()  # one read
+    if any(bad_ids):
+        raise_bad_token_ids(base, input_ids, bad)
+    if without_target:
+        check_targets(targets)  # raises, naming the examples
+    return torch.nonzero_static(positions.flatten(), size=count).squeeze(1)  # [N], as flat_index: no second read
 
 
 def batch_target_index(model: nn.Module, inputs: dict, compiled: bool) -> torch.Tensor | None:
