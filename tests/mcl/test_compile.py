@@ -147,3 +147,21 @@ def test_batches_of_other_lengths_reuse_the_compiled_forward():
             torch.testing.assert_close(compiled(**batch, target_index=index).loss,
                                        mcl(**batch, target_index=index).loss)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("method", ["moe", "multihead"])
+def test_the_baselines_training_forward_has_no_graph_break(method):
+    """The baselines keep MCLModel's forward: LoRA-MoE and multi-head MCL, all K stacked. (Multi-head MCL's
+    winners' pass does not compile whole: its heads group the rows by hypothesis, sizes read from the values.)"""
+    from tiny_models import build_batch, build_model
+
+    from loramcl.baselines.config import MoEConfig, MultiHeadConfig
+    from loramcl.baselines.moe import get_moe_model
+    from loramcl.baselines.multihead import get_multihead_model
+
+    base = build_model("llama")
+    inputs, labels = build_batch("llama", base)
+    model = (get_moe_model(base, MoEConfig(num_experts=3, r=4, target_modules=["q_proj", "v_proj"])) if method == "moe"
+             else get_multihead_model(base, MultiHeadConfig(num_hypotheses=3, module="lm_head"))).train()
+    index = checked_target_index(model, inputs, labels)
+    assert _breaks(lambda: model(**inputs, labels=labels, target_index=index).loss) == []
