@@ -15,7 +15,7 @@ import sys
 import torch
 from torch import nn
 
-from loramcl.mcl.compat import bad_token_ids, raise_bad_token_ids
+from loramcl.mcl.compat import bad_token_ids, mark_dynamic, raise_bad_token_ids
 from loramcl.mcl.nll import IGNORE_INDEX, aligned_targets, check_targets
 
 
@@ -55,9 +55,9 @@ def batch_target_index(model: nn.Module, inputs: dict, compiled: bool) -> torch.
         return None
     index = checked_target_index(model, inputs, labels)
     if compiled:
-        torch._dynamo.maybe_mark_dynamic(index, 0)
+        mark_dynamic(index, 0)
         for value in (labels, *(inputs[name] for name in ("input_ids", "attention_mask") if name in inputs)):
-            torch._dynamo.maybe_mark_dynamic(value, 1)
+            mark_dynamic(value, 1)
     return index
 
 

@@ -212,6 +212,15 @@ def raise_bad_token_ids(model: nn.Module, input_ids: torch.Tensor, bad: torch.Te
                      "labels, never in input_ids)")
 
 
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Tell ``torch.compile`` that ``tensor``'s size on ``dim`` varies from call to call (``torch._dynamo.
+    maybe_mark_dynamic``, torch's documented way, outside ``torch.compiler``): the first graph is compiled for any
+    size, not specialised and recompiled once. Without it (a torch that moved it), the same happens one graph later."""
+    mark = getattr(getattr(torch, "_dynamo", None), "maybe_mark_dynamic", None)
+    if mark is not None:
+        mark(tensor, dim)
+
+
 def _placeholder_ids(config, vocabulary: int) -> list[int]:
     """The special ids a multimodal config names (``image_token_id``, ``audio_token_index``, ...) that lie outside
     ``[0, vocabulary)``: its model swaps them for its own features before the embedding lookup."""
