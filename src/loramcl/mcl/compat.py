@@ -23,6 +23,7 @@ than let a moved internal compute something else.
   hypothesis into a bitsandbytes or torchao layer uses.
 - Token ids outside the model's vocabulary, found before the model runs (``check_token_ids``): torch's embedding
   lookup would end in ``IndexError: index out of range in self`` without saying which id.
+- torch's ``torch._dynamo.maybe_mark_dynamic`` (``mark_dynamic``): a compiled forward's sizes that vary per batch.
 """
 
 from __future__ import annotations
