@@ -185,6 +185,7 @@ def test_a_run_recorded_before_an_option_existed_is_still_the_same_run(tmp_path)
     assert finished_run(tmp_path / "run", settings) and stale_checkpoint_fields(tmp_path / "run", settings) == []
     chunks = json.loads(json.dumps(settings))
     chunks["mcl"]["logits_chunk_size"] = None  # how the logits are computed, not what the adapters become
+    chunks["training"]["compile"] = True  # likewise: compiled, the same losses to float rounding
     assert finished_run(tmp_path / "run", chunks) and stale_checkpoint_fields(tmp_path / "run", chunks) == []
     changed = json.loads(json.dumps(settings))
     changed["mcl"]["r"], changed["training"]["steps"] = 8, 6

@@ -23,6 +23,7 @@ than let a moved internal compute something else.
   hypothesis into a bitsandbytes or torchao layer uses.
 - Token ids outside the model's vocabulary, found before the model runs (``check_token_ids``): torch's embedding
   lookup would end in ``IndexError: index out of range in self`` without saying which id.
+- torch's ``torch._dynamo.maybe_mark_dynamic`` (``mark_dynamic``): a compiled forward's sizes that vary per batch.
 """
 
 from __future__ import annotations
@@ -179,25 +180,46 @@ def peft_quantization_backend(layer: nn.Module, model: nn.Module):
 def check_token_ids(model: nn.Module, input_ids: torch.Tensor | None, name: str = "input_ids") -> None:
     """Raise a ValueError naming the first id of ``input_ids`` [B, T] outside [0, vocabulary size of ``model``'s
     input embeddings), its row and the vocabulary size. One comparison and one sync when they are fine."""
+    bad = bad_token_ids(model, input_ids)
+    if bad is not None and bad.any().item():
+        raise_bad_token_ids(model, input_ids, bad, name)
+
+
+def bad_token_ids(model: nn.Module, input_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """[B, T] bool: the ids of ``input_ids`` outside ``model``'s vocabulary (placeholders it replaces excepted), on
+    the device, unread; None where nothing can be checked (no ids, no embedding matrix)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.numel() == 0 or input_ids.is_floating_point():
-        return
+        return None
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     weight = getattr(embeddings, "weight", None)
     if weight is None or weight.dim() != 2:
-        return
+        return None
     vocabulary = weight.shape[0]
     bad = (input_ids < 0) | (input_ids >= vocabulary)
     placeholders = _placeholder_ids(getattr(model, "config", None), vocabulary)
     if placeholders:  # e.g. LLaVA's image token may lie past the text embeddings: the model replaces it first
         bad &= ~torch.isin(input_ids, torch.tensor(placeholders, device=input_ids.device))
-    if not bad.any().item():
-        return
+    return bad
+
+
+def raise_bad_token_ids(model: nn.Module, input_ids: torch.Tensor, bad: torch.Tensor, name: str = "input_ids"):
+    """The ValueError of ``check_token_ids`` for ``bad`` (``bad_token_ids``, holding at least one True)."""
+    vocabulary = model.get_input_embeddings().weight.shape[0]
     position = bad.nonzero()[0].tolist()
     value = input_ids[tuple(position)].item()
     where = f"row {position[0]}" + (f", position {position[1]}" if len(position) > 1 else "")
     raise ValueError(f"{name} holds {value} ({where}), outside this model's vocabulary of {vocabulary} tokens "
                      f"(ids 0..{vocabulary - 1}): were the inputs tokenized with another tokenizer? (-100 belongs in "
                      "labels, never in input_ids)")
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Tell ``torch.compile`` that ``tensor``'s size on ``dim`` varies from call to call (``torch._dynamo.
+    maybe_mark_dynamic``, torch's documented way, outside ``torch.compiler``): the first graph is compiled for any
+    size, not specialised and recompiled once. Without it (a torch that moved it), the same happens one graph later."""
+    mark = getattr(getattr(torch, "_dynamo", None), "maybe_mark_dynamic", None)
+    if mark is not None:
+        mark(tensor, dim)
 
 
 def _placeholder_ids(config, vocabulary: int) -> list[int]:

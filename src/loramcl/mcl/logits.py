@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from loramcl.mcl.batch import flat_index
 from loramcl.mcl.config import MCLConfig
 from loramcl.mcl.copies import ExamplesNotSeparable, select_examples
 from loramcl.mcl.layers import INDEXED, HypothesisRouting
@@ -106,14 +107,16 @@ class LabelLogits:
         if call.context_positions is not None:
             rows = torch.arange(hidden.shape[0], device=hidden.device)
             call.context_states = hidden[rows, call.context_positions].detach()  # [rows, d]
+        flat = call.logit_index if call.logit_index is not None else flat_index(positions)  # [N]
         if self.routes_output_layer and self.routing.mode == INDEXED:
             # one hypothesis per example -> one per label token, the rows the routed output layer now sees
-            index = self.routing.index  # [B]
-            self.routing.index = index.repeat_interleave(positions.sum(dim=1).to(index.device))  # [N label tokens]
+            rows = torch.div(flat, positions.shape[1], rounding_mode="floor")  # [N]: the row of each label token
+            self.routing.index = self.routing.index.index_select(0, rows.to(self.routing.index.device))  # [N]
+        states = hidden.flatten(0, 1).index_select(0, flat.to(hidden.device))  # [N, d], as hidden[positions]
         if call.chunked:
-            call.label_states = hidden[positions]  # [N, d]
-            return (call.label_states[:1], *args[1:])  # the probe row
-        return (hidden[positions], *args[1:])
+            call.label_states = states
+            return (states[:1], *args[1:])  # the probe row
+        return (states, *args[1:])
 
     # ---- logits in chunks (MCLConfig.logits_chunk_size) ----------------------------------------------------
 
@@ -122,6 +125,11 @@ class LabelLogits:
         output layer that is found, not routed and frozen (its weight would get no gradient), and no transformation
         of the logits that ``logits_of`` fails to reproduce."""
         if self.chunk_size is None or self.output_layer_name is None or self.unchunkable or self.routes_output_layer:
+            return False
+        if torch.compiler.is_compiling():
+            # each chunk's gradient is taken inside the forward (torch.autograd.grad in an autograd.Function), which
+            # torch.compile cannot trace, and the probe's check reads the host: compiled, the logits of the N label
+            # positions are computed whole (docs/architecture.md, "Compiling the forward")
             return False
         layer = self.base_model.get_submodule(self.output_layer_name)
         return not any(param.requires_grad for param in layer.parameters())

@@ -42,7 +42,7 @@ def relaxed_weights(nll: torch.Tensor, epsilon: float, tie_break: str = "lowest"
     return winner * (1.0 - epsilon) + (1.0 - winner) * (epsilon / (num_hypotheses - 1))
 
 
-def annealed_weights(nll: torch.Tensor, temperature: float) -> torch.Tensor:
+def annealed_weights(nll: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     """Eq. 5: q_k = p_k^(1/tau) / sum_s p_s^(1/tau) = softmax_k(-nll / tau), computed in log space.
 
     Shifting by the row minimum (softmax is shift-invariant) puts the winner's logit at exactly 0 and
@@ -50,7 +50,8 @@ def annealed_weights(nll: torch.Tensor, temperature: float) -> torch.Tensor:
     """
     nll = nll.float()
     gap = nll - nll.min(dim=1, keepdim=True).values  # [B, K], >= 0, 0 at the winner(s)
-    return torch.softmax(-gap / max(temperature, 1e-30), dim=1)
+    floor = temperature.clamp_min(1e-30).to(gap.dtype) if torch.is_tensor(temperature) else max(temperature, 1e-30)
+    return torch.softmax(-gap / floor, dim=1)
 
 
 # temperature_decay "auto": tau reaches temperature_min at this fraction of the run's optimizer steps, and the loss is
@@ -101,6 +102,26 @@ def temperature_at(step: int, config: MCLConfig, total_steps: int | None = None)
     return None if tau < config.temperature_min or tau == 0.0 else tau
 
 
+def temperature_tensor(step: torch.Tensor, config: MCLConfig, total_steps: int | None = None) -> torch.Tensor:
+    """``temperature_at`` of a 0-dim tensor ``step``, as a 0-dim float64 tensor, 0 once hard WTA: tensor ops only, so
+    that a compiled forward reads the step as a value (an int step is a constant of its graph: one graph per step)."""
+    step = step.double()
+    log_tau = math.log(config.temperature0) + step * math.log(temperature_decay(config, total_steps))
+    tau = torch.where(log_tau > -700, log_tau.exp(), 0.0)  # in log space, as temperature_at
+    hard = tau < config.temperature_min
+    if config.temperature_decay == "auto":
+        hard = hard | (step >= floor_step(total_steps))
+    return torch.where(hard, 0.0, tau)
+
+
+def step_tensor(kept: torch.Tensor, step: int, device: torch.device) -> torch.Tensor:
+    """``step`` in a 0-dim tensor on ``device``, ``kept`` refilled where it is there already (filling it queues a
+    kernel, no host sync; a CPU step read by a GPU graph would be copied in, waiting for the stream): what a compiled
+    forward passes to ``temperature_tensor``."""
+    kept = kept if kept.device == device else torch.zeros((), dtype=torch.long, device=device)
+    return kept.fill_(step)
+
+
 def weighted_nll(nll: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """mean_b sum_k q[b, k] nll[b, k] with q detached.
 
@@ -114,7 +135,11 @@ def weighted_nll(nll: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 WeightFn = Callable[[torch.Tensor, MCLConfig, int, int | None], torch.Tensor]
 
 
-def _annealed(nll: torch.Tensor, config: MCLConfig, step: int, total_steps: int | None) -> torch.Tensor:
+def _annealed(nll: torch.Tensor, config: MCLConfig, step: int | torch.Tensor, total_steps: int | None
+              ) -> torch.Tensor:
+    if torch.is_tensor(step):  # a compiled forward's: no branch on the temperature's value
+        tau = temperature_tensor(step, config, total_steps).to(nll.device)
+        return torch.where(tau > 0, annealed_weights(nll, tau), wta_weights(nll, config.tie_break))
     temperature = temperature_at(step, config, total_steps)
     return wta_weights(nll, config.tie_break) if temperature is None else annealed_weights(nll, temperature)
 
@@ -126,9 +151,10 @@ ASSIGNMENTS: dict[str, WeightFn] = {
 }
 
 
-def mcl_loss(nll: torch.Tensor, config: MCLConfig, step: int = 0, total_steps: int | None = None,
+def mcl_loss(nll: torch.Tensor, config: MCLConfig, step: int | torch.Tensor = 0, total_steps: int | None = None,
              training: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """The configured loss of ``nll`` [B, K] at optimizer step ``step`` of ``total_steps`` (needed by the annealed
+    """The configured loss of ``nll`` [B, K] at optimizer step ``step`` (an int, or a 0-dim tensor in a compiled
+    forward: ``temperature_tensor``) of ``total_steps`` (needed by the annealed
     loss's ``temperature_decay="auto"`` only): (scalar loss, weights q [B, K]). Outside training (``training``
     False) or with K = 1, an "auto" schedule of unknown length is read at its end: vanilla WTA (no run's length to
     fit, and nothing learns from these weights; MCLTrainer's evaluation loss is WTA anyway)."""

@@ -20,9 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
-import inspect
 import os
-import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -43,6 +41,7 @@ from loramcl.mcl.adapter_files import (
     read_adapter_files,
 )
 from loramcl.mcl.adapter_size import check_adapter_size
+from loramcl.mcl.batch import checked_target_index, decoder_input_ids_from_labels, flat_index, stacked_target_index
 from loramcl.mcl.compat import check_token_ids, checkpointing_keeps_cache, given_cache
 from loramcl.mcl.config import MCLConfig
 from loramcl.mcl.context import check_context_read, is_shared_context, without_context
@@ -57,8 +56,8 @@ from loramcl.mcl.copies import (
 from loramcl.mcl.fingerprint import FrozenBase, base_fingerprint, check_base_weights, known_fingerprint
 from loramcl.mcl.layers import DISABLED, INDEXED, SINGLE, HypothesisRouting, MCLLoraLinear, linear_features
 from loramcl.mcl.logits import LabelLogits
-from loramcl.mcl.losses import mcl_loss
-from loramcl.mcl.nll import IGNORE_INDEX, aligned_targets, check_targets, chunked_token_nll, mean_token_nll, row_means
+from loramcl.mcl.losses import mcl_loss, step_tensor
+from loramcl.mcl.nll import IGNORE_INDEX, aligned_targets, chunked_token_nll, mean_token_nll, row_means
 from loramcl.mcl.peft_interop import (
     matched_layer_names,
     output_layer_of,
@@ -67,7 +66,7 @@ from loramcl.mcl.peft_interop import (
 )
 from loramcl.mcl.routing import check_hypothesis, set_routing
 from loramcl.mcl.scope import CallScope, ForwardCall
-from loramcl.mcl.scores import HypothesisScores, context_positions, mixture_nll
+from loramcl.mcl.scores import context_positions, mixture_nll, scoring_head_for
 
 # Models of the baselines: method in mcl_config.json -> "module:function(base_model, path, saved, tensors,
 # is_trainable)" rebuilding the model from checked files; imported on use (loramcl.baselines sits above this module).
@@ -125,6 +124,7 @@ class MCLModel(ActivationCheckpointing, nn.Module):
         self.routing = routing
         self.layer_names = layer_names
         self.frozen_base = base
+        self._step = torch.zeros((), dtype=torch.long)  # training_step as a tensor: a compiled forward's annealed tau
         self.training_step = 0  # optimizer step, for the annealed temperature; MCLTrainer keeps it current
         self.training_steps: int | None = None  # the run's optimizer steps (temperature_decay "auto"), MCLTrainer sets
         self._explicit_routing = 0
@@ -178,6 +178,15 @@ class MCLModel(ActivationCheckpointing, nn.Module):
     @share_frozen_modules.setter
     def share_frozen_modules(self, value: bool) -> None:
         self.copy_hooks.share_frozen_modules = value
+
+    @property
+    def training_step(self) -> int:
+        return self._training_step
+
+    @training_step.setter
+    def training_step(self, step: int) -> None:
+        self._training_step = step
+        self._step = step_tensor(self._step, step, self.adapter_device())
 
     @property
     def method_config(self):
@@ -267,7 +276,8 @@ class MCLModel(ActivationCheckpointing, nn.Module):
     # ---- forward ----------------------------------------------------------------------------------------
 
     def forward(self, labels: torch.Tensor | None = None, hypotheses: int | torch.Tensor | None = None,
-                examples_per_block: int | None = None, **inputs) -> MCLOutput:
+                examples_per_block: int | None = None, target_index: torch.Tensor | None = None,
+                **inputs) -> MCLOutput:
         """Run the hypotheses on a batch.
 
         labels: [B, T] token ids, -100 where nothing is predicted. With labels, returns ``nll`` and ``loss``.
@@ -282,11 +292,15 @@ class MCLModel(ActivationCheckpointing, nn.Module):
             rounding) at the peak memory of one block. Two-pass WTA's scoring pass (``MCLTrainer``) uses it. Where
             the inputs cannot be cut by example (items flattened over the batch, e.g. Qwen2-VL's image patches) the
             batch runs whole, with a warning once. None: the batch at once.
+        target_index: [N] the positions whose output predicts a label (``loramcl.mcl.batch.checked_target_index``,
+            once per batch outside the forward): given, nothing is checked or read on the host and the forward compiles
+            whole; None: found and checked here. (No "label" in the name: Trainer would take it for a label column.)
         inputs: every other input of the base model (input_ids, attention_mask, pixel_values,
             input_features, decoder_input_ids, ...), passed through untouched.
         """
         self.check_usable()
-        check_token_ids(self.base_model, inputs.get("input_ids"))
+        if labels is None and not torch.compiler.is_compiling():  # compiled, the caller's entry checks (generate's)
+            check_token_ids(self.base_model, inputs.get("input_ids"))
         if self._adapters_disabled and hypotheses is not None:
             raise ValueError("the adapters are disabled in this block (disable_adapters): leave hypotheses out")
         copies = False
@@ -300,8 +314,9 @@ class MCLModel(ActivationCheckpointing, nn.Module):
         causal = not getattr(base.config, "is_encoder_decoder", False)
         if not causal and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
             inputs["decoder_input_ids"] = decoder_input_ids_from_labels(base, labels)
+        if target_index is None:
+            target_index = checked_target_index(self, inputs, labels)  # [N]
         targets = aligned_targets(labels, causal)  # [B, T]
-        check_targets(targets)
         positions = targets != IGNORE_INDEX  # [B, T]
         batch = labels.shape[0]
         stacked = hypotheses is None and not self._adapters_disabled
@@ -309,7 +324,7 @@ class MCLModel(ActivationCheckpointing, nn.Module):
             self._set_routing(hypotheses, rows=None if copies else batch, copies=copies)
         if torch.is_tensor(hypotheses) and self.routing.mode == INDEXED:
             try:
-                return self._forward_nll(inputs, targets, positions, stacked=False)
+                return self._forward_nll(inputs, targets, positions, target_index, stacked=False)
             except RowsPerExampleUnknown as error:
                 # Exact without knowing the rows of each example: run all K hypotheses (K times the compute)
                 # and keep each example's own; the gradient is the same as that of the per-example forward.
@@ -317,27 +332,32 @@ class MCLModel(ActivationCheckpointing, nn.Module):
                               stacklevel=4)  # the caller of model(...), past nn.Module's call wrappers
                 index = self.routing.index.to(labels.device)
                 self._set_routing(None, rows=batch)
-                nll = self._forward_nll(inputs, targets, positions, stacked=True).nll  # [B, K]
+                nll = self._forward_nll(inputs, targets, positions, target_index, stacked=True).nll  # [B, K]
                 nll = nll.gather(1, index.unsqueeze(1)).squeeze(1)  # [B]
                 return MCLOutput(loss=nll.mean(), nll=nll)
-        return self._forward_nll(inputs, targets, positions, stacked, examples_per_block)
+        return self._forward_nll(inputs, targets, positions, target_index, stacked, examples_per_block)
 
-    def _forward_nll(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, stacked: bool,
-                     examples_per_block: int | None = None) -> MCLOutput:
+    def _forward_nll(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, index: torch.Tensor,
+                     stacked: bool, examples_per_block: int | None = None) -> MCLOutput:
         """nll of every example under the routing already set: [B, K] (stacked, with the loss) or [B]; stacked, the
-        examples run ``examples_per_block`` at a time (the loss and the scores see them all at once)."""
+        examples run ``examples_per_block`` at a time (the loss and the scores see them all at once); ``index``: the
+        batch's target_index [N] (a block of examples finds its own)."""
         if not stacked:
-            nll = self._nll_of_rows(inputs, targets, positions, stacked=False)[0]  # [B]
+            nll = self._nll_of_rows(inputs, targets, positions, index, stacked=False)[0]  # [B]
             return MCLOutput(loss=nll.mean(), nll=nll)
         k, batch = self.num_hypotheses, targets.shape[0]
         nll, states = [], []
-        for block, block_inputs in self.label_logits.example_blocks(inputs, batch, examples_per_block):
-            block_nll, block_states = self._nll_of_rows(block_inputs, targets[block], positions[block], stacked=True)
+        blocks = self.label_logits.example_blocks(inputs, batch, examples_per_block)
+        for block, block_inputs in blocks:
+            block_index = index if len(blocks) == 1 else flat_index(positions[block])  # [N_block]
+            block_nll, block_states = self._nll_of_rows(block_inputs, targets[block], positions[block], block_index,
+                                                        stacked=True)
             nll.append(block_nll.view(k, -1))  # [K, n]: rows are hypothesis-major within the block
             if block_states is not None:
                 states.append(block_states.view(k, -1, block_states.shape[-1]))  # [K, n, d]
         nll = torch.cat(nll, dim=1).T  # [B, K]
-        loss, weights = mcl_loss(nll, self.mcl_config, self.training_step, self.training_steps, self.training)
+        step = self._step if torch.compiler.is_compiling() else self.training_step  # a value, not a graph constant
+        loss, weights = mcl_loss(nll, self.mcl_config, step, self.training_steps, self.training)
         if self.scoring_head is None:
             return MCLOutput(loss=loss, nll=nll, weights=weights)
         # The head learns even inside the trainer's no-grad scoring pass of two-pass WTA (its inputs are detached).
@@ -348,22 +368,25 @@ class MCLModel(ActivationCheckpointing, nn.Module):
         return MCLOutput(loss=loss + self.mcl_config.scoring_weight * scoring_loss, nll=nll, weights=weights,
                          log_scores=log_scores.detach(), mixture_nll=mixture, scoring_loss=scoring_loss)
 
-    def _nll_of_rows(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, stacked: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _nll_of_rows(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, index: torch.Tensor,
+                     stacked: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(nll [rows], with hypothesis scores the hidden states they read [rows, d] else None) of one call of the
-        base model under the routing already set: rows K*B hypothesis-major (stacked) or B."""
+        base model under the routing already set: rows K*B hypothesis-major (stacked) or B; ``index`` [N_B]: the
+        target_index of ``positions`` [B, T]. Fixed shapes throughout (gathers by index, no boolean masks)."""
         base, k, batch = self.base_model, self.num_hypotheses, targets.shape[0]
-        given = inputs, targets, positions  # the arguments as passed: an unchunked retry starts again from them
+        given = inputs, targets, positions, index  # the arguments as passed: an unchunked retry starts from them
         keep_cache = contextlib.nullcontext()
         if not self.mcl_config.adapt_context and not self._adapters_disabled:
             inputs, targets, positions = without_context(self, inputs, targets, positions, k if stacked else 1)
+            index = flat_index(positions)  # of the positions the call runs
             keep_cache = checkpointing_keeps_cache(base)
         row_positions = positions.repeat(k, 1) if stacked else positions  # [rows, T]
+        row_index = stacked_target_index(index, k, positions.numel()) if stacked else index  # [N], over rows*T
         scoring = stacked and self.scoring_head is not None
         chunked = self.label_logits.in_chunks()
         has_output_layer = self.label_logits.output_layer_name is not None
         call = ForwardCall(expand_batch=batch if stacked else None,
-                           logit_positions=row_positions if has_output_layer else None,
+                           logit_positions=row_positions if has_output_layer else None, logit_index=row_index,
                            context_positions=context_positions(row_positions) if scoring else None, chunked=chunked)
         with keep_cache:
             outputs = self.run_base({**inputs, "use_cache": False}, call)
@@ -372,10 +395,10 @@ class MCLModel(ActivationCheckpointing, nn.Module):
         if logits is None:
             raise ValueError(f"{type(base).__name__} returns no logits: LoRA-MCL needs a model with a language-"
                              "modeling head (e.g. AutoModelForCausalLM, AutoModelForSeq2SeqLM)")
-        token_targets = targets[positions]  # [N_B] in (example, position) order
+        token_targets = targets.flatten().index_select(0, index)  # [N_B] in (example, position) order
         if stacked:
             token_targets = token_targets.repeat(k)  # [K*N_B], hypothesis-major like the rows
-        rows = row_positions.nonzero()[:, 0]  # [N]
+        rows = torch.div(row_index, positions.shape[1], rounding_mode="floor")  # [N]: the row of each label token
         if chunked:
             logits_of = self.label_logits.logits_of()
             if not self.label_logits.reproduces_logits(logits_of, label_states, logits):
@@ -383,7 +406,7 @@ class MCLModel(ActivationCheckpointing, nn.Module):
             token_nll = chunked_token_nll(label_states, token_targets, logits_of, self.mcl_config.logits_chunk_size)
             nll = row_means(token_nll, rows, row_positions.shape[0])  # [rows]
         else:
-            token_logits = logits if has_output_layer else logits[row_positions]  # [N, V]
+            token_logits = logits if has_output_layer else logits.flatten(0, 1).index_select(0, row_index)  # [N, V]
             nll = mean_token_nll(token_logits, token_targets, rows, row_positions.shape[0])  # [rows]
         return nll, (states if scoring else None)
 
@@ -475,34 +498,6 @@ class MCLModel(ActivationCheckpointing, nn.Module):
     def get_base_model(self) -> nn.Module:
         """The transformers model holding the adapted layers (as PEFT's ``get_base_model``)."""
         return self.base_model
-
-
-def scoring_head_for(output_layer: nn.Module | None, model: nn.Module, num_hypotheses: int,
-                     device: torch.device) -> HypothesisScores:
-    """A new hypothesis-scores head reading the hidden states ``output_layer`` receives."""
-    if output_layer is None or getattr(output_layer, "weight", None) is None or output_layer.weight.dim() != 2:
-        raise ValueError(f"scoring=True reads the hidden state the output layer receives; "
-                         f"{type(model).__name__} has no output layer with a weight matrix")
-    hidden_size = output_layer.weight.shape[1]  # nn.Linear's weight is [V, d]
-    return HypothesisScores(num_hypotheses, hidden_size, device=device)
-
-
-def decoder_input_ids_from_labels(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-    """The decoder inputs an encoder-decoder builds itself when given only labels (teacher forcing): its
-    ``prepare_decoder_input_ids_from_labels`` (T5, BART, Marian, mBART, Pegasus), else its module's
-    ``shift_tokens_right(labels, pad_token_id, decoder_start_token_id)`` as its forward calls it (Whisper)."""
-    if hasattr(model, "prepare_decoder_input_ids_from_labels"):
-        return model.prepare_decoder_input_ids_from_labels(labels=labels)
-    shift = getattr(sys.modules.get(type(model).__module__), "shift_tokens_right", None)
-    config = model.config
-    start, pad = getattr(config, "decoder_start_token_id", None), getattr(config, "pad_token_id", None)
-    if shift is not None and len(inspect.signature(shift).parameters) == 3:
-        if start is None or pad is None:
-            raise ValueError(f"{type(model).__name__} derives decoder inputs from labels with its config's "
-                             f"decoder_start_token_id ({start}) and pad_token_id ({pad}): set both in its config, "
-                             "or pass decoder_input_ids")
-        return shift(labels, pad, start)
-    raise ValueError(f"pass decoder_input_ids: {type(model).__name__} has no rule to derive them from labels")
 
 
 def get_mcl_model(model: nn.Module, config: MCLConfig) -> MCLModel:

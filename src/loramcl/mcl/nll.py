@@ -113,7 +113,8 @@ def mean_token_nll(token_logits: torch.Tensor, token_targets: torch.Tensor, rows
 def row_means(token_nll: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Mean of the token NLLs of each row: token_nll [N], row of each token [N] -> [num_rows]."""
     totals = token_nll.new_zeros(num_rows).index_add(0, rows, token_nll)  # [num_rows]
-    counts = torch.bincount(rows, minlength=num_rows).to(totals.dtype)  # [num_rows]
+    # of a fixed size (bincount's depends on the largest row index: a dynamic shape that torch.compile cannot trace)
+    counts = totals.new_zeros(num_rows).index_add(0, rows, torch.ones_like(token_nll))  # [num_rows]
     return totals / counts
 
 

@@ -25,6 +25,11 @@ def set_routing(routing: HypothesisRouting, hypotheses: int | torch.Tensor | Non
         routing.copies = index.numel() if copies else None
         if rows is not None and index.numel() != rows:
             raise ValueError(f"hypotheses must give one hypothesis per example ({rows}), got {index.numel()}")
+        if torch.compiler.is_compiling():
+            # a compiled forward reads no value on the host: the indices route as given, unchecked (two-pass WTA's
+            # winners are argmins, in range by construction), without the shortcuts the values would allow
+            routing.mode, routing.index, routing.per_copy = INDEXED, index.to(device), copies
+            return
         values = index.tolist()  # one host read for the checks and the mode
         if not values or min(values) < 0 or max(values) >= k_max:
             raise ValueError(f"hypothesis indices must be in [0, {k_max - 1}], got {values}")

@@ -20,6 +20,7 @@ class ForwardCall:
 
     expand_batch: int | None = None  # B: repeat per-example inputs K times at the expansion module
     logit_positions: torch.Tensor | None = None  # [rows, T] bool: hidden states the LM head must see
+    logit_index: torch.Tensor | None = None  # [N] their flat indices (row * T + t), where known: a fixed-shape gather
     context_positions: torch.Tensor | None = None  # [rows]: the last context position, whose state the scores read
     context_states: torch.Tensor | None = None  # [rows, d]: those states (detached), filled by the output-layer hook
     # logits in chunks: the output-layer hook keeps the hidden states at label positions [N, d] here and gives the

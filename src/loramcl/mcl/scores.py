@@ -64,3 +64,13 @@ def context_positions(positions: torch.Tensor) -> torch.Tensor:
     """The last context position of each row: the first position whose output predicts a target token.
     positions: [rows, T] bool (outputs aligned with a target) -> [rows]."""
     return positions.int().argmax(dim=1)
+
+
+def scoring_head_for(output_layer: nn.Module | None, model: nn.Module, num_hypotheses: int,
+                     device: torch.device) -> HypothesisScores:
+    """A new hypothesis-scores head reading the hidden states ``output_layer`` receives."""
+    if output_layer is None or getattr(output_layer, "weight", None) is None or output_layer.weight.dim() != 2:
+        raise ValueError(f"scoring=True reads the hidden state the output layer receives; "
+                         f"{type(model).__name__} has no output layer with a weight matrix")
+    hidden_size = output_layer.weight.shape[1]  # nn.Linear's weight is [V, d]
+    return HypothesisScores(num_hypotheses, hidden_size, device=device)

@@ -96,6 +96,11 @@ class TrainConfig:
     """TensorFloat-32 for the float32 matmuls on an Ampere or newer GPU (Trainer's ``tf32``): about 10 bits of
     mantissa instead of 23, several times faster. The CPU has no such mode: there it changes nothing."""
 
+    compile: bool = False
+    """``torch.compile`` the MCL forward (Trainer's ``torch_compile``, inductor): the forward reads nothing on the host
+    and compiles without graph breaks (docs/architecture.md, "Compiling the forward"); the first steps of each new
+    batch shape pay the compilation. Losses equal the eager forward's to float rounding."""
+
     learning_rate: float = 5e-4
     """AdamW peak learning rate, in (0, 1]."""
 
@@ -151,7 +156,7 @@ class TrainConfig:
         require(self.batch_size % steps == 0, f"gradient_accumulation_steps {steps} must divide batch_size "
                 f"{self.batch_size} (the examples of one optimizer step): set batch_size to a multiple of it, e.g. "
                 f"{-(-self.batch_size // steps) * steps}", "gradient_accumulation_steps")
-        for name in ("activation_checkpointing", "bf16", "tf32", "keep_best"):
+        for name in ("activation_checkpointing", "bf16", "tf32", "keep_best", "compile"):
             require(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         require_real("learning_rate", self.learning_rate, low=0.0, high=MAX_LEARNING_RATE, low_open=True,
                      hint=_LEARNING_RATE_HINT)

@@ -38,7 +38,7 @@ def quantization_settings(quantization: str | None) -> dict:
     return {"quantization": quantization} if quantization else {}
 
 # Fields that decide how a run is computed, not its adapters: a run resumed or compared with another value is the same
-_COMPUTATION_ONLY = {"mcl": ("logits_chunk_size",)}
+_COMPUTATION_ONLY = {"mcl": ("logits_chunk_size",), "training": ("compile",)}
 # Fields that act only under one loss (loss name, fields): a run under another loss is the same whatever they hold (a
 # WTA run recorded when `loramcl train`'s temperature_decay default was 0.999 is the run of today's default, "auto")
 _LOSS_ONLY = {"mcl": ("annealed", ("temperature0", "temperature_decay", "temperature_min"))}
@@ -60,6 +60,8 @@ def _as_configs(settings: dict) -> dict:
                     del result[key][name]
             elif key in ("data", "training") and isinstance(value, dict):
                 result[key] = asdict((DataConfig if key == "data" else TrainConfig)(**value))
+                for name in _COMPUTATION_ONLY.get(key, ()):
+                    del result[key][name]
         except (TypeError, ValueError):  # a field removed or renamed since: compared as recorded
             pass
     return json.loads(json.dumps(result))

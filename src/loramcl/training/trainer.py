@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
+from loramcl.mcl.batch import batch_target_index
 from loramcl.mcl.compat import check_trainer_methods
 from loramcl.mcl.losses import schedule_line, temperature_at
 from loramcl.mcl.losses import winners as loss_winners
@@ -211,26 +212,26 @@ class MCLTrainer(Trainer):
     def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None):
         mcl = self._mcl_model()
+        index = batch_target_index(mcl, inputs, self.args.torch_compile)  # the batch's host reads, once
         if not model.training:
-            return self._evaluation_loss(model, inputs, return_outputs)
+            return self._evaluation_loss(model, inputs, return_outputs, index)
         mcl.training_step = self.state.global_step
         mcl.training_steps = self.state.max_steps or (self.args.max_steps if self.args.max_steps > 0 else None)
         if self.two_pass_wta and mcl.mcl_config.loss == "wta" and mcl.num_hypotheses > 1:
             per_block = self.scoring_examples_per_block
-            if per_block == "auto" and torch.is_tensor(inputs.get("labels")):
-                per_block = scoring_block(inputs["labels"].shape[0], mcl.num_hypotheses)
-            elif per_block == "auto":
-                per_block = None
+            if per_block == "auto":  # compiled: the whole batch (a block's label positions would read the host)
+                per_block = None if index is None or self.args.torch_compile else scoring_block(
+                    inputs["labels"].shape[0], mcl.num_hypotheses)
             with torch.no_grad():  # nll [B, K]; the scoring head, if any, learns from this pass
-                scored = model(**inputs, examples_per_block=per_block)
-            winners = loss_winners(scored.nll, mcl.mcl_config.tie_break)  # [B], as the one-pass loss picks them
-            outputs = model(**inputs, hypotheses=winners)  # forward + backward of the winner rows only
+                scored = model(**inputs, examples_per_block=per_block, target_index=index)
+            winners = loss_winners(scored.nll, mcl.mcl_config.tie_break)  # [B]; no host read between the passes
+            outputs = model(**inputs, hypotheses=winners, target_index=index)  # forward + backward of the winners
             outputs.nll = scored.nll
             if scored.scoring_loss is not None:
                 outputs.loss = outputs.loss + mcl.mcl_config.scoring_weight * scored.scoring_loss
                 outputs.log_scores, outputs.mixture_nll = scored.log_scores, scored.mixture_nll
         else:
-            outputs = model(**inputs)
+            outputs = model(**inputs, target_index=index)
             winners = outputs.weights.argmax(dim=1)  # [B]: the loss's winners (ties broken as the loss broke them)
         self._nonfinite_loss |= ~torch.isfinite(outputs.loss.detach())  # no host sync here
         if mcl.mcl_config.loss == "annealed" and mcl.num_hypotheses > 1:
@@ -245,11 +246,11 @@ class MCLTrainer(Trainer):
             self._initial_nll[1] += nll.shape[0]
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
-    def _evaluation_loss(self, model: nn.Module, inputs: dict, return_outputs: bool):
+    def _evaluation_loss(self, model: nn.Module, inputs: dict, return_outputs: bool, index: torch.Tensor | None):
         """The vanilla WTA loss (eq. 2) whatever the training loss; the per-example NLL recorded for the metrics the
         evaluation logs, and the predictions ``compute_metrics`` receives ({"nll": [B, K]})."""
         with torch.no_grad():
-            outputs = model(**inputs)
+            outputs = model(**inputs, target_index=index)
         nll = outputs.nll.detach()  # [B, K]
         self._eval_nll.append(self.accelerator.gather_for_metrics(nll).float().cpu())
         if outputs.mixture_nll is not None:
@@ -320,8 +321,7 @@ class MCLTrainer(Trainer):
         checked = self.__dict__.setdefault("_datasets_with_targets", set())  # ids: each dataset is read once
         if dataset is None or id(dataset) in checked:
             return
-        mcl = self._mcl_model()
-        empty = examples_without_targets(dataset, causal=not getattr(mcl.config, "is_encoder_decoder", False))
+        empty = examples_without_targets(dataset, not getattr(self._mcl_model().config, "is_encoder_decoder", False))
         if empty:
             shown = ", ".join(map(str, empty[:10])) + (f" ... ({len(empty)} in all)" if len(empty) > 10 else "")
             raise ValueError(f"{name} examples {shown} have no label token (every label is {IGNORE_INDEX} after the "
