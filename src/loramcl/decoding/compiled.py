@@ -43,8 +43,10 @@ def compiled_steps(model: nn.Module) -> Iterator[None]:
     """While a ``generate`` of ``model`` (the transformers model whose forward it calls) runs: its first call (the
     prefill, whose length varies) runs eagerly, every later one (a step: one token per row on the static cache)
     through ``torch.compile`` of its forward, made once per model and mode and kept on it (dynamo's guards then
-    reuse the graphs from one generate to the next; a new batch size or cache length compiles again). Without
-    ``fullgraph`` while the MCL forward still breaks its graph (issue 54, part A)."""
+    reuse the graphs from one generate to the next; a new batch size or cache length compiles again). The MCL
+    forward compiles whole in every decoding routing (tests/mcl/test_compile.py) and so does the tiny Llama's step
+    (tests/decoding/test_compiled_decoding.py); ``fullgraph`` stays off so that a model class whose own forward
+    breaks the graph still decodes, compiled in parts, instead of failing."""
     mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else "default"
     had_own = "forward" in model.__dict__  # e.g. accelerate's hooks set the instance's forward
     own, eager = model.__dict__.get("forward"), model.forward
