@@ -1,7 +1,10 @@
 """The suite's compiled rows (issue 54, ``--sections compiled``): generate_hypotheses on K hypotheses eager and
 compiled (``compile=True``: a static KV cache, the steps through torch.compile, CUDA graphs on a GPU), and the bare
 base model decoding the same K*B rows eager and compiled the same way (``loramcl.decoding.compiled``), side by side in
-one run. The GPU goal: compiled loramcl K=5 within 1.10x the compiled bare base, Llama-8B shape, batch 1:
+one run; and a training step (stacked relaxed WTA, K = 1 and 5) eager and through ``torch.compile`` of the MCL model
+with the batch's ``target_index``, as ``TrainConfig(compile=True)`` trains. The GPU goals: compiled loramcl K=5 within
+1.10x the compiled bare base, Llama-8B shape, batch 1; a K = 1 training step at 1024 tokens within 2x the compute
+floor:
 
     python benchmarks/suite.py --shape llama-8b --device cuda --dtype bfloat16 --sections compiled
 
@@ -16,7 +19,10 @@ import contextlib
 import torch
 from common import interleaved_medians
 
+BACKEND = "inductor"  # torch.compile's backend for the training rows (the test sets "aot_eager")
+
 COMPILED = [(5, "greedy", 1), (5, "beam", 2)]  # (K, strategy, beams per hypothesis), batch 1
+COMPILED_TRAINING = (1, 5)  # K of the training steps, eager and compiled
 SIDES = ("bare", "bare-compiled", "loramcl", "loramcl-compiled")
 
 
@@ -62,6 +68,37 @@ def compiled_rows(suite, args) -> list[dict] | str:
                          compiled_over_eager=seconds["loramcl-compiled"] / seconds["loramcl"],
                          bare_compiled_over_bare=seconds["bare-compiled"] / seconds["bare"], same_tokens=agreement))
     print("compiled: done", flush=True)
+    return rows + training_rows(suite, args)
+
+
+def training_rows(suite, args) -> list[dict]:
+    """A training step (forward, backward, AdamW) of K stacked relaxed hypotheses at the suite's first length,
+    eager and compiled, after a warm-up step each (which compiles); the losses of the first step compared."""
+    from common import train_step
+
+    from loramcl.mcl.batch import checked_target_index
+
+    seq = args.seqs[0]
+    batch = suite.batch(seq, seq - seq // 4, args.batch)
+    rows = []
+    for k in COMPILED_TRAINING:
+        (eager, eager_opt), (model, opt) = suite.wrap(k), suite.wrap(k)
+        model.load_state_dict(eager.state_dict())
+        inputs = {name: value for name, value in batch.items() if name != "labels"}
+        index = checked_target_index(eager, inputs, batch["labels"])
+        compiled = torch.compile(model, backend=BACKEND)
+        losses = [eager(**batch, target_index=index).loss.item(), compiled(**batch, target_index=index).loss.item()]
+        if abs(losses[0] - losses[1]) > 1e-3 * max(abs(losses[0]), 1):
+            raise RuntimeError(f"K={k}: the compiled training forward gave loss {losses[1]}, eager {losses[0]}")
+        steps = {"eager": lambda m=eager, o=eager_opt: train_step("stacked", m, {**batch, "target_index": index}, o),
+                 "compiled": lambda m=compiled, o=opt: train_step("stacked", m, {**batch, "target_index": index}, o)}
+        for step in steps.values():
+            step()  # warm-up (compiles)
+        seconds = interleaved_medians(steps, args.steps, suite.device, warmup=0)
+        rows.append(dict(k=k, strategy=f"training step, {seq} tokens", training=True, eager_ms=seconds["eager"] * 1000,
+                         compiled_ms=seconds["compiled"] * 1000,
+                         compiled_over_eager=seconds["compiled"] / seconds["eager"]))
+    print("compiled training: done", flush=True)
     return rows
 
 
@@ -75,5 +112,11 @@ def markdown(rows: list[dict] | str, new_tokens: int) -> list[str]:
     lines += [f"| {row['k']} | {row['strategy']} | {row['bare_ms']:.0f} | {row['bare-compiled_ms']:.0f} | "
               f"{row['loramcl_ms']:.0f} | {row['loramcl-compiled_ms']:.0f} | {row['compiled_over_bare_compiled']:.2f} | "
               f"{row['compiled_over_eager']:.2f} | {row['bare_compiled_over_bare']:.2f} | {row['same_tokens']:.0%} |"
-              for row in rows]
+              for row in rows if not row.get("training")]
+    training = [row for row in rows if row.get("training")]
+    if training:
+        lines += ["", "Training step (stacked relaxed WTA, forward + backward + AdamW), eager and compiled:", "",
+                  "| K | step | eager (ms) | compiled (ms) | compiled / eager |", "|---|---|---|---|---|"]
+        lines += [f"| {row['k']} | {row['strategy']} | {row['eager_ms']:.0f} | {row['compiled_ms']:.0f} | "
+                  f"{row['compiled_over_eager']:.2f} |" for row in training]
     return lines

@@ -133,10 +133,13 @@ def test_the_compiled_rows_run_on_request_and_decode_eagers_tokens(tmp_path, mon
     """--sections compiled (issue 54; not a CPU default): loramcl and the bare base, eager and compiled, side by side;
     compiled decoding gave eager decoding's tokens (the section checks it on the CPU). aot_eager: inductor's C++ build
     is not what is tested."""
+    import compiled_decoding
+
     from loramcl.decoding import compiled
 
     assert "compiled" not in suite.parse(["--shape", "tiny"]).sections
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    monkeypatch.setattr(compiled_decoding, "BACKEND", "aot_eager")
     torch._dynamo.reset()
     args = suite.parse(["--shape", "tiny", "--sections", "compiled", "--repeats", "1", "--out", str(tmp_path)])
     try:
@@ -144,9 +147,13 @@ def test_the_compiled_rows_run_on_request_and_decode_eagers_tokens(tmp_path, mon
     finally:
         torch._dynamo.reset()
     rows = results["compiled"]
-    assert [(row["k"], row["strategy"]) for row in rows] == [(5, "greedy"), (5, "beam 2/hypothesis")]
-    assert all(row["same_tokens"] == 1 and row["compiled_over_bare_compiled"] > 0 for row in rows)
-    assert "Compiled decoding" in suite.markdown(results)
+    decoding, training = rows[:2], rows[2:]
+    assert [(row["k"], row["strategy"]) for row in decoding] == [(5, "greedy"), (5, "beam 2/hypothesis")]
+    assert all(row["same_tokens"] == 1 and row["compiled_over_bare_compiled"] > 0 for row in decoding)
+    # the training step, eager and compiled (the section checks their losses agree before timing)
+    assert [(row["k"], row["training"]) for row in training] == [(1, True), (5, True)]
+    assert all(row["compiled_over_eager"] > 0 for row in training)
+    assert "Compiled decoding" in suite.markdown(results) and "eager and compiled:" in suite.markdown(results)
 
 
 def test_the_indexed_routing_benchmark_checks_both_computations_agree_then_times_them(capsys, monkeypatch):
