@@ -33,11 +33,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 main: setup
 	$(VENV)/bin/loramcl markov --out runs/markov
 
-# The unit tests on both cores (pytest-xdist), then the recipes' and the system's end-to-end tests in one process
-# (they start processes of their own and share files of the packaged models): together the whole suite, as CI runs it.
+# The unit tests on both cores (pytest-xdist), then the recipes' and the system's end-to-end tests, on both cores too
+# (each worker converts the packaged models it needs once, into its own temporary folder): together the whole suite,
+# as CI runs it.
 test: setup
 	$(VENV)/bin/pytest -n 2 -m "not slow and not recipe and not system"
-	$(VENV)/bin/pytest -m "not slow and (recipe or system)"
+	$(VENV)/bin/pytest -n 2 -m "not slow and (recipe or system)"
 
 # The unit tests alone (everything but tests/recipes/ and tests/system/), on every core (pytest-xdist): a quick check
 # while changing the library, about 1.5 minutes on 2 cores.
