@@ -298,6 +298,17 @@ def test_a_bare_nested_true_false_option_means_true():
     assert _bare_booleans(["train", "--mcl.r", "--x"], train) == ["train", "--mcl.r", "--x"]
 
 
+@pytest.mark.parametrize("value", ["-inf", "-nan", "-Infinity"])
+def test_a_non_finite_negative_value_is_checked_by_its_option_not_taken_for_an_option(value, capsys):
+    """`--mcl.alpha -inf` said only "argument --mcl.alpha: expected one argument" (argparse took -inf for an option);
+    now the option's own check names the value, as for `--mcl.alpha=-inf`."""
+    for option in ("--mcl.alpha", "--training.learning_rate"):
+        with pytest.raises(SystemExit):
+            main(["train", "--model", "m", "--out", "o", "--data.train_file", "t", option, value])
+        err = capsys.readouterr().err
+        assert f"{option} must be a number; got '{value}'" in err and "expected one argument" not in err, err
+
+
 def test_other_packages_import_noise_is_kept_off_the_console_and_our_warnings_are_not():
     """torchao's failed CUDA library loads, torch's pytree Enum deprecation (from torchao) and bitsandbytes' missing
     optional CPU kernel are logged as they are imported, on every model command: the commands leave them out, and

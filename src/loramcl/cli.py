@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     command = next((a for a in args if a in table), None)
     if command == "recipes" and args[-1] == "recipes":
         args.append("list")  # `loramcl recipes` alone lists them
-    args = _packaged_configs(args)
+    args = _non_finite_values(_packaged_configs(args))
     if command is not None and callable(table[command]):
         args = _bare_booleans(args, table[command])
         if "threads" in inspect.signature(table[command]).parameters and not {"-h", "--help"} & set(args):
@@ -417,6 +417,19 @@ def _sections(function) -> dict[str, dict[str, object]]:
     except Exception:  # an annotation that does not resolve: no section is known
         return {}
     return sections
+
+
+def _non_finite_values(args: list[str]) -> list[str]:
+    """``args`` with `--option -inf` (or -nan, -infinity) written `--option=-inf`: argparse takes a word that starts
+    with '-' and is no plain negative number for an option, and would say only "expected one argument"; joined, the
+    option's own check names what is wrong with the value."""
+    out: list[str] = []
+    for arg in args:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and arg.lower() in ("-inf", "-infinity", "-nan"):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def _bare_booleans(args: list[str], function) -> list[str]:
