@@ -149,7 +149,8 @@ def test_recipe_paths_resolve_against_the_recipe_file(tmp_path, monkeypatch, cap
     for run in ensembles:  # the recipe's runner assembles them from trained members: `loramcl train` says so
         code, _, err = run_main(["train", "--config", "bilingual/common.yaml", f"--config=bilingual/{run.name}"],
                                 capsys)
-        assert code == 2 and "ensemble" in err
+        assert code == 2 and "is a recipe's ensemble run (ensemble: [its members])" in err, err
+        assert "assemble_hypotheses" in err and "unknown option" not in err
     for run, common in zip(runs, ["bilingual/common.yaml", str(folder / "common.yaml")] * len(runs), strict=False):
         with pytest.raises(SystemExit):
             main(["train", "--config", common, f"--config=bilingual/{run.name}", "--print_config"])

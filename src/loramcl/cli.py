@@ -361,6 +361,11 @@ def _usage_message(text: str, table: dict, command: str | None) -> str:
         see = f"; see loramcl {command} --help" if command else ""
         return f"unknown option {' '.join(unknown)}{suggestion}{see}"
     if match := re.match(r"Subcommand '.*?' does not accept option '(.*?)'", text):  # a key of a --config file
+        if match[1] == "ensemble":  # a recipe's ensemble run (issue 55) is assembled, not trained
+            return ("this --config file is a recipe's ensemble run (ensemble: [its members]), which no single training "
+                    "makes: the task's command trains its member runs and assembles them (name it in the recipe's "
+                    "experiment.yaml or --runs, docs/guide/baselines.md), or train each member's file with loramcl "
+                    "train and assemble them with loramcl.assemble_hypotheses")
         see = f"; see loramcl {command} --help" if command else ""
         return f"unknown option {match[1]} in a --config file{_suggestion(match[1], table, command, prefix='')}{see}"
     if match := re.match(r'Parser key "(.*?)": (.*)', text):
