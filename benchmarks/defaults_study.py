@@ -323,7 +323,7 @@ def main() -> None:
     parser.add_argument("--table", action="store_true", help="only print the table of the finished runs")
     args = parser.parse_args()
     if args.table:
-        print(table(args.out))
+        print(table(args.out) + "\n\n" + curves(args.out))
         return
     torch.set_num_threads(1)
     from transformers.utils import logging
@@ -349,6 +349,32 @@ def split_step(curve: list[dict], threshold: float = 0.10) -> int | None:
         elif step is None:
             step = point["step"]
     return step
+
+
+def curves(out: Path, every: int = 10) -> str:
+    """Per task and MCL setting, against steps (every ``every``-th logged step, mean over the finished seeds): the split
+    gap as a share of what training gained, and the smallest hypothesis's win share."""
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("*/*/results.json"))]
+    results = [r for r in results if r["setting"] != "mle" and r.get("curve")]
+    steps = sorted({p["step"] for r in results for p in r["curve"] if p["step"] % every == 0})
+    head = " | ".join(str(step) for step in steps)
+    lines = [f"| task | setting | measure | {head} |", "|---|---|---|" + "---|" * len(steps)]
+    for task in TASKS:
+        for setting in SETTINGS:
+            runs = [r for r in results if r["task"] == task and r["setting"] == setting]
+            if not runs:
+                continue
+            at = [{p["step"]: p for p in r["curve"]} for r in runs]
+
+            def mean(step, value):
+                values = [value(points[step]) for points in at if step in points and value(points[step]) is not None]
+                return f"{statistics.mean(values):.2f}" if values else "-"
+
+            gaps = " | ".join(mean(step, lambda p: p["gap_share"]) for step in steps)
+            shares = " | ".join(mean(step, lambda p: p["shares"][-1]) for step in steps)
+            lines.append(f"| {task} | {setting} | split gap / gain | {gaps} |")
+            lines.append(f"| {task} | {setting} | smallest win share | {shares} |")
+    return "\n".join(lines)
 
 
 def table(out: Path) -> str:

@@ -136,8 +136,8 @@ def test_the_command_line_names_the_option_as_typed(capsys):
                                                                          "by alpha/sqrt(r) = 100.5"),
     (["--method", "moe", "--moe.alpha", "1e30"], "--moe.alpha 1e+30 scales the adapter output by alpha/r"),
     # a value that would be ignored
-    (["--mcl.epsilon", "0.1"], "--mcl.epsilon 0.1 is relaxed WTA's weight, and loss is 'wta': set loss relaxed, or "
-                               "leave epsilon out"),
+    (["--mcl.loss", "wta", "--mcl.epsilon", "0.1"], "--mcl.epsilon 0.1 is relaxed WTA's weight, and loss is 'wta': "
+                                                    "set loss relaxed, or leave epsilon out"),
     (["--method", "multihead", "--multihead.loss", "annealed", "--multihead.epsilon", "0.1"],
      "--multihead.epsilon 0.1 is relaxed WTA's weight, and loss is 'annealed'"),
     (["--mcl.scoring_weight", "2"], "--mcl.scoring_weight 2.0 weighs the hypothesis scores' loss, and scoring is off"),

@@ -283,7 +283,8 @@ def test_the_hypotheses_need_no_option_and_another_method_refuses_changed_ones()
     from loramcl.mcl.config import MCLConfig
     from loramcl.training.fit import COMMAND_MCL, method_config, train
 
-    assert train.__defaults__[0] == COMMAND_MCL == replace(MCLConfig(), temperature_decay="auto")  # `--mcl.*`'s
+    measured = replace(MCLConfig(), loss="relaxed", epsilon="auto", temperature_decay="auto")  # issues 52, 53
+    assert train.__defaults__[0] == COMMAND_MCL == measured  # `--mcl.*`'s
     assert method_config("mcl", None, None, None) == COMMAND_MCL
     assert method_config("moe", COMMAND_MCL, MoEConfig(r=4), None) == MoEConfig(r=4)
     with pytest.raises(ValueError, match=r"--mcl\.\* configures method 'mcl' but method is 'moe'"):

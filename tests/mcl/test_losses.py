@@ -31,6 +31,27 @@ def test_relaxed_weights_follow_eq4():
     assert torch.allclose(others[~others.isnan()], torch.full((18,), 0.1))
 
 
+def test_epsilon_auto_is_the_measured_value_for_relaxed_wta_and_none_otherwise():
+    """epsilon 'auto' (`loramcl train`'s default, issue 53): AUTO_EPSILON under relaxed WTA with K >= 2, the same
+    loss as that number given; 0 under another loss or with one hypothesis, so the command's default leaves
+    `--mcl.loss wta` and K = 1 valid; a number keeps being checked against the loss."""
+    from loramcl.mcl.config import AUTO_EPSILON
+
+    nll = _nll(k=3)
+    auto = MCLConfig(num_hypotheses=3, loss="relaxed", epsilon="auto")
+    given = MCLConfig(num_hypotheses=3, loss="relaxed", epsilon=AUTO_EPSILON)
+    assert auto.relaxed_epsilon == AUTO_EPSILON == 0.05
+    assert torch.equal(mcl_loss(nll, auto)[1], mcl_loss(nll, given)[1])
+    assert MCLConfig(num_hypotheses=1, loss="relaxed", epsilon="auto").relaxed_epsilon == 0.0
+    assert MCLConfig(loss="wta", epsilon="auto").relaxed_epsilon == 0.0
+    assert MCLConfig(loss="annealed", epsilon="auto").relaxed_epsilon == 0.0
+    with pytest.raises(ValueError, match="is relaxed WTA's weight, and loss is 'wta'"):
+        MCLConfig(loss="wta", epsilon=0.05)
+    with pytest.raises(ValueError, match="epsilon must be in"):
+        MCLConfig(num_hypotheses=1, loss="relaxed", epsilon=0.05)
+    assert MCLConfig.from_dict(auto.to_dict()) == auto  # saved and read back as 'auto'
+
+
 def test_relaxed_with_zero_epsilon_equals_wta():
     """Against weights written by hand (not built from wta_weights): eq. 4 at epsilon = 0 puts all the weight on the
     winner, ties to the lowest k (the paper's rule), and the loss and its gradient are the winners' NLL alone."""

@@ -78,3 +78,4 @@ def test_one_run_trains_decodes_scores_and_is_reused(tmp_path):
     assert set(mle["test"]) == {"beam", "sample"} and "wins_by_mode" not in mle
     assert json.loads((args.out / "markov" / "mle-s0" / "run.json").read_text())["settings"]["mcl"]["r"] == 12
     assert "| markov | 3 | relaxed-0.1 | 1 |" in study.table(args.out)
+    assert study.curves(args.out).startswith("| task | setting | measure |")

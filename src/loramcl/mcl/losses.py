@@ -146,7 +146,7 @@ def _annealed(nll: torch.Tensor, config: MCLConfig, step: int | torch.Tensor, to
 
 ASSIGNMENTS: dict[str, WeightFn] = {
     "wta": lambda nll, config, step, total_steps: wta_weights(nll, config.tie_break),
-    "relaxed": lambda nll, config, step, total_steps: relaxed_weights(nll, config.epsilon, config.tie_break),
+    "relaxed": lambda nll, config, step, total_steps: relaxed_weights(nll, config.relaxed_epsilon, config.tie_break),
     "annealed": _annealed,
 }
 

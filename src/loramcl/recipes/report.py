@@ -93,7 +93,8 @@ def loss_name(mcl: dict, method: str = "mcl") -> str:
     if mcl["num_hypotheses"] == 1:
         return "MLE"
     if mcl["loss"] == "relaxed":
-        return f"relaxed ε={mcl['epsilon']:g}"
+        epsilon = mcl["epsilon"]
+        return f"relaxed ε={epsilon if isinstance(epsilon, str) else format(epsilon, 'g')}"
     if mcl["loss"] == "annealed":
         decay = mcl["temperature_decay"]
         return f"annealed τ0={mcl['temperature0']:g}, ρ={decay if isinstance(decay, str) else format(decay, 'g')}"

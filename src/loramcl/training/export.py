@@ -155,7 +155,7 @@ def model_card(mcl, base: str, folders: list[str], record: tuple[Path, dict] | N
     run = json.loads(record[0].read_text(encoding="utf-8")) if record else {}
     log_path = Path(adapters) / "train_log.json"
     log = json.loads(log_path.read_text(encoding="utf-8")) if log_path.is_file() else []
-    loss = cfg.loss + {"relaxed": f" (epsilon {cfg.epsilon})", "annealed": f" (temperature {cfg.temperature0}, decay "
+    loss = cfg.loss + {"relaxed": f" (epsilon {cfg.relaxed_epsilon:g})", "annealed": f" (temperature {cfg.temperature0}, decay "
                        f"{cfg.temperature_decay})"}.get(cfg.loss, "")
     scaling = "folded into lora_B (lora_alpha = r)" if fold_scaling else \
         f"alpha {cfg.alpha}{' with rsLoRA (alpha/sqrt(r))' if cfg.use_rslora else ''}"

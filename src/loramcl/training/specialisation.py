@@ -129,7 +129,7 @@ def remedies(config: MCLConfig, last_temperature: float | None) -> str:
                      "hypothesis keeps learning from its epsilon share; on our bilingual task h1 came back from 4% of "
                      "the first 10 steps' wins to half by step 30)")
     if config.loss == "relaxed":
-        tries.append(f"a larger epsilon than {config.epsilon:g} (the paper used 0.0005 to 0.1)")
+        tries.append(f"a larger epsilon than {config.relaxed_epsilon:g} (the paper used 0.0005 to 0.1)")
     if config.loss == "annealed" and config.temperature_decay != "auto" and last_temperature is not None:
         tries.append(f"--mcl.temperature_decay auto (tau was still {last_temperature:.3g} at the last step: the "
                      "assignment never left the soft regime)")
