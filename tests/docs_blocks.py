@@ -420,7 +420,10 @@ REGISTRY = {
         ".venv/bin/python benchmarks/suite.py --shape tiny-audio --device cuda --dtype bfloat16 --steps 1 --repeats 1",
         ".venv/bin/python benchmarks/suite.py --shape llama-1b --device cuda --dtype bfloat16 --steps 3 --repeats 2",
         ".venv/bin/python benchmarks/host_syncs.py --device cuda --dtype bfloat16",
-        ".venv/bin/python benchmarks/suite.py --shape cpu-small --threads 1 --quantized")},
+        ".venv/bin/python benchmarks/suite.py --shape cpu-small --threads 1 --quantized",
+        ".venv/bin/python benchmarks/defaults_study.py --model models/SmolLM2-135M-Instruct --out /tmp/defaults "
+        "--tasks markov bilingual short --settings mle wta relaxed-0.05 relaxed-0.1 annealed-auto --seeds 0 1",
+        ".venv/bin/python benchmarks/defaults_study.py --out /tmp/defaults --table")},
     ("docs/benchmarks.md", "bash benchmarks/gpu_wheels.sh"): Check(gpu_wheels, None, "downloads wheels for the GPU "
                                                                    "machine: the names it downloads are the lock's"),
     ("docs/benchmarks.md", ".venv/bin/python benchmarks/gpu_check.py --dry-run --out runs/gpu-check"): Module(

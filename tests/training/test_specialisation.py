@@ -46,7 +46,7 @@ def test_verdicts_of_a_healthy_split_a_partial_and_a_full_collapse():
     partial = verdict(records_of(_history(PARTIAL, start=20), 3), K3, 30, 0.01)
     assert partial.kind == "partly collapsed" and partial.hypotheses == [1] and partial.since_step == 20
     assert "h1 (since step 20)" in partial.line and "h1 5.0%" in partial.line and "Try: " in partial.line
-    assert "--mcl.loss relaxed --mcl.epsilon 0.05" in partial.line and "more steps" in partial.line
+    assert "--mcl.loss relaxed (epsilon auto: 0.05" in partial.line and "more steps" in partial.line
     collapsed = verdict(records_of(_history(COLLAPSED), 3), MCLConfig(num_hypotheses=3, tie_break="lowest"), 30, 0.01)
     assert collapsed.kind == "not split" and collapsed.hypotheses == [1, 2] and "h0 won 100.0%" in collapsed.line
     assert "--mcl.tie_break random" in collapsed.line
@@ -56,6 +56,13 @@ def test_verdicts_of_a_healthy_split_a_partial_and_a_full_collapse():
                                                               temperature_decay=0.999), 30, 0.01, 0.94)
     assert alike.kind == "not split" and "--mcl.temperature_decay auto (tau was still 0.94" in alike.line
     assert verdict(records_of(_history(HEALTHY), 3), MCLConfig(num_hypotheses=1), 30, 0.01) is None
+    # relaxed WTA (issue 53's measurements): a partial collapse asks for more epsilon, hypotheses too alike for less
+    relaxed = MCLConfig(num_hypotheses=3, loss="relaxed", epsilon=0.1)
+    partly = verdict(records_of(_history(PARTIAL, start=20), 3), relaxed, 30, 0.01)
+    assert "a larger epsilon than 0.1" in partly.line and "smaller epsilon" not in partly.line
+    too_alike = verdict(records_of(_history(same), 3), relaxed, 30, 0.01)
+    assert too_alike.kind == "not split" and "a smaller epsilon than 0.1, e.g. --mcl.epsilon 0.05" in too_alike.line
+    assert "--mcl.loss relaxed" not in too_alike.line and "annealed MCL" in too_alike.line
 
 
 def _watched(history, window=100):
