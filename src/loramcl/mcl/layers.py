@@ -136,9 +136,7 @@ class MCLLoraLinear(nn.Module):
         out_shape = (*h.shape[:-1], self.out_features)
         if self.routing.mode == SINGLE:
             k = self.routing.hypothesis
-            if torch.is_grad_enabled():  # the cast of hypothesis k's slice alone
-                return h @ self.lora_A[k].to(h.dtype) @ self.lora_B[k].to(h.dtype)
-            return h @ self._first_factor(h.dtype)[k] @ self._second_factor(h.dtype)[k]  # the kept copies
+            return h @ self.lora_A[k].to(h.dtype) @ self.lora_B[k].to(h.dtype)  # the cast of hypothesis k's slice
         grouped, a, b = self._grouped(h)
         return torch.bmm(torch.bmm(grouped, a), b).reshape(out_shape)
 
@@ -156,7 +154,8 @@ class MCLLoraLinear(nn.Module):
                     "rows: the batch is on dimension 1 (a time-first layout, as in XLNet or FSMT), and LoRA-MCL "
                     "routes the rows of dimension 0. Such models are not supported.")
             grouped = h.reshape(self.num_hypotheses, -1, d_in)  # [K, B*T, d_in], hypothesis-major
-            return grouped, self._first_factor(h.dtype), self._second_factor(h.dtype)  # [K, d_in, r], [K, r, d_out]
+            # [K, d_in, r], [K, r, d_out]
+            return grouped, self._first_factor(h.dtype, kept=decoding), self._second_factor(h.dtype, kept=decoding)
         if routing.mode == INDEXED:
             entries = routing.index.numel()
             if rows % entries:
@@ -166,21 +165,31 @@ class MCLLoraLinear(nn.Module):
             # per-row gather wrote and read GBs of weight copies per step); none when the entries are 0 ... K-1
             grouped = h.reshape(entries, -1, d_in)  # [n, m*T, d_in]
             if routing.ordered:
-                return grouped, self._first_factor(h.dtype, None, decoding), self._second_factor(h.dtype)
+                return grouped, self._first_factor(h.dtype, None, decoding), self._second_factor(h.dtype, decoding)
             index = routing.index.to(self.lora_A.device)  # [n]
             return (grouped, self._first_factor(h.dtype, index, decoding),  # [n, d_in, r]
-                    self._second_factor(h.dtype).index_select(0, index))  # [n, r, d_out]
+                    self._second_factor(h.dtype, decoding, index))  # [n, r, d_out]
         raise RuntimeError(f"unknown routing mode {routing.mode!r}")
 
-    def _second_factor(self, dtype: torch.dtype) -> torch.Tensor:
-        return self._kept("lora_B", dtype)  # [K, r, d_out]
+    def _second_factor(self, dtype: torch.dtype, kept: bool = False, index: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """B [K or n, r, d_out] in ``dtype``; ``kept``: decoding's kept copy (``_kept``). Otherwise gathered in the
+        masters' dtype, then cast: the backward then sums the gradients of repeated indices in float32, not in
+        bfloat16 (a bfloat16 sum moved FSDP2's two-rank run off the one-process one)."""
+        if kept:
+            b = self._kept("lora_B", dtype)
+            return b if index is None else b.index_select(0, index)
+        return (self.lora_B if index is None else self.lora_B.index_select(0, index)).to(dtype)
 
-    def _first_factor(self, dtype: torch.dtype, index: torch.Tensor | None = None, decoding: bool = False
-                      ) -> torch.Tensor:
-        """A [K or n, d_in, r] in ``dtype``. Decoding on the CPU without gradient: a view of A^T [K, r, d_in]
-        (contiguous): the CPU's batched matmul reads its columns 2-4x faster than A's own layout."""
+    def _first_factor(self, dtype: torch.dtype, index: torch.Tensor | None = None, decoding: bool = False,
+                      kept: bool | None = None) -> torch.Tensor:
+        """A [K or n, d_in, r] in ``dtype``; ``kept`` (default: ``decoding``): decoding's kept copy (``_kept``).
+        Decoding on the CPU without gradient: a view of A^T [K, r, d_in] (contiguous): the CPU's batched matmul reads
+        its columns 2-4x faster than A's own layout."""
         transposed = (decoding and self.lora_A.device.type == "cpu" and not torch.is_grad_enabled()
                       and not torch.compiler.is_compiling())
+        if not (decoding if kept is None else kept) and not transposed:  # gathered, then cast (``_second_factor``)
+            return (self.lora_A if index is None else self.lora_A.index_select(0, index)).to(dtype)
         a = self._kept("lora_A", dtype, transposed)  # [K, d_in, r], or A^T [K, r, d_in]
         a = a if index is None else a.index_select(0, index)
         return a.mT if transposed else a
@@ -188,9 +197,11 @@ class MCLLoraLinear(nn.Module):
     def _kept(self, name: str, dtype: torch.dtype, transposed: bool = False) -> torch.Tensor:
         """Adapter tensor ``name`` in ``dtype`` (``transposed``: its last two dimensions swapped, contiguous).
 
-        Without gradient (inference), a copy kept until the weight changes (its identity, version counter or
-        storage: an optimizer step, a ``copy_``, a new Parameter or ``.data``, a move): a decoding step then runs no
-        cast kernel per layer (bfloat16 activations on float32 masters) and no transpose. With gradient, autograd's
+        Decoding without gradient (the ``decoding`` forward of generate_hypotheses' copies, never training's scoring
+        pass or an evaluation: FSDP2 refills a layer's unsharded weights in place without a version bump, and a
+        kept copy there was stale), a copy kept until the weight changes (its identity, version counter or storage:
+        an optimizer step, a ``copy_``, a new Parameter or ``.data``, a move): a decoding step then runs no cast
+        kernel per layer (bfloat16 activations on float32 masters) and no transpose. With gradient, autograd's
         cast (its backward casts the gradient back to the master's dtype). Under ``torch.compile`` the cast is in
         the graph: the check reads Python state that a graph cannot keep."""
         weight = getattr(self, name)
