@@ -9,27 +9,27 @@ K = the task's number of modes, and decodes the test prompts at an equal forward
              is valid when it is 8 states whose chain-typical transitions (probability 0.8 under its best chain) are
              at least 6 of the 8; its mode is that best chain.
   bilingual  English UI messages of the gettext catalogs -> French or German (the bilingual recipe's data, its
-             shorter messages: 15-40 characters; the language drawn per example, never said). K = 2. Quality: chrF against every reference
-             of both languages (oracle: best of K; mean over K); mode: the candidate's language (a character n-gram
-             identifier trained on the catalogs' own text).
+             shorter messages: 15-40 characters; the language drawn per example, never said). K = 2. Quality: chrF
+             against every reference of both languages (oracle: best of K; mean over K); mode: the candidate's
+             language (a character n-gram identifier trained on the task's own text).
   short      short English UI words of the catalogs (1-12 characters: "Save", "Open file") -> French, German or
              Spanish, the language drawn per example. K = 3. Valid: the candidate equals one of the catalogs'
              translations in any of the three languages (SQuAD normalisation); mode: its language.
 
 Settings (the candidate defaults; every one with random tie-breaking, `loramcl train`'s):
-  wta               vanilla winner-takes-all (the CLI's default loss)
+  wta               vanilla winner-takes-all (the paper's loss; `loramcl train`'s default before this study)
   relaxed-0.05/0.1  relaxed WTA, epsilon 0.05 (the paper's translation value) / 0.1 (the README's quickstart)
   annealed-auto     annealed WTA, tau0 1, `temperature_decay: auto` (tau reaches its floor at 90% of the run)
 and the baselines at equal trainable parameters (one LoRA of rank 8K, `mle`): beam search of K beams and K samples.
 
 Per run: the trainer's logs every 5 steps (win shares sorted, split gap over what training gained, i.e. against
 steps), its verdict, the win table by mode on 96 training examples after training (the share of examples whose
-winner is the hypothesis that wins most of their mode: 1/K for no split, 1 for a clean split by mode), and on the
-test prompts: valid share (markov, short) or chrF, oracle and mean over K, distinct answers and modes covered per prompt.
+winner is the hypothesis that wins most of their mode: 1 for a clean split by mode, and for a collapse too), and on
+the test prompts: valid share (markov, short) or chrF, oracle and mean over K, distinct answers and modes covered.
 
     python benchmarks/defaults_study.py --model models/SmolLM2-135M-Instruct --out /tmp/defaults \
         --tasks markov bilingual short --settings wta relaxed-0.05 relaxed-0.1 annealed-auto mle --seeds 0 1
-    python benchmarks/defaults_study.py --out /tmp/defaults --table       # the markdown table of what has finished
+    python benchmarks/defaults_study.py --out /tmp/defaults --table       # the markdown tables of what has finished
 
 Finished runs (a results.json) are kept and skipped, so the command can be stopped and started again.
 """
@@ -405,7 +405,8 @@ def table(out: Path) -> str:
                     splits = " / ".join(str(split_step(r["curve"]) or "-") for r in done)
                     training = (f"| {shares} | {statistics.mean(gaps) if gaps else float('nan'):.2f} | {splits} | "
                                 f"{statistics.mean(r['mode_purity'] for r in done):.2f} | {verdicts}")
-                name = f"LoRA-MLE r{done[0].get('rank', 8) * TASKS[task]}, {strategy} {TASKS[task]}" if setting == "mle" else setting
+                rank = done[0].get("rank", 8) * TASKS[task]
+                name = f"LoRA-MLE r{rank}, {strategy} {TASKS[task]}" if setting == "mle" else setting
                 lines.append(f"| {task} | {TASKS[task]} | {name} | {len(done)} {training} | "
                              f"{scale.format(test['oracle'])} | {scale.format(test['mean'])} | "
                              f"{test['distinct']:.2f} | {test['modes_covered']:.2f} |")
