@@ -73,3 +73,21 @@ def test_routing_tensors_follow_the_layer_to_its_device(mode):
         x = torch.randn(4, 3, 16)
     output = layer(x)
     assert output.device.type == "meta" and output.shape == (4, 3, 8)
+
+
+def test_gathered_adapters_sum_their_gradients_in_the_masters_dtype():
+    """Indexed routing on a bfloat16 input, a hypothesis repeated over 301 index entries (two-pass WTA's winners'
+    pass: each example's rows gather its winner's A and B): each entry's gradient of B is 1 here, and their sum must be
+    301, as the float32 masters keep it. Cast to bfloat16 before the gather, the backward summed in bfloat16 and gave
+    300 (301 is no bfloat16): what moved FSDP2's two-rank bfloat16 run off the one-process run."""
+    entries = 602
+    routing = HypothesisRouting(mode="indexed", index=torch.arange(entries) % 2)  # 0, 1, 0, 1, ...: gathered
+    layer = MCLLoraLinear(nn.Linear(4, 2).bfloat16().requires_grad_(False), routing, num_hypotheses=2, r=1,
+                          alpha=1, adapter_dtype=torch.float32)
+    with torch.no_grad():
+        layer.lora_A.zero_()
+        layer.lora_A[:, 0, :] = 1.0  # h A = x_0 = 1 for every row
+    x = torch.zeros(entries, 1, 4, dtype=torch.bfloat16)
+    x[..., 0] = 1.0
+    layer(x).float().sum().backward()  # d out / d B[k] = sum over k's entries of (h A) = 301
+    assert layer.lora_B.grad.tolist() == [[[301.0, 301.0]], [[301.0, 301.0]]]
