@@ -19,7 +19,6 @@ import contextlib
 import torch
 from common import interleaved_medians
 
-BACKEND = "inductor"  # torch.compile's backend for the training rows (the test sets "aot_eager")
 
 COMPILED = [(5, "greedy", 1), (5, "beam", 2)]  # (K, strategy, beams per hypothesis), batch 1
 COMPILED_TRAINING = (1, 5)  # K of the training steps, eager and compiled
@@ -76,6 +75,7 @@ def training_rows(suite, args) -> list[dict]:
     eager and compiled, after a warm-up step each (which compiles); the losses of the first step compared."""
     from common import train_step
 
+    from loramcl.decoding import compiled as decoding_compiled
     from loramcl.mcl.batch import checked_target_index
 
     seq = args.seqs[0]
@@ -86,7 +86,7 @@ def training_rows(suite, args) -> list[dict]:
         model.load_state_dict(eager.state_dict())
         inputs = {name: value for name, value in batch.items() if name != "labels"}
         index = checked_target_index(eager, inputs, batch["labels"])
-        compiled = torch.compile(model, backend=BACKEND)
+        compiled = torch.compile(model, backend=decoding_compiled.BACKEND)  # the decoding rows' backend
         losses = [eager(**batch, target_index=index).loss.item(), compiled(**batch, target_index=index).loss.item()]
         if abs(losses[0] - losses[1]) > 1e-3 * max(abs(losses[0]), 1):
             raise RuntimeError(f"K={k}: the compiled training forward gave loss {losses[1]}, eager {losses[0]}")

@@ -264,20 +264,19 @@ def mode_purity(table: list[list[int]]) -> float:
 
 
 def logged_curve(run: Path) -> list[dict]:
-    """The trainer's logs: step, sorted win shares, split gap as a share of what training gained."""
-    curve, initial = [], None
-    for entry in json.loads((run / "train_log.json").read_text()):
-        if "win_rate_h0" not in entry:
-            continue
-        initial = entry.get("initial_nll", initial)
-        shares = sorted((v for k, v in entry.items() if k.startswith("win_rate_h")), reverse=True)
-        oracle = min(v for k, v in entry.items() if k.startswith("nll_h")) if "nll_h0" in entry else None
-        gained = (initial - (statistics.mean(v for k, v in entry.items() if k.startswith("nll_h"))
-                             - entry["split_gap"])) if initial is not None and "split_gap" in entry else None
-        curve.append({"step": entry["step"], "shares": [round(s, 3) for s in shares],
-                      "gap": entry.get("split_gap"), "gap_share": (entry["split_gap"] / gained
-                                                                    if gained and gained > 0 else None),
-                      "best_nll": oracle})
+    """The trainer's logs (read as its verdict reads them, ``specialisation.records_of``): step, sorted win shares,
+    split gap and the gap as a share of what training gained (the first step's NLL minus the oracle NLL)."""
+    from loramcl.training.specialisation import records_of
+
+    logs = json.loads((run / "train_log.json").read_text())
+    hypotheses = max((sum(name.startswith("win_rate_h") for name in entry) for entry in logs), default=0)
+    curve = []
+    for record in records_of(logs, hypotheses):
+        gained = None
+        if record.initial is not None and record.nll is not None:
+            gained = record.initial - (statistics.mean(record.nll) - record.gap)  # initial - oracle NLL
+        curve.append({"step": record.last, "shares": [round(s, 3) for s in sorted(record.shares, reverse=True)],
+                      "gap": record.gap, "gap_share": record.gap / gained if gained and gained > 0 else None})
     return curve
 
 

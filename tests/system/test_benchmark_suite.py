@@ -133,13 +133,10 @@ def test_the_compiled_rows_run_on_request_and_decode_eagers_tokens(tmp_path, mon
     """--sections compiled (issue 54; not a CPU default): loramcl and the bare base, eager and compiled, side by side;
     compiled decoding gave eager decoding's tokens (the section checks it on the CPU). aot_eager: inductor's C++ build
     is not what is tested."""
-    import compiled_decoding
-
     from loramcl.decoding import compiled
 
     assert "compiled" not in suite.parse(["--shape", "tiny"]).sections
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    monkeypatch.setattr(compiled_decoding, "BACKEND", "aot_eager")
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")  # the decoding rows' and the training rows
     torch._dynamo.reset()
     args = suite.parse(["--shape", "tiny", "--sections", "compiled", "--repeats", "1", "--out", str(tmp_path)])
     try:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from loramcl.mcl.config import MCLConfig
+from loramcl.mcl.config import AUTO_EPSILON, MCLConfig
 
 SPLIT_GAP = 0.10  # a split gap under 10% of the NLL training gained: the hypotheses are nearly one model (not split)
 BEHIND = 0.5  # a rarely winning hypothesis that kept less than half the others' gain has fallen behind them
@@ -127,21 +127,21 @@ def remedies(config: MCLConfig, last_temperature: float | None, kind: str = "not
         tries.append("--mcl.tie_break random (with every tie at initialisation going to h0, 9 of 10 short runs "
                      "collapsed on a random base against 0 of 10, docs/guide/scores.md)")
     if config.loss == "wta":
-        tries.append("relaxed WTA, --mcl.loss relaxed (epsilon auto: 0.05; in the defaults study vanilla WTA left a "
-                     "hypothesis idle in 4 of 6 runs, relaxed WTA in none: a losing hypothesis keeps learning from "
-                     "its epsilon share)")
+        tries.append(f"relaxed WTA, --mcl.loss relaxed (epsilon auto: {AUTO_EPSILON:g}; in the defaults study vanilla "
+                     "WTA left a hypothesis idle in 4 of 6 runs, relaxed WTA in none: a losing hypothesis keeps "
+                     "learning from its epsilon share)")
     if config.loss == "relaxed" and kind == "partly collapsed":
         tries.append(f"a larger epsilon than {config.relaxed_epsilon:g} (the paper used 0.0005 to 0.1)")
-    elif config.loss == "relaxed" and config.relaxed_epsilon > 0.05:
-        tries.append(f"a smaller epsilon than {config.relaxed_epsilon:g}, e.g. --mcl.epsilon 0.05 (in the defaults "
-                     "study the trainer found relaxed WTA split in 3 of 6 runs at 0.05, 2 of 6 at 0.1: the losers' "
-                     "share keeps the hypotheses close)")
+    elif config.loss == "relaxed" and config.relaxed_epsilon > AUTO_EPSILON:
+        tries.append(f"a smaller epsilon than {config.relaxed_epsilon:g}, e.g. --mcl.epsilon {AUTO_EPSILON:g} (in the "
+                     "defaults study the trainer found relaxed WTA split in 3 of 6 runs at 0.05, 2 of 6 at 0.1: the "
+                     "losers' share keeps the hypotheses close)")
     if config.loss == "annealed" and config.temperature_decay != "auto" and last_temperature is not None:
         tries.append(f"--mcl.temperature_decay auto (tau was still {last_temperature:.3g} at the last step: the "
                      "assignment never left the soft regime)")
     elif config.loss != "annealed":
         tries.append("annealed MCL, --mcl.loss annealed (temperature_decay auto fits the run; its split gap grew the "
-                     "most once tau fell, but it left a hypothesis idle in 2 of 6 short runs)")
+                     "most once tau fell, but the trainer found 3 of its 6 short runs collapsed or partly collapsed)")
     tries.append("more steps: the trainer's split gap passed 10% within 5-40 steps of 16 examples, but a split by "
                  "mode took longer: our K = 2 bilingual runs split by language between steps 50 and 100 "
                  "(docs/experiments/bilingual.md), and at 60 steps 1 run of 24 split every mode of its task")
