@@ -127,6 +127,41 @@ def test_an_nll_table_row_scores_a_runs_best_validation_adapters(recipe, monkeyp
                                ("last", out / "nll" / "m0.jsonl"))}
     assert read["row"] == read["best"] != read["last"]
     (folder / "experiment.yaml").write_text("decoded: []\nnll_table: [m1@best]\nbudgets: [2]\n")
-    with pytest.raises(ValueError, match=r"nll_table: m1@best scores the best-validation adapters of m1, which keeps "
-                                         "none: set `training: {keep_best: true}`"):
+    with pytest.raises(ValueError, match=r"nll_table: m1@best scores the best-validation adapters of m1, but m1 "
+                                         "keeps none: set `training: {keep_best: true}`"):
         run_recipe(Toy, out=str(out), recipes=str(folder), threads=1)
+
+
+def test_an_ensembles_best_row_assembles_its_members_best_validation_adapters(recipe, monkeypatch):
+    from loramcl.training.trainer import MCLTrainer
+
+    tmp_path, folder = recipe
+    metrics = MCLTrainer._hypothesis_metrics  # each member's validation loss lowest at step 1 of 2: best != last
+    monkeypatch.setattr(MCLTrainer, "_hypothesis_metrics",
+                        lambda self: metrics(self) | {"eval_loss": {1: 1.0, 2: 2.0}[self.state.global_step]})
+    (folder / "experiment.yaml").write_text("decoded: []\nnll_table: [m0@best, m1@best, ensemble, ensemble@best]\n"
+                                            "budgets: [2]\n")
+    (folder / "m1.yaml").write_text(MLE + "training:\n  seed: 1\n")
+    with pytest.raises(ValueError, match=r"nll_table: m0@best scores the best-validation adapters of m0, but m0 keeps"):
+        run_recipe(Toy, out=str(tmp_path / "out"), recipes=str(folder), threads=1)
+    (folder / "experiment.yaml").write_text("decoded: []\nnll_table: [ensemble@best]\nbudgets: [2]\n")
+    (folder / "m0.yaml").write_text(MLE + "training:\n  keep_best: true\n  eval_every: 1\n")
+    with pytest.raises(ValueError, match=r"ensemble@best scores the best-validation adapters of ensemble, but m1 "
+                                         r"keeps none: set `training: \{keep_best: true\}` in its run file \(an "
+                                         "ensemble's: in its members'\\)"):
+        run_recipe(Toy, out=str(tmp_path / "out"), recipes=str(folder), threads=1)
+    assert not (tmp_path / "out" / "data").exists()
+    (folder / "experiment.yaml").write_text("decoded: []\nnll_table: [m0@best, m1@best, ensemble, ensemble@best]\n"
+                                            "budgets: [2]\n")
+    (folder / "m1.yaml").write_text(MLE + "training:\n  seed: 1\n  keep_best: true\n  eval_every: 1\n")
+    out = tmp_path / "out"
+    report = run_recipe(Toy, out=str(out), recipes=str(folder), threads=1)
+    assert list(report["likelihood"]) == ["m0@best", "m1@best", "ensemble", "ensemble@best"]
+    record = json.loads((out / "ensemble" / "best" / "best.json").read_text())
+    assert record == {"members": {m: {"step": 1, "eval_loss": 1.0} for m in ("m0", "m1")}}
+    scored = {run: [json.loads(line)["nll"] for line in (out / "nll" / f"{run}.jsonl").read_text().splitlines()]
+              for run in ("m0@best", "m1@best", "ensemble", "ensemble@best")}
+    for i, row in enumerate(scored["ensemble@best"]):  # hypothesis k: member k's best adapters alone
+        for j, per_hypothesis in enumerate(row):
+            assert per_hypothesis == pytest.approx([scored[m][i][j][0] for m in ("m0@best", "m1@best")], abs=1e-5)
+    assert scored["ensemble@best"] != scored["ensemble"]  # the last adapters are another model

@@ -58,18 +58,30 @@ def with_members(runs: Sequence[str], found: dict[str, list[str]]) -> list[str]:
     return list(dict.fromkeys(name for run in runs for name in [*found.get(run, []), run]))
 
 
-def assemble(root: Path, run: str, values: dict, members: Sequence[str]) -> None:
+def assemble(root: Path, run: str, values: dict, members: Sequence[str], best: bool = False) -> None:
     """Write root/``run``: the members' (root/<member>) hypotheses as one MCL model folder, a run.json (the members'
-    stamps; seconds: the members' training time, the ensemble's training cost) and an empty train_log.json."""
+    stamps; seconds: the members' training time, the ensemble's training cost) and an empty train_log.json.
+    ``best``: also root/``run``/best, the members' best-validation adapters (root/<member>/best, each member's own
+    lowest validation loss, ``training.keep_best``) as one model, with a best.json of each member's step and loss."""
     from loramcl.mcl.ensemble import assemble_hypotheses
     from loramcl.models import training_model_loader
+    from loramcl.training.best import BEST_RECORD, best_record
     from loramcl.training.runs import run_record
+    from loramcl.utils.inputs import BEST_FOLDER
 
     started = time.perf_counter()
     out = root / run
-    base = training_model_loader(values["model"], values.get("dtype", "float32"), values.get("quantization"))()
-    model = assemble_hypotheses(base, [root / member for member in members])
+    load = training_model_loader(values["model"], values.get("dtype", "float32"), values.get("quantization"))
+    model = assemble_hypotheses(load(), [root / member for member in members])
     model.save_pretrained(out)
+    if best:
+        kept = {member: best_record(root / member) for member in members}
+        missing = [member for member, record in kept.items() if record is None]
+        require(not missing, f"run {run}: members {missing} kept no best-validation adapters (root/<member>/best): "
+                "set `training: {keep_best: true}` in their run files and train them again")
+        assemble_hypotheses(load(), [root / member / BEST_FOLDER for member in members]).save_pretrained(
+            out / BEST_FOLDER)
+        (out / BEST_FOLDER / BEST_RECORD).write_text(json.dumps({"members": kept}, indent=1) + "\n")
     records = [run_record(root / member) for member in members]
     trainable = sum(r["trainable_parameters"] for r in records)  # each member's, trained on its own
     total = records[0]["total_parameters"] + trainable - records[0]["trainable_parameters"]

@@ -191,11 +191,13 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     task.model = model
     if task.scores_references:
         for entry in experiment.table_runs(names):  # each run of the NLL table has its run file
-            keeps_best = (values[trained_run(entry)].get("training") or {}).get("keep_best") is True
-            require(not entry.endswith(BEST) or (keeps_best and trained_run(entry) not in members),
-                    f"nll_table: {entry} scores the best-validation adapters of {trained_run(entry)}, which keeps "
-                    "none: set `training: {keep_best: true}` in its run file (an ensemble keeps none), or name "
-                    f"{trained_run(entry)}")
+            run = trained_run(entry)
+            keep = [member for member in members.get(run, [run])
+                    if (values[member].get("training") or {}).get("keep_best") is not True]
+            require(not entry.endswith(BEST) or not keep,
+                    f"nll_table: {entry} scores the best-validation adapters of {run}, but {', '.join(keep)} "
+                    "keeps none: set `training: {keep_best: true}` in its run file (an ensemble's: in its members'), "
+                    f"or name {run}")
     else:
         require(experiment.nll_table is None, f"nll_table: {task_type.__name__} scores no test reference")
     task.check(model, values)
@@ -213,8 +215,9 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     for run in trained:  # retrained when its recipe or its data changed, resumed when it was interrupted
         if run in members:  # its members, trained before it, as one K-hypothesis model
             stamps = {member: run_stamp(root / member) for member in members[run]}
-            stages.run(f"assemble {run}", root / run / ASSEMBLED, {"members": stamps}, assemble, root, run,
-                       values[run], members[run])
+            best = run + BEST in (experiment.nll_table or [])  # the members' best adapters assembled too
+            stages.run(f"assemble {run}", root / run / ASSEMBLED, {"members": stamps, "best": best}, assemble, root,
+                       run, values[run], members[run], best)
         else:
             task.train(run, values[run])
     if stop_after == "train":
