@@ -76,9 +76,10 @@ class Bilingual(TextTask):
                    "about 10 minutes.",
         "recipes": Option(LocalPath | None, None, "folder with experiment.yaml, common.yaml and the run files (the "
                           "packaged bilingual recipe's: mle, mcl-relaxed, mcl-annealed, decoded; mle-r24, mcl-k3 for "
-                          "a K = 1, 2, 3 NLL table when experiment.yaml's nll_table names them; ensemble-k2, the "
-                          "K-seed ensemble of mle-r8 and mle-r8-seed1, when named; moe and multihead, trained by hand; "
-                          "`loramcl recipes copy bilingual DIR` writes a copy to edit)."),
+                          "a K = 1, 2, 3 NLL table when experiment.yaml's nll_table names them; ensemble-k2 and "
+                          "ensemble-k3, the K-seed ensembles of mle-r8, mle-r8-seed1 (and mle-r8-seed2), when named; "
+                          "moe and multihead, trained by hand; `loramcl recipes copy bilingual DIR` writes a copy to "
+                          "edit)."),
         "locale_dir": Option(LocalPath | None, None, "where the gettext catalogs are (<language>/LC_MESSAGES/*.mo; "
                              "default: experiment.yaml's)."),
     }
