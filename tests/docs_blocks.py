@@ -456,6 +456,10 @@ REGISTRY = {
     (E + "bilingual.md", "loramcl recipes copy bilingual table1"): Run(outputs=("table1/mle-r8.yaml",)),
     (E + "bilingual.md", "loramcl bilingual --recipes table1 --threads 1"):
         Run(append=_QUICK_DATA, outputs=("runs/bilingual/data/test.jsonl",), covered_by=_BILINGUAL, why=_CUT),
+    (E + "bilingual.md", "loramcl recipes copy bilingual ensemble"):
+        Run(outputs=("ensemble/ensemble-k3.yaml", "ensemble/mle-r8-seed2.yaml")),
+    (E + "bilingual.md", "loramcl bilingual --recipes ensemble --budgets [2] --threads 1"):
+        Run(append=_QUICK_DATA, outputs=("runs/bilingual/data/test.jsonl",), covered_by=_BILINGUAL, why=_CUT),
     (E + "bilingual.md", "make setup"): Make(why="installs (dry run)"),
     (E + "bilingual.md", ".venv/bin/loramcl bilingual --out runs/bilingual --threads 2"):
         Run(append=_QUICK_DATA, outputs=("runs/bilingual/data/test.jsonl",), covered_by=_BILINGUAL,
@@ -610,6 +614,10 @@ REGISTRY = {
                                   "[mcl-seed1] --threads 1"):
         Run(append=_QUICK_DATA[:2], espeak=True, covered_by=_SPOKEN, why="the quick settings (2 training steps)"),
     (E + "spoken_translation.md", "loramcl spoken-translation --recipes spoken-long --threads 1"):
+        Run(append=_QUICK_DATA, espeak=True, covered_by=_SPOKEN, why=_CUT),
+    (E + "spoken_translation.md", "loramcl recipes copy spoken_translation ensemble"):
+        Run(outputs=("ensemble/ensemble-k2.yaml", "ensemble/mle-r8-seed1.yaml")),
+    (E + "spoken_translation.md", "loramcl spoken-translation --recipes ensemble --budgets [2] --threads 1"):
         Run(append=_QUICK_DATA, espeak=True, covered_by=_SPOKEN, why=_CUT),
     (E + "translation.md", "loramcl translation"):
         Run(append=_QUICK_DATA, outputs=("runs/translation/data/test.jsonl",), covered_by=_TRANSLATION, why=_CUT),
