@@ -192,10 +192,10 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     if task.scores_references:
         for entry in experiment.table_runs(names):  # each run of the NLL table has its run file
             run = trained_run(entry)
-            keep = [member for member in members.get(run, [run])
-                    if (values[member].get("training") or {}).get("keep_best") is not True]
-            require(not entry.endswith(BEST) or not keep,
-                    f"nll_table: {entry} scores the best-validation adapters of {run}, but {', '.join(keep)} "
+            lacking = [member for member in members.get(run, [run])  # an ensemble's best: its members'
+                       if (values[member].get("training") or {}).get("keep_best") is not True]
+            require(not entry.endswith(BEST) or not lacking,
+                    f"nll_table: {entry} scores the best-validation adapters of {run}, but {', '.join(lacking)} "
                     "keeps none: set `training: {keep_best: true}` in its run file (an ensemble's: in its members'), "
                     f"or name {run}")
     else:
