@@ -77,8 +77,8 @@ def assemble(root: Path, run: str, values: dict, members: Sequence[str], best: b
     if best:
         kept = {member: best_record(root / member) for member in members}
         missing = [member for member, record in kept.items() if record is None]
-        require(not missing, f"run {run}: members {missing} kept no best-validation adapters (root/<member>/best): "
-                "set `training: {keep_best: true}` in their run files and train them again")
+        require(not missing, f"run {run}: members {missing} kept no best-validation adapters ({root}/<member>/best):"
+                " set `training: {keep_best: true}` in their run files and train them again")
         assemble_hypotheses(load(), [root / member / BEST_FOLDER for member in members]).save_pretrained(
             out / BEST_FOLDER)
         (out / BEST_FOLDER / BEST_RECORD).write_text(json.dumps({"members": kept}, indent=1) + "\n")
