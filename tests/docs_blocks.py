@@ -426,9 +426,9 @@ REGISTRY = {
         ".venv/bin/python benchmarks/defaults_study.py --out /tmp/defaults --table")},
     ("docs/benchmarks.md", "bash benchmarks/gpu_wheels.sh"): Check(gpu_wheels, None, "downloads wheels for the GPU "
                                                                    "machine: the names it downloads are the lock's"),
-    ("docs/benchmarks.md", ".venv/bin/python benchmarks/gpu_check.py --dry-run --out runs/gpu-check"): Module(
+    ("docs/benchmarks.md", ".venv/bin/python benchmarks/gpu_check.py --dry-run --jobs 2 --out runs/gpu-check"): Module(
         parse_only=True, covered_by="tests/system/test_gpu_check.py::test_the_dry_run_passes_every_step",
-        why="the whole dry run takes minutes: its test runs it"),
+        why="the whole dry run takes minutes: its test runs this line as written, once"),
     (G + "quantization.md", "import torch"): Python(
         "plain", subs=(('load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,',
                         "load_in_8bit=True,"),),
