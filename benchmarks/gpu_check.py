@@ -24,7 +24,9 @@ Each paper step prints the peak allocated and reserved GPU memory beside the mem
 Writes OUT/gpu_check.md (one table: step, status, seconds, numbers) and OUT/gpu_check.json, rewritten after each step,
 so that a run cut short still says what it did. A step whose limit would pass --budget (seconds of steps, 480 by default:
 a 15-minute lease less the machine's start, the wheels' install and a margin) is skipped and said so; all eight took
-about 9.5 minutes on an H200, so `--steps` chooses, or --budget 600 runs them all.
+about 9.5 minutes on an H200, so `--steps` chooses, or --budget 600 runs them all. The dry run's default budget is the
+sum of its steps' limits: none is skipped. Every path the steps write into a recipe copy is absolute (the copy reads a
+relative one relative to its own folder), so OUT may be relative to any folder.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class Context:
     work: Path
     dry: bool
     python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        # absolute: the steps' commands run in the checkout's root and write these paths into recipe copies, whose
+        # relative paths would be read relative to the copy's folder (docs/guide/cli.md, "Recipe files")
+        self.work = Path(self.work).absolute()
 
     @property
     def device(self) -> str:
@@ -169,11 +176,13 @@ def _suite(ctx: Context) -> list[list[str]]:
 
 
 # Limits: about 1.5x what each step took on an H200 (2026-11-28, docs/benchmarks.md "The GPU check"); each loramcl
-# command is a process of its own, ~8 s of imports there.
+# command is a process of its own, ~8 s of imports there. Dry limits: at least 2.5x each step's time with --jobs 2 on
+# two cores shared with other work (2026-11-29, the same section), about 2x the slowest CI machine seen (commands:
+# 143 s there, 112 s here): a dry step stops only when it hangs, never because CI's machine was slow.
 STEPS = [Step("environment", 30, 60, _environment), Step("main-job", 60, 150, _main_job),
-         Step("commands", 150, 150, _commands), Step("paper-alma", 140, 150, _paper_alma),
-         Step("paper-clotho", 170, 150, _paper_clotho), Step("qlora", 45, 90, _qlora),
-         Step("recipes-quick", 150, 300, _recipes_quick), Step("suite", 120, 150, _suite)]
+         Step("commands", 150, 300, _commands), Step("paper-alma", 140, 150, _paper_alma),
+         Step("paper-clotho", 170, 200, _paper_clotho), Step("qlora", 45, 120, _qlora),
+         Step("recipes-quick", 150, 450, _recipes_quick), Step("suite", 120, 200, _suite)]
 
 
 # ---- running the steps --------------------------------------------------------------------------------------------
@@ -419,7 +428,7 @@ def internal_clotho_recipe(ctx: Context, args: list[str]) -> None:
     import yaml
     from scipy.io import wavfile
 
-    model, recipe = Path(args[0]), Path(args[1])
+    model, recipe = Path(args[0]).absolute(), Path(args[1]).absolute()  # written into the copy: absolute paths
     shutil.copytree(RECIPES / "audio_captioning" / ("clotho" if not ctx.dry else "tiny"), recipe, dirs_exist_ok=True)
     root, clips, seconds = recipe / "clotho-data", 8 if not ctx.dry else 4, 30.0 if not ctx.dry else 1.0
     rng = np.random.default_rng(0)
@@ -447,7 +456,7 @@ def internal_quick_recipe(ctx: Context, args: list[str]) -> None:
     and its jars are not carried to the GPU machine)."""
     import yaml
 
-    folder, recipe = args[0], Path(args[1])
+    folder, recipe = args[0], Path(args[1]).absolute()  # written into the copy: absolute paths
     shutil.copytree(RECIPES / folder / "tiny", recipe, dirs_exist_ok=True)
     experiment = yaml.safe_load((recipe / "experiment.yaml").read_text())
     experiment |= {"out": str(recipe / "out"), "metrics": "sacrebleu,chrf"}
@@ -543,7 +552,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("runs/gpu-check"), help="folder of gpu_check.md and .json")
     parser.add_argument("--work", type=Path, help="folder of the steps' models, data and runs (default: OUT/work)")
     parser.add_argument("--dry-run", action="store_true", help="the same steps on the CPU at tiny shapes")
-    parser.add_argument("--budget", type=float, default=480.0, help="seconds for all steps (default 480)")
+    parser.add_argument("--budget", type=float, help="seconds for all steps (default: 480 on a GPU; the dry run: the "
+                        "sum of its steps' limits, none skipped)")
     parser.add_argument("--steps", nargs="+", choices=[s.name for s in STEPS], help="these steps only, in order")
     parser.add_argument("--jobs", type=int, default=1, help="steps run at a time (the dry run on several cores; a "
                         "GPU's one by one)")
@@ -568,7 +578,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.jobs > 1 and not ctx.dry:
         raise SystemExit("gpu_check: --jobs runs steps side by side, for the dry run: on one GPU they would share "
                          "its memory and time each other")
-    results = run_steps(ctx, steps, args.budget, args.out, args.jobs)
+    budget = args.budget if args.budget is not None else sum(s.dry_limit for s in steps) if ctx.dry else 480.0
+    results = run_steps(ctx, steps, budget, args.out, args.jobs)
     print(f"\n{(args.out / 'gpu_check.md').read_text()}")
     failed = [row["step"] for row in results if row["status"] != "ok"]
     if failed:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from loramcl.utils.files import decode_line, json_lines
+from loramcl.utils.inputs import read_relative
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 # What a file of each kind holds, said when it holds no row or something else than rows.
@@ -32,7 +33,7 @@ def read_dataset(path: str, split: str | None = None, what: str = "data file"):
             raise FileNotFoundError(f"{what} {path} does not exist; if it is a Hugging Face Hub dataset, nothing is "
                                     "downloaded at run time: download it first (datasets.load_dataset(name)"
                                     ".save_to_disk(folder), or `hf download --repo-type dataset`) and give the folder")
-        raise FileNotFoundError(f"{what} {path} does not exist")
+        raise FileNotFoundError(f"{what} {path} does not exist{read_relative(path)}")
     if os.path.isdir(path):
         saved = any((Path(path) / name).is_file() for name in ("dataset_dict.json", "state.json"))
         try:

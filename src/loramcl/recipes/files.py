@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from loramcl.utils.inputs import cached_hub_model
+from loramcl.utils.inputs import absolute_path, cached_hub_model
 from loramcl.utils.validate import require
 
 # The path settings of a `loramcl train --config` file, relative to the file that gives them (as the CLI reads them).
@@ -119,7 +119,7 @@ def _absolute_paths(content: dict, folder: Path) -> dict:
             section = section.get(key) if isinstance(section, dict) else None
         value = section.get(keys[-1]) if isinstance(section, dict) else None
         if isinstance(value, str) and value:
-            path = os.path.abspath(folder / os.path.expanduser(value))
+            path = absolute_path(value, folder)
             hub_model = keys == ("model",) and not os.path.exists(path) and cached_hub_model(value)
             section[keys[-1]] = value if hub_model else path
     return content
@@ -184,5 +184,5 @@ def experiment_values(path: Path, known: Sequence[str], paths: Sequence[str] = (
         raise ValueError(f"{path}: unknown settings {unknown!r}; known: {sorted(known)}")
     for name in paths:
         if isinstance(values.get(name), str):
-            values[name] = os.path.abspath(path_base(path) / os.path.expanduser(values[name]))
+            values[name] = absolute_path(values[name], path_base(path))
     return values

@@ -43,8 +43,34 @@ class ModelPath(LocalPath):
     model is in the local Hugging Face cache (nothing is downloaded)."""
 
 
+# The paths read relative to a folder (absolute path -> (the path as written, that folder)): a recipe file's relative
+# path is read relative to the file's folder, which a "does not exist" names (``read_relative``).
+_READ_RELATIVE: dict[str, tuple[str, str]] = {}
+
+
+def absolute_path(value: str, folder: str | os.PathLike | None = None) -> str:
+    """``value`` made absolute relative to ``folder`` (default: the current folder, which jsonargparse sets to a
+    ``--config`` file's own while it reads the file); a relative one is remembered for ``read_relative``."""
+    written = os.path.expanduser(str(value))
+    base = os.path.abspath(folder if folder is not None else os.getcwd())
+    path = os.path.abspath(os.path.join(base, written))
+    if not os.path.isabs(written):
+        _READ_RELATIVE[path] = (str(value), base)
+    return path
+
+
+def read_relative(path: str) -> str:
+    """For a path a recipe file gave relative to its folder (another than the current one): what it wrote and the rule
+    (appended to a "does not exist"); else ''."""
+    written, base = _READ_RELATIVE.get(os.path.abspath(path), (None, None))
+    if written is None or base == os.getcwd():
+        return ""
+    return (f"; a recipe file gives it as `{written}` (relative paths in a recipe file are read relative to the "
+            f"recipe file's folder, here {base})")
+
+
 def _absolute(value: str) -> LocalPath:
-    return LocalPath(os.path.abspath(os.path.expanduser(str(value))))
+    return LocalPath(absolute_path(value))
 
 
 def _model(value: str) -> ModelPath:
@@ -77,7 +103,7 @@ class BaseWeightsMismatch(AdapterFilesWarning):
 def check_file(path: str, what: str) -> None:
     """A clear error if ``path`` is not an existing file (``what``: e.g. "training file")."""
     if not os.path.isfile(path):
-        reason = "is a folder" if os.path.isdir(path) else "does not exist"
+        reason = "is a folder" if os.path.isdir(path) else f"does not exist{read_relative(path)}"
         raise FileNotFoundError(f"{what} {path} {reason}")
 
 
@@ -94,7 +120,7 @@ def check_model_folder(model: str) -> None:
         command = PACKAGED_MODELS.get(os.path.basename(os.path.normpath(model)))
         writes = f": `loramcl {command} --out {model}` writes it" if command else ""
         raise FileNotFoundError(f"model folder {model} does not exist (a model is a local transformers folder; "
-                                f"nothing is downloaded){writes}")
+                                f"nothing is downloaded){writes}{read_relative(model)}")
 
 
 def cached_hub_model(name: str) -> bool:
