@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loramcl.utils.inputs import DTYPES, LocalPath, check_choice, check_output, training_record
+from loramcl.utils.run_best import check_loaded_best
 
 
 def load_model(model: str, adapters: str | None = None, dtype: str = "float32", device: str = "cpu",
@@ -21,7 +22,12 @@ def load_model(model: str, adapters: str | None = None, dtype: str = "float32", 
     or none. ``strict``: MCL adapters saved on other base weights, or whose files cannot be verified, are an error,
     not a warning. ``quantization``: the base weights quantized as they load (``loramcl.mcl.quantization``: nf4, fp4,
     int8, torchao-int8), computing in ``dtype``, their normalization layers in float32; by default as the training
-    run of ``adapters`` (its run.json) quantized them, so that adapters are decoded on the base they trained on."""
+    run of ``adapters`` (its run.json) quantized them, so that adapters are decoded on the base they trained on.
+    A run's best adapters (OUT/best, OUT/best/peft: ``training.keep_best``) are checked against their best.json and
+    the run's records first (``utils.run_best.check_loaded_best``)."""
+    check_choice("dtype", dtype, DTYPES)
+    if adapters is not None:
+        check_loaded_best(adapters)  # before anything loads: a damaged or foreign best is one line naming OUT/best
     import torch
     from transformers import (
         AutoConfig,
@@ -34,7 +40,6 @@ def load_model(model: str, adapters: str | None = None, dtype: str = "float32", 
     from loramcl.mcl.adapter_files import CONFIG_NAME
     from loramcl.mcl.model import load_mcl_model
 
-    check_choice("dtype", dtype, DTYPES)
     if quantization is None and (record := training_record(adapters)) is not None:
         quantization = record[1].get("quantization")
     config = AutoConfig.from_pretrained(model)

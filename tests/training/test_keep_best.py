@@ -2,6 +2,7 @@
 a resumed run."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -11,12 +12,13 @@ from tiny_models import save_tiny_run_inputs
 from transformers import AutoModelForCausalLM
 
 from loramcl import DataConfig, MCLConfig, TrainConfig, load_mcl_model
-from loramcl.training.best import check_run_best
+from loramcl.cli import main
 from loramcl.training.fit import train
 from loramcl.training.runs import settings_stamp
 from loramcl.training.trainer import MCLTrainer
 from loramcl.utils.files import sha256
 from loramcl.utils.inputs import training_record
+from loramcl.utils.run_best import check_run_best
 
 TARGETS = ["q_proj", "v_proj"]
 # The validation loss each evaluation reports (by step): lowest at step 4, a middle evaluation, then rising again.
@@ -47,9 +49,9 @@ def evaluations(monkeypatch):
     return adapters
 
 
-def run(folders, out, k=2, resume=False):
+def run(folders, out, k=2, resume=False, r=4):
     return train(model=str(folders / "base"), out=str(out), resume=resume,
-                 mcl=MCLConfig(num_hypotheses=k, r=4, alpha=8, target_modules=TARGETS),
+                 mcl=MCLConfig(num_hypotheses=k, r=r, alpha=8, target_modules=TARGETS),
                  data=DataConfig(train_file=str(folders / "train.jsonl"),
                                  validation_file=str(folders / "train.jsonl"), eval_examples=4),
                  training=TrainConfig(steps=8, batch_size=4, learning_rate=1e-2, eval_every=2, save_every=2,
@@ -61,6 +63,7 @@ def check_best(folders, out, adapters):
     SHA-256, as mcl_config.json records it) and the run (its settings' stamp), and checks against the run's records."""
     record = json.loads((out / "best" / "best.json").read_text())
     settings = json.loads((out / "run.json").read_text())["settings"]
+    assert json.loads((out / "run.json").read_text())["settings_stamp"] == settings_stamp(settings)  # read's stamp
     assert record == {"step": 4, "eval_loss": 1.0, "weights_sha256": sha256(out / "best" / "mcl_adapters.safetensors"),
                       "run": settings_stamp(settings)}
     assert json.loads((out / "best" / "mcl_config.json").read_text())["weights_sha256"] == record["weights_sha256"]
@@ -189,3 +192,68 @@ def test_a_fresh_run_refuses_another_runs_best_and_keep_best_needs_validation(fo
                                          "validation file"):
         train(model=str(folders / "base"), out=str(tmp_path / "none"), mcl=MCLConfig(r=2, target_modules=TARGETS),
               data=DataConfig(train_file=str(folders / "train.jsonl")), training=TrainConfig(keep_best=True))
+
+
+def cli_error(argv, capsys) -> str:
+    """The one line `loramcl <command>` ends with on stderr, after checking that it failed."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 1 and lines, lines
+    return lines[-1]
+
+
+# issue 61: each damage of OUT/best, and the line `loramcl generate` / `loramcl nll --adapters OUT/best` refuse it with
+READ_DAMAGES = {
+    "adapters replaced by another run's": (
+        lambda best, other: [shutil.copy(other / name, best / name) for name in (WEIGHTS, "mcl_config.json")],
+        r"best/mcl_adapters.safetensors is not the adapters best.json records \(SHA-256 [0-9a-f]{12}..., recorded "
+        r"[0-9a-f]{64}\): they were replaced or damaged: restore it from a copy, or delete it and train the run again "
+        "with keep_best"),
+    "eval_loss edited": (
+        lambda best, other: edited(eval_loss=0.5)(best),
+        r"best/best.json records eval_loss 0.5 at step 4, which the run's log \(.*train_log.json\) does not hold \(it "
+        r"logged eval_loss 1.0 at that step\): restore it from a copy"),
+    "another run's best, whole": (
+        lambda best, other: [shutil.copy(path, best / path.name) for path in (other / "best").iterdir()
+                             if path.is_file()],
+        r"best holds the best adapters of another run \(best.json: run [0-9a-f]{16}; this run's settings stamp is "
+        r"[0-9a-f]{16}\): restore it from a copy"),
+}
+
+
+def test_generate_and_nll_read_a_runs_best_checked(folders, tmp_path, evaluations, capsys):
+    """`loramcl generate` and `loramcl nll --adapters OUT/best` (and generate on a K = 1 run's OUT/best/peft) check
+    the folder as a run's best, as every load_model of it does: a best whose adapters, record or whole folder are not
+    the run's is refused in one line naming OUT/best, before the model loads, and left as it is; a whole best is
+    read."""
+    whole, other = tmp_path / "whole", tmp_path / "other"
+    run(folders, whole, k=1)
+    run(folders, other, k=1, r=2)  # another run (rank 2): its adapters load as well as the run's own
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"id": "a", "prompt": "w5 w20"}) + "\n")
+    (tmp_path / "refs.jsonl").write_text(json.dumps({"id": "a", "prompt": "w5 w20", "references": ["w40 w60"]}) + "\n")
+
+    def commands(adapters):
+        common = ["--model", str(folders / "base"), "--adapters", str(adapters), "--threads", "1", "--progress",
+                  "false"]
+        single = ["--strategy", "beam", "--num_beams", "1", "--num_sequences", "1"] if adapters.name == "peft" else []
+        return {"generate": ["generate", *common, *single, "--input", str(tmp_path / "prompts.jsonl"),
+                             "--max_new_tokens", "2", "--out", str(tmp_path / "preds.jsonl")],
+                "nll": ["nll", *common, "--input", str(tmp_path / "refs.jsonl"), "--out", str(tmp_path / "nll.jsonl")]}
+
+    for number, (name, (damage, message)) in enumerate(READ_DAMAGES.items()):
+        out = tmp_path / f"damaged{number}"
+        shutil.copytree(whole, out, ignore=shutil.ignore_patterns("checkpoints"))
+        damage(out / "best", other)
+        before = {p.name: p.read_bytes() for p in (out / "best").rglob("*") if p.is_file()}
+        adapters = {"generate": out / "best", "nll": out / "best", "generate peft": out / "best" / "peft"}
+        for command, folder in adapters.items():
+            line = cli_error(commands(folder)[command.split()[0]], capsys)
+            prefix = f"loramcl {command.split()[0]}: error: {out / 'best'}"
+            assert line.startswith(prefix) and re.search(message, line), (name, command, line)
+        assert {p.name: p.read_bytes() for p in (out / "best").rglob("*") if p.is_file()} == before, name
+    for folder in (whole / "best", whole / "best" / "peft"):  # a whole best: decoded and scored
+        main(commands(folder)["generate"])
+        assert len(json.loads((tmp_path / "preds.jsonl").read_text())["candidates"]) == 1
+    main(commands(whole / "best")["nll"])
+    assert len(json.loads((tmp_path / "nll.jsonl").read_text())["nll"]) == 1

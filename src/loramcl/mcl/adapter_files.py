@@ -31,10 +31,10 @@ from loramcl.mcl.config import MCLConfig, saved_values
 from loramcl.mcl.fingerprint import check_wrapped_base_weights, whole_tensor
 from loramcl.mcl.scores import HypothesisScores
 from loramcl.utils.files import sha256, write_atomically
-from loramcl.utils.inputs import AdapterFilesWarning
+from loramcl.utils.inputs import MCL_CONFIG, MCL_WEIGHTS, AdapterFilesWarning
 
-CONFIG_NAME = "mcl_config.json"
-WEIGHTS_NAME = "mcl_adapters.safetensors"
+CONFIG_NAME = MCL_CONFIG
+WEIGHTS_NAME = MCL_WEIGHTS
 FORMAT_VERSION = 1
 SCORING_PREFIX = "scoring"  # the scoring head's tensors in mcl_adapters.safetensors: scoring.weight, scoring.bias
 SETTINGS_METADATA = "loramcl_settings"  # the output settings in the weights file's header, to name an edited field

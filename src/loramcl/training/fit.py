@@ -44,6 +44,7 @@ from loramcl.utils.inputs import (
     is_encoder_decoder,
     model_positions,
 )
+from loramcl.utils.run_best import STAMP
 from loramcl.utils.threads import check_threads, use_threads
 from loramcl.utils.validate import OptionError
 
@@ -150,8 +151,8 @@ def train(
     search), `checkpoints/` (the last `training.keep_checkpoints` resumable checkpoints, every
     `training.save_every` steps), `train_log.json` (every logged loss, win rate, training NLL per hypothesis, speed and
     validation NLL, then the verdict on the hypotheses' specialisation, or why there is none) and `run.json` (the
-    settings, threads, trainable parameters, seconds, the verdict), written last: a run with a run.json is
-    finished.
+    settings and their stamp, threads, trainable parameters, seconds, the verdict), written last: a run with a
+    run.json is finished.
 
     A causal LM reads prompt + target and learns the target tokens; an encoder-decoder (T5, BART, Marian, NLLB...)
     reads the prompt in its encoder and learns the target as its labels (docs/guide/cli.md).
@@ -317,11 +318,12 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
         (checkpoints / SETTINGS_NAME).write_text(json.dumps(settings, indent=1) + "\n")
     writing = trainer.is_world_process_zero()  # the other processes hold the same adapters, or shards of them
     export_peft = method == "mcl" and mcl.num_hypotheses == 1  # a K = 1 run is a PEFT adapter too
+    stamp = settings_stamp(settings)  # identifies the run in run.json and in its best's best.json
     if training.keep_best:
         from loramcl.training.best import BestAdapters
 
         trainer.add_callback(BestAdapters(mcl_model, out_dir, export_peft, processor, writing,
-                                          trainer.is_fsdp_enabled, settings_stamp(settings)))
+                                          trainer.is_fsdp_enabled, stamp))
     if last_checkpoint is not None:
         logger.info(f"resuming from the newest whole checkpoint in {checkpoints}")
     started = time.perf_counter()
@@ -338,7 +340,7 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     if writing:
         (out_dir / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
     trainable, total = mcl_model.parameter_counts()
-    run = {"settings": settings, "resumed_from": trainer.resumed_from and Path(trainer.resumed_from).name,
+    run = {"settings": settings, STAMP: stamp, "resumed_from": trainer.resumed_from and Path(trainer.resumed_from).name,
            "threads": torch.get_num_threads(), "train_examples": len(train_set), "trainable_parameters": trainable,
            "total_parameters": total, "seconds": round(seconds, 1)}
     if trainer.specialisation is not None:  # did the hypotheses split (its line was logged), or why no verdict

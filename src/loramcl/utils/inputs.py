@@ -27,7 +27,9 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 RUN_RECORD = "run.json"  # written last by `loramcl train` in its `out` folder
 PEFT_FOLDER = "peft"  # where a K = 1 run of `loramcl train` exports its adapter, inside `out`
 BEST_FOLDER = "best"  # a run's best-validation adapters (training.keep_best), beside the last ones
-MCL_CONFIG = "mcl_config.json"  # loramcl.mcl.adapter_files.CONFIG_NAME (not imported: that module imports torch)
+# The files of MCL adapters (loramcl.mcl.adapter_files names them from here: that module imports torch)
+MCL_CONFIG = "mcl_config.json"
+MCL_WEIGHTS = "mcl_adapters.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 # The packaged models' folder names (as the recipes name them) and the command that writes such a folder.
 PACKAGED_MODELS = {"SmolLM2-135M-Instruct": "convert-smollm2", "whisper-base": "convert-whisper-base"}
