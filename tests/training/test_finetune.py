@@ -318,8 +318,8 @@ def test_train_says_whether_the_hypotheses_split_and_logs_its_speed(folders, cap
 @pytest.mark.parametrize("case", ["two steps", "logging past the steps", "K = 1"])
 def test_a_run_without_a_verdict_says_why(folders, case, capsys):
     """Issue 61: runs of 1-2 steps, or logging_steps past the steps, ended with no verdict and run.json's
-    `specialisation: null`, and K = 1 with none at all: each now says why, in the console, run.json and
-    train_log.json."""
+    `specialisation: null`, and K = 1 with none at all: each now says why, in the console and run.json (train_log.json
+    stays Trainer's log, closed by its train loss)."""
     out = folders / f"no-verdict-{case.replace(' ', '-')}"
     options = {"two steps": ["--training.steps", "2", "--training.logging_steps", "1"],
                "logging past the steps": ["--training.steps", "3"],  # logging_steps: 10
@@ -339,7 +339,7 @@ def test_a_run_without_a_verdict_says_why(folders, case, capsys):
     line = f"specialisation: no verdict: {reason}."
     assert judged == {"kind": "no verdict", "reason": reason, "line": line}
     assert line in printed.out.splitlines() and "specialisation" not in printed.err
-    assert json.loads((out / "train_log.json").read_text())[-1]["specialisation"] == judged
+    assert "train_loss" in json.loads((out / "train_log.json").read_text())[-1]
 
 
 def test_a_warm_up_longer_than_the_run_is_said_and_the_verdict_does_not_advise_annealing(folders, capsys):

@@ -121,7 +121,8 @@ class MCLTrainer(Trainer):
     ``labelled_tokens_per_second``, ``step_time`` and on a GPU ``peak_allocated_gb``, ``peak_reserved_gb``, ``mfu``.
     When training ends, a verdict on the specialisation (``specialisation.verdict``: split, not split or partly
     collapsed, with the changes to try; 'no verdict' with its reason for K = 1, no training log or under 4 steps) is
-    logged, appended to ``state.log_history`` as ``{"specialisation": ...}`` and kept as ``trainer.specialisation``.
+    logged and kept as ``trainer.specialisation``; a verdict given is appended to ``state.log_history`` as
+    ``{"specialisation": ...}``.
     Evaluation reports ``eval_loss`` as the vanilla WTA loss (mean over examples of min_k NLL, eq. 2)
     whatever the training loss, plus ``eval_nll_h{k}``, ``eval_win_rate_h{k}`` and, with hypothesis scores
     (``MCLConfig(scoring=True)``), ``eval_mixture_nll``. A ``compute_metrics`` function receives the per-example
@@ -304,13 +305,15 @@ class MCLTrainer(Trainer):
 
     def _judge_specialisation(self) -> None:
         """The verdict on the hypotheses' specialisation over the run's last steps, from its training logs (those of
-        the checkpoint it resumed from too): logged, appended to the log history, kept as ``self.specialisation``."""
+        the checkpoint it resumed from too): logged, kept as ``self.specialisation``, and a verdict given appended to
+        the log history."""
         mcl, step = self._mcl_model(), self.state.global_step
         found = verdict(records_of(self.state.log_history, mcl.num_hypotheses), mcl.mcl_config,
                         verdict_window(self._collapse.window, step), self._collapse.share, self._last_temperature,
                         step, self.args.logging_steps, warmup_shortfall(self.args, self.state.max_steps))
         self.specialisation = found
-        self.state.log_history.append({"step": step, "specialisation": found.to_dict()})
+        if found.kind != NO_VERDICT:  # an abstention leaves Trainer's log as it was (its last entry: the train loss)
+            self.state.log_history.append({"step": step, "specialisation": found.to_dict()})
         if self.is_world_process_zero():
             (logger.info if found.kind in ("split", NO_VERDICT) else logger.warning)(found.line)
 
