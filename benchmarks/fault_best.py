@@ -30,8 +30,10 @@ Each record also says whether the damaged ``best/`` was left as it was (a refusa
 The ensemble cases assemble the uninterrupted run (m0) and the other seed's (m1), as the recipe runner does
 (``loramcl.recipes.ensemble.assemble(..., best=True)``, in a process of its own), after one damage: a member's
 ``best.json`` truncated, or set to ``{"step": 999, "eval_loss": -5}``; m1's best adapter files copied into m0/best;
-and ``assemble_hypotheses([m0, m0])``. Refused clearly: an error naming the member's folder that is not a bare
-JSON/type/key error; *traceback*: such a bare error; silent, right: the undamaged assembly's files.
+and ``assemble_hypotheses([m0, m0])``; and m1's best adapter files copied into m0/best, read by `loramcl nll --adapters
+m0/best` (as the recipes' 'm0@best' NLL row reads it). Refused clearly: an error naming the member's folder that is not
+a bare JSON/type/key error (for `nll`, the command's one error line); *traceback*: such a bare error, or the "(a bug?
+...)" hint; silent, right: the undamaged members' files (the assembly, the NLL file).
 
 Written against the command line and the public functions only, so that ``PYTHONPATH`` at an earlier checkout's
 ``src`` measures that version (``--json`` there, ``--best-before`` that file here prints both columns).
@@ -65,7 +67,8 @@ def command(root: Path, out: Path, seed: int) -> list[str]:
 
 
 def build_folder(root: Path) -> None:
-    """root/tiny (a tiny Llama with a word tokenizer), root/train.jsonl and root/val.jsonl."""
+    """root/tiny (a tiny Llama with a word tokenizer), root/train.jsonl, root/val.jsonl and root/refs.jsonl (the
+    validation pairs as `loramcl nll` reads references)."""
     import torch
 
     from fault_files import _tiny_llama
@@ -77,6 +80,8 @@ def build_folder(root: Path) -> None:
     _word_tokenizer().save_pretrained(root / "tiny")
     (root / "train.jsonl").write_text(_jsonl(TRAIN))
     (root / "val.jsonl").write_text(_jsonl(VALIDATION))
+    (root / "refs.jsonl").write_text(_jsonl([{"id": str(i), "prompt": row["prompt"], "references": [row["target"]]}
+                                             for i, row in enumerate(VALIDATION)]))
 
 
 # ---- the run (a process of its own) --------------------------------------------------------------------------------
@@ -287,15 +292,25 @@ def references(root: Path) -> tuple[Path, list[dict]]:
     return first, [at_first, at_second]
 
 
-def best_trials(root: Path, limit: float) -> list[dict]:
-    """Each CASES damage to a killed run's best/, resumed; then the ensemble cases. A record per case."""
+def best_trials(root: Path, limit: float, only: str | None = None) -> list[dict]:
+    """Each CASES damage to a killed run's best/, resumed; then the ensemble cases (``only``: those whose name
+    contains it). A record per case."""
     build_folder(root)
+    cases = {case: damage for case, damage in CASES.items() if only is None or only in case}
+    if cases:
+        cases = {**dict(list(CASES.items())[:1]), **cases}  # the control: its warnings are the baseline
     reference, _ = references(root)
+    other, _ = uninterrupted(root, "other-seed", seed=1)
+    ensembles = {case: damage for case, damage in ENSEMBLE_CASES.items() if only is None or only in case}
+    records = resumed_trials(root, reference, other, cases, limit) if cases else []
+    return records + ensemble_trials(root, reference, other, ensembles)
+
+
+def resumed_trials(root: Path, reference: Path, other: Path, cases: dict, limit: float) -> list[dict]:
     best_step = best_of(reference)["step"]
     killed_after = best_step + EVERY - best_step % EVERY  # the first checkpoint after the best step
     if killed_after >= STEPS:
         raise SystemExit(f"the uninterrupted run's best is step {best_step}: no later checkpoint to kill after")
-    other, _ = uninterrupted(root, "other-seed", seed=1)
     snapshot = root / "killed"
     kill_at(root, snapshot, ("saved", killed_after), 0.0)
     if best_of(snapshot) != best_of(reference):
@@ -304,7 +319,7 @@ def best_trials(root: Path, limit: float) -> list[dict]:
     print(f"best-checkpoint damage: uninterrupted runs identical, best step {best_step} of {STEPS}; each case copies "
           f"a run killed after checkpoint-{killed_after}", flush=True)
     records, control_warnings = [], set()
-    for i, (case, damage) in enumerate(CASES.items()):
+    for i, (case, damage) in enumerate(cases.items()):
         out = root / f"case-{i}"
         shutil.copytree(snapshot, out)
         damage(out, other)
@@ -318,7 +333,6 @@ def best_trials(root: Path, limit: float) -> list[dict]:
         record["best kept as it was"] = files_of(out / "best") == damaged
         records.append(record)
         print_record(record)
-    records += ensemble_trials(root, reference, other)
     return records
 
 
@@ -341,7 +355,12 @@ else:
 
 def _assemble(root: Path, case: str) -> tuple[int, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", ASSEMBLE, str(root), case], capture_output=True, text=True, env=env)
+    if case == "nll":  # m0's best read as the recipes' 'm0@best' NLL row reads it
+        argv = ["-c", "from loramcl.cli import main; main()", "nll", "--model", str(root / "tiny"), "--adapters",
+                str(root / "m0" / "best"), "--input", str(root.parent / "refs.jsonl"), "--out", str(root / "nll.jsonl")]
+    else:
+        argv = ["-c", ASSEMBLE, str(root), case]
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env)
     return done.returncode, done.stderr
 
 
@@ -351,29 +370,35 @@ ENSEMBLE_CASES = {
         lambda root: (root / "m0" / "best" / "best.json").write_text('{"step": 999, "eval_loss": -5}\n'),
     "recipe: m1's best adapter files copied into m0/best": lambda root: _foreign(root / "m0", root / "m1"),
     "assemble_hypotheses([m0, m0])": None,
+    "m1's best adapter files copied into m0/best, read by `loramcl nll --adapters m0/best`":
+        lambda root: _foreign(root / "m0", root / "m1"),
 }
 
 
-def ensemble_trials(root: Path, reference: Path, other: Path) -> list[dict]:
+def ensemble_trials(root: Path, reference: Path, other: Path, cases: dict) -> list[dict]:
     def members(folder: Path) -> None:
         folder.mkdir()
         shutil.copytree(reference, folder / "m0", ignore=shutil.ignore_patterns("checkpoints"))
         shutil.copytree(other, folder / "m1", ignore=shutil.ignore_patterns("checkpoints"))
         os.symlink(root / "tiny", folder / "tiny")
 
+    if not cases:
+        return []
     right = root / "ensemble-right"
     members(right)
-    code, stderr = _assemble(right, "members")
-    if code != 0:
-        raise SystemExit(f"the undamaged ensemble failed to assemble:\n{stderr[-3000:]}")
+    for case in ("members", "nll"):
+        code, stderr = _assemble(right, case)
+        if code != 0:
+            raise SystemExit(f"the undamaged members failed ({case}):\n{stderr[-3000:]}")
     records = []
-    for i, (case, damage) in enumerate(ENSEMBLE_CASES.items()):
+    for i, (case, damage) in enumerate(cases.items()):
         folder = root / f"ensemble-{i}"
         members(folder)
         if damage is not None:
             damage(folder)
         damaged = files_of(folder / "m0" / "best")
-        code, stderr = _assemble(folder, "duplicate" if damage is None else "members")
+        kind = "duplicate" if damage is None else "nll" if "loramcl nll" in case else "members"
+        code, stderr = _assemble(folder, kind)
         lines = [line for line in stderr.strip().splitlines() if line.strip()]
         last = lines[-1] if lines else ""
         warned = [line for line in lines if "Warning" in line and ("m0" in line or "duplicate" in line.lower()
@@ -383,11 +408,15 @@ def ensemble_trials(root: Path, reference: Path, other: Path) -> list[dict]:
         if code != 0:
             bare = any(last.startswith(kind) for kind in ("json.decoder.JSONDecodeError", "TypeError", "KeyError",
                                                           "AttributeError", "IndexError"))
-            record["outcome"] = "traceback" if bare or str(folder / "m0") not in last else "refused clearly"
+            named = str(folder / "m0") in last and (kind != "nll" or last.startswith("loramcl nll: error:"))
+            record["outcome"] = "traceback" if bare or "(a bug?" in last or not named else "refused clearly"
         elif warned:
             record["outcome"] = "warned"
         elif damage is None:
             record["outcome"] = "silent, wrong"  # two identical hypotheses
+        elif kind == "nll":
+            same = (folder / "nll.jsonl").read_text() == (right / "nll.jsonl").read_text()
+            record["outcome"] = "silent, right" if same else "silent, wrong"
         else:
             same = (tensors_equal(folder / "ens" / "best" / "mcl_adapters.safetensors",
                                   right / "ens" / "best" / "mcl_adapters.safetensors")

@@ -151,6 +151,7 @@ def main() -> None:
     parser.add_argument("--best-limit", type=float, default=300.0,
                         help="seconds a resumed run of the best-checkpoint family may run before it counts as "
                              "'ran on'")
+    parser.add_argument("--best-only", help="run only the best-checkpoint cases whose name contains this")
     parser.add_argument("--best-before", help="a --json file written by an earlier version with --best: the "
                                               "best-checkpoint table then shows 'before -> now'")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments and of the file damages")
@@ -187,7 +188,7 @@ def main() -> None:
         if args.best:
             (root / "best").mkdir()
             started = time.monotonic()
-            best = best_trials(root / "best", args.best_limit)
+            best = best_trials(root / "best", args.best_limit, args.best_only)
             seconds = round(time.monotonic() - started, 1)
             report["best"] = {"summary": print_best_table(best, best_before), "seconds": seconds, "trials": best}
             print(f"{len(best)} best-checkpoint trials in {seconds} s")
