@@ -10,8 +10,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from loramcl.mcl.adapter_files import TRAINING_SETTINGS, read_adapters
+from loramcl.mcl.adapter_files import TRAINING_SETTINGS, WEIGHTS_NAME, read_adapters
 from loramcl.mcl.config import MCLConfig
+from loramcl.utils.files import sha256
 from loramcl.utils.validate import require
 
 # The member settings that may differ: how many hypotheses each holds (they add up), and whether it had a scoring head
@@ -26,7 +27,8 @@ def assemble_hypotheses(model: nn.Module, folders: Sequence[str | os.PathLike], 
     lora_A [K, d_in, r] and lora_B [K, r, d_out] of every layer are the members' stacked, K the sum of theirs, so
     hypothesis k computes exactly what its member computes alone. The members must agree on every setting that
     changes the outputs but K (targets, rank, alpha, rsLoRA, ...) and on their base weights; none may have hypothesis
-    scores (they rank one run's hypotheses, not a union). Each folder is checked as ``load_mcl_model`` checks it
+    scores (they rank one run's hypotheses, not a union), and none may be named twice or hold another's adapters (the
+    same weights file, byte for byte: two identical hypotheses). Each folder is checked as ``load_mcl_model`` checks it
     (``verify``, ``strict``), and ``model``'s weights against the members' fingerprint. Returned in eval mode, the
     adapters frozen (``save_pretrained`` writes it as one K-hypothesis folder)."""
     from loramcl.mcl.adapter_files import check_adapters_fit
@@ -38,8 +40,18 @@ def assemble_hypotheses(model: nn.Module, folders: Sequence[str | os.PathLike], 
     require(isinstance(folders, Sequence) and not isinstance(folders, str) and len(folders) >= 2,
             f"assemble_hypotheses takes the folders of two or more trained runs, got {folders!r}")
     require(not isinstance(model, MCLModel), "this model already has MCL adapters: assemble onto the plain base model")
+    same = [(a, b) for i, a in enumerate(folders) for b in folders[:i]
+            if os.path.realpath(a) == os.path.realpath(b)]
+    require(not same, f"assemble_hypotheses: {same[0][0]} is named twice (as {same[0][1]}): each member is a distinct "
+            "run, named once (the recipe runner refuses such a list too)")
     # (folder, saved metadata, MCLConfig, tensors) of each member, each checked on its own
     members = [(folder, *read_adapters(folder, verify, strict)) for folder in folders]
+    digests = [saved.get("weights_sha256") or sha256(os.path.join(folder, WEIGHTS_NAME))
+               for folder, saved, _, _ in members]
+    twins = [(folders[i], folders[digests.index(d)]) for i, d in enumerate(digests) if digests.index(d) < i]
+    require(not twins, f"assemble_hypotheses: {twins[0][0]} holds the same adapters as {twins[0][1]} (the same "
+            "weights file, byte for byte): two identical hypotheses would make no ensemble; train each member on "
+            "its own (another seed or data), or name the run once")
     first, first_saved, first_config, _ = members[0]
     for folder, saved, config, _ in members:
         require(not config.scoring, f"{folder} has hypothesis scores p(k | c), which rank its own hypotheses: "

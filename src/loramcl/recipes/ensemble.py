@@ -62,10 +62,11 @@ def assemble(root: Path, run: str, values: dict, members: Sequence[str], best: b
     """Write root/``run``: the members' (root/<member>) hypotheses as one MCL model folder, a run.json (the members'
     stamps; seconds: the members' training time, the ensemble's training cost) and an empty train_log.json.
     ``best``: also root/``run``/best, the members' best-validation adapters (root/<member>/best, each member's own
-    lowest validation loss, ``training.keep_best``) as one model, with a best.json of each member's step and loss."""
+    lowest validation loss, ``training.keep_best``) as one model, with a best.json of each member's best.json, each
+    checked against its member's run first (``check_run_best``)."""
     from loramcl.mcl.ensemble import assemble_hypotheses
     from loramcl.models import training_model_loader
-    from loramcl.training.best import BEST_RECORD, best_record
+    from loramcl.training.best import BEST_RECORD, check_run_best
     from loramcl.training.runs import run_record
     from loramcl.utils.inputs import BEST_FOLDER
 
@@ -75,7 +76,7 @@ def assemble(root: Path, run: str, values: dict, members: Sequence[str], best: b
     model = assemble_hypotheses(load(), [root / member for member in members])
     model.save_pretrained(out)
     if best:
-        kept = {member: best_record(root / member) for member in members}
+        kept = {member: check_run_best(root / member) for member in members}  # checked against the member's run
         missing = [member for member, record in kept.items() if record is None]
         require(not missing, f"run {run}: members {missing} kept no best-validation adapters ({root}/<member>/best):"
                 " set `training: {keep_best: true}` in their run files and train them again")
@@ -92,3 +93,20 @@ def assemble(root: Path, run: str, values: dict, members: Sequence[str], best: b
               "assembly_seconds": round(time.perf_counter() - started, 1)}
     (out / "train_log.json").write_text("[]\n")  # no training of its own: the members' logs are theirs
     (out / "run.json").write_text(json.dumps(record, indent=1) + "\n")  # last: a folder with a run.json is finished
+
+
+def check_best_adapters(root: Path, run: str, members: Sequence[str] | None) -> None:
+    """Before a '<run>@best' row is scored (or its scores reused): root/``run``/best checked against the run
+    (``check_run_best``); for an ensemble (``members``), each member's best and the record of the assembled one."""
+    from loramcl.training.best import BEST_RECORD, best_record, check_run_best
+    from loramcl.utils.inputs import BEST_FOLDER
+
+    kept = {name: check_run_best(root / name) for name in members or [run]}
+    missing = [name for name, record in kept.items() if record is None]
+    require(not missing, f"{root / missing[0] / BEST_FOLDER} does not exist, and the {run}@best row scores it: restore "
+            f"it from a copy, or delete {root / missing[0]} to train the run again")
+    if members:
+        recorded = best_record(root / run)
+        require(recorded is not None and recorded.get("members") == kept, f"{root / run / BEST_FOLDER / BEST_RECORD} "
+                "does not record its members' best adapters as they are now: delete "
+                f"{root / run / BEST_FOLDER} and {root / run / ASSEMBLED} to assemble it again")

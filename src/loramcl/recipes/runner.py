@@ -156,7 +156,14 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     experiment.yaml's where given (not None)."""
     import dataclasses
 
-    from loramcl.recipes.ensemble import ASSEMBLED, assemble, ensemble_values, ensembles, with_members
+    from loramcl.recipes.ensemble import (
+        ASSEMBLED,
+        assemble,
+        check_best_adapters,
+        ensemble_values,
+        ensembles,
+        with_members,
+    )
     from loramcl.recipes.files import recipe_folder, run_names
     from loramcl.training.runs import file_stamp, run_record, run_stamp
 
@@ -230,6 +237,8 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
                       dict(arguments), decode, extra=task.decoding_settings())
     for run in task.scored_runs(trained, systems):
         path, trained_as = root / "nll" / f"{run}.jsonl", trained_run(run)  # run: 'mle' or 'mle@best'
+        if run.endswith(BEST):  # checked on every read, also when its scores are reused
+            check_best_adapters(root, trained_as, members.get(trained_as))
         stages.run(f"nll {run}", path.with_suffix(".settings.json"),
                    {"trained": run_stamp(root / trained_as), "test": file_stamp(task.test)}, task.score, run,
                    values[trained_as], decode, path)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loramcl.training.runs import CHECKPOINTS, file_stamp, finished_run, run_stamp, stale_checkpoint_fields
+from loramcl.utils.files import read_json
+from loramcl.utils.inputs import BEST_FOLDER, RUN_RECORD
 
 
 @dataclass
@@ -32,7 +34,8 @@ class Stages:
     def run(self, name: str, record: Path, settings: dict, fn: Callable, /, *args, **kwargs) -> bool:
         """``fn(*args, **kwargs)`` unless ``record`` holds ``settings``; then write the record. True if it ran."""
         settings = _as_json(settings)
-        if record.is_file() and json.loads(record.read_text()).get("settings") == settings:
+        saved = read_json(record, "it was damaged or edited: delete it to redo the stage") if record.is_file() else None
+        if isinstance(saved, dict) and saved.get("settings") == settings:
             return False
         self.timed(name, fn, *args, **kwargs)
         record.parent.mkdir(parents=True, exist_ok=True)
@@ -41,13 +44,17 @@ class Stages:
 
     def train(self, name: str, out: Path, settings: dict, fn: Callable, /, *args, **kwargs) -> bool:
         """A training stage ``fn(*args, **kwargs)`` writing a finished run to ``out`` (``training.fit.fit``): skipped
-        when ``out`` holds a finished run of these settings; checkpoints of other settings are deleted (the recipe or
-        its data changed), and ``fn`` must resume from the checkpoints left. True if it ran."""
+        when ``out`` holds a finished run of these settings; checkpoints of other settings, and the best adapters
+        (``training.keep_best``) of a run trained again, are deleted (the recipe or its data changed), and ``fn`` must
+        resume from the checkpoints left. True if it ran."""
         settings = _as_json(settings)
         if finished_run(out, settings):
             return False
-        if stale_checkpoint_fields(out, settings):
+        stale = stale_checkpoint_fields(out, settings)
+        if stale:
             shutil.rmtree(Path(out) / CHECKPOINTS)
+        if stale or (Path(out) / RUN_RECORD).is_file():  # the run is trained again: its best goes with its checkpoints
+            shutil.rmtree(Path(out) / BEST_FOLDER, ignore_errors=True)
         self.timed(name, fn, *args, **kwargs)
         return True
 

@@ -27,6 +27,7 @@ from loramcl.training.runs import (
     method_settings,
     quantization_settings,
     run_stamp,
+    settings_stamp,
     stale_checkpoint_fields,
 )
 from loramcl.utils.files import sha256
@@ -315,7 +316,7 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
         from loramcl.training.best import BestAdapters
 
         trainer.add_callback(BestAdapters(mcl_model, out_dir, export_peft, processor, writing,
-                                          trainer.is_fsdp_enabled, resumed=last_checkpoint is not None))
+                                          trainer.is_fsdp_enabled, settings_stamp(settings)))
     if last_checkpoint is not None:
         logger.info(f"resuming from the newest whole checkpoint in {checkpoints}")
     started = time.perf_counter()

@@ -111,6 +111,9 @@ def nll(
     check_output(out, folder=False, example="nll.jsonl")
     check_file(input, "input file")
     ids, rows, field = read_references(input, prompt_key, references_key)
+    from loramcl.training.best import check_loaded_best
+
+    check_loaded_best(adapters)  # OUT/best: checked against its run's records
     chat_template = prompt_format(adapters, chat_template)
     encoder_decoder = is_encoder_decoder(model)
 

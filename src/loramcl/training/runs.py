@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict
+from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 
 from loramcl.baselines.config import MoEConfig, MultiHeadConfig
 from loramcl.mcl.config import MCLConfig
 from loramcl.training.config import DataConfig, TrainConfig
+from loramcl.utils.files import read_json
 from loramcl.utils.inputs import RUN_RECORD
 
 CHECKPOINTS = "checkpoints"  # Trainer's resumable checkpoints of a run, inside its `out` folder
@@ -21,7 +22,13 @@ SETTINGS_NAME = "settings.json"  # in CHECKPOINTS: what the checkpoints were tra
 def finished_run(out: str | Path, settings: dict) -> bool:
     """Whether `out` holds a finished `loramcl train` run with these settings (from ``run_settings``)."""
     path = Path(out) / RUN_RECORD
-    return path.is_file() and not _differing(json.loads(path.read_text()).get("settings") or {}, settings)
+    return path.is_file() and not _differing(_record_settings(path), settings)
+
+
+def _record_settings(path: Path) -> dict:
+    """The "settings" of a run.json (an empty dict when the record has none)."""
+    record = read_json(path, "it was damaged or edited: train the run again, or delete the folder")
+    return (record.get("settings") if isinstance(record, dict) else None) or {}
 
 
 METHOD_CONFIGS = {"mcl": MCLConfig, "moe": MoEConfig, "multihead": MultiHeadConfig}  # a run's method -> its settings
@@ -80,7 +87,7 @@ def stale_checkpoint_fields(out: str | Path, settings: dict) -> list[str]:
     path = folder / SETTINGS_NAME
     if not path.is_file():
         return [f"unknown: no {SETTINGS_NAME} beside them"]
-    return _differing(json.loads(path.read_text()), settings)
+    return _differing(read_json(path, f"it was damaged or edited: delete {folder} to train the run afresh"), settings)
 
 
 def file_stamp(path: str | Path) -> str:
@@ -97,4 +104,20 @@ def run_stamp(run: Path) -> str:
 
 def run_record(run: Path) -> dict:
     """The run.json of a finished training run (``training.fit.fit``)."""
-    return json.loads((Path(run) / RUN_RECORD).read_text())
+    return read_json(Path(run) / RUN_RECORD, "it was damaged or edited: train the run again")
+
+
+def settings_stamp(settings: dict) -> str:
+    """Identifies a run by its settings (``run_settings``) as resuming compares them: two settings that
+    ``stale_checkpoint_fields`` finds the same have the same stamp. Fields that decide only how a run is computed are
+    left out, and so is every configuration field at its default, so that a field added to loramcl after a run was
+    recorded (at its default: the same run) leaves the run's stamp as it was."""
+    values = _as_configs(settings)
+    for key, config in {**METHOD_CONFIGS, "data": DataConfig, "training": TrainConfig}.items():
+        if isinstance(values.get(key), dict):
+            defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()
+                        for f in fields(config) if f.default is not MISSING or f.default_factory is not MISSING}
+            defaults = json.loads(json.dumps(defaults, default=str))
+            values[key] = {name: value for name, value in values[key].items()
+                           if name not in defaults or value != defaults[name]}
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]

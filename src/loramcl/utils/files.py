@@ -1,5 +1,5 @@
-"""Files read and written with care: UTF-8 text and JSONL records read with errors that name the file and line, a
-file's SHA-256, and writing under a temporary name renamed when complete. Imports nothing heavy (the recipes use it
+"""Files read and written with care: UTF-8 text, JSONL records and our own JSON records read with errors that name the
+file (and line), a file's SHA-256, and writing under a temporary name renamed when complete. Imports nothing heavy (the recipes use it
 before torch is loaded)."""
 
 from __future__ import annotations
@@ -17,6 +17,19 @@ def sha256(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def read_json(path: str | os.PathLike, remedy: str = "it was damaged or edited: write it again"):
+    """The JSON value of a file of ours (a record loramcl wrote); an error naming the file when it is missing, not
+    UTF-8 or not JSON, ending with ``remedy`` (what to do)."""
+    try:
+        return json.loads(read_utf8(path))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist: {remedy}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}): {remedy}") from None
+    except ValueError as error:  # read_utf8's, which names the file and line
+        raise ValueError(f"{error}; {remedy}") from None
 
 
 def write_atomically(path: str | os.PathLike, write) -> None:
