@@ -61,3 +61,18 @@ def test_members_that_do_not_fit_together_are_refused(members, tmp_path):
         assemble_hypotheses(copy.deepcopy(base), folders[:1])
     with pytest.raises(ValueError, match="already has MCL adapters"):
         assemble_hypotheses(get_mcl_model(copy.deepcopy(base), MCLConfig(target_modules=TARGETS)), folders)
+
+
+def test_a_member_named_twice_or_holding_anothers_adapters_is_refused(members, tmp_path):
+    """Issue 61: as the recipe runner refuses an ensemble listing a run twice, so does assemble_hypotheses, also for two
+    folders holding the same adapters (two identical hypotheses)."""
+    import shutil
+
+    base, folders = members
+    with pytest.raises(ValueError, match=r"assemble_hypotheses: .*mle-seed0 is named twice \(as .*mle-seed0\): each "
+                                         "member is a distinct run, named once"):
+        assemble_hypotheses(copy.deepcopy(base), [folders[0], folders[1], folders[0]])
+    shutil.copytree(folders[0], tmp_path / "copy")
+    with pytest.raises(ValueError, match=r"assemble_hypotheses: .*copy holds the same adapters as .*mle-seed0 \(the "
+                                         "same weights file, byte for byte\): two identical hypotheses"):
+        assemble_hypotheses(copy.deepcopy(base), [folders[0], tmp_path / "copy"])

@@ -158,10 +158,47 @@ def test_an_ensembles_best_row_assembles_its_members_best_validation_adapters(re
     report = run_recipe(Toy, out=str(out), recipes=str(folder), threads=1)
     assert list(report["likelihood"]) == ["m0@best", "m1@best", "ensemble", "ensemble@best"]
     record = json.loads((out / "ensemble" / "best" / "best.json").read_text())
-    assert record == {"members": {m: {"step": 1, "eval_loss": 1.0} for m in ("m0", "m1")}}
+    assert record == {"members": {m: json.loads((out / m / "best" / "best.json").read_text()) for m in ("m0", "m1")}}
+    assert all(record["members"][m]["step"] == 1 and record["members"][m]["eval_loss"] == 1.0 for m in ("m0", "m1"))
     scored = {run: [json.loads(line)["nll"] for line in (out / "nll" / f"{run}.jsonl").read_text().splitlines()]
               for run in ("m0@best", "m1@best", "ensemble", "ensemble@best")}
     for i, row in enumerate(scored["ensemble@best"]):  # hypothesis k: member k's best adapters alone
         for j, per_hypothesis in enumerate(row):
             assert per_hypothesis == pytest.approx([scored[m][i][j][0] for m in ("m0@best", "m1@best")], abs=1e-5)
     assert scored["ensemble@best"] != scored["ensemble"]  # the last adapters are another model
+
+
+def test_a_damaged_member_best_or_best_row_is_refused_naming_the_folder(recipe, monkeypatch):
+    """Issue 61: a member's best.json cut short or edited is refused when the ensemble is assembled again, and a run's
+    best holding another run's adapters is refused before its '@best' row is scored (or its scores reused)."""
+    import shutil
+
+    from loramcl.training.trainer import MCLTrainer
+
+    tmp_path, folder = recipe
+    metrics = MCLTrainer._hypothesis_metrics
+    monkeypatch.setattr(MCLTrainer, "_hypothesis_metrics",
+                        lambda self: metrics(self) | {"eval_loss": {1: 1.0, 2: 2.0}[self.state.global_step]})
+    (folder / "experiment.yaml").write_text("decoded: []\nnll_table: [m0@best, ensemble@best]\nbudgets: [2]\n")
+    (folder / "m0.yaml").write_text(MLE + "training:\n  keep_best: true\n  eval_every: 1\n")
+    (folder / "m1.yaml").write_text(MLE + "training:\n  seed: 1\n  keep_best: true\n  eval_every: 1\n")
+    out = tmp_path / "out"
+    run_recipe(Toy, out=str(out), recipes=str(folder), threads=1)
+    record = out / "m1" / "best" / "best.json"
+    kept = record.read_text()
+    for damage, message in ((kept[:10], r"m1/best/best.json is not valid JSON \(Expecting .*\): restore it from a "
+                             "copy, or delete it and train the run again with keep_best"),
+                            (json.dumps({"step": 999, "eval_loss": -5}), r"m1/best/best.json records step 999, past "
+                             "the 2 steps of this run: restore it from a copy")):
+        record.write_text(damage)
+        (out / "ensemble" / "ensemble.json").unlink(missing_ok=True)  # assembled again
+        with pytest.raises(ValueError, match=message):
+            run_recipe(Toy, out=str(out), recipes=str(folder), threads=1, stop_after="train")
+        assert record.read_text() == damage
+        assert json.loads((out / "ensemble" / "best" / "best.json").read_text())["members"]["m1"] == json.loads(kept)
+    record.write_text(kept)
+    shutil.copy(out / "m1" / "best" / "mcl_adapters.safetensors", out / "m0" / "best" / "mcl_adapters.safetensors")
+    with pytest.raises(ValueError, match=r"m0/best/mcl_adapters.safetensors is not the adapters best.json records "
+                                         r"\(SHA-256 [0-9a-f]{12}..., recorded [0-9a-f]{64}\): they were replaced or "
+                                         "damaged: restore it from a copy"):
+        run_recipe(Toy, out=str(out), recipes=str(folder), threads=1)

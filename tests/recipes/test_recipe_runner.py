@@ -61,16 +61,18 @@ def test_a_training_stage_is_skipped_when_finished_and_restarts_from_stale_check
 
     def train(out, settings):  # what finetune.fit leaves behind (argument names as the stage's own)
         seen.append(sorted(p.name for p in checkpoints.glob("checkpoint-*")) if checkpoints.exists() else [])
+        seen.append((out / "best").exists())
         out.mkdir(exist_ok=True)
         (out / "run.json").write_text(json.dumps({"settings": settings, "seconds": 1.0}))
 
     stages = Stages(tmp_path)
     assert stages.train("train", out, {"steps": 100}, train, out=out, settings={"steps": 100})  # resumed
-    assert seen == [["checkpoint-10"]]
+    assert seen == [["checkpoint-10"], False]
     assert not stages.train("train", out, {"steps": 100}, train, out, {"steps": 100})  # finished: skipped
     stamp = run_stamp(out)
+    (out / "best").mkdir()  # keep_best's, of the run trained again: it goes with the stale checkpoints (issue 61)
     assert stages.train("train", out, {"steps": 200}, train, out, {"steps": 200})  # other settings: stale ones go
-    assert seen[-1] == [] and run_stamp(out) != stamp
+    assert seen[-2:] == [[], False] and run_stamp(out) != stamp
 
 
 @pytest.mark.parametrize("system, single, expected", [

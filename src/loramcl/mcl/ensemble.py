@@ -42,16 +42,18 @@ def assemble_hypotheses(model: nn.Module, folders: Sequence[str | os.PathLike], 
     require(not isinstance(model, MCLModel), "this model already has MCL adapters: assemble onto the plain base model")
     same = [(a, b) for i, a in enumerate(folders) for b in folders[:i]
             if os.path.realpath(a) == os.path.realpath(b)]
-    require(not same, f"assemble_hypotheses: {same[0][0]} is named twice (as {same[0][1]}): each member is a distinct "
-            "run, named once (the recipe runner refuses such a list too)")
+    if same:
+        raise ValueError(f"assemble_hypotheses: {same[0][0]} is named twice (as {same[0][1]}): each member is a "
+                         "distinct run, named once (the recipe runner refuses such a list too)")
     # (folder, saved metadata, MCLConfig, tensors) of each member, each checked on its own
     members = [(folder, *read_adapters(folder, verify, strict)) for folder in folders]
     digests = [saved.get("weights_sha256") or sha256(os.path.join(folder, WEIGHTS_NAME))
                for folder, saved, _, _ in members]
     twins = [(folders[i], folders[digests.index(d)]) for i, d in enumerate(digests) if digests.index(d) < i]
-    require(not twins, f"assemble_hypotheses: {twins[0][0]} holds the same adapters as {twins[0][1]} (the same "
-            "weights file, byte for byte): two identical hypotheses would make no ensemble; train each member on "
-            "its own (another seed or data), or name the run once")
+    if twins:
+        raise ValueError(f"assemble_hypotheses: {twins[0][0]} holds the same adapters as {twins[0][1]} (the same "
+                         "weights file, byte for byte): two identical hypotheses would make no ensemble; train each "
+                         "member on its own (another seed or data), or name the run once")
     first, first_saved, first_config, _ = members[0]
     for folder, saved, config, _ in members:
         require(not config.scoring, f"{folder} has hypothesis scores p(k | c), which rank its own hypotheses: "

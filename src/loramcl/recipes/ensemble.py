@@ -103,8 +103,9 @@ def check_best_adapters(root: Path, run: str, members: Sequence[str] | None) -> 
 
     kept = {name: check_run_best(root / name) for name in members or [run]}
     missing = [name for name, record in kept.items() if record is None]
-    require(not missing, f"{root / missing[0] / BEST_FOLDER} does not exist, and the {run}@best row scores it: restore "
-            f"it from a copy, or delete {root / missing[0]} to train the run again")
+    if missing:
+        raise FileNotFoundError(f"{root / missing[0] / BEST_FOLDER} does not exist, and the {run}@best row scores it: "
+                                f"restore it from a copy, or delete {root / missing[0]} to train the run again")
     if members:
         recorded = best_record(root / run)
         require(recorded is not None and recorded.get("members") == kept, f"{root / run / BEST_FOLDER / BEST_RECORD} "

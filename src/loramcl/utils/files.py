@@ -1,6 +1,6 @@
-"""Files read and written with care: UTF-8 text, JSONL records and our own JSON records read with errors that name the
-file (and line), a file's SHA-256, and writing under a temporary name renamed when complete. Imports nothing heavy (the recipes use it
-before torch is loaded)."""
+"""Files read and written with care: UTF-8 text, JSONL records and our own JSON records read with errors that name
+the file (and line), a file's SHA-256, and writing under a temporary name renamed when complete. Imports nothing heavy
+(the recipes use it before torch is loaded)."""
 
 from __future__ import annotations
 
