@@ -107,10 +107,15 @@ def child(root: str, out: str, seed: int) -> None:
 
     mcl_trainer, on_evaluate = trainer.MCLTrainer, best.BestAdapters.on_evaluate
     init, save, publish = mcl_trainer.__init__, mcl_trainer._save_checkpoint, checkpoints.publish
+    evaluate = mcl_trainer.evaluate
 
     def announcing_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.add_callback(Start())
+
+    def announcing_validation(self, *args, **kwargs):
+        say("evaluate", self.state.global_step)  # the validation, then (in its on_evaluate) the best folder's write
+        return evaluate(self, *args, **kwargs)
 
     def announcing_save(self, model, trial):
         say("save", self.state.global_step)
@@ -133,6 +138,7 @@ def child(root: str, out: str, seed: int) -> None:
         return result
 
     mcl_trainer.__init__, mcl_trainer._save_checkpoint = announcing_init, announcing_save
+    mcl_trainer.evaluate = announcing_validation
     checkpoints.publish = announcing_publish  # the checkpoints' (best.py holds its own name for it: best writes)
     best.BestAdapters.on_evaluate = announcing_evaluate
     code = main(command(Path(root), Path(out), seed))
@@ -148,7 +154,7 @@ def start(root: Path, out: Path, seed: int = 0) -> subprocess.Popen:
 
 def events(line: str) -> tuple[str, int, float] | None:
     words = line.split()
-    if len(words) == 3 and words[0] in ("start", "save", "saved", "best", "bested", "done"):
+    if len(words) == 3 and words[0] in ("start", "save", "saved", "evaluate", "best", "bested", "done"):
         return words[0], int(words[1]), float(words[2])
     return None
 
@@ -429,7 +435,7 @@ def ensemble_trials(root: Path, reference: Path, other: Path, cases: dict) -> li
     return records
 
 
-# ---- the table --------------------------------------------------------------------------------------------------------
+# ---- the table ----------------------------------------------------------------------------------------------------
 
 def print_record(record: dict) -> None:
     extra = f" ({'; '.join(record['differences'])})" if record.get("differences") and record["outcome"] in (

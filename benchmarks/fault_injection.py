@@ -44,10 +44,12 @@ manual step exists between a kill and the rerun.
 
 Each trial starts a run in a fresh folder and kills it with SIGKILL: a third of the kills at a uniformly random time of
 the training phase, a third at a random offset inside a randomly chosen checkpoint write, a third inside a randomly
-chosen write of OUT/best (one the uninterrupted run made; the offsets are drawn up to the longest write of that kind
-measured in the uninterrupted runs). A kill that left an unpublished `checkpoints/incomplete-checkpoint-N/checkpoint-N`
-or `incomplete-best/best` behind landed inside that write: without staging, that folder would have been the newest
-checkpoint or the best, half-written. Then the command is rerun once; it counts as resumed if it exits 0, and as
+chosen write of OUT/best (one the uninterrupted run made), at an offset from the start of its validation (the write
+comes right after it, and a kill lands some milliseconds after its aim). The offsets are drawn up to the longest write
+of that kind (for the best folder, validation and write) measured in the uninterrupted runs. A kill that left an
+unpublished `checkpoints/incomplete-checkpoint-N/checkpoint-N` or `incomplete-best/best` behind landed inside that
+write: without staging, that folder would have been the newest checkpoint or the best, half-written. Then the command
+is rerun once; it counts as resumed if it exits 0, and as
 identical if its last adapters, its best adapters and best.json's step and loss equal the uninterrupted run's. Two
 uninterrupted runs are compared first, so that "identical" means something.
 """
@@ -90,8 +92,8 @@ def kill_trials(root: Path, kills: int, rng: random.Random) -> list[dict]:
     writes = {"save": [], "best": []}
     for at in moments:
         writes["save"] += [at[("saved", s)] - at[("save", s)] for s in range(EVERY, STEPS + 1, EVERY)]
-        writes["best"] += [at[("bested", s)] - at[("best", s)] for s in range(EVERY, STEPS + 1, EVERY)
-                           if ("bested", s) in at]
+        writes["best"] += [at[("bested", s)] - at[("evaluate", s)] for s in range(EVERY, STEPS + 1, EVERY)
+                           if ("bested", s) in at]  # the validation and the write: a kill's notice lags
     best_steps = sorted(s for kind, s in moments[0] if kind == "bested")  # the validations that wrote best/
     longest = {kind: max(times) for kind, times in writes.items()}
     print(f"uninterrupted: 2 runs, identical last and best adapters (best: {best_of(reference)}); training phase "
@@ -106,7 +108,8 @@ def kill_trials(root: Path, kills: int, rng: random.Random) -> list[dict]:
             target, delay, aimed = ("save", step), rng.uniform(0, longest["save"]), f"write of checkpoint-{step}"
         elif kind == KINDS[2]:
             step = rng.choice(best_steps)
-            target, delay, aimed = ("best", step), rng.uniform(0, longest["best"]), f"best write at step {step}"
+            target, delay = ("evaluate", step), rng.uniform(0, longest["best"])
+            aimed = f"best write at step {step}"
         else:
             delay = rng.uniform(0, training)
             target, aimed = ("start", 0), f"{delay:.3f} s into training"
