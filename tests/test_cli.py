@@ -351,3 +351,80 @@ def test_commands_run_with_expandable_segments_unless_the_allocator_is_set(given
         assert os.environ[given[0]] == given[1] and sum(name in os.environ for name in ALLOCATOR_SETTINGS) == 1
     else:
         assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def _numeric_options(function) -> list[str]:
+    """Every option of a command whose type takes a number (int or float, alone, in a union or a list), as its
+    command line reads them: its parameters, and the fields of a configuration block (also one typed `Config |
+    None`: --moe.*, --multihead.*)."""
+    import dataclasses
+    import typing
+
+    from jsonargparse import ArgumentParser
+
+    def numeric(hint) -> bool:
+        members = typing.get_args(hint) or (hint,)
+        return any(m in (int, float) or (m is not hint and numeric(m)) for m in members)
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_function_arguments(function)
+    found = []
+    for action in parser._actions:  # jsonargparse keeps each option's full type hint on its action
+        hint = getattr(action, "_typehint", None) or action.type
+        if not action.option_strings or action.dest.endswith(".help") or action.dest in ("help", "config"):
+            continue
+        config = next((t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t)), None)
+        if config is not None:
+            hints = typing.get_type_hints(config)
+            found += [f"{action.dest}.{f.name}" for f in dataclasses.fields(config) if numeric(hints[f.name])]
+        elif numeric(hint):
+            found.append(action.dest)
+    return found
+
+
+def test_every_numeric_option_names_a_non_finite_value_as_the_others_do():
+    """Issue 61: `--mcl.epsilon -inf` (typed `float | "auto"`) and `--diversity_penalty -nan` (`float | None`) said
+    only "Expected a <class 'float'>", where a plain float option says "must be a number; got '-inf'". Every numeric
+    option of every command, read off the signatures (an option added later is covered), given -inf, -nan, inf and
+    nan: one line naming the option as typed and the value, from the parser the command line builds."""
+    from jsonargparse import auto_parser
+
+    from loramcl.cli import _non_finite_values, _parser_class, error_message
+
+    table = commands()
+    parser = auto_parser(table, exit_on_error=False, allow_abbrev=False, parser_class=_parser_class())
+    options = {name: _numeric_options(function) for name, function in table.items() if callable(function)}
+    assert {"mcl.epsilon", "mcl.temperature_decay", "training.learning_rate", "training.steps",
+            "moe.router_std", "data.eval_examples"} <= set(options["train"])
+    assert {"diversity_penalty", "top_p", "temperature"} <= set(options["generate"]) and options["nll"]
+    unclear = []
+    for command, names in options.items():
+        for name in names:
+            for value in ("-inf", "-nan", "inf", "nan"):
+                with pytest.raises(Exception) as refused:
+                    parser.parse_args(_non_finite_values([command, f"--{name}", value]))
+                said = error_message(refused.value, table, command)
+                if not re.fullmatch(rf"--{re.escape(name)} must be [^;]+; got '{re.escape(value)}'", said):
+                    unclear.append(f"{command} --{name} {value}: {said}")
+    assert not unclear, "\n".join(unclear)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "--mcl.epsilon", "-inf"], "--mcl.epsilon must be a number or auto; got '-inf'"),
+    (["train", "--mcl.epsilon", "-nan"], "--mcl.epsilon must be a number or auto; got '-nan'"),
+    (["train", "--mcl.loss", "annealed", "--mcl.temperature_decay", "nan"],
+     "--mcl.temperature_decay must be a number or auto; got 'nan'"),
+    (["generate", "--diversity_penalty", "-nan"], "--diversity_penalty must be a number; got '-nan'"),
+    (["train", "--data.eval_examples", "-inf"], "--data.eval_examples must be an integer; got '-inf'"),
+    (["train", "--training.steps", str(10**18)], "--training.steps must be at most 100000000 (MAX_STEPS: 10^8 "
+     "optimizer steps take over 115 days at 10 steps a second; an epoch of the training file is its examples / "
+     "batch_size steps), got 1000000000000000000"),
+])
+def test_the_last_bad_values_are_named_with_their_option(argv, message, capsys):
+    """Issue 61's rows, as a user types them: refused before any work, in one line naming the option."""
+    required = {"train": ["--model", "m", "--out", "o", "--data.train_file", "t"],
+                "generate": ["--model", "m", "--adapters", "a", "--input", "i", "--out", "o"]}[argv[0]]
+    with pytest.raises(SystemExit) as stopped:
+        main([argv[0], *required, *argv[1:]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code in (1, 2) and err == [f"loramcl {argv[0]}: error: {message}"], err

@@ -324,6 +324,10 @@ def _named_as_typed(error: BaseException | None, text: str, function) -> str:
     return text
 
 
+# a plain type as jsonargparse's errors name it: "Expected a <class 'float'>", "Expected a typing.Literal['auto']"
+_PLAIN_TYPE = r"a (?:<class '\w+'>|typing\.Literal\[[^\]]*\])"
+
+
 def _union_member_error(text: str) -> str:
     """jsonargparse's error for an option typed `Config | None` lists what failed for each member of the union:
     keep the config's own error (the None member's is noise), with the option's key in front of a nested key."""
@@ -331,8 +335,15 @@ def _union_member_error(text: str) -> str:
                      text)
     if not match:
         return text
-    errors = [e for e in re.split(r" - (?=Expected a |Problem with given class_path )", match[2])
+    listed, given = re.match(r"(.*?)(?: Given value type: .*? Given value: (.*))?$", match[2]).groups()
+    errors = [e for e in re.split(r" - (?=Expected a |Problem with given class_path )", listed)
               if not e.startswith("Expected a <class 'NoneType'>")]
+    if given is not None and errors and all(re.fullmatch(f"Expected {_PLAIN_TYPE}", e) for e in errors):
+        # `float | None`, `float | Literal['auto']` (--diversity_penalty, --mcl.epsilon): said as a lone float's
+        # error is, "Expected a <class 'float'>. Got value: -nan", which _usage_message words "must be a number"
+        kinds = " or ".join(e.removeprefix("Expected ") for e in errors)
+        return f'Parser key "{match[1]}": Expected {kinds}. Got value: {given}' if match[1] else \
+            f"Expected {kinds}. Got value: {given}"
     inner = re.sub(r"^Problem with given class_path '.*?': ", "", errors[0]) if errors else match[2]
     if match[1] and (nested := re.match(r'Parser key "(.*?)": (.*)', inner)):
         return f'Parser key "{match[1]}.{nested[1]}": {nested[2]}'
@@ -376,9 +387,11 @@ def _usage_message(text: str, table: dict, command: str | None) -> str:
         if literal := re.match(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", problem):
             choices = ", ".join(c.strip().strip("'\"") for c in literal[1].split(","))
             return f"{key} must be one of {choices}; got {literal[2]!r}"
-        if typed := re.match(r"Expected a <class '(\w+)'>\. Got value: (.*)", problem):
-            kind = {"int": "an integer", "float": "a number", "bool": "true or false"}.get(typed[1], f"a {typed[1]}")
-            return f"{key} must be {kind}; got {typed[2]!r}"
+        if typed := re.match(rf"Expected ({_PLAIN_TYPE}(?: or {_PLAIN_TYPE})*)\. Got value: (.*)", problem):
+            kinds = re.findall(r"<class '(\w+)'>|typing\.Literal\[(.*?)\]", typed[1])
+            words = [{"int": "an integer", "float": "a number", "bool": "true or false"}.get(name, f"a {name}") if name
+                     else " or ".join(c.strip().strip("'\"") for c in choices.split(",")) for name, choices in kinds]
+            return f"{key} must be {' or '.join(words)}; got {typed[2]!r}"
         return f"{key}: {problem}"
     return text
 

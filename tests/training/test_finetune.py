@@ -313,3 +313,51 @@ def test_train_says_whether_the_hypotheses_split_and_logs_its_speed(folders, cap
         assert entry["tokens_per_second"] > entry["labelled_tokens_per_second"] > 0 and entry["step_time"] > 0
         assert "peak_allocated_gb" not in entry and "mfu" not in entry
     assert "initial_nll" in training[0] and {"nll_h0", "nll_h1", "split_gap"} <= set(training[-1])
+
+
+@pytest.mark.parametrize("case", ["two steps", "logging past the steps", "K = 1"])
+def test_a_run_without_a_verdict_says_why(folders, case, capsys):
+    """Issue 61: runs of 1-2 steps, or logging_steps past the steps, ended with no verdict and run.json's
+    `specialisation: null`, and K = 1 with none at all: each now says why, in the console, run.json and
+    train_log.json."""
+    out = folders / f"no-verdict-{case.replace(' ', '-')}"
+    options = {"two steps": ["--training.steps", "2", "--training.logging_steps", "1"],
+               "logging past the steps": ["--training.steps", "3"],  # logging_steps: 10
+               "K = 1": ["--training.steps", "4", "--training.logging_steps", "1", "--mcl.num_hypotheses", "1",
+                         "--mcl.epsilon", "0"]}[case]
+    reason = {"two steps": "the run took 2 optimizer steps, and a verdict needs at least 4 (it compares the hypotheses "
+                           "over the run's second half with its first step)",
+              "logging past the steps": "no training step was logged, and the verdict reads the training logs: "
+                                        "logging_steps 10 is more than the run's 3 steps, set "
+                                        "--training.logging_steps 3 or less for one",
+              "K = 1": "one hypothesis (K = 1), nothing to split"}[case]
+    main(["train", "--model", str(folders / "base"), "--out", str(out), "--data.train_file",
+          str(folders / "train.jsonl"), "--mcl.r", "4", "--mcl.target_modules", "[q_proj, v_proj]",
+          "--training.batch_size", "8", "--training.warmup_steps", "0", "--threads", "1", *options])
+    printed = capsys.readouterr()
+    judged = json.loads((out / "run.json").read_text())["specialisation"]
+    line = f"specialisation: no verdict: {reason}."
+    assert judged == {"kind": "no verdict", "reason": reason, "line": line}
+    assert line in printed.out.splitlines() and "specialisation" not in printed.err
+    assert json.loads((out / "train_log.json").read_text())[-1]["specialisation"] == judged
+
+
+def test_a_warm_up_longer_than_the_run_is_said_and_the_verdict_does_not_advise_annealing(folders, capsys):
+    """Issue 61: `--training.warmup_steps 100` on a short run trained far below its learning rate without a word,
+    and the verdict then advised annealing and more steps: a warning now gives the rate reached, and the verdict
+    names the rate instead of changes of method."""
+    out = folders / "long-warm-up"
+    main(["train", "--model", str(folders / "base"), "--out", str(out), "--data.train_file",
+          str(folders / "train.jsonl"), "--mcl.r", "4", "--mcl.target_modules", "[q_proj, v_proj]",
+          "--training.steps", "6", "--training.batch_size", "8", "--training.logging_steps", "2",
+          "--training.learning_rate", "1e-2", "--training.warmup_steps", "100", "--threads", "1"])
+    err = capsys.readouterr().err
+    assert ("loramcl train: warning: the learning rate never reaches the 0.01 set: warmup_steps 100 outlasts the "
+            "run's 6 steps, whose last trains at 0.0005 (5% of it); set --training.warmup_steps below "
+            "--training.steps (e.g. 0) for the run to train at its learning rate") in err.splitlines()
+    judged = json.loads((out / "run.json").read_text())["specialisation"]
+    assert judged["kind"] == "not split" and judged["line"] in " ".join(err.split())  # nothing learned at 5%
+    assert judged["line"].endswith("But the learning rate never reaches the 0.01 set: warmup_steps 100 outlasts the "
+                                   "run's 6 steps, whose last trains at 0.0005 (5% of it): train at the rate set "
+                                   "(--training.warmup_steps below --training.steps) before changing the method.")
+    assert "annealed" not in judged["line"] and "more steps" not in judged["line"]

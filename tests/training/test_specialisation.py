@@ -55,7 +55,9 @@ def test_verdicts_of_a_healthy_split_a_partial_and_a_full_collapse():
     alike = verdict(records_of(_history(same), 3), MCLConfig(num_hypotheses=3, loss="annealed",
                                                               temperature_decay=0.999), 30, 0.01, 0.94)
     assert alike.kind == "not split" and "--mcl.temperature_decay auto (tau was still 0.94" in alike.line
-    assert verdict(records_of(_history(HEALTHY), 3), MCLConfig(num_hypotheses=1), 30, 0.01) is None
+    single = verdict(records_of(_history(HEALTHY), 3), MCLConfig(num_hypotheses=1), 30, 0.01)
+    assert single.to_dict() == {"kind": "no verdict", "reason": "one hypothesis (K = 1), nothing to split",
+                                "line": "specialisation: no verdict: one hypothesis (K = 1), nothing to split."}
     # relaxed WTA (issue 53's measurements): a partial collapse asks for more epsilon, hypotheses too alike for less
     relaxed = MCLConfig(num_hypotheses=3, loss="relaxed", epsilon=0.1)
     partly = verdict(records_of(_history(PARTIAL, start=20), 3), relaxed, 30, 0.01)
@@ -63,6 +65,42 @@ def test_verdicts_of_a_healthy_split_a_partial_and_a_full_collapse():
     too_alike = verdict(records_of(_history(same), 3), relaxed, 30, 0.01)
     assert too_alike.kind == "not split" and "a smaller epsilon than 0.1, e.g. --mcl.epsilon 0.05" in too_alike.line
     assert "--mcl.loss relaxed" not in too_alike.line and "annealed MCL" in too_alike.line
+
+
+def test_the_verdict_says_why_it_abstains():
+    """Issue 61: a run of 1-2 steps, or one logging less often than it ran, got no verdict and `specialisation: null`
+    in run.json without a word; K = 1 likewise. Each abstention now names its reason, and a verdict's own dict keeps
+    the fields it had (no "reason")."""
+    assert verdict([], K3, 30, 0.01, steps=3, logging_steps=10).to_dict() == {
+        "kind": "no verdict", "reason": "no training step was logged, and the verdict reads the training logs: "
+        "logging_steps 10 is more than the run's 3 steps, set --training.logging_steps 3 or less for one",
+        "line": "specialisation: no verdict: no training step was logged, and the verdict reads the training logs: "
+                "logging_steps 10 is more than the run's 3 steps, set --training.logging_steps 3 or less for one."}
+    assert verdict([], K3, 30, 0.01).reason == "no training step was logged, and the verdict reads the training logs"
+    for steps in (1, 2, 3):  # one log per step: a 1-step run's only log is its untrained first step
+        short = verdict(records_of(_history(COLLAPSED, steps=steps, every=1), 3), K3, 1, 0.01, steps=steps)
+        assert short.kind == "no verdict" and short.line.startswith(
+            f"specialisation: no verdict: the run took {steps} optimizer step") and "at least 4" in short.line
+        assert short.steps is None and short.win_shares is None
+    judged = verdict(records_of(_history(COLLAPSED, steps=4, every=1), 3), K3, 2, 0.01, steps=4)
+    assert judged.kind == "not split" and set(judged.to_dict()) == {
+        "kind", "steps", "win_shares", "nll", "split_gap", "oracle_nll", "hypotheses", "since_step", "line"}
+
+
+def test_a_run_that_never_reached_its_learning_rate_is_not_told_to_change_its_method():
+    """Issue 61: `--training.warmup_steps 100 --training.steps 3` trained at 2% of its rate, and the verdict advised
+    annealing and more steps as if the run had trained at it: it now says the rate was never reached instead."""
+    shortfall = ("the learning rate never reaches the 0.01 set: warmup_steps 100 outlasts the run's 60 steps, whose "
+                 "last trains at 0.0059 (59% of it)")
+    for case in (COLLAPSED, PARTIAL):
+        judged = verdict(records_of(_history(case, start=20 if case is PARTIAL else None), 3), K3, 30, 0.01,
+                         learning_rate_shortfall=shortfall)
+        assert judged.kind in ("not split", "partly collapsed")
+        assert judged.line.endswith(f" But {shortfall}: train at the rate set (--training.warmup_steps below "
+                                    "--training.steps) before changing the method.")
+        assert "Try:" not in judged.line and "annealed" not in judged.line and "more steps" not in judged.line
+    healthy = verdict(records_of(_history(HEALTHY), 3), K3, 30, 0.01, learning_rate_shortfall=shortfall)
+    assert healthy.kind == "split" and "never reaches" not in healthy.line  # a split is a split
 
 
 def _watched(history, window=100):

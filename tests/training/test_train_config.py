@@ -122,3 +122,47 @@ def test_a_wta_run_recorded_with_the_old_decay_default_is_the_same_run(tmp_path)
     (tmp_path / "run.json").write_text(json.dumps({"settings": settings(loss="annealed", temperature_decay=0.999)}))
     assert not finished_run(tmp_path, settings(loss="annealed", temperature_decay="auto"))
     assert finished_run(tmp_path, settings(loss="annealed", temperature_decay=0.999))
+
+
+@pytest.mark.parametrize("steps,warmup,scheduler,reached", [
+    (3, 100, "cosine", 0.02), (6, 6, "linear", 5 / 6), (3, 0, "cosine", 1.0), (3, 100, "constant", 1.0),
+    (20, 10, "cosine", 1.0)])
+def test_the_learning_rate_a_schedule_reaches_is_the_one_its_steps_train_at(tmp_path, steps, warmup, scheduler,
+                                                                           reached):
+    """Issue 61: `--training.warmup_steps 100 --training.steps 3` trained at 2% of its learning rate without a word.
+    ``learning_rate_reached`` reads the highest rate off the schedule Trainer builds; here against the rates the
+    optimizer's steps actually took (a constant schedule has no warm-up: transformers ignores warmup_steps there)."""
+    from transformers import TrainerCallback
+
+    from loramcl.training.schedule import learning_rate_reached, warmup_shortfall
+
+    class Rates(TrainerCallback):
+        def __init__(self):
+            self.taken = []  # the learning rate of each optimizer step
+
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+            self.taken.append(optimizer.param_groups[0]["lr"])
+
+    training = TrainConfig(steps=steps, warmup_steps=warmup, scheduler=scheduler, learning_rate=1e-2, batch_size=2)
+    args = training_arguments(training, str(tmp_path), evaluating=False, disable_tqdm=True, save_strategy="no")
+    assert learning_rate_reached(args, steps) == pytest.approx(reached)
+    rates = Rates()
+    trainer = MCLTrainer(_model(), args=args, train_dataset=token_rows(2 * steps, 8), callbacks=[rates])
+    trainer.train()
+    assert len(rates.taken) == steps and max(rates.taken) == pytest.approx(reached * 1e-2)
+    said = warmup_shortfall(args, steps)
+    assert (said is None) == (reached == 1.0)
+    if (steps, warmup, scheduler) == (3, 100, "cosine"):
+        assert said == ("the learning rate never reaches the 0.01 set: warmup_steps 100 outlasts the run's 3 steps, "
+                        "whose last trains at 0.0002 (2% of it)")
+
+
+def test_a_step_count_that_cannot_finish_is_refused_with_its_limit():
+    """Issue 61: `--training.steps 1000000000000000000` was accepted and ran with an ETA of 2e13 hours."""
+    from loramcl.training.config import MAX_STEPS
+
+    assert MAX_STEPS == 10**8 and TrainConfig(steps=MAX_STEPS).steps == MAX_STEPS
+    for steps in (MAX_STEPS + 1, 10**18):
+        with pytest.raises(ValueError, match=rf"^steps must be at most 100000000 \(MAX_STEPS: 10\^8 optimizer steps "
+                                             rf"take over 115 days .*\), got {steps}$"):
+            TrainConfig(steps=steps)

@@ -17,6 +17,10 @@ _LEARNING_RATE_HINT = (" (AdamW moves every adapter weight by about the learning
 # recipes use 0 to 0.05 (the paper's Markov runs 1e-3). Past 1 (with a learning rate up to 1) the decay can wipe or
 # flip every weight in one step.
 MAX_WEIGHT_DECAY = 1.0
+# The most optimizer steps a run may take: 10^8 steps take over 115 days at 10 steps a second. A count past it cannot
+# finish (10^18 was accepted and ran 5,900 steps showing an ETA of 2e13 hours, issue 61); the packaged recipes' longest
+# run is 13,721 steps.
+MAX_STEPS = 10**8
 
 
 @names_its_options
@@ -74,7 +78,7 @@ class TrainConfig:
     """Optimisation, evaluation and checkpoint schedule of a training run (`loramcl train --training.*`)."""
 
     steps: int = 200
-    """Optimizer steps."""
+    """Optimizer steps. At most 10^8 (MAX_STEPS: over 115 days at 10 steps a second)."""
 
     batch_size: int = 16
     """Examples per optimizer step (per process), in ``gradient_accumulation_steps`` micro-batches."""
@@ -117,7 +121,8 @@ class TrainConfig:
     """Gradient clipping by global norm (0: none)."""
 
     warmup_steps: int = 10
-    """Linear warm-up steps."""
+    """Linear warm-up steps. A warm-up as long as the run or longer never reaches learning_rate: training warns,
+    saying the rate its last step trains at."""
 
     scheduler: str = "cosine"
     """transformers learning-rate schedule after warm-up (cosine, linear, constant, inverse_sqrt, ...)."""
@@ -146,7 +151,9 @@ class TrainConfig:
     """Learning rate of the hypothesis-scores head (MCLConfig(scoring=True)); None: learning_rate."""
 
     def __post_init__(self) -> None:
-        require_int("steps", self.steps)
+        require_int("steps", self.steps, maximum=MAX_STEPS,
+                    hint=" (MAX_STEPS: 10^8 optimizer steps take over 115 days at 10 steps a second; an epoch of the "
+                         "training file is its examples / batch_size steps)")
         if self.scoring_learning_rate is not None:
             require_real("scoring_learning_rate", self.scoring_learning_rate, low=0.0, high=MAX_LEARNING_RATE,
                          low_open=True, hint=_LEARNING_RATE_HINT)

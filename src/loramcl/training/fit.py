@@ -149,8 +149,9 @@ def train(
     generate`), `peft/` for K = 1 (a standard PEFT LoRA adapter, for single-model decoders such as diverse beam
     search), `checkpoints/` (the last `training.keep_checkpoints` resumable checkpoints, every
     `training.save_every` steps), `train_log.json` (every logged loss, win rate, training NLL per hypothesis, speed and
-    validation NLL, then the verdict on the hypotheses' specialisation) and `run.json` (the settings, threads,
-    trainable parameters, seconds, the verdict), written last: a run with a run.json is finished.
+    validation NLL, then the verdict on the hypotheses' specialisation, or why there is none) and `run.json` (the
+    settings, threads, trainable parameters, seconds, the verdict), written last: a run with a run.json is
+    finished.
 
     A causal LM reads prompt + target and learns the target tokens; an encoder-decoder (T5, BART, Marian, NLLB...)
     reads the prompt in its encoder and learns the target as its labels (docs/guide/cli.md).
@@ -281,6 +282,7 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     from transformers import PrinterCallback, ProgressCallback, set_seed
 
     from loramcl.training.best import write_adapters
+    from loramcl.training.schedule import warmup_shortfall
     from loramcl.training.trainer import MCLTrainer
 
     if training.keep_best and eval_set is None:
@@ -299,6 +301,9 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     evaluating = eval_set is not None and training.eval_every > 0
     saving = training.save_every > 0
     args = training_arguments(training, str(checkpoints), evaluating)
+    if shortfall := warmup_shortfall(args, training.steps):  # its verdict will say so too
+        logger.warning(f"{shortfall}; set --training.warmup_steps below --training.steps (e.g. "
+                       f"{training.steps // 10}) for the run to train at its learning rate")
     trainer = MCLTrainer(mcl_model, args=args, train_dataset=train_set, eval_dataset=eval_set,
                          data_collator=collator, scoring_learning_rate=training.scoring_learning_rate)
     trainer.remove_callback(PrinterCallback)
@@ -336,7 +341,7 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     run = {"settings": settings, "resumed_from": trainer.resumed_from and Path(trainer.resumed_from).name,
            "threads": torch.get_num_threads(), "train_examples": len(train_set), "trainable_parameters": trainable,
            "total_parameters": total, "seconds": round(seconds, 1)}
-    if trainer.specialisation is not None:  # did the hypotheses split (K >= 2; its line was logged)
+    if trainer.specialisation is not None:  # did the hypotheses split (its line was logged), or why no verdict
         run["specialisation"] = trainer.specialisation.to_dict()
     if writing:
         (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")

@@ -23,6 +23,11 @@ from loramcl.mcl.config import AUTO_EPSILON, MCLConfig
 SPLIT_GAP = 0.10  # a split gap under 10% of the NLL training gained: the hypotheses are nearly one model (not split)
 BEHIND = 0.5  # a rarely winning hypothesis that kept less than half the others' gain has fallen behind them
 LOW_SHARE = 0.25  # "rarely winning": under a quarter of a fair share, 1 / (4K) (K = 3: 8.3%)
+# The fewest optimizer steps a verdict is given on: it compares the hypotheses over the run's second half with its
+# first step, and under 4 steps that half is one step taken after one or two updates (a 1-step run's only log is the
+# untrained first step itself, which read as "collapsed onto one")
+MIN_VERDICT_STEPS = 4
+NO_VERDICT = "no verdict"  # the kind of a Verdict that abstains, with its reason
 
 
 @dataclass
@@ -153,30 +158,62 @@ def remedies(config: MCLConfig, last_temperature: float | None, kind: str = "not
 @dataclass
 class Verdict:
     """Whether the hypotheses split over the run's last steps: ``kind`` 'split', 'not split' or 'partly collapsed',
-    the numbers it rests on, and ``line``, the sentence MCLTrainer logs."""
+    the numbers it rests on, and ``line``, the sentence MCLTrainer logs; or 'no verdict' (NO_VERDICT) with the
+    ``reason`` it abstains (K = 1, no training log, too few steps) and no numbers."""
 
     kind: str
-    steps: list[int]  # [first, last]: the window the numbers are over
-    win_shares: list[float]
+    steps: list[int] | None  # [first, last]: the window the numbers are over
+    win_shares: list[float] | None
     nll: list[float] | None
     split_gap: float | None
     oracle_nll: float | None
-    hypotheses: list[int]  # the ones that fell behind ('partly collapsed', or all but one when collapsed)
+    hypotheses: list[int] | None  # the ones that fell behind ('partly collapsed', or all but one when collapsed)
     since_step: int | None
     line: str
+    reason: str | None = None  # why there is no verdict (NO_VERDICT only)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """As run.json and train_log.json hold it: an abstention is {"kind": "no verdict", "reason", "line"}."""
+        if self.kind == NO_VERDICT:
+            return {"kind": self.kind, "reason": self.reason, "line": self.line}
+        return {name: value for name, value in asdict(self).items() if name != "reason"}
+
+    @classmethod
+    def abstained(cls, reason: str) -> Verdict:
+        return cls(NO_VERDICT, None, None, None, None, None, None, None, f"specialisation: no verdict: {reason}.",
+                   reason)
+
+
+def abstention(records: list[Record], num_hypotheses: int, steps: int | None = None,
+               logging_steps: int | None = None) -> str | None:
+    """Why no verdict can be given on ``records`` (a run of ``steps`` optimizer steps logging every
+    ``logging_steps``), or None when one can."""
+    if num_hypotheses < 2:
+        return f"one hypothesis (K = {num_hypotheses}), nothing to split"
+    steps = records[-1].last if steps is None and records else steps
+    if not records:
+        told = (f": logging_steps {logging_steps} is more than the run's {steps} steps, set --training.logging_steps "
+                f"{steps} or less for one" if logging_steps and steps is not None and logging_steps > steps else "")
+        return f"no training step was logged, and the verdict reads the training logs{told}"
+    if steps < MIN_VERDICT_STEPS:
+        return (f"the run took {steps} optimizer step{'s' if steps != 1 else ''}, and a verdict needs at least "
+                f"{MIN_VERDICT_STEPS} (it compares the hypotheses over the run's second half with its first step)")
+    return None
 
 
 def verdict(records: list[Record], config: MCLConfig, window_steps: int, idle_share: float,
-            last_temperature: float | None = None) -> Verdict | None:
-    """The verdict on the logs ``records`` of a run with ``config`` over its last ``window_steps`` steps; None for
-    K = 1 (nothing to split) or without a log."""
+            last_temperature: float | None = None, steps: int | None = None, logging_steps: int | None = None,
+            learning_rate_shortfall: str | None = None) -> Verdict:
+    """The verdict on the logs ``records`` of a run with ``config`` (``steps`` optimizer steps, default the last
+    log's, logged every ``logging_steps``) over its last ``window_steps`` steps; an abstention (NO_VERDICT) for
+    K = 1 (nothing to split), without a log or under MIN_VERDICT_STEPS. ``learning_rate_shortfall``
+    (``schedule.warmup_shortfall``): the learning rate never reached its set value, which a verdict other than
+    'split' then names instead of the changes to try."""
     k = config.num_hypotheses
+    reason = abstention(records, k, steps, logging_steps)
+    if reason is not None:
+        return Verdict.abstained(reason)
     merged = window(records, window_steps)
-    if k < 2 or merged is None:
-        return None
     steps = [merged.first, merged.last]
     shares = ", ".join(f"h{i} {100 * s:.1f}%" for i, s in enumerate(merged.shares))
     numbers = f"win shares {shares}"
@@ -215,7 +252,10 @@ def verdict(records: list[Record], config: MCLConfig, window_steps: int, idle_sh
         kind = "split"
         text = f"split {where}"
     line = f"specialisation: {text}. {numbers[0].upper() + numbers[1:]}."
-    if kind != "split":
+    if kind != "split" and learning_rate_shortfall:  # the run never trained at its rate: no method change to try yet
+        line += (f" But {learning_rate_shortfall}: train at the rate set (--training.warmup_steps below "
+                 "--training.steps) before changing the method.")
+    elif kind != "split":
         line += " " + remedies(config, last_temperature, kind)
     return Verdict(kind, steps, merged.shares, merged.nll, merged.gap, oracle,
                    behind, first, line)
@@ -287,4 +327,5 @@ def verdict_window(collapse_window: int, total_steps: int) -> int:
     return max(1, min(collapse_window, total_steps // 2))
 
 
-__all__ = ["CollapseWatch", "Verdict", "log_values", "records_of", "verdict", "verdict_window"]
+__all__ = ["MIN_VERDICT_STEPS", "NO_VERDICT", "CollapseWatch", "Verdict", "abstention", "log_values", "records_of",
+           "verdict", "verdict_window"]

@@ -30,7 +30,8 @@ from loramcl.mcl.model import MCLModel
 from loramcl.mcl.nll import IGNORE_INDEX, examples_without_targets
 from loramcl.training.checkpoints import StagedCheckpoints, checkpoint_step, checkpoint_to_resume
 from loramcl.training.distributed import AdaptersOnlyStateDict, refuse_data_parallel, refuse_fsdp1
-from loramcl.training.specialisation import CollapseWatch, log_values, records_of, verdict, verdict_window
+from loramcl.training.schedule import warmup_shortfall
+from loramcl.training.specialisation import NO_VERDICT, CollapseWatch, log_values, records_of, verdict, verdict_window
 from loramcl.training.throughput import Throughput, flops_per_token
 
 TRAINING_ARGS_NAME = "training_args.json"  # TrainingArguments.to_dict(), tokens masked; never read back
@@ -119,8 +120,8 @@ class MCLTrainer(Trainer):
     loss (0 once hard WTA), and the speed (``training.throughput``): ``tokens_per_second``,
     ``labelled_tokens_per_second``, ``step_time`` and on a GPU ``peak_allocated_gb``, ``peak_reserved_gb``, ``mfu``.
     When training ends, a verdict on the specialisation (``specialisation.verdict``: split, not split or partly
-    collapsed, with the changes to try) is logged, appended to ``state.log_history`` as ``{"specialisation": ...}``
-    and kept as ``trainer.specialisation`` (None for K = 1).
+    collapsed, with the changes to try; 'no verdict' with its reason for K = 1, no training log or under 4 steps) is
+    logged, appended to ``state.log_history`` as ``{"specialisation": ...}`` and kept as ``trainer.specialisation``.
     Evaluation reports ``eval_loss`` as the vanilla WTA loss (mean over examples of min_k NLL, eq. 2)
     whatever the training loss, plus ``eval_nll_h{k}``, ``eval_win_rate_h{k}`` and, with hypothesis scores
     (``MCLConfig(scoring=True)``), ``eval_mixture_nll``. A ``compute_metrics`` function receives the per-example
@@ -304,16 +305,14 @@ class MCLTrainer(Trainer):
     def _judge_specialisation(self) -> None:
         """The verdict on the hypotheses' specialisation over the run's last steps, from its training logs (those of
         the checkpoint it resumed from too): logged, appended to the log history, kept as ``self.specialisation``."""
-        mcl = self._mcl_model()
+        mcl, step = self._mcl_model(), self.state.global_step
         found = verdict(records_of(self.state.log_history, mcl.num_hypotheses), mcl.mcl_config,
-                        verdict_window(self._collapse.window, self.state.global_step), self._collapse.share,
-                        self._last_temperature)
+                        verdict_window(self._collapse.window, step), self._collapse.share, self._last_temperature,
+                        step, self.args.logging_steps, warmup_shortfall(self.args, self.state.max_steps))
         self.specialisation = found
-        if found is None:
-            return
-        self.state.log_history.append({"step": self.state.global_step, "specialisation": found.to_dict()})
+        self.state.log_history.append({"step": step, "specialisation": found.to_dict()})
         if self.is_world_process_zero():
-            (logger.info if found.kind == "split" else logger.warning)(found.line)
+            (logger.info if found.kind in ("split", NO_VERDICT) else logger.warning)(found.line)
 
     def _check_targets(self, dataset, name: str) -> None:
         """Every example needs a target token (its mean NLL is 0/0 otherwise): checked on the whole dataset before
