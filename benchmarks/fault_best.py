@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -52,6 +53,8 @@ from pathlib import Path
 STEPS, EVERY = 40, 2
 TRAIN = [{"prompt": f"w{5 + i} w{6 + i}", "target": f"w{20 + i} w{21 + i}"} for i in range(8)]
 VALIDATION = [{"prompt": f"w{7 + i} w{5 + i}", "target": f"w{30 + i} w{22 + i}"} for i in range(4)]
+STAGING = "incomplete-"  # loramcl.training.checkpoints.STAGING_PREFIX
+SELF_KILL = "FAULT_BEST_SELF_KILL"  # the environment variable of a run that kills itself inside a best write
 OUTCOMES = ("refused clearly", "refused, unclear", "warned", "silent, right", "silent, wrong", "traceback", "ran on")
 
 
@@ -127,6 +130,7 @@ def child(root: str, out: str, seed: int) -> None:
             say("saved", Path(folder).name.removeprefix("checkpoint-"))
 
     def announcing_evaluate(self, args, state, control, **kwargs):
+        trainer_state["step"] = state.global_step
         say("best", state.global_step)
         result = on_evaluate(self, args, state, control, **kwargs)
         try:
@@ -137,6 +141,26 @@ def child(root: str, out: str, seed: int) -> None:
             say("bested", state.global_step)
         return result
 
+    aim = os.environ.get(SELF_KILL)  # "STEP:POINT": SIGKILL this process at that point of that step's best write
+    if aim:
+        kill_step, kill_point = (int(word) for word in aim.split(":"))
+        write, publish_best = best.write_adapters, best.publish
+
+        def at(point: int, folder) -> None:
+            if point == kill_point and trainer_state["step"] == kill_step and STAGING in str(folder):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def killing_write(model, folder, *args, **kwargs):
+            at(0, folder)  # the write begun (an earlier staging folder removed), nothing written yet
+            write(model, folder, *args, **kwargs)
+            at(1, folder)  # the adapters and the tokenizer written, not best.json
+
+        def killing_publish(folder: str) -> None:
+            at(2, staging_folder_of(folder))  # everything written, the rename not done
+            publish_best(folder)
+
+        best.write_adapters, best.publish = killing_write, killing_publish
+    trainer_state = {"step": None}
     mcl_trainer.__init__, mcl_trainer._save_checkpoint = announcing_init, announcing_save
     mcl_trainer.evaluate = announcing_validation
     checkpoints.publish = announcing_publish  # the checkpoints' (best.py holds its own name for it: best writes)
@@ -146,8 +170,15 @@ def child(root: str, out: str, seed: int) -> None:
     sys.exit(code)
 
 
-def start(root: Path, out: Path, seed: int = 0) -> subprocess.Popen:
+def staging_folder_of(folder: str) -> str:
+    return str(Path(folder).parent / f"{STAGING}{Path(folder).name}")
+
+
+def start(root: Path, out: Path, seed: int = 0, self_kill: str | None = None) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop(SELF_KILL, None)
+    if self_kill:
+        env[SELF_KILL] = self_kill
     return subprocess.Popen([sys.executable, __file__, str(root), str(out), str(seed)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 

@@ -48,8 +48,11 @@ chosen write of OUT/best (one the uninterrupted run made), at an offset from the
 comes right after it, and a kill lands some milliseconds after its aim). The offsets are drawn up to the longest write
 of that kind (for the best folder, validation and write) measured in the uninterrupted runs. A kill that left an
 unpublished `checkpoints/incomplete-checkpoint-N/checkpoint-N` or `incomplete-best/best` behind landed inside that
-write: without staging, that folder would have been the newest checkpoint or the best, half-written. Then the command
-is rerun once; it counts as resumed if it exits 0, and as
+write: without staging, that folder would have been the newest checkpoint or the best, half-written. A kill aimed
+from outside lands some milliseconds late on a loaded machine, so a best write (tens of milliseconds) is rarely hit:
+``--self-kills N`` adds N trials whose run sends itself the SIGKILL inside a random best write, at one of 3 points (the
+write begun, nothing written yet; its adapters and tokenizer written; its best.json written, before the rename). Then
+the command is rerun once; it counts as resumed if it exits 0, and as
 identical if its last adapters, its best adapters and best.json's step and loss equal the uninterrupted run's. Two
 uninterrupted runs are compared first, so that "identical" means something.
 """
@@ -65,7 +68,7 @@ import time
 from pathlib import Path
 
 from fault_best import EVERY, STEPS, best_of, best_trials, build_folder, differences, kill_at, print_best_table
-from fault_best import references, run_to_end
+from fault_best import references, run_to_end, start
 from fault_files import file_trials, print_file_table
 from fault_inputs import failed, input_trials, print_input_table
 
@@ -85,7 +88,7 @@ def unpublished(out: Path) -> dict[str, list[str]]:
             if folder.is_dir()}
 
 
-def kill_trials(root: Path, kills: int, rng: random.Random) -> list[dict]:
+def kill_trials(root: Path, kills: int, rng: random.Random, self_kills: int = 0) -> list[dict]:
     build_folder(root)
     reference, moments = references(root)
     training = min(at[("done", STEPS)] - at[("start", 0)] for at in moments)
@@ -97,13 +100,16 @@ def kill_trials(root: Path, kills: int, rng: random.Random) -> list[dict]:
     best_steps = sorted(s for kind, s in moments[0] if kind == "bested")  # the validations that wrote best/
     longest = {kind: max(times) for kind, times in writes.items()}
     print(f"uninterrupted: 2 runs, identical last and best adapters (best: {best_of(reference)}); training phase "
-          f"{training:.2f} s, longest checkpoint write {longest['save'] * 1000:.1f} ms, longest best-folder write "
-          f"{longest['best'] * 1000:.1f} ms (best written at steps {best_steps})", flush=True)
+          f"{training:.2f} s, longest checkpoint write {longest['save'] * 1000:.1f} ms, longest validation and "
+          f"best-folder write {longest['best'] * 1000:.1f} ms (best written at steps {best_steps})", flush=True)
     records = []
-    for i in range(kills):
+    for i in range(kills + self_kills):
         out = root / f"trial-{i}"
-        kind = KINDS[i % 3]
-        if kind == KINDS[1]:
+        kind = KINDS[i % 3] if i < kills else "self"
+        if kind == "self":  # the run kills itself at one of 3 points of a best write
+            step, point = rng.choice(best_steps), rng.randrange(3)
+            aimed = f"best write at step {step}, point {point} (self)"
+        elif kind == KINDS[1]:
             step = rng.randrange(EVERY, STEPS + 1, EVERY)
             target, delay, aimed = ("save", step), rng.uniform(0, longest["save"]), f"write of checkpoint-{step}"
         elif kind == KINDS[2]:
@@ -113,7 +119,11 @@ def kill_trials(root: Path, kills: int, rng: random.Random) -> list[dict]:
         else:
             delay = rng.uniform(0, training)
             target, aimed = ("start", 0), f"{delay:.3f} s into training"
-        process = kill_at(root, out, target, delay)
+        if kind == "self":
+            process = start(root, out, self_kill=f"{step}:{point}")
+            process.communicate()
+        else:
+            process = kill_at(root, out, target, delay)
         cut = unpublished(out)
         record = {"aimed_at": aimed, "killed": process.returncode == -signal.SIGKILL, "cut_short": cut,
                   "inside a checkpoint write": any(name.startswith("checkpoints/") for name in cut),
@@ -138,6 +148,10 @@ def kill_trials(root: Path, kills: int, rng: random.Random) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=48, help="number of trials, each with one SIGKILL (0: none)")
+    parser.add_argument("--self-kills", type=int, default=0,
+                        help="more kill trials, each run killing itself (SIGKILL) at a random one of 3 points inside "
+                             "a random best-folder write: nothing written yet, its adapters written, its best.json "
+                             "written (before the rename)")
     parser.add_argument("--file-trials", type=int, default=24,
                         help="trials of each random file family (damaged weights, base rows edited; 0: no file "
                              "families)")
@@ -160,8 +174,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments and of the file damages")
     parser.add_argument("--json", help="write every trial's record to this file")
     args = parser.parse_args()
-    if args.kills < 0 or args.file_trials < 0 or (args.kills + args.file_trials == 0 and not args.inputs
-                                                  and not args.best):
+    if min(args.kills, args.self_kills, args.file_trials) < 0 or (
+            args.kills + args.self_kills + args.file_trials == 0 and not args.inputs and not args.best):
         parser.error("--kills and --file-trials must be >= 0, and one of them at least 1 with --no-inputs "
                      "(unless --best)")
     if args.input_limit <= 0 or args.best_limit <= 0:
@@ -196,10 +210,10 @@ def main() -> None:
             report["best"] = {"summary": print_best_table(best, best_before), "seconds": seconds, "trials": best}
             print(f"{len(best)} best-checkpoint trials in {seconds} s")
             failures += sum(r["outcome"] in ("silent, wrong", "traceback", "ran on", "refused, unclear") for r in best)
-        if args.kills:
+        if args.kills or args.self_kills:
             (root / "kills").mkdir()
-            records = kill_trials(root / "kills", args.kills, rng)
-    if args.kills:
+            records = kill_trials(root / "kills", args.kills, rng, args.self_kills)
+    if args.kills or args.self_kills:
         killed = [r for r in records if r["killed"]]
         summary = {
             "kills tried": len(killed),
