@@ -139,3 +139,11 @@ def test_every_file_and_class_stays_readable_in_one_sitting():
                      for node in ast.walk(ast.parse(text))
                      if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400]
     assert too_long == []
+
+
+def test_no_file_of_the_package_cites_design_decisions():
+    """Comments and docstrings cite what a reader of the repository can open (a docs/architecture.md section by its
+    heading), not the numbered decisions of a design note outside it (issue 62)."""
+    citing = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*") if path.is_file()
+                    and "DESIGN decision" in path.read_bytes().decode("utf-8", errors="ignore"))
+    assert citing == []

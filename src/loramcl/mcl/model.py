@@ -1,11 +1,12 @@
 """The MCL model: K LoRA hypotheses on any transformers model, routed by ``use_hypotheses``, and its forward.
 
-Data flow of one MCL forward (labels given, all K hypotheses):
+Data flow of one MCL forward (labels given, all K hypotheses; docs/architecture.md, "One MCL forward", whose
+"Decisions as implemented" are quoted below):
   inputs [B, ...] -> frozen modules that precede every adapter run once on B rows
   -> at the entry of the smallest transformers model holding all adapters, every per-example tensor is
-     repeated K times, hypothesis-major [K*B, ...] (DESIGN decision 6; ``loramcl.mcl.copies``)
-  -> adapted layers route row block k through hypothesis k (one bmm per layer, decision 2)
-  -> the LM head sees only the hidden states at label positions (decision 5)
+     repeated K times, hypothesis-major [K*B, ...] ("Where the K copies are made"; ``loramcl.mcl.copies``)
+  -> adapted layers route row block k through hypothesis k (one bmm per layer, "Routing")
+  -> the LM head sees only the hidden states at label positions ("Logits only where labels are")
   -> nll [B, K] (scoring) -> loss (losses).
 
 ``MCLModel`` is this module's forward and routing. It owns two components, each made with explicit arguments and
