@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 import os
 import warnings
 from collections.abc import Iterator
@@ -58,6 +57,7 @@ from loramcl.mcl.fingerprint import FrozenBase, base_fingerprint, check_base_wei
 from loramcl.mcl.layers import DISABLED, INDEXED, SINGLE, HypothesisRouting, MCLLoraLinear, linear_features
 from loramcl.mcl.logits import LabelLogits
 from loramcl.mcl.losses import mcl_loss, step_tensor
+from loramcl.mcl.methods import method_loader
 from loramcl.mcl.nll import IGNORE_INDEX, aligned_targets, chunked_token_nll, mean_token_nll, row_means
 from loramcl.mcl.peft_interop import (
     matched_layer_names,
@@ -68,12 +68,6 @@ from loramcl.mcl.peft_interop import (
 from loramcl.mcl.routing import check_hypothesis, set_routing
 from loramcl.mcl.scope import CallScope, ForwardCall
 from loramcl.mcl.scores import context_positions, mixture_nll, scoring_head_for
-
-# Models of the baselines: method in mcl_config.json -> "module:function(base_model, path, saved, tensors,
-# is_trainable)" rebuilding the model from checked files; imported on use (loramcl.baselines sits above this module).
-_BASELINE_LOADERS = {"moe": "loramcl.baselines.moe:load_from_files",
-                     "multihead": "loramcl.baselines.multihead:load_from_files"}
-
 
 @dataclass
 class MCLOutput(ModelOutput):
@@ -565,9 +559,9 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
         warnings.warn(f"adapters were trained on a {saved['base_model_class']}, loading onto a "
                       f"{type(model).__name__}", stacklevel=2)
     method = saved.get("method", "mcl")
-    if method in _BASELINE_LOADERS:  # a baseline (loramcl.baselines) checks and rebuilds its own layers
-        module, _, loader = _BASELINE_LOADERS[method].partition(":")
-        loaded = getattr(importlib.import_module(module), loader)(model, path, saved, tensors, is_trainable, strict)
+    if method != "mcl":  # a registered method (the baselines: loramcl.mcl.methods) checks and rebuilds its layers
+        loader = method_loader(method, os.path.join(path, adapter_files.CONFIG_NAME))
+        loaded = loader(model, path, saved, tensors, is_trainable, strict)
         return loaded if is_trainable else loaded.eval()
     config = checked_mcl_config(path, saved, tensors)
     if fit_scores and not config.scoring:
