@@ -12,7 +12,7 @@ LoRA-MLE is LoRA-MCL with K = 1 (``MCLConfig(num_hypotheses=1, r=K*r)``). Models
 this package, so the loaders are registered whatever the caller imported.
 """
 
-from loramcl.mcl.methods import register_method
+from loramcl.mcl import methods as _methods
 from loramcl.utils.lazy import lazy_exports
 
 _EXPORTS = {
@@ -41,5 +41,5 @@ def _load_multihead(model, path, saved, tensors, is_trainable, strict):
     return load_from_files(model, path, saved, tensors, is_trainable, strict)
 
 
-register_method("moe", _load_moe)
-register_method("multihead", _load_multihead)
+_methods.register_method("moe", _load_moe)
+_methods.register_method("multihead", _load_multihead)
