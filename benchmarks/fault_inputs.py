@@ -75,6 +75,7 @@ IN_DOMAIN = {
     ("--data.eval_examples", str(HUGE)): "every validation example",
     ("--mcl.logits_chunk_size", str(HUGE)): "the logits computed in one chunk",
     ("--mcl.layers_to_transform", "0"): "block 0 exists",
+    ("--mcl.epsilon", "0"): "its help: in [0, (K-1)/K]; 0 makes the relaxed loss vanilla WTA (paper eq. 4)",
     **{(f"--{block}.temperature0", "1e30"): "its help: > 0 (the K weights stay uniform until it decays)"
        for block in ("mcl", "multihead")},
     **{(f"--{block}.temperature_min", "0"): "its help: the loss turns into vanilla WTA below it (0: never)"

@@ -575,6 +575,22 @@ REGISTRY = {
                             "--input-only data.train_file"): _BENCH,
     (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 8 --file-trials 0 "
                             "--no-inputs --seed 0"): _BENCH,
+    (G + "reliability.md", "PYTHONPATH=/tmp/before-faults/src OMP_NUM_THREADS=1 .venv/bin/python "
+                            "benchmarks/fault_injection.py --kills 0 --file-trials 0 --no-inputs --best --json "
+                            "before.json"): _BENCH,
+    (G + "reliability.md", "PYTHONPATH=/tmp/before-faults/src OMP_NUM_THREADS=1 .venv/bin/python "
+                            "benchmarks/fault_injection.py --kills 0 --file-trials 0 --no-inputs --best --best-only "
+                            "loramcl nll --json before-nll.json"): _BENCH,
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 0 --file-trials 0 "
+                            "--no-inputs --best --best-before before.json --json after.json"): _BENCH,
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 12 "
+                            "--file-trials 0 --no-inputs --seed 0 --json kills.json"): _BENCH,
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 12 "
+                            "--file-trials 0 --no-inputs --seed 1 --json kills-2.json"): _BENCH,
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 0 --file-trials 0 "
+                            "--json inputs.json"): _BENCH,
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 0 --self-kills 6 "
+                            "--file-trials 0 --no-inputs --seed 2 --json kills-self.json"): _BENCH,
     (G + "reliability.md", ".venv/bin/python benchmarks/fingerprint_cost.py --threads 1"): _BENCH,
     (G + "scores.md", "python benchmarks/default_settings.py --seeds 10 --settings wta, lowest (the paper's) wta, "
                        "random relaxed 0.05, lowest relaxed 0.05, random annealed tau0 1 (rho 0.999) relaxed 0.05, "

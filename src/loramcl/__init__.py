@@ -4,6 +4,9 @@ The public names load on first use, so that `loramcl --help` and `loramcl.metric
 transformers.
 """
 
+# The baselines register their loaders with load_mcl_model (loramcl.mcl.methods) when their package is imported, and
+# every loramcl import runs this file first: a baseline's folder loads whatever the caller imported. Torch-free.
+from loramcl import baselines  # noqa: F401
 from loramcl.utils.lazy import lazy_exports
 
 __version__ = "0.1.0"

@@ -1,6 +1,11 @@
 """LoRA-MoE (paper App. F): the soft router's equation, its reductions, training, stochastic-router decoding, files."""
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,12 +14,14 @@ from scipy.stats import chisquare
 from tiny_models import CASES, build_batch, build_model
 from torch import nn
 
+import loramcl
 from loramcl import MCLConfig, MCLTrainer, get_mcl_model, load_mcl_model
 from loramcl.baselines import MoEConfig, get_moe_model, get_multihead_model, parameter_parity
 from loramcl.baselines.moe import MoELoraLinear, RouterState
 from loramcl.baselines.multihead import MultiHeadConfig
 from loramcl.decoding import generate_hypotheses
 from loramcl.mcl.layers import HypothesisRouting
+from loramcl.mcl.methods import register_method
 
 TARGETS = CASES["llama"].targets
 
@@ -115,6 +122,38 @@ def test_gradients_reach_routers_and_experts_only():
         for part, param in moe_layer.adapter_tensors().items():
             assert param.grad is not None and param.grad.abs().sum() > 0, (name, part)
     assert all(p.grad is None for n, p in moe.named_parameters() if not n.endswith(("lora_A", "lora_B", "router")))
+
+
+def test_a_saved_baseline_loads_in_a_process_that_never_imported_the_baselines(tmp_path):
+    """mcl/ names no baseline: LoRA-MoE registers its loader when loramcl.baselines is imported, which any loramcl
+    import does (loramcl/__init__.py), so a fresh process importing only loramcl.mcl.model loads a MoE folder
+    (issue 62). The MoE module itself is imported only by the load."""
+    moe, pristine, inputs, labels = moe_model()
+    pristine.save_pretrained(tmp_path / "base")
+    moe.save_pretrained(tmp_path / "moe")
+    script = ("import sys\nfrom transformers import AutoModelForCausalLM\n"
+              "from loramcl.mcl.model import load_mcl_model\n"
+              "before = [name for name in sys.modules if name.startswith('loramcl.baselines.')]\n"
+              f"model = load_mcl_model(AutoModelForCausalLM.from_pretrained({str(tmp_path / 'base')!r}), "
+              f"{str(tmp_path / 'moe')!r})\n"
+              "print(before, type(model).__module__, type(model).__name__, model.moe_config.num_experts)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(loramcl.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "loramcl.baselines.moe", "MoEModel", "3"]
+
+
+def test_a_folder_of_an_unregistered_method_names_it_and_the_registration(tmp_path):
+    moe, pristine, _, _ = moe_model()
+    moe.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "mcl_config.json").read_text())
+    saved["method"] = "mine"
+    (tmp_path / "mcl_config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"holds a 'mine' model, and no loader.*\(registered: moe, multihead\)"
+                                         r".*\(import loramcl.baselines\)"):
+        load_mcl_model(pristine, tmp_path, verify=False)
+    with pytest.raises(ValueError, match="'mcl' is LoRA-MCL itself"):
+        register_method("mcl", lambda *args: None)
 
 
 def test_trains_through_mcl_trainer_and_reloads(tmp_path):

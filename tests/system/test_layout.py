@@ -139,3 +139,36 @@ def test_every_file_and_class_stays_readable_in_one_sitting():
                      for node in ast.walk(ast.parse(text))
                      if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400]
     assert too_long == []
+
+
+def test_no_file_of_the_package_cites_design_decisions():
+    """Comments and docstrings cite what a reader of the repository can open (a docs/architecture.md section by its
+    heading), not the numbered decisions of a design note outside it (issue 62)."""
+    citing = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*") if path.is_file()
+                    and "DESIGN decision" in path.read_bytes().decode("utf-8", errors="ignore"))
+    assert citing == []
+
+
+def _called(function: ast.expr) -> str | None:
+    return function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", None)
+
+
+def test_the_method_names_no_module_above_it_in_a_string():
+    """mcl/ loads nothing of a floor above through importlib (`import_module`, `__import__`, `find_spec`) and holds
+    no module name of one in a string: such an import is upward and the import graph cannot see it. A method built on
+    MCLModel registers its loader instead (loramcl.mcl.methods, the baselines from loramcl/baselines/__init__.py,
+    PEFT's `register_peft_method` shape, issue 62); importlib stays for upstream packages (importlib.metadata)."""
+    modules = module_imports()
+    named = []
+    for path in sorted((PACKAGE / "mcl").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and _called(node.func) in ("import_module", "__import__", "find_spec"):
+                argument = node.args[0] if node.args else None
+                name = argument.value if isinstance(argument, ast.Constant) else None
+                if not isinstance(name, str) or name.split(".")[0] == "loramcl":  # a computed name may be anything
+                    named.append((path.name, node.lineno, ast.unparse(node)))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                module = node.value.partition(":")[0]
+                if module in modules and floor(module) < floor("loramcl.mcl"):
+                    named.append((path.name, node.lineno, node.value))
+    assert named == []

@@ -7,9 +7,12 @@ LoRA-MCL is, so that comparisons are fair by construction (App. F, App. H.1).
 - ``parity``: the LoRA-MLE rank and LoRA-MoE (E, r) with LoRA-MCL's trainable count.
 
 LoRA-MLE is LoRA-MCL with K = 1 (``MCLConfig(num_hypotheses=1, r=K*r)``). Models of every method are saved with
-``save_pretrained`` and loaded with ``loramcl.load_mcl_model``.
+``save_pretrained`` and loaded with ``loramcl.load_mcl_model``: each baseline registers its loader here
+(``loramcl.mcl.methods.register_method``), so the method's room never names a baseline; ``import loramcl`` imports
+this package, so the loaders are registered whatever the caller imported.
 """
 
+from loramcl.mcl import methods as _methods
 from loramcl.utils.lazy import lazy_exports
 
 _EXPORTS = {
@@ -23,3 +26,20 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+
+
+# The loaders import their baseline on first use: this package, imported by ``import loramcl``, imports no torch.
+def _load_moe(model, path, saved, tensors, is_trainable, strict):
+    from loramcl.baselines.moe import load_from_files
+
+    return load_from_files(model, path, saved, tensors, is_trainable, strict)
+
+
+def _load_multihead(model, path, saved, tensors, is_trainable, strict):
+    from loramcl.baselines.multihead import load_from_files
+
+    return load_from_files(model, path, saved, tensors, is_trainable, strict)
+
+
+_methods.register_method("moe", _load_moe)
+_methods.register_method("multihead", _load_multihead)

@@ -1,13 +1,13 @@
 """K candidates per input: the K hypotheses of an MCL model in one batched ``generate``, and the single-model
 baselines (beam search, diverse beam search, sampling, test-time augmentation) behind the same call.
 
-MCL decoding (DESIGN decisions 2 and 9): the K' copies of every input are made by the model's one K-copy rule
-(``repeat_examples``: hypothesis-major, copy c of a batch-first tensor at rows c*B ... (c+1)*B - 1, items
-flattened over the batch repeated copy-major), and the model runs with one routing entry per copy
-(``use_hypotheses(hypotheses, copies=True)``): every adapted layer splits its rows evenly among the copies. The
-copies are identical, so this holds for the language model's K'*B*num_beams rows (transformers expands rows by
-``repeat_interleave`` for beams: the beams of a row stay inside their hypothesis) and for a vision tower whose
-patches per example vary alike (tested token for token against one hypothesis at a time).
+MCL decoding (docs/architecture.md, "Decisions as implemented": "Routing" and "Where the K copies are made"): the K'
+copies of every input are made by the model's one K-copy rule (``repeat_examples``: hypothesis-major, copy c of a
+batch-first tensor at rows c*B ... (c+1)*B - 1, items flattened over the batch repeated copy-major), and the model
+runs with one routing entry per copy (``use_hypotheses(hypotheses, copies=True)``): every adapted layer splits its
+rows evenly among the copies. The copies are identical, so this holds for the language model's K'*B*num_beams rows
+(transformers expands rows by ``repeat_interleave`` for beams: the beams of a row stay inside their hypothesis) and
+for a vision tower whose patches per example vary alike (tested token for token against one hypothesis at a time).
 
 This module checks and prepares a call; ``decoding.candidates`` runs each strategy's ``generate`` and reads its
 output, ``decoding.budget`` gives the beam sizes of an equal forward budget.

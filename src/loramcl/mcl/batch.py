@@ -1,4 +1,5 @@
-"""What an MCL forward needs from the host about a batch, computed once outside the forward (DESIGN decision 13).
+"""What an MCL forward needs from the host about a batch, computed once outside the forward (docs/architecture.md,
+"Compiling the forward").
 
 The forward itself reads nothing on the host when it is given ``target_index``, so that ``torch.compile`` traces it
 whole: the checks that read values (token ids inside the vocabulary, a target token in every example) and the one

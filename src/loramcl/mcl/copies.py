@@ -1,5 +1,5 @@
 """The K copies of a batch: how every model input is copied, cut and checked, where the copies are made, and the
-hooks that make them (DESIGN decision 9).
+hooks that make them (docs/architecture.md, "Decisions as implemented": "Where the K copies are made").
 
 In an MCL forward the hypotheses share one call of the base model: at the entry of the expansion module (the smallest
 transformers model holding every adapter) each per-example input [B, ...] becomes K copies [K*B, ...], hypothesis-
@@ -60,7 +60,8 @@ def _examples_dim(value: torch.Tensor, name: str | None, batch: int) -> int | No
 
 def repeat_examples(value, copies: int, batch: int, name: str | None = None):
     """``copies`` copies of a model input, copy-major: copy c of a batch-first tensor [B, ...] is rows
-    c*B ... (c+1)*B - 1 of the result [copies*B, ...]. The one K-copy rule (DESIGN decision 9), for any input:
+    c*B ... (c+1)*B - 1 of the result [copies*B, ...]. The one K-copy rule (docs/architecture.md, "Where the K copies
+    are made"), for any input:
 
     - dicts, lists, tuples and ``ModelOutput``s: every element (e.g. Gemma3's dict of attention masks);
     - a tensor: repeated along its batch dimension (``batch_dim``), except when it has size 1 there while

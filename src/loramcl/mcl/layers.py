@@ -1,4 +1,5 @@
-"""MCLLoraLinear: a frozen linear layer plus K stacked LoRA adapters (paper eq. 8, DESIGN decision 1).
+"""MCLLoraLinear: a frozen linear layer plus K stacked LoRA adapters (paper eq. 8; docs/architecture.md, "Decisions
+as implemented": "Own stacked layer").
 
 All K hypotheses run in one batched matmul per layer. Rows are hypothesis-major: with K*B rows,
 hypothesis k owns rows k*B ... (k+1)*B - 1, a contiguous view, so no permute is needed.

@@ -1,4 +1,5 @@
-"""How an MCL forward keeps its peak memory down (DESIGN decision 5, issue 18), three devices that change no result:
+"""How an MCL forward keeps its peak memory down (issue 18; docs/architecture.md, "Decisions as implemented": "Logits
+only where labels are" and "Two-pass hard WTA"), three devices that change no result:
 
 - logits only where labels are: a pre-hook on the output layer gives it the hidden states at label positions
   [N, d] instead of [rows, T, d], so no vocabulary logits are built for prompt, image or audio tokens;

@@ -1,11 +1,12 @@
 """The MCL model: K LoRA hypotheses on any transformers model, routed by ``use_hypotheses``, and its forward.
 
-Data flow of one MCL forward (labels given, all K hypotheses):
+Data flow of one MCL forward (labels given, all K hypotheses; docs/architecture.md, "One MCL forward", whose
+"Decisions as implemented" are quoted below):
   inputs [B, ...] -> frozen modules that precede every adapter run once on B rows
   -> at the entry of the smallest transformers model holding all adapters, every per-example tensor is
-     repeated K times, hypothesis-major [K*B, ...] (DESIGN decision 6; ``loramcl.mcl.copies``)
-  -> adapted layers route row block k through hypothesis k (one bmm per layer, decision 2)
-  -> the LM head sees only the hidden states at label positions (decision 5)
+     repeated K times, hypothesis-major [K*B, ...] ("Where the K copies are made"; ``loramcl.mcl.copies``)
+  -> adapted layers route row block k through hypothesis k (one bmm per layer, "Routing")
+  -> the LM head sees only the hidden states at label positions ("Logits only where labels are")
   -> nll [B, K] (scoring) -> loss (losses).
 
 ``MCLModel`` is this module's forward and routing. It owns two components, each made with explicit arguments and
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 import os
 import warnings
 from collections.abc import Iterator
@@ -57,6 +57,7 @@ from loramcl.mcl.fingerprint import FrozenBase, base_fingerprint, check_base_wei
 from loramcl.mcl.layers import DISABLED, INDEXED, SINGLE, HypothesisRouting, MCLLoraLinear, linear_features
 from loramcl.mcl.logits import LabelLogits
 from loramcl.mcl.losses import mcl_loss, step_tensor
+from loramcl.mcl.methods import method_loader
 from loramcl.mcl.nll import IGNORE_INDEX, aligned_targets, chunked_token_nll, mean_token_nll, row_means
 from loramcl.mcl.peft_interop import (
     matched_layer_names,
@@ -67,12 +68,6 @@ from loramcl.mcl.peft_interop import (
 from loramcl.mcl.routing import check_hypothesis, set_routing
 from loramcl.mcl.scope import CallScope, ForwardCall
 from loramcl.mcl.scores import context_positions, mixture_nll, scoring_head_for
-
-# Models of the baselines: method in mcl_config.json -> "module:function(base_model, path, saved, tensors,
-# is_trainable)" rebuilding the model from checked files; imported on use (loramcl.baselines sits above this module).
-_BASELINE_LOADERS = {"moe": "loramcl.baselines.moe:load_from_files",
-                     "multihead": "loramcl.baselines.multihead:load_from_files"}
-
 
 @dataclass
 class MCLOutput(ModelOutput):
@@ -564,9 +559,9 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
         warnings.warn(f"adapters were trained on a {saved['base_model_class']}, loading onto a "
                       f"{type(model).__name__}", stacklevel=2)
     method = saved.get("method", "mcl")
-    if method in _BASELINE_LOADERS:  # a baseline (loramcl.baselines) checks and rebuilds its own layers
-        module, _, loader = _BASELINE_LOADERS[method].partition(":")
-        loaded = getattr(importlib.import_module(module), loader)(model, path, saved, tensors, is_trainable, strict)
+    if method != "mcl":  # a registered method (the baselines: loramcl.mcl.methods) checks and rebuilds its layers
+        loader = method_loader(method, os.path.join(path, adapter_files.CONFIG_NAME))
+        loaded = loader(model, path, saved, tensors, is_trainable, strict)
         return loaded if is_trainable else loaded.eval()
     config = checked_mcl_config(path, saved, tensors)
     if fit_scores and not config.scoring:

@@ -3,7 +3,8 @@ readers, its report) beside its recipe files (``<task>/*.yaml``, packaged with l
 ``translation``, ``audio_captioning``, ``image_captioning``, ``spoken_translation``. A task imports the runner and the
 floors below it, never another task (tests/system/test_layout.py).
 
-The shared runner is what every task recipe is made of, so that recipes stay thin (DESIGN decision 11):
+The shared runner is what every task recipe is made of, so that recipes stay thin (docs/architecture.md,
+"Recipes: one shared runner"):
 
 - ``runner``: ``run_recipe``, the stage loop every task command runs, and ``Task``, what a task gives it (its
   experiment settings, data, the training of a run, the decoding of a system, its report).

@@ -1,8 +1,9 @@
 """How fast a run trains, in MCLTrainer's training logs: tokens per second, step time, and on a GPU the peak memory
 since the previous log and the model FLOP utilisation (docs/guide/cli.md, "Progress, warnings, logs").
 
-Tokens are counted on the device where the batch is (a sum per micro-batch, no host read: DESIGN decision 13) and read
-once per log, with the clock, after the device has finished its queued work.
+Tokens are counted on the device where the batch is (a sum per micro-batch, no host read: docs/architecture.md,
+"Where the code of the MCL model lives") and read once per log, with the clock, after the device has finished its
+queued work.
 """
 
 from __future__ import annotations

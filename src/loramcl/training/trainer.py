@@ -1,4 +1,5 @@
-"""MCLTrainer: transformers.Trainer for an MCLModel (DESIGN decisions 3 and 4).
+"""MCLTrainer: transformers.Trainer for an MCLModel (docs/architecture.md, "Decisions as implemented": "Trainer"
+and "Two-pass hard WTA").
 
 Distribution (DDP, DeepSpeed, FSDP through accelerate/torchrun) is the Trainer's; this subclass computes the MCL
 loss, logs how often each hypothesis wins, saves the adapters in our format, and makes checkpoints atomic: a
