@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loramcl.utils.files import read_jsonl, shown_ids
+from loramcl.utils.files import read_json, read_jsonl, shown_ids
 
 
 def align(predictions: dict[object, dict], references: dict[object, dict], what=("predictions", "references")) -> list:
@@ -193,7 +193,7 @@ def read_report(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist (expected a JSON written by `loramcl evaluate`)")
-    report = json.loads(path.read_text(encoding="utf-8"))
+    report = read_json(path, "write it again with `loramcl evaluate`")
     if not isinstance(report, dict) or "metrics" not in report:
         raise ValueError(f'{path} is not an evaluation report: no "metrics" field')
     return report

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loramcl.recipes.grid import System
+from loramcl.utils.files import read_json
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ def training_curves(runs: dict[str, Path], out: Path) -> str:
 
     fig, (ax_loss, ax_win) = plt.subplots(1, 2, figsize=(10, 3.6))
     for run, folder in runs.items():
-        log = json.loads((Path(folder) / "train_log.json").read_text())
+        log = read_json(Path(folder) / "train_log.json", "it was damaged or edited: train the run again")
         train = [(e["step"], e["loss"]) for e in log if "loss" in e]
         evals = [(e["step"], e["eval_loss"]) for e in log if "eval_loss" in e]
         line, = ax_loss.plot(*zip(*train, strict=True), label=f"{run} (train)") if train else (None,)

@@ -15,6 +15,13 @@ from loramcl.utils.files import read_json
 from loramcl.utils.inputs import BEST_FOLDER, RUN_RECORD
 
 
+def data_stats(folder: Path) -> dict:
+    """The data stage's record (``folder``/stats.json: its examples, splits, skipped items), its file named if it
+    cannot be read."""
+    return read_json(Path(folder) / "stats.json",
+                     "it was damaged or edited: delete the data folder to prepare it again")
+
+
 @dataclass
 class Stages:
     """The stages of one recipe run under ``root``.

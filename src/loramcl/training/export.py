@@ -22,6 +22,7 @@ from loramcl.utils.inputs import (
     training_record,
 )
 from loramcl.utils.validate import OptionError
+from loramcl.utils.files import read_json
 
 CARD_NAME = "README.md"
 CARD_PROMPT = "your prompt"  # the model card's placeholder, shown as the run's prompts were (chat template or not)
@@ -69,7 +70,7 @@ def export(
     record = training_record(adapters)
     base = model or _base_model_of(adapters, record)
     check_model_folder(base)
-    saved = json.loads((Path(adapters) / MCL_CONFIG).read_text(encoding="utf-8"))
+    saved = read_json(Path(adapters) / MCL_CONFIG, "it was damaged or edited: save the adapters again, or restore it")
     method = saved.get("method", "mcl")
     config = MCLConfig.from_dict(saved_values(saved["mcl_config"])) if method == "mcl" else None
     chat = bool(((record[1] if record else {}).get("data") or {}).get("chat_template"))
@@ -118,7 +119,7 @@ def _hypothesis_list(text: str | int | None, option: str) -> list[int] | None:
 def _base_model_of(adapters: str, record: tuple[Path, dict] | None) -> str:
     if record is not None and record[1].get("model"):
         return str(record[1]["model"])
-    saved = json.loads((Path(adapters) / MCL_CONFIG).read_text(encoding="utf-8"))
+    saved = read_json(Path(adapters) / MCL_CONFIG, "it was damaged or edited: save the adapters again, or restore it")
     if saved.get("base_model_name_or_path"):
         return str(saved["base_model_name_or_path"])
     raise OptionError("model", f"{adapters} does not record its base model (no run.json, and no "
@@ -152,9 +153,9 @@ def model_card(mcl, base: str, folders: list[str], record: tuple[Path, dict] | N
     names = [Path(f).name for f in folders]
     short_names = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in mcl.layer_names}))
     settings = record[1] if record else {}
-    run = json.loads(record[0].read_text(encoding="utf-8")) if record else {}
+    run = read_json(record[0], "it was damaged or edited: train the run again") if record else {}
     log_path = Path(adapters) / "train_log.json"
-    log = json.loads(log_path.read_text(encoding="utf-8")) if log_path.is_file() else []
+    log = read_json(log_path, "it was damaged or edited: train the run again") if log_path.is_file() else []
     loss = cfg.loss + {"relaxed": f" (epsilon {cfg.relaxed_epsilon:g})", "annealed": f" (temperature {cfg.temperature0}, decay "
                        f"{cfg.temperature_decay})"}.get(cfg.loss, "")
     scaling = "folded into lora_B (lora_alpha = r)" if fold_scaling else \

@@ -30,7 +30,7 @@ from loramcl.training.runs import (
     settings_stamp,
     stale_checkpoint_fields,
 )
-from loramcl.utils.files import sha256
+from loramcl.utils.files import read_json, sha256
 from loramcl.utils.inputs import (
     MCL_CONFIG,
     RUN_RECORD,
@@ -238,7 +238,7 @@ def _scored_run_config(run: str, method: str, mcl: MCLConfig | None) -> MCLConfi
     if not (Path(run) / RUN_RECORD).is_file() or not record.is_file():
         raise FileNotFoundError(f"scores_for: {run} is not a finished LoRA-MCL run (no {RUN_RECORD} and "
                                 f"{MCL_CONFIG}): give the `out` folder of a finished `loramcl train`")
-    saved = json.loads(record.read_text(encoding="utf-8"))
+    saved = read_json(record, "it was damaged or edited: train the run again, or restore the file")
     if saved.get("method", "mcl") != "mcl" or "mcl_config" not in saved:
         raise ValueError(f"scores_for: {run} holds a {saved.get('method')!r} model; scores are learned for LoRA-MCL "
                          "hypotheses")

@@ -18,6 +18,7 @@ from typing import Literal, NamedTuple, get_args
 
 from jsonargparse.typing import register_type
 
+from loramcl.utils.files import read_json
 from loramcl.utils.validate import OptionError
 
 Dtype = Literal["float32", "bfloat16", "float16"]  # the frozen model's dtype, as a command option
@@ -149,7 +150,7 @@ def config_file(model: str) -> str:
 
 def model_config(model: str) -> dict:
     """The settings of a model as its config.json holds them (read as JSON: no torch, no transformers)."""
-    return json.loads(Path(config_file(model)).read_text(encoding="utf-8"))
+    return read_json(config_file(model), "the model folder is damaged: copy or convert the model again")
 
 
 def is_encoder_decoder(model: str) -> bool:

@@ -4,12 +4,12 @@ quality-diversity plot."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from loramcl.recipes.grid import System
 from loramcl.recipes.report import Column, metrics_table, percent, runs_table, tradeoff_figure, training_curves
+from loramcl.recipes.stages import data_stats
 
 COLUMNS = (Column("spider", "SPIDEr"), Column("cider_d", "CIDEr-D"), Column("meteor", "METEOR"),
            Column("sbert_sim", "sBERT"), Column("bleu4", "BLEU-4"), Column("rouge_l", "ROUGE-L"),
@@ -28,7 +28,7 @@ def build_report(root: Path, experiment, systems: Sequence[System], runs: Sequen
                         "winner_metric": evaluations[s.name]["specialisation"].get("metric")} for s in systems}
     trained = [run for run in runs if (root / run / "run.json").is_file()]
     records = {run: run_record(root / run) for run in trained}
-    stats = json.loads((root / "data" / "stats.json").read_text())
+    stats = data_stats(root / "data")
     columns = [c for c in COLUMNS if any(c.key in r["metrics"] for r in results.values())]
     unavailable = sorted({f"{name}: {reason.split('. ')[0]}" for e in evaluations.values()
                           for name, reason in e.get("unavailable", {}).items()})

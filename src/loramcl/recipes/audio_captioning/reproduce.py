@@ -25,6 +25,7 @@ from loramcl.recipes.command import task_command
 from loramcl.recipes.experiment import Experiment as RecipeExperiment
 from loramcl.recipes.grid import System, check_sampling, check_tta
 from loramcl.recipes.steps import ProcessorTask
+from loramcl.recipes.stages import data_stats
 from loramcl.utils.validate import require, require_int, require_real
 
 DEFAULT_RECIPES = "audio_captioning/tiny"
@@ -275,7 +276,7 @@ class AudioCaptioning(ProcessorTask):
                         root, self.quick)
 
     def training_config(self, values: dict):
-        stats = json.loads((self.data / "stats.json").read_text())
+        stats = data_stats(self.data)
         examples = stats["splits"]["train"]["clips" if self.experiment.captions_per_clip == "one" else "captions"]
         return training_config(values, self.experiment, examples, self.quick)
 

@@ -3,10 +3,10 @@ equal forward budget, the quality-diversity plot, examples, and the training cur
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from loramcl.recipes.report import Column, inline, metrics_table, runs_table, training_curves
+from loramcl.recipes.stages import data_stats
 
 EXAMPLES_SHOWN = 3
 # Table 3's columns first, then the rest of the captioning preset, in this order when computed.
@@ -38,7 +38,7 @@ def build_report(root: Path, experiment, systems, runs: list[str]) -> dict:
                              title=f"{quality} against mBLEU-4 (K = {experiment.candidates})")
     curves = training_curves({run: root / run for run in runs}, figures / "training.png")
     records = {run: run_record(root / run) for run in runs}
-    stats = json.loads((root / "data" / "stats.json").read_text())
+    stats = data_stats(root / "data")
 
     columns = [c for c in COLUMNS if c.key in computed] + [
         Column(key, key) for key in computed if key not in {c.key for c in COLUMNS}]

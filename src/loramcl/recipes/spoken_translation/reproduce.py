@@ -29,7 +29,7 @@ from loramcl.recipes.command import task_command
 from loramcl.recipes.experiment import Experiment as RecipeExperiment
 from loramcl.recipes.grid import System, check_sampling, check_tta
 from loramcl.recipes.spoken_translation.messages import TRAIN_MODES, SpokenSettings, read_rows
-from loramcl.recipes.stages import Stages
+from loramcl.recipes.stages import Stages, data_stats
 from loramcl.recipes.steps import ProcessorTask
 from loramcl.training.runs import file_stamp
 from loramcl.utils.inputs import check_choice
@@ -292,7 +292,7 @@ class SpokenTranslation(ProcessorTask):
     def report(self, systems: list[System], runs: list[str]) -> dict:
         from loramcl.recipes.spoken_translation.report import build_report
 
-        stats = json.loads((self.data / "stats.json").read_text())
+        stats = data_stats(self.data)
         return build_report(self.root, self.experiment, systems, runs, self.scored_runs(runs, systems), stats,
                             METRICS)
 
