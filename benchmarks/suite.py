@@ -520,6 +520,10 @@ def run(args) -> dict:
     results["context_once"] = context_once(suite, args) if "context" in args.sections else skipped
     results["decoding"] = decoding(suite, args) if "decoding" in args.sections else []
     results["peers"] = peers(suite, args) if "peers" in args.sections else skipped
+    if getattr(args, "backend", None):
+        from loramcl.decoding import compiled
+
+        compiled.BACKEND = args.backend  # the decoding rows' and the training rows'
     results["compiled"] = compiled_decoding.compiled_rows(suite, args) if "compiled" in args.sections else skipped
     results["environment"] = environment(args)
     results["targets"] = targets(results)
@@ -614,6 +618,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="what to measure (default: all; compiled only with --device cuda)")
     parser.add_argument("--peers", nargs="+", choices=[peer_name(p) for p in PEERS],
                         help="only these peer settings, K/decoding/batch (default: all; one a run keeps each short)")
+    parser.add_argument("--backend", help="torch.compile's backend for the compiled rows (default: inductor; "
+                        "aot_eager: the same graphs without inductor's C++ build, as the GPU check's dry run)")
     args = parser.parse_args(argv)
     shape = SHAPES[args.shape]
     args.seqs = tuple(args.seqs or shape.seqs)

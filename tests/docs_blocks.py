@@ -436,6 +436,17 @@ REGISTRY = {
     ("docs/benchmarks.md", ".venv/bin/python benchmarks/gpu_check.py --dry-run --jobs 2 --out runs/gpu-check"): Module(
         parse_only=True, covered_by="tests/system/test_gpu_check.py::test_the_dry_run_passes_every_step",
         why="the whole dry run takes minutes: its test runs this line as written, once"),
+    ("docs/benchmarks.md", "PYTHONPATH=/tmp/site:src python3 benchmarks/gpu_check.py --steps environment compiled-8b "
+     "suite --budget 540 --out runs/gpu-check-1 --work /tmp/gpu-check"): Module(
+        parse_only=True, covered_by="tests/system/test_gpu_check.py::"
+        "test_the_compiled_steps_dry_run_their_rows_with_peft_beside_them",
+        why="a GPU run (torch must see CUDA): the compiled steps' dry variant runs in that slow test, the others in "
+            "the dry run"),
+    ("docs/benchmarks.md", "PYTHONPATH=/tmp/site:src python3 benchmarks/gpu_check.py --steps compiled-1b commands "
+     "paper-textcaps recipes-quick --budget 540 --out runs/gpu-check-2 --work /tmp/gpu-check"): Module(
+        parse_only=True, covered_by="tests/system/test_gpu_check.py::test_the_dry_run_passes_every_step",
+        why="a GPU run (torch must see CUDA): these steps' dry variants run in the dry run, compiled-1b's in "
+            "test_the_compiled_steps_dry_run_their_rows_with_peft_beside_them (slow)"),
     (G + "quantization.md", "import torch"): Python(
         "plain", subs=(('load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,',
                         "load_in_8bit=True,"),),
