@@ -66,9 +66,9 @@ def assemble(root: Path, run: str, values: dict, members: Sequence[str], best: b
     checked against its member's run first (``check_run_best``)."""
     from loramcl.mcl.ensemble import assemble_hypotheses
     from loramcl.models import training_model_loader
-    from loramcl.utils.run_best import BEST_RECORD, check_run_best
     from loramcl.training.runs import run_record
     from loramcl.utils.inputs import BEST_FOLDER
+    from loramcl.utils.run_best import BEST_RECORD, check_run_best
 
     started = time.perf_counter()
     out = root / run
@@ -98,8 +98,8 @@ def assemble(root: Path, run: str, values: dict, members: Sequence[str], best: b
 def check_best_adapters(root: Path, run: str, members: Sequence[str] | None) -> None:
     """Before a '<run>@best' row is scored (or its scores reused): root/``run``/best checked against the run
     (``check_run_best``); for an ensemble (``members``), each member's best and the record of the assembled one."""
-    from loramcl.utils.run_best import BEST_RECORD, best_record, check_run_best
     from loramcl.utils.inputs import BEST_FOLDER
+    from loramcl.utils.run_best import BEST_RECORD, best_record, check_run_best
 
     kept = {name: check_run_best(root / name) for name in members or [run]}
     missing = [name for name, record in kept.items() if record is None]

@@ -150,9 +150,9 @@ def train(
     generate`), `peft/` for K = 1 (a standard PEFT LoRA adapter, for single-model decoders such as diverse beam
     search), `checkpoints/` (the last `training.keep_checkpoints` resumable checkpoints, every
     `training.save_every` steps), `train_log.json` (every logged loss, win rate, training NLL per hypothesis, speed and
-    validation NLL, then the verdict on the hypotheses' specialisation, or why there is none) and `run.json` (the
-    settings and their stamp, threads, trainable parameters, seconds, the verdict), written last: a run with a
-    run.json is finished.
+    validation NLL, then the verdict on the hypotheses' specialisation) and `run.json` (the settings and their stamp,
+    threads, trainable parameters, seconds, the verdict or why there is none), written last: a run with a run.json
+    is finished.
 
     A causal LM reads prompt + target and learns the target tokens; an encoder-decoder (T5, BART, Marian, NLLB...)
     reads the prompt in its encoder and learns the target as its labels (docs/guide/cli.md).
