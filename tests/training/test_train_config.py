@@ -166,3 +166,14 @@ def test_a_step_count_that_cannot_finish_is_refused_with_its_limit():
         with pytest.raises(ValueError, match=rf"^steps must be at most 100000000 \(MAX_STEPS: 10\^8 optimizer steps "
                                              rf"take over 115 days .*\), got {steps}$"):
             TrainConfig(steps=steps)
+
+
+def test_a_schedule_the_warm_up_check_cannot_build_gives_no_warning_rather_than_a_crash(tmp_path):
+    """The check runs again when training ends (the verdict): a schedule its copy cannot build (cosine_with_min_lr
+    without its min_lr, which Trainer would refuse first) must not fail a finished run."""
+    from transformers import TrainingArguments
+
+    from loramcl.training.schedule import learning_rate_reached, warmup_shortfall
+
+    args = TrainingArguments(str(tmp_path), lr_scheduler_type="cosine_with_min_lr", warmup_steps=100, report_to=[])
+    assert learning_rate_reached(args, 3) == 1.0 and warmup_shortfall(args, 3) is None

@@ -19,8 +19,11 @@ def learning_rate_reached(args, steps: int) -> float:
 
     warmup = args.get_warmup_steps(steps)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=warmup,
-                              num_training_steps=steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+    try:
+        scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=warmup,
+                                  num_training_steps=steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+    except (ValueError, TypeError, KeyError):  # a schedule this copy cannot build (Trainer's own would have failed
+        return 1.0                             # first, or a scheduler of the user's): no warning rather than a crash
     factors = getattr(scheduler, "lr_lambdas", None)
     if not factors or steps < 1:
         return 1.0
