@@ -179,7 +179,7 @@ def _refuse_missing_blocks(model: nn.Module, targets: list[str] | str, config: M
                           "layers are in no numbered block", owner=MCLConfig)
 
 
-# ---- 4. the module replacement (3., the size checks: loramcl.mcl.adapter_size) ---------------------------------------
+# ---- 4. the module replacement (3. is loramcl.mcl.adapter_size) ------------------------------------------------------
 
 
 def replace_modules(model: nn.Module, names: list[str], make_module, make_model):
