@@ -136,7 +136,7 @@ def languages_won(base: Path, run: Path, train_file: Path, languages: list[int])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from loramcl.data.prompts import collate, encode_pairs, pad_token_id
-    from loramcl.mcl.model import load_mcl_model
+    from loramcl.models.mcl import load_mcl_model
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     rows = [json.loads(line) for line in train_file.read_text().splitlines()]

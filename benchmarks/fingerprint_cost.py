@@ -31,8 +31,8 @@ from common import TARGETS, interleaved_medians, start, timed
 from suite import SHAPES
 
 from loramcl import MCLConfig, get_mcl_model, load_mcl_model
+from loramcl.mcl import build
 from loramcl.mcl import fingerprint as fingerprints
-from loramcl.mcl import model as model_module
 
 
 def main() -> None:
@@ -71,7 +71,7 @@ def main() -> None:
         config_file.write_text(json.dumps(meta))
 
         def load(folder: str, wrapping_fingerprint) -> None:
-            with mock.patch.object(model_module, "base_fingerprint", wrapping_fingerprint):
+            with mock.patch.object(build, "base_fingerprint", wrapping_fingerprint):
                 load_mcl_model(base, root / folder, strict=True).unload()
 
         runs = {

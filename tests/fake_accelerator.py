@@ -185,20 +185,20 @@ def fake_accelerator():
     """Inside: torch.accelerator is ``fakegpu``, and Trainer/accelerate and loramcl's device choice pick it."""
     from accelerate.state import AcceleratorState
 
-    from loramcl.mcl import peft_interop
+    from loramcl.mcl import build
 
     previous = os.environ.get("ACCELERATE_TORCH_DEVICE")
     os.environ["ACCELERATE_TORCH_DEVICE"] = NAME
     AcceleratorState._reset_state(reset_partial_state=True)  # accelerate keeps its device in a process-wide state
     torch.Generator, _ACTIVE[0] = _Generator, True
-    plain = peft_interop.PLAIN_WEIGHTS
-    peft_interop.PLAIN_WEIGHTS = (*plain, OnFake)  # a CUDA weight is a plain Parameter; here it wears OnFake
+    plain = build.PLAIN_WEIGHTS
+    build.PLAIN_WEIGHTS = (*plain, OnFake)  # a CUDA weight is a plain Parameter; here it wears OnFake
     try:
         with _HostBuilt(), _Placement():
             yield FAKE
     finally:
         torch.Generator, _ACTIVE[0] = _TorchGenerator, False
-        peft_interop.PLAIN_WEIGHTS = plain
+        build.PLAIN_WEIGHTS = plain
         AcceleratorState._reset_state(reset_partial_state=True)
         if previous is None:
             os.environ.pop("ACCELERATE_TORCH_DEVICE", None)

@@ -17,8 +17,8 @@ from loramcl.cli import main
 from loramcl.decoding.options import DecodedModel, Decoding, plan
 from loramcl.decoding.predictions import check_generated_positions, decoded_model_of
 from loramcl.mcl.adapter_size import check_adapter_size, hypothesis_bytes
+from loramcl.mcl.build import target_layer_names
 from loramcl.mcl.layers import MCLLoraLinear
-from loramcl.mcl.peft_interop import target_layer_names
 from loramcl.training.config import TrainConfig
 from loramcl.training.fit import check_max_length
 from loramcl.utils.inputs import PositionLimits, check_device, check_output, model_positions
@@ -339,7 +339,7 @@ def test_generate_checks_the_decoding_against_the_adapters_before_the_model_load
                                                                                  monkeypatch):
     """The adapters' kind and K are read from their mcl_config.json: a decoding that cannot run on them is refused
     naming its option, before the model loads, and an earlier predictions file is left as it was."""
-    monkeypatch.setattr("loramcl.models.load_model", lambda *args, **kwargs: pytest.fail("the model loaded"))
+    monkeypatch.setattr("loramcl.models.load.load_model", lambda *args, **kwargs: pytest.fail("the model loaded"))
     (scored / "gen-prompts.jsonl").write_text('{"prompt": "w5"}\n')
     (scored / "gen-preds.jsonl").write_text("earlier\n")
     code, line = run_main(["generate", "--model", str(scored / "tiny"), "--adapters", str(scored / "run"), "--input",

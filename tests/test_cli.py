@@ -190,7 +190,7 @@ def test_generate_takes_every_decoding_option_as_a_flag(capsys):
 
 
 def test_convert_smollm2_command(tmp_path, monkeypatch, capsys):
-    import loramcl.models as pretrained
+    import loramcl.models.pretrained as pretrained
 
     monkeypatch.setattr(pretrained.importlib.util, "find_spec", lambda name: None)
     code, _, err = run_main(["convert-smollm2", "--out", str(tmp_path / "smol")], capsys)

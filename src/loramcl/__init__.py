@@ -4,9 +4,6 @@ The public names load on first use, so that `loramcl --help` and `loramcl.metric
 transformers.
 """
 
-# The baselines register their loaders with load_mcl_model (loramcl.mcl.methods) when their package is imported, and
-# every loramcl import runs this file first: a baseline's folder loads whatever the caller imported. Torch-free.
-from loramcl import baselines  # noqa: F401
 from loramcl.utils.lazy import lazy_exports
 
 __version__ = "0.1.0"
@@ -15,8 +12,8 @@ _EXPORTS = {
     "MCLConfig": "loramcl.mcl.config",
     "DataConfig": "loramcl.training.config", "TrainConfig": "loramcl.training.config",
     "MCLLoraLinear": "loramcl.mcl.layers",
-    "MCLModel": "loramcl.mcl.model", "MCLOutput": "loramcl.mcl.model", "get_mcl_model": "loramcl.mcl.model",
-    "load_mcl_model": "loramcl.mcl.model", "to_peft": "loramcl.mcl.export",
+    "MCLModel": "loramcl.mcl.model", "MCLOutput": "loramcl.mcl.model", "get_mcl_model": "loramcl.mcl.build",
+    "load_mcl_model": "loramcl.models.mcl", "to_peft": "loramcl.mcl.export",
     "assemble_hypotheses": "loramcl.mcl.ensemble",
     "MCLTrainer": "loramcl.training.trainer",
     "generate_hypotheses": "loramcl.decoding.strategies", "equal_budget": "loramcl.decoding.budget",

@@ -30,7 +30,7 @@ def commands() -> dict:
     """{name: function} of every `loramcl` command (light imports: torch loads inside the functions)."""
     from loramcl.decoding.predictions import generate
     from loramcl.metrics.evaluate import evaluate, plot_tradeoff
-    from loramcl.models import convert_smollm2_command, convert_whisper_base_command
+    from loramcl.models.pretrained import convert_smollm2_command, convert_whisper_base_command
     from loramcl.recipes.audio_captioning.reproduce import audio_captioning
     from loramcl.recipes.bilingual.reproduce import bilingual
     from loramcl.recipes.catalog import copy_recipe, list_recipes

@@ -125,14 +125,14 @@ def test_gradients_reach_routers_and_experts_only():
 
 
 def test_a_saved_baseline_loads_in_a_process_that_never_imported_the_baselines(tmp_path):
-    """mcl/ names no baseline: LoRA-MoE registers its loader when loramcl.baselines is imported, which any loramcl
-    import does (loramcl/__init__.py), so a fresh process importing only loramcl.mcl.model loads a MoE folder
-    (issue 62). The MoE module itself is imported only by the load."""
+    """mcl/ names no baseline: LoRA-MoE registers its loader when loramcl.baselines is imported, which the room of
+    load_mcl_model does (loramcl.models.mcl, a floor above the baselines), so a fresh process importing only it loads a
+    MoE folder (issue 62). The MoE module itself is imported only by the load."""
     moe, pristine, inputs, labels = moe_model()
     pristine.save_pretrained(tmp_path / "base")
     moe.save_pretrained(tmp_path / "moe")
     script = ("import sys\nfrom transformers import AutoModelForCausalLM\n"
-              "from loramcl.mcl.model import load_mcl_model\n"
+              "from loramcl.models.mcl import load_mcl_model\n"
               "before = [name for name in sys.modules if name.startswith('loramcl.baselines.')]\n"
               f"model = load_mcl_model(AutoModelForCausalLM.from_pretrained({str(tmp_path / 'base')!r}), "
               f"{str(tmp_path / 'moe')!r})\n"

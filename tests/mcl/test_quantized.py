@@ -230,7 +230,7 @@ def test_other_quantized_layers_are_refused_with_what_is_supported(folders, monk
 
 def test_adapters_take_the_compute_dtype_never_the_storage_dtype(folders):
     from loramcl.mcl.adapter_size import hypothesis_bytes
-    from loramcl.mcl.peft_interop import target_layer_names
+    from loramcl.mcl.build import target_layer_names
 
     bf16 = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
                                  bnb_4bit_compute_dtype=torch.bfloat16)

@@ -365,19 +365,19 @@ def test_decoding_loads_the_run_on_the_device_given(tmp_path, monkeypatch):
     import numpy as np
     from scipy.io import wavfile
 
-    import loramcl.models
+    import loramcl.models.load
     from loramcl.recipes.grid import DecodeConfig, System
     from loramcl.recipes.spoken_translation.reproduce import Experiment, SpokenTranslation
     from loramcl.recipes.stages import Stages
 
     model, run = _tiny_whisper_run(tmp_path)
-    load, devices = loramcl.models.load_model, []
+    load, devices = loramcl.models.load.load_model, []
 
     def load_on_cpu(model, adapters=None, dtype="float32", device="cpu", strict=False):
         devices.append(device)
         return load(model, adapters, dtype, "cpu", strict)
 
-    monkeypatch.setattr(loramcl.models, "load_model", load_on_cpu)
+    monkeypatch.setattr(loramcl.models.load, "load_model", load_on_cpu)
     task = SpokenTranslation(None, Experiment(), Stages(tmp_path / "out"), False, None, "cuda:1")
     task.model = model
     task.test.parent.mkdir()

@@ -228,10 +228,10 @@ def _patch_models(patch, tiny) -> None:
     """`convert_smollm2` writes the tiny model; Whisper-base is converted for real once, then linked."""
     from pathlib import Path
 
-    import loramcl.models
+    import loramcl.models.pretrained
     import loramcl.recipes.spoken_translation.reproduce as spoken
 
-    convert_whisper_base, build_whisper = loramcl.models.convert_whisper_base, spoken.build_model
+    convert_whisper_base, build_whisper = loramcl.models.pretrained.convert_whisper_base, spoken.build_model
 
     def convert_smollm2(out, tokenizer_only=False):  # the tiny model holds the tokenizer too
         if not (out := Path(out)).joinpath("config.json").is_file():
@@ -246,10 +246,10 @@ def _patch_models(patch, tiny) -> None:
             _link_copy(_WHISPER[key], out)
         return out
 
-    patch.setattr(loramcl.models, "convert_whisper_base", lambda out: cached("full", convert_whisper_base, out))
+    patch.setattr(loramcl.models.pretrained, "convert_whisper_base", lambda out: cached("full", convert_whisper_base, out))
     patch.setattr(spoken, "build_model", lambda out, seconds: cached(seconds, lambda o: build_whisper(o, seconds),
                                                                       out))
-    patch.setattr(loramcl.models, "convert_smollm2", convert_smollm2)
+    patch.setattr(loramcl.models.pretrained, "convert_smollm2", convert_smollm2)
 
 
 def _write_files(root) -> None:

@@ -92,8 +92,9 @@ def test_a_task_recipe_imports_no_other_task():
 FLOORS = (("the public faces", ("loramcl", "loramcl.cli")),
           ("the recipes: the shared runner, then one folder per task", ("loramcl.recipes",)),
           ("training", ("loramcl.training",)),
-          ("decoding, metrics, analysis, the baselines, loading models",
-           ("loramcl.decoding", "loramcl.metrics", "loramcl.analysis", "loramcl.baselines", "loramcl.models")),
+          ("decoding, metrics, analysis, the models loaded (with load_mcl_model)",
+           ("loramcl.decoding", "loramcl.metrics", "loramcl.analysis", "loramcl.models")),
+          ("the baselines: methods built on the MCL model", ("loramcl.baselines",)),
           ("the method and the generic data readers", ("loramcl.mcl", "loramcl.data")),
           ("utilities", ("loramcl.utils",)))
 
@@ -110,12 +111,13 @@ def test_every_module_lies_on_a_floor():
     assert [floor(module) for module in module_imports()]  # floor() raises for a module outside every folder
     assert floor("loramcl.cli") < floor("loramcl.recipes.audio_captioning.reproduce") \
         == floor("loramcl.recipes.runner") < floor("loramcl.training.trainer") < floor("loramcl.decoding.strategies") \
-        < floor("loramcl.mcl.model") < floor("loramcl.utils.files")
+        == floor("loramcl.models.mcl") < floor("loramcl.baselines.moe") < floor("loramcl.mcl.model") \
+        < floor("loramcl.utils.files")
 
 
 def test_imports_run_down_the_floors():
-    """utils <- mcl, data <- decoding, metrics, analysis, baselines, models <- training <- recipes <- cli: nothing
-    below imports what stands above it."""
+    """utils <- mcl, data <- baselines <- decoding, metrics, analysis, models <- training <- recipes <- cli: nothing
+    below imports what stands above it (load_mcl_model, in models/, imports the baselines it loads)."""
     upward = sorted((name, other) for name, imports in module_imports().items() for other in imports
                     if floor(other) < floor(name))
     assert upward == []
@@ -124,7 +126,7 @@ def test_imports_run_down_the_floors():
 def test_the_top_level_holds_only_the_public_faces_and_the_folders():
     """A module of its own on the top level is a floor nobody named: put it in the folder of its role."""
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert top == ["__init__.py", "cli.py", "models.py"]
+    assert top == ["__init__.py", "cli.py"]
 
 
 def test_every_file_and_class_stays_readable_in_one_sitting():
@@ -139,6 +141,15 @@ def test_every_file_and_class_stays_readable_in_one_sitting():
                      for node in ast.walk(ast.parse(text))
                      if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400]
     assert too_long == []
+
+
+# Files an issue holds to a tighter limit than 600 lines, so that the next capability finds room: {path: lines}.
+TIGHTER_LIMITS = {"mcl/model.py": 450}  # the forward and the routing only: building and loading live apart (issue 62)
+
+
+def test_the_files_an_issue_made_room_in_stay_within_its_limit():
+    lines = {name: (PACKAGE / name).read_text(encoding="utf-8").count("\n") for name in TIGHTER_LIMITS}
+    assert {name: count for name, count in lines.items() if count > TIGHTER_LIMITS[name]} == {}
 
 
 def test_no_file_of_the_package_cites_design_decisions():
@@ -157,8 +168,10 @@ def test_the_method_names_no_module_above_it_in_a_string():
     """mcl/ loads nothing of a floor above through importlib (`import_module`, `__import__`, `find_spec`) and holds
     no module name of one in a string: such an import is upward and the import graph cannot see it. A method built on
     MCLModel registers its loader instead (loramcl.mcl.methods, the baselines from loramcl/baselines/__init__.py,
-    PEFT's `register_peft_method` shape, issue 62); importlib stays for upstream packages (importlib.metadata)."""
+    PEFT's `register_peft_method` shape, issue 62); importlib stays for upstream packages (importlib.metadata).
+    The loader that asks the registry stands above the baselines and imports them: an import the graph sees."""
     modules = module_imports()
+    assert "loramcl.baselines" in modules["loramcl.models.mcl"]
     named = []
     for path in sorted((PACKAGE / "mcl").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

@@ -189,7 +189,7 @@ def test_encoder_decoders_read_the_source_alone_and_learn_the_target(name, tmp_p
     """`loramcl train` on an encoder-decoder: the encoder sees the prompt as `loramcl generate` tokenizes it, never
     the target; the decoder is teacher-forced on the target (labels = target + end, decoder inputs derived by the
     model); `loramcl nll` gives each hypothesis's mean NLL of the reference, as the merged model's own loss."""
-    import loramcl.models as loading
+    import loramcl.models.load as loading
 
     torch.manual_seed(0)
     build_model(name).save_pretrained(tmp_path / "base")

@@ -8,8 +8,8 @@ LoRA-MCL is, so that comparisons are fair by construction (App. F, App. H.1).
 
 LoRA-MLE is LoRA-MCL with K = 1 (``MCLConfig(num_hypotheses=1, r=K*r)``). Models of every method are saved with
 ``save_pretrained`` and loaded with ``loramcl.load_mcl_model``: each baseline registers its loader here
-(``loramcl.mcl.methods.register_method``), so the method's room never names a baseline; ``import loramcl`` imports
-this package, so the loaders are registered whatever the caller imported.
+(``loramcl.mcl.methods.register_method``), so the method's room never names a baseline; ``load_mcl_model``'s room
+(``loramcl.models.mcl``) imports this package, so the loaders are registered whatever the caller imported.
 """
 
 from loramcl.mcl import methods as _methods
@@ -28,7 +28,7 @@ __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
 
-# The loaders import their baseline on first use: this package, imported by ``import loramcl``, imports no torch.
+# The loaders import their baseline on first use: this package imports no torch.
 def _load_moe(model, path, saved, tensors, is_trainable, strict):
     from loramcl.baselines.moe import load_from_files
 

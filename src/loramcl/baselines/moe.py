@@ -28,10 +28,9 @@ from torch import nn
 from loramcl.baselines.config import MoEConfig
 from loramcl.baselines.files import BaselineModel, check_tensors_fit, copy_tensors, method_config
 from loramcl.mcl.adapter_size import check_adapter_size
+from loramcl.mcl.build import replace_modules, target_layer_names
 from loramcl.mcl.fingerprint import FrozenBase, check_base_weights, known_fingerprint
 from loramcl.mcl.layers import DISABLED, HypothesisRouting, MCLLoraLinear, linear_features
-from loramcl.mcl.model import replace_modules
-from loramcl.mcl.peft_interop import target_layer_names
 
 SOFT, SAMPLED = "soft", "sampled"
 

@@ -27,11 +27,12 @@ from torch import nn
 from loramcl.baselines.config import MultiHeadConfig
 from loramcl.baselines.files import BaselineModel, check_tensors_fit, copy_tensors, method_config
 from loramcl.mcl.adapter_size import check_heads_size
+from loramcl.mcl.build import replace_modules
 from loramcl.mcl.copies import batch_size_of
 from loramcl.mcl.fingerprint import FrozenBase, check_base_weights, known_fingerprint
 from loramcl.mcl.layers import DISABLED, INDEXED, SINGLE, STACKED, HypothesisRouting
-from loramcl.mcl.model import MCLModel, MCLOutput, replace_modules
-from loramcl.mcl.peft_interop import output_layer_of
+from loramcl.mcl.logits import output_layer_of
+from loramcl.mcl.model import MCLModel, MCLOutput
 from loramcl.mcl.routing import set_routing
 
 

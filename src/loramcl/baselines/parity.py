@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from loramcl.mcl.build import target_layer_names
 from loramcl.mcl.config import MCLConfig
 from loramcl.mcl.layers import linear_features
-from loramcl.mcl.peft_interop import target_layer_names
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ def generate(
     from transformers import AutoTokenizer
 
     from loramcl.decoding.strategies import generate_hypotheses, tokenize_prompts
-    from loramcl.models import load_model
+    from loramcl.models.load import load_model
 
     check_device(device)
     use_threads(threads)

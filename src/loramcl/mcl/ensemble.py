@@ -32,10 +32,10 @@ def assemble_hypotheses(model: nn.Module, folders: Sequence[str | os.PathLike], 
     (``verify``, ``strict``), and ``model``'s weights against the members' fingerprint. Returned in eval mode, the
     adapters frozen (``save_pretrained`` writes it as one K-hypothesis folder)."""
     from loramcl.mcl.adapter_files import check_adapters_fit
+    from loramcl.mcl.build import get_mcl_model, matched_layer_names, resolve_target_modules
     from loramcl.mcl.fingerprint import check_base_weights, known_fingerprint
     from loramcl.mcl.layers import linear_features
-    from loramcl.mcl.model import MCLModel, get_mcl_model
-    from loramcl.mcl.peft_interop import matched_layer_names, resolve_target_modules
+    from loramcl.mcl.model import MCLModel
 
     require(isinstance(folders, Sequence) and not isinstance(folders, str) and len(folders) >= 2,
             f"assemble_hypotheses takes the folders of two or more trained runs, got {folders!r}")

@@ -19,7 +19,7 @@ from transformers.cache_utils import DynamicCache
 from loramcl.mcl.compat import cache_argument, check_token_ids, given_cache, upstream_error
 from loramcl.mcl.context import check_context_read, check_split_inputs, share_context
 from loramcl.mcl.copies import batch_size_of, equal_copies, first_copy, repeat_examples
-from loramcl.mcl.peft_interop import output_layer_of
+from loramcl.mcl.logits import output_layer_of
 from loramcl.mcl.scope import ForwardCall
 
 

@@ -26,6 +26,11 @@ from loramcl.mcl.layers import INDEXED, HypothesisRouting
 from loramcl.mcl.scope import CallScope, ForwardCall
 
 
+def output_layer_of(model: nn.Module) -> nn.Module | None:
+    """The model's output layer (its LM head), None for a model without one."""
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+
 class LabelLogits:
     """The output layer's hook and the forward's memory devices, with their state.
 

@@ -1,9 +1,9 @@
 """The methods built on ``MCLModel`` that rebuild their own models from saved files (PEFT's ``register_peft_method``
 shape): each registers its loader here, so the method's room never names a module above it.
 
-The baselines register theirs when ``loramcl.baselines`` is imported, which ``import loramcl`` does (any
-``loramcl.*`` import runs it first), so ``load_mcl_model`` finds them whatever the caller imported. No torch here:
-``import loramcl`` stays light.
+The baselines register theirs when ``loramcl.baselines`` is imported, which the room of ``load_mcl_model``
+(``loramcl.models.mcl``, a floor above the baselines) does, so it finds them whatever the caller imported. No torch
+here: the baselines' package stays light.
 """
 
 from __future__ import annotations

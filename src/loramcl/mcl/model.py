@@ -7,9 +7,10 @@ Data flow of one MCL forward (labels given, all K hypotheses; docs/architecture.
      repeated K times, hypothesis-major [K*B, ...] ("Where the K copies are made"; ``loramcl.mcl.copies``)
   -> adapted layers route row block k through hypothesis k (one bmm per layer, "Routing")
   -> the LM head sees only the hidden states at label positions ("Logits only where labels are")
-  -> nll [B, K] (scoring) -> loss (losses).
+  -> nll [B, K] (``loramcl.mcl.rows``, scoring) -> loss (losses).
 
-``MCLModel`` is this module's forward and routing. It owns two components, each made with explicit arguments and
+``MCLModel`` is this module's forward and routing; building it is ``loramcl.mcl.build`` (``get_mcl_model``), loading
+it from files ``loramcl.models.mcl`` (``load_mcl_model``). It owns two components, each made with explicit arguments and
 holding its own state: the K copies' hooks (``loramcl.mcl.copies.CopyHooks``) and the output layer's hook with the
 forward's memory devices (``loramcl.mcl.logits.LabelLogits``); both read the call in progress from one
 ``CallScope``. Generation (``loramcl.mcl.generate``), the files (``loramcl.mcl.adapter_files``) and PEFT
@@ -23,7 +24,7 @@ import copy
 import os
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,19 +33,10 @@ from transformers.utils import ModelOutput
 from loramcl.mcl import adapter_files, peft_interop
 from loramcl.mcl import generate as generation
 from loramcl.mcl.activation_checkpointing import ActivationCheckpointing
-from loramcl.mcl.adapter_files import (
-    SCORING_PREFIX,
-    check_adapters_fit,
-    check_scoring_fits,
-    checked_mcl_config,
-    copy_scoring_head,
-    read_adapter_files,
-)
-from loramcl.mcl.adapter_size import check_adapter_size
-from loramcl.mcl.batch import checked_target_index, decoder_input_ids_from_labels, flat_index, stacked_target_index
-from loramcl.mcl.compat import check_token_ids, checkpointing_keeps_cache, given_cache
+from loramcl.mcl.batch import checked_target_index, decoder_input_ids_from_labels, flat_index
+from loramcl.mcl.compat import check_token_ids, given_cache
 from loramcl.mcl.config import MCLConfig
-from loramcl.mcl.context import check_context_read, is_shared_context, without_context
+from loramcl.mcl.context import check_context_read, is_shared_context
 from loramcl.mcl.copies import (
     CopyHooks,
     RowsPerExampleUnknown,
@@ -53,21 +45,16 @@ from loramcl.mcl.copies import (
     find_expansion_module,
     find_shared_modules,
 )
-from loramcl.mcl.fingerprint import FrozenBase, base_fingerprint, check_base_weights, known_fingerprint
-from loramcl.mcl.layers import DISABLED, INDEXED, SINGLE, HypothesisRouting, MCLLoraLinear, linear_features
-from loramcl.mcl.logits import LabelLogits
+from loramcl.mcl.fingerprint import FrozenBase
+from loramcl.mcl.layers import DISABLED, INDEXED, SINGLE, HypothesisRouting, MCLLoraLinear
+from loramcl.mcl.logits import LabelLogits, output_layer_of
 from loramcl.mcl.losses import mcl_loss, step_tensor
-from loramcl.mcl.methods import method_loader
-from loramcl.mcl.nll import IGNORE_INDEX, aligned_targets, chunked_token_nll, mean_token_nll, row_means
-from loramcl.mcl.peft_interop import (
-    matched_layer_names,
-    output_layer_of,
-    resolve_target_modules,
-    target_layer_names,
-)
+from loramcl.mcl.nll import IGNORE_INDEX, aligned_targets
 from loramcl.mcl.routing import check_hypothesis, set_routing
+from loramcl.mcl.rows import nll_of_rows
 from loramcl.mcl.scope import CallScope, ForwardCall
-from loramcl.mcl.scores import context_positions, mixture_nll, scoring_head_for
+from loramcl.mcl.scores import mixture_nll, scoring_head_for
+
 
 @dataclass
 class MCLOutput(ModelOutput):
@@ -94,7 +81,7 @@ class MCLOutput(ModelOutput):
 
 
 class MCLModel(ActivationCheckpointing, nn.Module):
-    """A frozen transformers model with K LoRA hypotheses. Build it with ``get_mcl_model``.
+    """A frozen transformers model with K LoRA hypotheses. Build it with ``get_mcl_model`` (``loramcl.mcl.build``).
 
     What a method built on it (``loramcl.baselines``) declares: its adapted modules (the layer class it puts in
     place with ``replace_modules``: ``adapter_tensors()`` and the shared ``HypothesisRouting``), ``method`` and
@@ -338,15 +325,15 @@ class MCLModel(ActivationCheckpointing, nn.Module):
         examples run ``examples_per_block`` at a time (the loss and the scores see them all at once); ``index``: the
         batch's target_index [N] (a block of examples finds its own)."""
         if not stacked:
-            nll = self._nll_of_rows(inputs, targets, positions, index, stacked=False)[0]  # [B]
+            nll = nll_of_rows(self, inputs, targets, positions, index, stacked=False)[0]  # [B]
             return MCLOutput(loss=nll.mean(), nll=nll)
         k, batch = self.num_hypotheses, targets.shape[0]
         nll, states = [], []
         blocks = self.label_logits.example_blocks(inputs, batch, examples_per_block)
         for block, block_inputs in blocks:
             block_index = index if len(blocks) == 1 else flat_index(positions[block])  # [N_block]
-            block_nll, block_states = self._nll_of_rows(block_inputs, targets[block], positions[block], block_index,
-                                                        stacked=True)
+            block_nll, block_states = nll_of_rows(self, block_inputs, targets[block], positions[block], block_index,
+                                                  stacked=True)
             nll.append(block_nll.view(k, -1))  # [K, n]: rows are hypothesis-major within the block
             if block_states is not None:
                 states.append(block_states.view(k, -1, block_states.shape[-1]))  # [K, n, d]
@@ -362,48 +349,6 @@ class MCLModel(ActivationCheckpointing, nn.Module):
         mixture = mixture_nll(log_scores.detach(), nll.detach(), positions.sum(dim=1))  # [B]
         return MCLOutput(loss=loss + self.mcl_config.scoring_weight * scoring_loss, nll=nll, weights=weights,
                          log_scores=log_scores.detach(), mixture_nll=mixture, scoring_loss=scoring_loss)
-
-    def _nll_of_rows(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, index: torch.Tensor,
-                     stacked: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(nll [rows], with hypothesis scores the hidden states they read [rows, d] else None) of one call of the
-        base model under the routing already set: rows K*B hypothesis-major (stacked) or B; ``index`` [N_B]: the
-        target_index of ``positions`` [B, T]. Fixed shapes throughout (gathers by index, no boolean masks)."""
-        base, k, batch = self.base_model, self.num_hypotheses, targets.shape[0]
-        given = inputs, targets, positions, index  # the arguments as passed: an unchunked retry starts from them
-        keep_cache = contextlib.nullcontext()
-        if not self.mcl_config.adapt_context and not self._adapters_disabled:
-            inputs, targets, positions = without_context(self, inputs, targets, positions, k if stacked else 1)
-            index = flat_index(positions)  # of the positions the call runs
-            keep_cache = checkpointing_keeps_cache(base)
-        row_positions = positions.repeat(k, 1) if stacked else positions  # [rows, T]
-        row_index = stacked_target_index(index, k, positions.numel()) if stacked else index  # [N], over rows*T
-        scoring = stacked and self.scoring_head is not None
-        chunked = self.label_logits.in_chunks()
-        has_output_layer = self.label_logits.output_layer_name is not None
-        call = ForwardCall(expand_batch=batch if stacked else None,
-                           logit_positions=row_positions if has_output_layer else None, logit_index=row_index,
-                           context_positions=context_positions(row_positions) if scoring else None, chunked=chunked)
-        with keep_cache:
-            outputs = self.run_base({**inputs, "use_cache": False}, call)
-        states, label_states = call.context_states, call.label_states
-        logits = getattr(outputs, "logits", None)
-        if logits is None:
-            raise ValueError(f"{type(base).__name__} returns no logits: LoRA-MCL needs a model with a language-"
-                             "modeling head (e.g. AutoModelForCausalLM, AutoModelForSeq2SeqLM)")
-        token_targets = targets.flatten().index_select(0, index)  # [N_B] in (example, position) order
-        if stacked:
-            token_targets = token_targets.repeat(k)  # [K*N_B], hypothesis-major like the rows
-        rows = torch.div(row_index, positions.shape[1], rounding_mode="floor")  # [N]: the row of each label token
-        if chunked:
-            logits_of = self.label_logits.logits_of()
-            if not self.label_logits.reproduces_logits(logits_of, label_states, logits):
-                return self._nll_of_rows(*given, stacked)  # again, unchunked from now on
-            token_nll = chunked_token_nll(label_states, token_targets, logits_of, self.mcl_config.logits_chunk_size)
-            nll = row_means(token_nll, rows, row_positions.shape[0])  # [rows]
-        else:
-            token_logits = logits if has_output_layer else logits.flatten(0, 1).index_select(0, row_index)  # [N, V]
-            nll = mean_token_nll(token_logits, token_targets, rows, row_positions.shape[0])  # [rows]
-        return nll, (states if scoring else None)
 
     def adapter_dtype(self) -> torch.dtype:
         return next(iter(self.base_model.get_submodule(self.layer_names[0]).adapter_tensors().values())).dtype
@@ -493,98 +438,3 @@ class MCLModel(ActivationCheckpointing, nn.Module):
     def get_base_model(self) -> nn.Module:
         """The transformers model holding the adapted layers (as PEFT's ``get_base_model``)."""
         return self.base_model
-
-
-def get_mcl_model(model: nn.Module, config: MCLConfig) -> MCLModel:
-    """Give ``model`` (any transformers model, modified in place) K LoRA hypotheses on the target layers.
-
-    Every base parameter is frozen; only the adapters train. Quantized base layers are refused. If anything fails,
-    the model is left as it was.
-    """
-    routing = HypothesisRouting()
-    adapter_dtype = torch.float32 if config.adapter_dtype == "float32" else None
-    names = target_layer_names(model, config)
-    check_adapter_size(model, names, config)
-    return replace_modules(model, names, lambda layer: MCLLoraLinear(
-        layer, routing, config.num_hypotheses, config.r, config.alpha, config.dropout, adapter_dtype=adapter_dtype,
-        use_rslora=config.use_rslora), lambda names, base: MCLModel(model, config, routing, names, base))
-
-
-def replace_modules(model: nn.Module, names: list[str], make_module, make_model):
-    """Freeze ``model``, replace each module ``names[i]`` with ``make_module(module)`` and return
-    ``make_model(names, base)``, ``base`` the ``FrozenBase`` measured before; if anything fails, the model is left as
-    it was."""
-    originals = {name: model.get_submodule(name) for name in names}
-    trainable = tuple((param, param.requires_grad) for param in model.parameters())
-    # of the base weights as they are now, before any adapter is added
-    base = FrozenBase(fingerprint=base_fingerprint(model), requires_grad=trainable)
-    try:
-        for param in model.parameters():
-            param.requires_grad_(False)
-        for name, module in originals.items():
-            model.set_submodule(name, make_module(module))
-        return make_model(names, base)
-    except BaseException:
-        for name, module in originals.items():  # roll back: the caller's model must not stay half-wrapped
-            model.set_submodule(name, module)
-        for param, flag in trainable:
-            param.requires_grad_(flag)
-        raise
-
-
-def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool = False,
-                   verify: bool = True, fit_scores: bool = False, strict: bool = False) -> MCLModel:
-    """Rebuild the MCL model saved in ``path`` on top of ``model`` (the same base model it was trained on).
-
-    As with PEFT, the model is returned in eval mode (the dropout saved with the adapters off) and the adapters
-    frozen, unless ``is_trainable=True`` (to continue training: the modes are left as built). The files are read
-    and checked against ``model`` (layer names and shapes, the weights' checksum unless ``verify=False``, finite
-    values) before ``model`` is touched, so a failed load leaves it as it was.
-
-    ``fit_scores=True``: to learn the hypothesis scores p(k | c) of a run trained without them (or to refit them):
-    the scoring head is trainable (a new zero one, p uniform, when the run has none) and the hypotheses stay frozen.
-    The head's loss never reaches the hypotheses (docs/guide/scores.md), so this fits the scores that joint training
-    would fit for the final hypotheses.
-
-    Adapters saved on a base model of the same class but other weights (their ``base_fingerprint`` differs from
-    ``model``'s, see ``loramcl.mcl.fingerprint``) give a warning naming both; so do files that cannot be verified (no
-    checksum of the weights or of the settings, no fingerprint) and tensors converted after save
-    (``loramcl.mcl.adapter_files``). ``strict=True`` makes each of these an error. An edited setting that changes the
-    outputs (alpha, use_rslora, adapt_context, ...) is always an error.
-    """
-    saved, tensors = read_adapter_files(path, verify, strict)
-    if isinstance(model, MCLModel):
-        raise ValueError("this model already has MCL adapters: load onto the plain base model")
-    if saved.get("base_model_class") not in (None, type(model).__name__):
-        warnings.warn(f"adapters were trained on a {saved['base_model_class']}, loading onto a "
-                      f"{type(model).__name__}", stacklevel=2)
-    method = saved.get("method", "mcl")
-    if method != "mcl":  # a registered method (the baselines: loramcl.mcl.methods) checks and rebuilds its layers
-        loader = method_loader(method, os.path.join(path, adapter_files.CONFIG_NAME))
-        loaded = loader(model, path, saved, tensors, is_trainable, strict)
-        return loaded if is_trainable else loaded.eval()
-    config = checked_mcl_config(path, saved, tensors)
-    if fit_scores and not config.scoring:
-        config = replace(config, scoring=True)
-        tensors = {name: value for name, value in tensors.items() if not name.startswith(f"{SCORING_PREFIX}.")}
-    targets = resolve_target_modules(model, config)
-    names = matched_layer_names(model, targets, config)
-    check_adapters_fit(path, saved, config, tensors, names,
-                        {name: linear_features(model.get_submodule(name)) for name in names})
-    if config.scoring:
-        check_scoring_fits(path, tensors, None, hidden_size=output_layer_of(model).weight.shape[1])
-    fingerprint = check_base_weights(path, saved, model, strict)  # shapes fit: are the values the same?
-    with known_fingerprint(model, fingerprint):
-        mcl = get_mcl_model(model, config)
-    with torch.no_grad():
-        for name, layer in mcl.mcl_layers():
-            layer.lora_A.copy_(tensors[f"{name}.lora_A"])
-            layer.lora_B.copy_(tensors[f"{name}.lora_B"])
-            layer.lora_A.requires_grad_(is_trainable)
-            layer.lora_B.requires_grad_(is_trainable)
-    copy_scoring_head(mcl.scoring_head, tensors)
-    if mcl.scoring_head is not None:
-        mcl.scoring_head.requires_grad_(is_trainable or fit_scores)
-    return mcl if is_trainable or fit_scores else mcl.eval()  # else the new layers' dropout (built training) acts
-
-

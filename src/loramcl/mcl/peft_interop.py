@@ -1,14 +1,12 @@
-"""PEFT interoperability: which layers get adapters (PEFT's target matching, quantized layers refused), and a
-hypothesis leaving the MCL model: exported as a standard PEFT LoRA adapter, merged into the base weights, or every
-adapter removed (``unload``).
+"""PEFT interoperability: a hypothesis leaving the MCL model, exported as a standard PEFT LoRA adapter, merged into
+the base weights, or every adapter removed (``unload``). Which layers get adapters (PEFT's target matching) is part
+of building (``loramcl.mcl.build``).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
-import re
 import warnings
 
 import safetensors.torch
@@ -17,14 +15,11 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from loramcl.mcl.adapter_files import writes_here
-from loramcl.mcl.compat import peft_default_targets, peft_quantization_backend, peft_targets
-from loramcl.mcl.config import MCLConfig
+from loramcl.mcl.compat import peft_quantization_backend, peft_targets
 from loramcl.mcl.fingerprint import whole_tensor
-from loramcl.mcl.quantization import LOSSY_MERGE, SUPPORTED, quantization_backend, unusable_here
-from loramcl.utils.validate import OptionError
+from loramcl.mcl.quantization import LOSSY_MERGE, quantization_backend
 
 PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
-_ADAPTABLE = (nn.Linear, Conv1D)
 
 
 def export_hypothesis(model, k: int, path: str | os.PathLike, fold_scaling: bool = False,
@@ -245,129 +240,3 @@ def _peft_task_type(model: nn.Module) -> str | None:
     if getattr(model, "main_input_name", "input_ids") != "input_ids":
         return None
     return "SEQ_2_SEQ_LM" if getattr(model.config, "is_encoder_decoder", False) else "CAUSAL_LM"
-
-
-def resolve_target_modules(model: nn.Module, config: MCLConfig) -> list[str] | str:
-    targets = config.target_modules
-    if targets is None:
-        defaults = peft_default_targets()
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
-        if model_type not in defaults:
-            raise ValueError(f"PEFT has no default target modules for model_type={model_type!r}; set "
-                             f"MCLConfig.target_modules, e.g. from the linear layers: {linear_layer_names(model)}")
-        targets = list(defaults[model_type])
-    return targets
-
-
-def output_layer_of(model: nn.Module) -> nn.Module | None:
-    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-
-
-def linear_layer_names(model: nn.Module) -> list[str]:
-    output_layer = output_layer_of(model)
-    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                   if isinstance(module, _ADAPTABLE) and module is not output_layer})
-
-
-def _quantized_reason(module: nn.Module) -> str | None:
-    """Why ``module`` is a quantized (or otherwise non-float) layer that adapters must not wrap, or None.
-
-    The backends of ``loramcl.mcl.quantization`` (bitsandbytes 4-bit and 8-bit, torchao int8 weight-only) are
-    wrapped: their forward, files, fingerprint and merge are known. Any other quantized layer is refused: its
-    ``weight`` may not be the matrix that its forward uses (packed integers, a quantized tensor subclass), and a
-    merge into it may silently leave the adapter out (optimum-quanto's with PEFT). Recognised: torch's quantized
-    modules (dynamic or static), layers of quantization libraries (bitsandbytes, GPTQ, AWQ, HQQ, quanto, torchao)
-    and any layer whose weight is not a plain floating-point tensor.
-    """
-    if quantization_backend(module):
-        return unusable_here(module)
-    origin = type(module).__module__
-    libraries = ("bitsandbytes", "auto_gptq", "gptqmodel", "awq", "hqq", "optimum.quanto", "torchao", "fp_quant",
-                 "compressed_tensors", "aqlm", "eetq", "vptq", "higgs")
-    if origin.startswith(("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.nn.intrinsic.quantized")):
-        return f"torch quantized module {type(module).__name__}"
-    if any(origin == lib or origin.startswith(lib + ".") for lib in libraries):
-        return f"{type(module).__name__} from {origin.split('.')[0]}"
-    weight = getattr(module, "weight", None)
-    if isinstance(module, _ADAPTABLE) and torch.is_tensor(weight):
-        if not weight.is_floating_point():
-            return f"{type(module).__name__} with {weight.dtype} weights"
-        if type(weight) not in PLAIN_WEIGHTS:
-            return f"{type(module).__name__} whose weight is a {type(weight).__name__}"
-    return None
-
-
-# The weight types of a floating-point layer; any other tensor subclass (torchao's, a quantizer's) is refused. Tests
-# running on a fake accelerator (tests/fake_accelerator.py) add their device's tensor type.
-PLAIN_WEIGHTS = (torch.Tensor, nn.Parameter)
-
-
-def refuse_quantized(model: nn.Module, names: list[str] | None = None) -> None:
-    """A clear error for quantized layers among ``names`` (default: every module of ``model``)."""
-    modules = model.named_modules() if names is None else ((n, model.get_submodule(n)) for n in names)
-    found: list[tuple[str, str]] = []
-    for name, module in modules:
-        if not any(name.startswith(outer + ".") for outer, _ in found) and (reason := _quantized_reason(module)):
-            found.append((name, reason))
-    if found:
-        name, reason = found[0]
-        raise ValueError(f"{type(model).__name__} has quantized layers ({len(found)}, e.g. '{name}': {reason}). "
-                         f"LoRA-MCL adapters wrap floating-point base layers and the {SUPPORTED}. Load the base "
-                         "model with one of those, or unquantized (e.g. dtype=torch.bfloat16, without "
-                         "quantization_config).")
-
-
-def matched_layer_names(model: nn.Module, targets: list[str] | str, config: MCLConfig) -> list[str]:
-    output_layer = output_layer_of(model)
-    if targets == "all-linear":
-        candidates = [name for name, module in model.named_modules()
-                      if isinstance(module, _ADAPTABLE) and module is not output_layer]
-        # matched by their short names, so that exclude_modules and layers_to_transform apply as in PEFT
-        names = [name for name in candidates if peft_targets(config, [name.rsplit(".", 1)[-1]], name)]
-        refuse_quantized(model, names)
-        return names
-    names = [name for name, _ in model.named_modules() if name and peft_targets(config, targets, name)]
-    refuse_quantized(model, names)
-    for name in names:
-        module = model.get_submodule(name)
-        if module is output_layer:
-            raise ValueError(f"'{name}' is the output layer: LoRA-MCL adapts hidden layers, not the LM head")
-        if isinstance(module, nn.Embedding):
-            raise ValueError(f"target '{name}' is an Embedding: embedding LoRA is not supported, MCL adapters wrap "
-                             f"nn.Linear and transformers Conv1D layers. Linear layers of this model: "
-                             f"{linear_layer_names(model)}")
-        if not isinstance(module, _ADAPTABLE):
-            raise ValueError(f"target '{name}' is a {type(module).__name__}; MCL adapters wrap nn.Linear and "
-                             "transformers Conv1D layers only. Linear layers of this model: "
-                             f"{linear_layer_names(model)}")
-    return names
-
-
-def target_layer_names(model: nn.Module, config: MCLConfig) -> list[str]:
-    """The layers of ``model`` that ``config.target_modules`` selects (PEFT's matching), checked non-empty."""
-    if hasattr(model, "mcl_layers"):  # an MCLModel, or a baseline built on it
-        raise ValueError("this model already has MCL adapters")
-    targets = resolve_target_modules(model, config)
-    names = matched_layer_names(model, targets, config)
-    if not names:
-        refuse_quantized(model)
-        _refuse_missing_blocks(model, targets, config)
-        raise ValueError(f"target_modules={targets!r} matched no layer of {type(model).__name__}. Its linear "
-                         f"layers are named: {linear_layer_names(model)}")
-    return names
-
-
-def _refuse_missing_blocks(model: nn.Module, targets: list[str] | str, config: MCLConfig) -> None:
-    """When ``target_modules`` matches layers but none in the blocks ``layers_to_transform`` names: an OptionError
-    naming it, with the blocks those layers are in."""
-    if config.layers_to_transform is None:
-        return
-    anywhere = matched_layer_names(model, targets, dataclasses.replace(config, layers_to_transform=None,
-                                                                       layers_pattern=None))
-    blocks = sorted({int(number) for name in anywhere for number in re.findall(r"\.(\d+)\.", name)})
-    if anywhere:
-        raise OptionError("layers_to_transform", f"layers_to_transform {config.layers_to_transform} names no block "
-                          f"of {type(model).__name__} holding a layer of target_modules={targets!r}: its blocks are "
-                          f"numbered {blocks[0]} to {blocks[-1]}" if blocks else "layers_to_transform: the target "
-                          "layers are in no numbered block", owner=MCLConfig)
-

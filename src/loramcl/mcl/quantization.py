@@ -8,7 +8,7 @@ torchao ``Int8Tensor`` without activation quantization), as transformers loads t
 ``quantization_config``. ``MCLLoraLinear`` computes ``base_layer(x)`` (the backend's own kernel) plus the stacked
 adapters, which live in the layer's compute dtype (or float32) on its device: never in its storage dtype.
 
-Every other layer whose weight is no plain floating-point tensor is refused (``peft_interop.refuse_quantized``):
+Every other layer whose weight is no plain floating-point tensor is refused (``build.refuse_quantized``):
 e.g. optimum-quanto's layers, whose weight PEFT's merge silently leaves unchanged.
 
 bitsandbytes and torchao are imported only when a model holds one of their layers (found by the class's module).

@@ -65,7 +65,7 @@ def assemble(root: Path, run: str, values: dict, members: Sequence[str], best: b
     lowest validation loss, ``training.keep_best``) as one model, with a best.json of each member's best.json, each
     checked against its member's run first (``check_run_best``)."""
     from loramcl.mcl.ensemble import assemble_hypotheses
-    from loramcl.models import training_model_loader
+    from loramcl.models.load import training_model_loader
     from loramcl.training.runs import run_record
     from loramcl.utils.inputs import BEST_FOLDER
     from loramcl.utils.run_best import BEST_RECORD, check_run_best

@@ -40,7 +40,7 @@ def fit_run(values: dict, training, settings: dict, examples: Callable[[], tuple
     """Train one run with ``training.fit.fit`` (the files and record of `loramcl train`), resuming from its
     checkpoints: ``examples()`` gives (processor, train set, eval set or None, collator), built only when the run
     trains."""
-    from loramcl.models import training_model_loader
+    from loramcl.models.load import training_model_loader
     from loramcl.recipes.files import method_of
     from loramcl.training.fit import fit, resumable_checkpoint
 
@@ -155,7 +155,7 @@ class ProcessorTask(runner.Task):
 
     def decoding_model(self, values: dict, adapters: str, processor):
         """The run's model as it decodes, on ``self.device``."""
-        from loramcl.models import load_model
+        from loramcl.models.load import load_model
 
         return load_model(values["model"], adapters, values.get("dtype", "float32"), self.device)
 
@@ -183,7 +183,7 @@ class ProcessorTask(runner.Task):
                         lambda key, candidates: self.prediction(key, candidates, processor))
 
     def score(self, run: str, values: dict, decode: DecodeConfig, out: Path) -> None:
-        from loramcl.models import load_model
+        from loramcl.models.load import load_model
 
         processor = self.processor(values["model"])
         model = load_model(values["model"], str(self.scored_folder(run)), values.get("dtype", "float32"), self.device)

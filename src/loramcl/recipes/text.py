@@ -42,7 +42,7 @@ class TextTask(runner.Task):
     def build_model(self) -> str | None:
         if self.experiment.packaged_model is None:
             return None
-        from loramcl.models import convert_smollm2
+        from loramcl.models.pretrained import convert_smollm2
 
         return str(self.stages.timed("convert model", convert_smollm2, self.root / SMOLLM2_FOLDER))
 

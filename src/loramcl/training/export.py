@@ -86,7 +86,7 @@ def export(
         invocation = _chat_invocation(tokenizer_folder)
 
     from loramcl.mcl.export import export_all
-    from loramcl.models import load_model
+    from loramcl.models.load import load_model
 
     mcl = load_model(base, adapters, strict=strict)  # the base model's folder is recorded in each adapter_config.json
     folders = export_all(mcl, out, chosen, fold_scaling=fold_scaling, alora_invocation_tokens=invocation)

@@ -107,7 +107,7 @@ def method_model(base, method: str, config: MethodConfig):
     """The trainable model of ``method`` on ``base`` (modified in place), its adapters' size checked first against
     the memory training needs (weights, gradients, AdamW state)."""
     from loramcl.mcl.adapter_size import check_adapter_size
-    from loramcl.mcl.peft_interop import target_layer_names
+    from loramcl.mcl.build import target_layer_names
 
     if method == "moe":
         from loramcl.baselines.moe import get_moe_model
@@ -120,7 +120,7 @@ def method_model(base, method: str, config: MethodConfig):
 
         check_heads_size(duplicated_module(base, config), config, training=True)
         return get_multihead_model(base, config)
-    from loramcl.mcl.model import get_mcl_model
+    from loramcl.mcl.build import get_mcl_model
 
     check_adapter_size(base, target_layer_names(base, config), config, training=True)
     return get_mcl_model(base, config)
@@ -197,7 +197,7 @@ def train(
 
     from transformers import AutoTokenizer
 
-    from loramcl.models import training_model_loader
+    from loramcl.models.load import training_model_loader
 
     if scores_for is not None:
         config = _scored_run_config(scores_for, method, mcl)
@@ -293,7 +293,7 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     checkpoints = out_dir / CHECKPOINTS
     set_seed(training.seed)
     if scores_for is not None:
-        from loramcl.mcl.model import load_mcl_model
+        from loramcl.models.mcl import load_mcl_model
 
         mcl_model = load_mcl_model(build_model(), scores_for, fit_scores=True)
     else:

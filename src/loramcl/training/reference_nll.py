@@ -120,7 +120,7 @@ def nll(
     from transformers import AutoTokenizer
 
     from loramcl.data.formats import prepare_dataset
-    from loramcl.models import load_model
+    from loramcl.models.load import load_model
 
     check_device(device)
     use_threads(threads)

@@ -45,8 +45,8 @@ def systems(settings) -> dict[str, dict]:
 
 def build(spec: dict, base):
     from loramcl.baselines import MoEConfig, MultiHeadConfig, get_moe_model, get_multihead_model
+    from loramcl.mcl.build import get_mcl_model
     from loramcl.mcl.config import MCLConfig
-    from loramcl.mcl.model import get_mcl_model
     from loramcl.recipes.markov.experiment import TARGETS
 
     values = {key: value for key, value in spec.items() if key != "kind"}

@@ -14,8 +14,9 @@ import numpy as np
 import torch
 from transformers import GPTNeoConfig, GPTNeoForCausalLM, PrinterCallback, TrainerCallback
 
+from loramcl.mcl.build import get_mcl_model
 from loramcl.mcl.config import MCLConfig
-from loramcl.mcl.model import MCLModel, get_mcl_model
+from loramcl.mcl.model import MCLModel
 from loramcl.recipes.markov.chains import MarkovMixture
 from loramcl.recipes.markov.theory import optimal_nll
 from loramcl.training.config import TrainConfig

@@ -93,7 +93,7 @@ class Experiment(RecipeExperiment):
 def build_model(out: Path, seconds: int) -> Path:
     """Whisper-base from its PyPI wheels (``models.convert_whisper_base``), then its encoder context cut to
     ``seconds`` (``models.whisper_with_context``); the full 30 s conversion is kept beside it."""
-    from loramcl.models import convert_whisper_base, whisper_with_context
+    from loramcl.models.pretrained import convert_whisper_base, whisper_with_context
 
     full = convert_whisper_base(out.parent / f"{out.name}-30s")
     return whisper_with_context(full, out, seconds)
@@ -139,7 +139,7 @@ def encoder_states(model: str, rows: list[dict], batch_size: int = 16) -> list:
     """The frozen encoder's states of each row's clip ([positions, d]), computed once."""
     import torch
 
-    from loramcl.models import load_model
+    from loramcl.models.load import load_model
 
     encoder = load_model(model).get_encoder()
     states = []
@@ -210,7 +210,7 @@ class SpokenTranslation(ProcessorTask):
                       "`runs`, then run this command again to decode and report)."}
 
     def build_model(self) -> str:
-        from loramcl.models import whisper_base_files
+        from loramcl.models.pretrained import whisper_base_files
 
         whisper_base_files()  # the wheels are checked before any work
         model = self.root / MODEL_FOLDER
