@@ -367,7 +367,6 @@ def _module(words, spec: Module, what: str, folder) -> None:
 
     saved = sys.argv, list(sys.path)
     sys.argv = [target, *args]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         with pytest.MonkeyPatch.context() as patch:
             if spec.parse_only:

@@ -8,8 +8,8 @@ Each side runs in a fresh process on the same N rows (an in-memory datasets.Data
             trainer's construction is its preparation
 Both sides' examples are checked equal (input_ids and labels) on the first rows before the timing is reported.
 
-    .venv/bin/python benchmarks/data_prep.py --tokenizer models/SmolLM2-135M-Instruct            # 100,000 rows
-    .venv/bin/python benchmarks/data_prep.py --tokenizer models/SmolLM2-135M-Instruct --rows 1000
+    .venv/bin/python -m benchmarks.speed.data_prep --tokenizer models/SmolLM2-135M-Instruct            # 100,000 rows
+    .venv/bin/python -m benchmarks.speed.data_prep --tokenizer models/SmolLM2-135M-Instruct --rows 1000
 
 Peak memory: the peak resident set of the process during the preparation, above its resident set before it.
 """
@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
-import subprocess
-import sys
 import time
+
+from benchmarks.common import in_fresh_process, resident_bytes
 
 WORDS = ("the cat sat on a mat while two dogs ran across green fields under blue sky near old stone bridge over "
          "quiet river where children played with red ball and yellow kite").split()
@@ -34,11 +33,6 @@ def rows(n: int, seed: int = 0) -> list[dict]:
     draw = random.Random(seed)
     return [{"prompt": " ".join(draw.choices(WORDS, k=draw.randint(8, 24))) + ":",
              "completion": " " + " ".join(draw.choices(WORDS, k=draw.randint(4, 16)))} for _ in range(n)]
-
-
-def _resident_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def prepare(side: str, tokenizer_path: str, n: int) -> dict:
@@ -59,7 +53,7 @@ def prepare(side: str, tokenizer_path: str, n: int) -> dict:
                          completion_only_loss=True)
     else:
         from loramcl.data import prepare_dataset
-    before = _resident_mib()
+    before = resident_bytes() / 2**20
     started = time.perf_counter()
     if side == "trl":
         prepared = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer).train_dataset
@@ -83,10 +77,9 @@ def main() -> None:
         return
     results = {}
     for side in ("loramcl", "trl"):
-        done = subprocess.run([sys.executable, __file__, "--side", side, "--tokenizer", args.tokenizer, "--rows",
-                               str(args.rows)], capture_output=True, text=True, check=True,
-                              env=os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
-        results[side] = json.loads(done.stdout.strip().splitlines()[-1])
+        results[side] = in_fresh_process(__spec__.name, ["--side", side, "--tokenizer", args.tokenizer, "--rows",
+                                                          str(args.rows)],
+                                         {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     ours, trl = results["loramcl"], results["trl"]
     if ours["first"] != trl["first"] or ours["examples"] != trl["examples"]:
         raise SystemExit("the two preparations differ: no timing reported")

@@ -21,8 +21,8 @@ win rates (win_rate_h{k} of train_log.json, sorted, mean over seeds), the runs w
 went to three different hypotheses each winning at least 90% of its language's prompts (split, from the trained
 hypotheses' NLLs on the training prompts) and the oracle NLL there (mean over prompts of min_k NLL, nats/token).
 
-    python benchmarks/default_settings.py --seeds 5            # both bases, every setting (about 15 min, 1 thread)
-    python benchmarks/default_settings.py --bases pretrained --settings "wta, random" --hypotheses 5
+    python -m benchmarks.studies.default_settings --seeds 5   # both bases, every setting (about 15 min, 1 thread)
+    python -m benchmarks.studies.default_settings --bases pretrained --settings "wta, random" --hypotheses 5
 
 The results are in docs/guide/scores.md ("Default settings that specialise").
 """
