@@ -585,10 +585,10 @@ REGISTRY = {
     (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.checks.fault_injection --kills 8 --file-trials 0 "
                             "--no-inputs --seed 0"): _BENCH,
     (G + "reliability.md", "PYTHONPATH=/tmp/before-faults/src OMP_NUM_THREADS=1 .venv/bin/python "
-                            "benchmarks/checks/fault_injection.py --kills 0 --file-trials 0 --no-inputs --best --json "
+                            "-m benchmarks.checks.fault_injection --kills 0 --file-trials 0 --no-inputs --best --json "
                             "before.json"): _BENCH,
     (G + "reliability.md", "PYTHONPATH=/tmp/before-faults/src OMP_NUM_THREADS=1 .venv/bin/python "
-                            "benchmarks/checks/fault_injection.py --kills 0 --file-trials 0 --no-inputs --best --best-only "
+                            "-m benchmarks.checks.fault_injection --kills 0 --file-trials 0 --no-inputs --best --best-only "
                             "loramcl nll --json before-nll.json"): _BENCH,
     (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.checks.fault_injection --kills 0 --file-trials 0 "
                             "--no-inputs --best --best-before before.json --json after.json"): _BENCH,

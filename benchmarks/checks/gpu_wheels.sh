@@ -5,7 +5,7 @@
 # machine's own torch, accelerate, numpy, safetensors, tokenizers, pyarrow, sacrebleu and scipy are used as they are.
 #   bash benchmarks/checks/gpu_wheels.sh [--no-quantization]   # without bitsandbytes (43 MB): the QLoRA step is skipped
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 version() { grep -i -E "^$1==" constraints.txt | cut -d= -f3; }
 names=(transformers peft jsonargparse docstring_parser datasets dill multiprocess)
 [ "${1:-}" = "--no-quantization" ] || names+=(bitsandbytes)

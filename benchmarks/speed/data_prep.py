@@ -44,11 +44,12 @@ def prepare(side: str, tokenizer_path: str, n: int) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     data = Dataset.from_list(rows(n))
     if side == "trl":
-        from transformers import LlamaConfig, LlamaForCausalLM
         from trl import SFTConfig, SFTTrainer
 
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=8, intermediate_size=16,
-                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
+        from benchmarks.tiny import tiny_llama
+
+        model = tiny_llama(vocab_size=len(tokenizer), hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048)
         args = SFTConfig(output_dir="/tmp/data_prep_trl", report_to=[], max_length=1024, use_cpu=True, bf16=False,
                          completion_only_loss=True)
     else:
