@@ -1,5 +1,5 @@
-"""The memory plan (benchmarks/studies/memory_plan.py): its estimate against a measured CPU run at a small shape, and every
-paper-scale recipe under one 80 GB GPU as its files set it up (issue 41)."""
+"""The memory plan (benchmarks/studies/memory_plan.py): its estimate against a measured CPU run at a small shape, and
+every paper-scale recipe under one 80 GB GPU as its files set it up (issue 41)."""
 
 from __future__ import annotations
 

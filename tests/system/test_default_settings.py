@@ -28,8 +28,8 @@ def test_the_first_train_command_of_the_docs_trains_every_hypothesis(tmp_path):
     """The issue's run: a tiny random model, 200 ambiguous prompts (three target languages, never indicated), K = 3.
     The paper's rule gave every tie of the first step (B = 0: all of them) to hypothesis 0, which then won every
     example of every log, and h1, h2 stayed the untrained base model. With random ties every hypothesis wins a share
-    at every log and trains (benchmarks/studies/default_settings.py measures it over 10 bases, docs/guide/scores.md); with
-    the command's default loss since issue 53 (relaxed WTA, epsilon auto) too."""
+    at every log and trains (benchmarks/studies/default_settings.py measures it over 10 bases, docs/guide/scores.md);
+    with the command's default loss since issue 53 (relaxed WTA, epsilon auto) too."""
     assert MCLConfig().tie_break == "random" and MCLConfig().loss == "wta"
     base, train_file, _ = ambiguous_task(tmp_path, pretrain_steps=0)
     win_rates, norms = _train(base, train_file, tmp_path / "wta", "--mcl.loss", "wta")

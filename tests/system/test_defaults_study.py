@@ -1,5 +1,5 @@
-"""The defaults study's scoring (benchmarks/studies/defaults_study.py, issue 53) against hand-computed values, and one run of
-its pipeline (train, decode, score, win table by mode, reuse) on a tiny model."""
+"""The defaults study's scoring (benchmarks/studies/defaults_study.py, issue 53) against hand-computed values, and one
+run of its pipeline (train, decode, score, win table by mode, reuse) on a tiny model."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Device placement on a machine without a GPU (issue 50): the main job, training and the commands with the model on
-``fakegpu`` (benchmarks/checks/fake_accelerator.py), a second device whose tensors meet a stray CPU tensor the way a GPU's do,
-so that code built only on the CPU fails here as it would on a user's GPU."""
+``fakegpu`` (benchmarks/checks/fake_accelerator.py), a second device whose tensors meet a stray CPU tensor the way a
+GPU's do, so that code built only on the CPU fails here as it would on a user's GPU."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""benchmarks/checks/gpu_check.py, the GPU check (issue 50): its dry run passes here, every loramcl command of it on the fake
-accelerator (benchmarks/checks/fake_accelerator.py); each step keeps its time limit and the budget, and the summary is written
-after every step."""
+"""benchmarks/checks/gpu_check.py, the GPU check (issue 50): its dry run passes here, every loramcl command of it on the
+fake accelerator (benchmarks/checks/fake_accelerator.py); each step keeps its time limit and the budget, and the summary
+is written after every step."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def _documented_dry_run() -> tuple[str, ...]:
     from docs_blocks import extract_blocks
 
     lines = [command.words for block in extract_blocks(["docs/benchmarks.md"]) if block.lang == "bash"
-             for command in block.commands() if command.words[1:4] == ("-m", "benchmarks.checks.gpu_check", "--dry-run")]
+             for command in block.commands()
+             if command.words[1:4] == ("-m", "benchmarks.checks.gpu_check", "--dry-run")]
     assert len(lines) == 1, lines
     return lines[0]
 
@@ -41,9 +42,9 @@ def _checkout_root(folder: Path) -> Path:
 
 
 def test_the_dry_run_passes_every_step(tmp_path):
-    """The docs' line as written (`.venv/bin/python -m benchmarks.checks.gpu_check --dry-run ... --out runs/gpu-check`), run
-    from a folder standing for the checkout's root: a relative --out, the recipe copies reading their paths relative
-    to themselves (issue 61: the Clotho step failed so)."""
+    """The docs' line as written (`.venv/bin/python -m benchmarks.checks.gpu_check --dry-run ... --out runs/gpu-check`),
+    run from a folder standing for the checkout's root: a relative --out, the recipe copies reading their paths
+    relative to themselves (issue 61: the Clotho step failed so)."""
     words = _documented_dry_run()
     out = Path(words[words.index("--out") + 1])
     assert words[0] == ".venv/bin/python" and not out.is_absolute(), words

@@ -51,8 +51,8 @@ def test_mcl_trainer_trains_compiled_with_the_eager_losses(tmp_path):
 def test_compiled_relaxed_training_equals_eager_while_the_winners_agree():
     """Relaxed WTA (one pass, its first step's exact ties drawn inside the compiled forward): step by step, the winners
     trained, the NLL [B, K] and the loss of eager and compiled training are the same, as are the adapters after 3
-    steps (benchmarks/studies/compiled_training_drift.py; under inductor the first step's ties are drawn from inductor's own
-    random numbers, so other winners and then other losses: docs/architecture.md, "Compiling the forward")."""
+    steps (benchmarks/studies/compiled_training_drift.py; under inductor the first step's ties are drawn from inductor's
+    own random numbers, so other winners and then other losses: docs/architecture.md, "Compiling the forward")."""
     from benchmarks.studies.compiled_training_drift import drift
 
     result = drift("relaxed", steps=3, k=2, backend="aot_eager", examples=12)
