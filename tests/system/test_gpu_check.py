@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.checks import gpu_check
+from benchmarks.checks import gpu_check, gpu_check_helpers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -153,10 +153,10 @@ def test_the_full_size_llava_next_processor_builds_offline_and_matches_its_confi
 
     from loramcl.recipes.image_captioning.textcaps import write_synthetic_textcaps
 
-    gpu_check.llava_next_processor().save_pretrained(tmp_path / "model")
+    gpu_check_helpers.llava_next_processor().save_pretrained(tmp_path / "model")
     processor = AutoProcessor.from_pretrained(tmp_path / "model")
-    assert processor.tokenizer.convert_tokens_to_ids("<image>") == gpu_check.LLAVA_IMAGE_TOKEN
-    config = gpu_check.llava_next_config()
+    assert processor.tokenizer.convert_tokens_to_ids("<image>") == gpu_check_helpers.LLAVA_IMAGE_TOKEN
+    config = gpu_check_helpers.llava_next_config()
     assert (config.text_config.hidden_size, config.vision_config.image_size, config.image_token_index) == (
         4096, 336, 32000)
     config.vision_config.update(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
