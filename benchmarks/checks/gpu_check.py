@@ -29,6 +29,9 @@ second.
                                                                # fake accelerator (checks/fake_accelerator.py), but
                                                                # the compiled ones (--steps names them: a slow test)
 
+This file is the runner (the steps, their limits, the summary); what a step runs in a process of its own (models,
+recipe copies, the loramcl commands under a helper printing the GPU's peaks) is benchmarks/checks/gpu_check_helpers.py.
+
 Writes OUT/gpu_check.md (one table: step, status, seconds, numbers) and OUT/gpu_check.json, rewritten after each step,
 so that a run cut short still says what it did. A step whose limit would pass --budget (seconds of steps, 480 by default:
 a 15-minute lease less the machine's start, the wheels' install and a margin) is skipped and said so; all eight took
