@@ -54,7 +54,7 @@ test-latest:
 	$(LATEST)/bin/pytest -p no:cacheprovider
 
 bench: setup
-	$(PY) benchmarks/training_step.py
+	$(PY) -m benchmarks.speed.training_step
 
 bench-suite: setup
-	$(PY) benchmarks/suite.py --shape cpu-small --threads 1
+	$(PY) -m benchmarks.speed.suite --shape cpu-small --threads 1

@@ -1,15 +1,19 @@
 """What the benchmarks share: models built from configs with random weights, the paper's grouped-conv layer, the
-timer of interleaved steps, peak memory and K-hypothesis decoding.
+timer of interleaved steps, peak memory (in this process or a fresh one), K-hypothesis decoding and markdown tables.
 
-The scripts beside this file import it by name (a script's own folder is on its path).
+The scripts of speed/, checks/ and studies/ import it as ``benchmarks.common``: they run as modules from the
+repository root (``python -m benchmarks.speed.suite``), which puts the root on their path.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import json
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -195,6 +199,27 @@ def peak_mib(device: str | torch.device, run: Callable[[], object]) -> float:
     return (sampler.stop() - before) / 2**20
 
 
+def module_command(module: str, *arguments: str) -> list[str]:
+    """The command line running the benchmark ``module`` (``__spec__.name``: benchmarks.speed.suite) in a new
+    interpreter, as every benchmark runs: ``python -m``, in this process's folder (the repository root)."""
+    return [sys.executable, "-m", module, *arguments]
+
+
+def in_fresh_process(module: str, arguments: list[str], env: dict[str, str] | None = None) -> dict:
+    """The JSON that ``python -m module *arguments`` prints on its last line, run in a fresh process (nothing else in
+    its memory: the peak it measures is its own) with this process's environment updated by ``env``."""
+    command = module_command(module, *arguments)
+    output = subprocess.run(command, capture_output=True, text=True, check=True, env={**os.environ, **(env or {})})
+    return json.loads(output.stdout.strip().splitlines()[-1])
+
+
+def restart_releasing_freed_memory(module: str) -> None:
+    """Run this command again as ``python -m module`` with RELEASE_FREED_MEMORY in its environment (glibc reads it
+    at start-up only), unless it is there already: the resident set then measures the tensors alive."""
+    if any(os.environ.get(name) != value for name, value in RELEASE_FREED_MEMORY.items()):
+        os.execve(sys.executable, module_command(module, *sys.argv[1:]), {**os.environ, **RELEASE_FREED_MEMORY})
+
+
 def decode(mcl, inputs: dict, strategy: str, beams: int, new_tokens: int, hypotheses: list[int] | None = None):
     """K candidates per input in one ``generate_hypotheses`` call, each forced to ``new_tokens`` tokens so that every
     side decodes the same number of steps (repetition penalty 1.1, the paper's)."""
@@ -217,3 +242,11 @@ def same_tokens(batched, looped) -> float:
     """Share of the candidates that the batched and the looped decoding gave token for token alike."""
     pairs = [(row[h].token_ids, looped[h][i][0].token_ids) for i, row in enumerate(batched) for h in range(len(row))]
     return sum(a == b for a, b in pairs) / len(pairs)
+
+
+def print_table(header: list[str], rows: list[list]) -> None:
+    """A markdown table: the header, its rule, one line per row (each cell as ``str`` gives it)."""
+    print("| " + " | ".join(header) + " |")
+    print("|---" * len(header) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(cell) for cell in row) + " |")

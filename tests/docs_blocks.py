@@ -207,8 +207,8 @@ def pinned(line: str) -> None:
 
 
 def gpu_wheels(line: str) -> None:
-    """benchmarks/gpu_wheels.sh downloads the lock's version of each package it names (a network download: not run
-    here), and the GPU check installs what it downloads."""
+    """benchmarks/checks/gpu_wheels.sh downloads the lock's version of each package it names (a network download: not
+    run here), and the GPU check installs what it downloads."""
     script = (ROOT / line.split("#")[0].split()[1]).read_text()
     names = re.search(r"names=\(([^)]*)\)", script).group(1).split() + ["bitsandbytes"]
     lock = (ROOT / "constraints.txt").read_text().lower()
@@ -286,16 +286,14 @@ def llama_cpp_recipe(commands, folders: list[str], base: str) -> None:
 
 
 def serve_vllm_line(line: str) -> None:
-    """A line of docs/guide/serving.md running benchmarks/serve_vllm.py: its arguments parse with the script's own
-    parser (run by hand, in vLLM's environment for the `vllm` half)."""
-    import importlib.util
+    """A line of docs/guide/serving.md running benchmarks/checks/serve_vllm.py: its arguments parse with the script's
+    own parser (run by hand, in vLLM's environment for the `vllm` half)."""
     import shlex
 
-    spec = importlib.util.spec_from_file_location("serve_vllm", ROOT / "benchmarks" / "serve_vllm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from benchmarks.checks import serve_vllm
+
     words = shlex.split(line)
-    module.arguments().parse_args(words[words.index("benchmarks/serve_vllm.py") + 1:])
+    serve_vllm.arguments().parse_args(words[words.index("benchmarks.checks.serve_vllm") + 1:])
 
 
 _QUICK_DATA = ("--quick", "true", "--stop_after", "data")
@@ -399,51 +397,59 @@ REGISTRY = {
                covered_by="tests/recipes/test_baselines_markov.py::test_quick_comparison_runs_end_to_end",
                why="cut to 1 seed, 2 steps, 4 prompts"),
     **{("docs/benchmarks.md", line): _BENCH for line in (
-        ".venv/bin/python benchmarks/suite.py --shape cpu-small --threads 1",
-        ".venv/bin/python benchmarks/data_prep.py --tokenizer models/SmolLM2-135M-Instruct",
-        ".venv/bin/python benchmarks/suite.py --shape llama-1b --device cuda --dtype bfloat16",
-        ".venv/bin/python benchmarks/suite.py --shape llama-8b --device cuda --dtype bfloat16",
-        ".venv/bin/python benchmarks/suite.py --shape qwen2-audio --device cuda --dtype bfloat16",
-        ".venv/bin/python benchmarks/suite.py --shape llama-8b --device cuda --dtype bfloat16 --sections compiled",
-        ".venv/bin/python benchmarks/suite.py --shape smollm2-135m --sections peers --threads 1",
-        ".venv/bin/python benchmarks/training_step.py --steps 5 --threads 1",
-        ".venv/bin/python benchmarks/training_step.py --steps 4 --threads 1 --vocab 32768 --only stacked loop "
+        ".venv/bin/python -m benchmarks.speed.suite --shape cpu-small --threads 1",
+        ".venv/bin/python -m benchmarks.speed.data_prep --tokenizer models/SmolLM2-135M-Instruct",
+        ".venv/bin/python -m benchmarks.speed.suite --shape llama-1b --device cuda --dtype bfloat16",
+        ".venv/bin/python -m benchmarks.speed.suite --shape llama-8b --device cuda --dtype bfloat16",
+        ".venv/bin/python -m benchmarks.speed.suite --shape qwen2-audio --device cuda --dtype bfloat16",
+        ".venv/bin/python -m benchmarks.speed.suite --shape llama-8b --device cuda --dtype bfloat16 --sections "
+        "compiled",
+        ".venv/bin/python -m benchmarks.speed.suite --shape smollm2-135m --sections peers --threads 1",
+        ".venv/bin/python -m benchmarks.speed.training_step --steps 5 --threads 1",
+        ".venv/bin/python -m benchmarks.speed.training_step --steps 4 --threads 1 --vocab 32768 --only stacked loop "
         "wta-one-pass wta-two-pass",
-        ".venv/bin/python benchmarks/chunked_cross_entropy.py --threads 1 --steps 5",
-        ".venv/bin/python benchmarks/training_step.py --steps 5 --threads 1 --only wta-two-pass wta-two-pass-blocks",
-        ".venv/bin/python benchmarks/training_step.py --steps 4 --threads 1 --vocab 32768 --only wta-two-pass "
+        ".venv/bin/python -m benchmarks.speed.chunked_cross_entropy --threads 1 --steps 5",
+        ".venv/bin/python -m benchmarks.speed.training_step --steps 5 --threads 1 --only wta-two-pass "
         "wta-two-pass-blocks",
-        ".venv/bin/python benchmarks/training_step.py --steps 10",
-        ".venv/bin/python benchmarks/training_step.py --steps 6 --seq 256 --batch 2",
-        ".venv/bin/python benchmarks/context_once.py --threads 1 --steps 5",
-        ".venv/bin/python benchmarks/suite.py --shape tiny --device cuda --dtype bfloat16 --steps 1 --repeats 1",
-        ".venv/bin/python benchmarks/suite.py --shape tiny-audio --device cuda --dtype bfloat16 --steps 1 --repeats 1",
-        ".venv/bin/python benchmarks/suite.py --shape llama-1b --device cuda --dtype bfloat16 --steps 3 --repeats 2",
-        ".venv/bin/python benchmarks/host_syncs.py --device cuda --dtype bfloat16",
-        ".venv/bin/python benchmarks/suite.py --shape cpu-small --threads 1 --quantized",
-        ".venv/bin/python benchmarks/defaults_study.py --model models/SmolLM2-135M-Instruct --out /tmp/defaults "
-        "--tasks markov bilingual short --settings mle wta relaxed-0.05 relaxed-0.1 annealed-auto --seeds 0 1",
-        ".venv/bin/python benchmarks/defaults_study.py --out /tmp/defaults --table")},
+        ".venv/bin/python -m benchmarks.speed.training_step --steps 4 --threads 1 --vocab 32768 --only wta-two-pass "
+        "wta-two-pass-blocks",
+        ".venv/bin/python -m benchmarks.speed.training_step --steps 10",
+        ".venv/bin/python -m benchmarks.speed.training_step --steps 6 --seq 256 --batch 2",
+        ".venv/bin/python -m benchmarks.speed.context_once --threads 1 --steps 5",
+        ".venv/bin/python -m benchmarks.speed.suite --shape tiny --device cuda --dtype bfloat16 --steps 1 --repeats 1",
+        ".venv/bin/python -m benchmarks.speed.suite --shape tiny-audio --device cuda --dtype bfloat16 --steps 1 "
+        "--repeats 1",
+        ".venv/bin/python -m benchmarks.speed.suite --shape llama-1b --device cuda --dtype bfloat16 --steps 3 "
+        "--repeats 2",
+        ".venv/bin/python -m benchmarks.speed.host_syncs --device cuda --dtype bfloat16",
+        ".venv/bin/python -m benchmarks.speed.suite --shape cpu-small --threads 1 --quantized",
+        ".venv/bin/python -m benchmarks.studies.defaults_study --model models/SmolLM2-135M-Instruct "
+        "--out /tmp/defaults --tasks markov bilingual short --settings mle wta relaxed-0.05 relaxed-0.1 annealed-auto "
+        "--seeds 0 1",
+        ".venv/bin/python -m benchmarks.studies.defaults_study --out /tmp/defaults --table")},
     **{("docs/benchmarks.md", line): Module(
         parse_only=True, covered_by="tests/training/test_trainer_compile.py::"
         "test_compiled_relaxed_training_equals_eager_while_the_winners_agree",
         why="a measurement by hand (inductor compiles for minutes): its test runs it under aot_eager") for line in (
-        ".venv/bin/python benchmarks/compiled_training_drift.py --threads 1 --steps 4 --losses relaxed",
-        ".venv/bin/python benchmarks/compiled_training_drift.py --threads 1 --steps 4 --losses relaxed "
+        ".venv/bin/python -m benchmarks.studies.compiled_training_drift --threads 1 --steps 4 --losses relaxed",
+        ".venv/bin/python -m benchmarks.studies.compiled_training_drift --threads 1 --steps 4 --losses relaxed "
         "--fallback-random")},
-    ("docs/benchmarks.md", "bash benchmarks/gpu_wheels.sh"): Check(gpu_wheels, None, "downloads wheels for the GPU "
-                                                                   "machine: the names it downloads are the lock's"),
-    ("docs/benchmarks.md", ".venv/bin/python benchmarks/gpu_check.py --dry-run --jobs 2 --out runs/gpu-check"): Module(
+    ("docs/benchmarks.md", "bash benchmarks/checks/gpu_wheels.sh"): Check(
+        gpu_wheels, None, "downloads wheels for the GPU machine: the names it downloads are the lock's"),
+    ("docs/benchmarks.md", ".venv/bin/python -m benchmarks.checks.gpu_check --dry-run --jobs 2 --out runs/gpu-check"):
+    Module(
         parse_only=True, covered_by="tests/system/test_gpu_check.py::test_the_dry_run_passes_every_step",
         why="the whole dry run takes minutes: its test runs this line as written, once"),
-    ("docs/benchmarks.md", "PYTHONPATH=/tmp/site:src python3 benchmarks/gpu_check.py --steps environment compiled-8b "
-     "suite --budget 540 --out runs/gpu-check-1 --work /tmp/gpu-check"): Module(
+    ("docs/benchmarks.md", "PYTHONPATH=/tmp/site:src python3 -m benchmarks.checks.gpu_check --steps environment "
+                           "compiled-8b suite --budget 540 --out runs/gpu-check-1 --work /tmp/gpu-check"): Module(
         parse_only=True, covered_by="tests/system/test_gpu_check.py::"
         "test_the_compiled_steps_dry_run_their_rows_with_peft_beside_them",
         why="a GPU run (torch must see CUDA): the compiled steps' dry variant runs in that slow test, the others in "
             "the dry run"),
-    ("docs/benchmarks.md", "PYTHONPATH=/tmp/site:src python3 benchmarks/gpu_check.py --steps compiled-1b commands "
-     "paper-textcaps recipes-quick --budget 540 --out runs/gpu-check-2 --work /tmp/gpu-check"): Module(
+    ("docs/benchmarks.md", "PYTHONPATH=/tmp/site:src python3 -m benchmarks.checks.gpu_check --steps compiled-1b "
+                           "commands paper-textcaps recipes-quick --budget 540 --out runs/gpu-check-2 "
+                           "--work /tmp/gpu-check"):
+    Module(
         parse_only=True, covered_by="tests/system/test_gpu_check.py::test_the_dry_run_passes_every_step",
         why="a GPU run (torch must see CUDA): these steps' dry variants run in the dry run, compiled-1b's in "
             "test_the_compiled_steps_dry_run_their_rows_with_peft_beside_them (slow)"),
@@ -523,8 +529,8 @@ REGISTRY = {
     (G + "decoding.md", "budget = equal_budget(6, 3)"): Python("decoding", why="mcl (K = 3), mle, tok, prompts"),
     (G + "decoding.md", "from loramcl.decoding import spec_augment"): Python(
         "audio", why="mle: a tiny Qwen2-Audio, processor, batch: one clip's generation batch"),
-    (G + "decoding.md", ".venv/bin/python benchmarks/generation_speed.py --repeats 7"): _BENCH,
-    (G + "decoding.md", ".venv/bin/python benchmarks/generation_speed.py --threads 1 --repeats 9"): _BENCH,
+    (G + "decoding.md", ".venv/bin/python -m benchmarks.speed.generation_speed --repeats 7"): _BENCH,
+    (G + "decoding.md", ".venv/bin/python -m benchmarks.speed.generation_speed --threads 1 --repeats 9"): _BENCH,
     (E + "image_captioning.md", "loramcl image-captioning --quick true"):
         Run(append=_QUICK_DATA[2:], outputs=("runs/image-captioning-tiny/data/test.jsonl",), covered_by=_IMAGE,
             why=_CUT),
@@ -575,36 +581,36 @@ REGISTRY = {
     (G + "metrics.md", "from loramcl.metrics import evaluate_candidates, candidate_scores, oracle, bleu, cider_d, "
                         "mbleu, ptb_tokenize"): Python(
         "metrics", why="candidates, references, langs, texts, cands_tok, refs_tok bound"),
-    (G + "metrics.md", ".venv/bin/python benchmarks/metrics_speed.py"): _BENCH,
-    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 48 "
+    (G + "metrics.md", ".venv/bin/python -m benchmarks.speed.metrics_speed"): _BENCH,
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.checks.fault_injection --kills 48 "
                             "--file-trials 24 --seed 0"): _BENCH,
-    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 0 "
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.checks.fault_injection --kills 0 "
                             "--file-trials 0"): _BENCH,
-    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 0 --no-inputs "
-                            "--file-trials 24 --seed 0"): _BENCH,
-    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 0 --file-trials 0 "
-                            "--input-only data.train_file"): _BENCH,
-    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 8 --file-trials 0 "
-                            "--no-inputs --seed 0"): _BENCH,
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.checks.fault_injection --kills 0 "
+                           "--no-inputs --file-trials 24 --seed 0"): _BENCH,
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.checks.fault_injection --kills 0 "
+                           "--file-trials 0 --input-only data.train_file"): _BENCH,
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.checks.fault_injection --kills 8 "
+                           "--file-trials 0 --no-inputs --seed 0"): _BENCH,
     (G + "reliability.md", "PYTHONPATH=/tmp/before-faults/src OMP_NUM_THREADS=1 .venv/bin/python "
-                            "benchmarks/fault_injection.py --kills 0 --file-trials 0 --no-inputs --best --json "
+                            "-m benchmarks.checks.fault_injection --kills 0 --file-trials 0 --no-inputs --best --json "
                             "before.json"): _BENCH,
     (G + "reliability.md", "PYTHONPATH=/tmp/before-faults/src OMP_NUM_THREADS=1 .venv/bin/python "
-                            "benchmarks/fault_injection.py --kills 0 --file-trials 0 --no-inputs --best --best-only "
-                            "loramcl nll --json before-nll.json"): _BENCH,
-    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 0 --file-trials 0 "
-                            "--no-inputs --best --best-before before.json --json after.json"): _BENCH,
-    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 12 "
+                            "-m benchmarks.checks.fault_injection --kills 0 --file-trials 0 --no-inputs --best "
+                            "--best-only loramcl nll --json before-nll.json"): _BENCH,
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.checks.fault_injection --kills 0 "
+                           "--file-trials 0 --no-inputs --best --best-before before.json --json after.json"): _BENCH,
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.checks.fault_injection --kills 12 "
                             "--file-trials 0 --no-inputs --seed 0 --json kills.json"): _BENCH,
-    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 12 "
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.checks.fault_injection --kills 12 "
                             "--file-trials 0 --no-inputs --seed 1 --json kills-2.json"): _BENCH,
-    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 0 --file-trials 0 "
-                            "--json inputs.json"): _BENCH,
-    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fault_injection.py --kills 0 --self-kills 6 "
-                            "--file-trials 0 --no-inputs --seed 2 --json kills-self.json"): _BENCH,
-    (G + "reliability.md", ".venv/bin/python benchmarks/fingerprint_cost.py --threads 1"): _BENCH,
-    (G + "scores.md", "python benchmarks/default_settings.py --seeds 10 --settings wta, lowest (the paper's) wta, "
-                       "random relaxed 0.05, lowest relaxed 0.05, random annealed tau0 1 (rho 0.999) relaxed 0.05, "
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.checks.fault_injection --kills 0 "
+                           "--file-trials 0 --json inputs.json"): _BENCH,
+    (G + "reliability.md", "OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.checks.fault_injection --kills 0 "
+                           "--self-kills 6 --file-trials 0 --no-inputs --seed 2 --json kills-self.json"): _BENCH,
+    (G + "reliability.md", ".venv/bin/python -m benchmarks.speed.fingerprint_cost --threads 1"): _BENCH,
+    (G + "scores.md", "python -m benchmarks.studies.default_settings --seeds 10 --settings wta, lowest (the paper's) "
+                      "wta, random relaxed 0.05, lowest relaxed 0.05, random annealed tau0 1 (rho 0.999) relaxed 0.05, "
                        "lowest, dropout 0.1 relaxed 0.05, random, dropout 0.1 wta, random, dropout 0.1"): _BENCH,
     (G + "scores.md", "loramcl train --model BASE --scores_for runs/x/mcl --out runs/x/mcl-scores --data.train_file "
                        "train.jsonl --training.steps 60 --training.scoring_learning_rate 2e-2"):
@@ -734,8 +740,8 @@ REGISTRY = {
         '{"id": 1, "scale": 0.0}]}')},
     **{(G + "serving.md", line): Check(serve_vllm_line, why="vLLM's CPU build in an environment of its own, run by "
                                        "hand (the parity it prints is written in the doc)") for line in (
-        "python benchmarks/serve_vllm.py ours --run runs/mcl --prompts test.jsonl --n 64 --out ours.json",
-        "vllm-env/bin/python benchmarks/serve_vllm.py vllm --exported exported --ours ours.json")},
+        "python -m benchmarks.checks.serve_vllm ours --run runs/mcl --prompts test.jsonl --n 64 --out ours.json",
+        "vllm-env/bin/python -m benchmarks.checks.serve_vllm vllm --exported exported --ours ours.json")},
 }
 
 def _subset(recipe) -> None:

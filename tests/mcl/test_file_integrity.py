@@ -340,13 +340,9 @@ def test_loramcl_generate_refuses_an_edited_folder_and_says_an_unverified_one(tm
 
 
 def test_the_fault_injection_file_families_end_refused_or_said(tmp_path):
-    """benchmarks/fault_injection.py's file families, one trial of each random family: no trial loads silently with
-    other outputs, strict=True refuses whatever was said, and the training settings load silently."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from fault_files import file_table, file_trials
+    """benchmarks/checks/fault_injection.py's file families, one trial of each random family: no trial loads silently
+    with other outputs, strict=True refuses whatever was said, and the training settings load silently."""
+    from benchmarks.checks.fault_files import file_table, file_trials
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1,20 +1,14 @@
-"""The memory plan (benchmarks/memory_plan.py): its estimate against a measured CPU run at a small shape, and every
-paper-scale recipe under one 80 GB GPU as its files set it up (issue 41)."""
+"""The memory plan (benchmarks/studies/memory_plan.py): its estimate against a measured CPU run at a small shape, and
+every paper-scale recipe under one 80 GB GPU as its files set it up (issue 41)."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from tiny_models import token_rows
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import memory_plan  # noqa: E402
-
-from loramcl import MCLConfig, get_mcl_model  # noqa: E402
+from benchmarks.studies import memory_plan
+from loramcl import MCLConfig, get_mcl_model
 
 # A small Llama, 4 times wider and longer than the calibration's widest stack, Llama-2's MLP ratio
 SMALL = dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=16,

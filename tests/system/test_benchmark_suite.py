@@ -1,4 +1,4 @@
-"""The benchmark suite (benchmarks/suite.py): its shapes are the real models' (built on the meta device, never in
+"""The benchmark suite (benchmarks/speed/suite.py): its shapes are the real models' (built on the meta device, never in
 memory), it refuses runs that would mean nothing, and it runs end to end on a tiny shape."""
 
 from __future__ import annotations
@@ -6,23 +6,20 @@ from __future__ import annotations
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import suite  # noqa: E402
-from common import train_step, twin, use_grouped_conv  # noqa: E402
-
-from loramcl import MCLConfig, get_mcl_model  # noqa: E402
-from loramcl.mcl.layers import MCLLoraLinear  # noqa: E402
+from benchmarks.common import train_step, twin, use_grouped_conv
+from benchmarks.speed import suite
+from benchmarks.speed.suite_shapes import SHAPES, Suite, check_request
+from loramcl import MCLConfig, get_mcl_model
+from loramcl.mcl.layers import MCLLoraLinear
 
 
 @pytest.mark.parametrize("name, parameters", [("llama-1b", 1.24e9), ("llama-8b", 8.03e9), ("qwen2-audio", 8.40e9)])
 def test_gpu_shapes_have_the_real_models_sizes(name, parameters):
-    shape = suite.SHAPES[name]
+    shape = SHAPES[name]
     model = shape.build("meta", torch.bfloat16)  # shapes only: nothing is allocated
     assert shape.gpu
     assert all(p.is_meta and p.dtype == torch.bfloat16 for p in model.parameters())
@@ -37,21 +34,21 @@ def test_gpu_shapes_have_the_real_models_sizes(name, parameters):
 
 def test_refuses_runs_that_would_mean_nothing():
     with pytest.raises(ValueError, match="GPU shape.*--device cuda.*--allow-cpu"):
-        suite.check_request(suite.SHAPES["llama-8b"], "cpu", "float32", allow_cpu=False)
-    suite.check_request(suite.SHAPES["llama-8b"], "cpu", "float32", allow_cpu=True)
+        check_request(SHAPES["llama-8b"], "cpu", "float32", allow_cpu=False)
+    check_request(SHAPES["llama-8b"], "cpu", "float32", allow_cpu=True)
     with pytest.raises(ValueError, match="--dtype bfloat16 on the CPU.*float32"):
-        suite.check_request(suite.SHAPES["cpu-small"], "cpu", "bfloat16", allow_cpu=False)
+        check_request(SHAPES["cpu-small"], "cpu", "bfloat16", allow_cpu=False)
     with pytest.raises(ValueError, match="not a torch dtype"):
-        suite.check_request(suite.SHAPES["cpu-small"], "cpu", "float33", allow_cpu=False)
+        check_request(SHAPES["cpu-small"], "cpu", "float33", allow_cpu=False)
     with pytest.raises(SystemExit):  # the command line says it as an argparse error
         suite.parse(["--shape", "llama-1b"])
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
-            suite.check_request(suite.SHAPES["llama-1b"], "cuda", "bfloat16", allow_cpu=False)
+            check_request(SHAPES["llama-1b"], "cuda", "bfloat16", allow_cpu=False)
 
 
 def test_twin_shares_the_frozen_base_and_leaves_it_unwrapped():
-    base = suite.SHAPES["tiny"].build("cpu", torch.float32)
+    base = SHAPES["tiny"].build("cpu", torch.float32)
     copy = twin(base)
     assert all(a is b for a, b in zip(base.parameters(), copy.parameters(), strict=True))
     assert copy.model.embed_tokens.weight is copy.lm_head.weight or not base.config.tie_word_embeddings
@@ -64,7 +61,7 @@ def test_twin_shares_the_frozen_base_and_leaves_it_unwrapped():
 def test_the_grouped_conv_variant_trains_a_bf16_base_beside_float32_adapters():
     """The suite on a GPU runs bf16 bases with float32 master adapters (issue 50: conv1d refused the mix, "Input type
     (CUDABFloat16Type) and weight type (torch.cuda.FloatTensor) should be the same"); the CPU refuses it alike."""
-    tiny = suite.Suite(suite.SHAPES["tiny"], "cpu", torch.bfloat16)
+    tiny = Suite(SHAPES["tiny"], "cpu", torch.bfloat16)
     batch = tiny.batch(length=12, labelled=4, rows=2)
     stacked, _ = tiny.wrap(3)
     grouped, optimizer = tiny.wrap(3)
@@ -92,7 +89,7 @@ def test_suite_runs_end_to_end_on_a_tiny_shape(name, tmp_path):
     for (seq, _, _), row in training.items():
         one = training[(seq, "stacked", 1)]
         assert row["time_ratio"] == pytest.approx(row["ms"] / one["ms"])
-        assert row["tokens_per_s"] == pytest.approx(args.batch * (seq + suite.SHAPES[name].audio_tokens)
+        assert row["tokens_per_s"] == pytest.approx(args.batch * (seq + SHAPES[name].audio_tokens)
                                                     / row["ms"] * 1000)
         assert math.isfinite(row["peak_mib"])
 
@@ -154,9 +151,9 @@ def test_the_compiled_rows_run_on_request_and_decode_eagers_tokens(tmp_path, mon
 
 
 def test_the_indexed_routing_benchmark_checks_both_computations_agree_then_times_them(capsys, monkeypatch):
-    """benchmarks/indexed_routing.py on a small layer: the gather per index entry and the former gather per row
+    """benchmarks/speed/indexed_routing.py on a small layer: the gather per index entry and the former gather per row
     give the same output (the script asserts it), then one row of timings each."""
-    import indexed_routing
+    from benchmarks.speed import indexed_routing
 
     monkeypatch.setattr(sys, "argv", ["indexed_routing.py", "--width", "32", "--batch", "2", "--beams", "3",
                                       "--repeats", "2"])

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from default_settings import ambiguous_task  # noqa: E402
-
-from loramcl import MCLConfig  # noqa: E402
-from loramcl.cli import main  # noqa: E402
+from benchmarks.studies.default_settings import ambiguous_task
+from loramcl import MCLConfig
+from loramcl.cli import main
 
 
 def _train(base: Path, train_file: Path, out: Path, *options: str) -> tuple[list[list[float]], list[float]]:
@@ -32,8 +28,8 @@ def test_the_first_train_command_of_the_docs_trains_every_hypothesis(tmp_path):
     """The issue's run: a tiny random model, 200 ambiguous prompts (three target languages, never indicated), K = 3.
     The paper's rule gave every tie of the first step (B = 0: all of them) to hypothesis 0, which then won every
     example of every log, and h1, h2 stayed the untrained base model. With random ties every hypothesis wins a share
-    at every log and trains (benchmarks/default_settings.py measures it over 10 bases, docs/guide/scores.md); with
-    the command's default loss since issue 53 (relaxed WTA, epsilon auto) too."""
+    at every log and trains (benchmarks/studies/default_settings.py measures it over 10 bases, docs/guide/scores.md);
+    with the command's default loss since issue 53 (relaxed WTA, epsilon auto) too."""
     assert MCLConfig().tie_break == "random" and MCLConfig().loss == "wta"
     base, train_file, _ = ambiguous_task(tmp_path, pretrain_steps=0)
     win_rates, norms = _train(base, train_file, tmp_path / "wta", "--mcl.loss", "wta")

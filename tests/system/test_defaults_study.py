@@ -1,19 +1,15 @@
-"""The defaults study's scoring (benchmarks/defaults_study.py, issue 53) against hand-computed values, and one run of
-its pipeline (train, decode, score, win table by mode, reuse) on a tiny model."""
+"""The defaults study's scoring (benchmarks/studies/defaults_study.py, issue 53) against hand-computed values, and one
+run of its pipeline (train, decode, score, win table by mode, reuse) on a tiny model."""
 
 from __future__ import annotations
 
 import json
-import sys
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
+from tiny_models import save_tiny_run_inputs
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import defaults_study as study  # noqa: E402
-from tiny_models import save_tiny_run_inputs  # noqa: E402
+from benchmarks.studies import defaults_study as study
 
 
 def test_markov_candidates_are_valid_when_six_of_eight_transitions_are_one_chains_typical_ones():

@@ -349,7 +349,7 @@ def _module(words, spec: Module, what: str, folder) -> None:
     argv = _apply(words, spec.replace, spec.append, what)
     while "=" in argv[0] and not argv[0].startswith("-"):  # `NAME=value script ...`: an environment for the script
         argv = argv[1:]
-    if argv[0].endswith("python") and argv[1] == "-m":
+    if argv[0].endswith(("python", "python3")) and argv[1] == "-m":
         target, args, run = argv[2], argv[3:], runpy.run_module
     else:
         target, args, run = str(ROOT / argv[1]), argv[2:], runpy.run_path
@@ -367,7 +367,6 @@ def _module(words, spec: Module, what: str, folder) -> None:
 
     saved = sys.argv, list(sys.path)
     sys.argv = [target, *args]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         with pytest.MonkeyPatch.context() as patch:
             if spec.parse_only:

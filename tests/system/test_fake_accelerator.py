@@ -1,6 +1,6 @@
 """Device placement on a machine without a GPU (issue 50): the main job, training and the commands with the model on
-``fakegpu`` (tests/fake_accelerator.py), a second device whose tensors meet a stray CPU tensor the way a GPU's do,
-so that code built only on the CPU fails here as it would on a user's GPU."""
+``fakegpu`` (benchmarks/checks/fake_accelerator.py), a second device whose tensors meet a stray CPU tensor the way a
+GPU's do, so that code built only on the CPU fails here as it would on a user's GPU."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from fake_accelerator import FAKE, fake_accelerator
 from tiny_models import save_tiny_run_inputs
 
+from benchmarks.checks.fake_accelerator import FAKE, fake_accelerator
 from loramcl.cli import main
 from loramcl.recipes.markov.chains import preset_mixture
 from loramcl.recipes.markov.experiment import RunSettings, train_run

@@ -1,6 +1,6 @@
-"""benchmarks/gpu_check.py, the GPU check (issue 50): its dry run passes here, every loramcl command of it on the fake
-accelerator (tests/fake_accelerator.py); each step keeps its time limit and the budget, and the summary is written
-after every step."""
+"""benchmarks/checks/gpu_check.py, the GPU check (issue 50): its dry run passes here, every loramcl command of it on the
+fake accelerator (benchmarks/checks/fake_accelerator.py); each step keeps its time limit and the budget, and the summary
+is written after every step."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.checks import gpu_check, gpu_check_helpers
 
-import gpu_check  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _documented_dry_run() -> tuple[str, ...]:
@@ -22,7 +21,8 @@ def _documented_dry_run() -> tuple[str, ...]:
     from docs_blocks import extract_blocks
 
     lines = [command.words for block in extract_blocks(["docs/benchmarks.md"]) if block.lang == "bash"
-             for command in block.commands() if command.words[1:3] == ("benchmarks/gpu_check.py", "--dry-run")]
+             for command in block.commands()
+             if command.words[1:4] == ("-m", "benchmarks.checks.gpu_check", "--dry-run")]
     assert len(lines) == 1, lines
     return lines[0]
 
@@ -42,9 +42,9 @@ def _checkout_root(folder: Path) -> Path:
 
 
 def test_the_dry_run_passes_every_step(tmp_path):
-    """The docs' line as written (`.venv/bin/python benchmarks/gpu_check.py --dry-run ... --out runs/gpu-check`), run
-    from a folder standing for the checkout's root: a relative --out, the recipe copies reading their paths relative
-    to themselves (issue 61: the Clotho step failed so)."""
+    """The docs' line as written (`.venv/bin/python -m benchmarks.checks.gpu_check --dry-run ... --out runs/gpu-check`),
+    run from a folder standing for the checkout's root: a relative --out, the recipe copies reading their paths
+    relative to themselves (issue 61: the Clotho step failed so)."""
     words = _documented_dry_run()
     out = Path(words[words.index("--out") + 1])
     assert words[0] == ".venv/bin/python" and not out.is_absolute(), words
@@ -153,10 +153,10 @@ def test_the_full_size_llava_next_processor_builds_offline_and_matches_its_confi
 
     from loramcl.recipes.image_captioning.textcaps import write_synthetic_textcaps
 
-    gpu_check.llava_next_processor().save_pretrained(tmp_path / "model")
+    gpu_check_helpers.llava_next_processor().save_pretrained(tmp_path / "model")
     processor = AutoProcessor.from_pretrained(tmp_path / "model")
-    assert processor.tokenizer.convert_tokens_to_ids("<image>") == gpu_check.LLAVA_IMAGE_TOKEN
-    config = gpu_check.llava_next_config()
+    assert processor.tokenizer.convert_tokens_to_ids("<image>") == gpu_check_helpers.LLAVA_IMAGE_TOKEN
+    config = gpu_check_helpers.llava_next_config()
     assert (config.text_config.hidden_size, config.vision_config.image_size, config.image_token_index) == (
         4096, 336, 32000)
     config.vision_config.update(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -2,8 +2,6 @@
 outside the forward, each pass of two-pass WTA one compiled graph, the losses of eager training (dynamo's
 ``aot_eager`` backend: no C++ compilation)."""
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +11,6 @@ from torch._dynamo.utils import counters
 
 from loramcl import MCLConfig, MCLTrainer, TrainConfig, get_mcl_model
 from loramcl.training.fit import training_arguments
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
 @pytest.fixture(autouse=True)
@@ -55,9 +51,9 @@ def test_mcl_trainer_trains_compiled_with_the_eager_losses(tmp_path):
 def test_compiled_relaxed_training_equals_eager_while_the_winners_agree():
     """Relaxed WTA (one pass, its first step's exact ties drawn inside the compiled forward): step by step, the winners
     trained, the NLL [B, K] and the loss of eager and compiled training are the same, as are the adapters after 3
-    steps (benchmarks/compiled_training_drift.py; under inductor the first step's ties are drawn from inductor's own
-    random numbers, so other winners and then other losses: docs/architecture.md, "Compiling the forward")."""
-    from compiled_training_drift import drift
+    steps (benchmarks/studies/compiled_training_drift.py; under inductor the first step's ties are drawn from inductor's
+    own random numbers, so other winners and then other losses: docs/architecture.md, "Compiling the forward")."""
+    from benchmarks.studies.compiled_training_drift import drift
 
     result = drift("relaxed", steps=3, k=2, backend="aot_eager", examples=12)
     assert result["steps"][0]["smallest_gap"] == 0.0  # B = 0: every example's hypotheses tie at the first step

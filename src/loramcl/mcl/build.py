@@ -160,7 +160,7 @@ def _quantized_reason(module: nn.Module) -> str | None:
 
 
 # The weight types of a floating-point layer; any other tensor subclass (torchao's, a quantizer's) is refused. Tests
-# running on a fake accelerator (tests/fake_accelerator.py) add their device's tensor type.
+# running on a fake accelerator (benchmarks/checks/fake_accelerator.py) add their device's tensor type.
 PLAIN_WEIGHTS = (torch.Tensor, nn.Parameter)
 
 

@@ -162,7 +162,7 @@ class _ChunkedTokenNLL(torch.autograd.Function):
     d nll_t / d h_t [d] is known before the loss is, so the backward needs [N, d] (scaled by the incoming gradient)
     instead of the [N, V] float32 log-softmax that the plain cross-entropy keeps, and no logits are computed twice (a
     checkpoint per chunk, or a recomputation in the backward, computes every chunk's logits twice:
-    benchmarks/chunked_cross_entropy.py measures the three).
+    benchmarks/speed/chunked_cross_entropy.py measures the three).
     """
 
     @staticmethod

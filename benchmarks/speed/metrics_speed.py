@@ -1,6 +1,6 @@
 """Wall time of `loramcl evaluate` on 1,000 items x 5 candidates x 5 references (issue: <= 60 s on 2 CPU cores).
 
-    .venv/bin/python benchmarks/metrics_speed.py [--items 1000] [--candidates 5] [--references 5]
+    .venv/bin/python -m benchmarks.speed.metrics_speed [--items 1000] [--candidates 5] [--references 5]
 
 Synthetic caption-like sentences (seeded), written as preds.jsonl / refs.jsonl in a temporary folder, then the
 CLI function runs twice: the captioning preset without SPICE/SPIDEr (no CoreNLP jars offline) and the translation

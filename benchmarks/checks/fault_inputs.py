@@ -1,6 +1,7 @@
-"""The bad-CLI-input family of benchmarks/fault_injection.py: every numeric option of `loramcl train`, `generate`,
-`nll` and `evaluate` given values outside its domain, and output paths, devices and data files at fault, each run
-through ``loramcl.cli.main`` in this process on a tiny Llama folder (with a tokenizer) and its adapters, built once.
+"""The bad-CLI-input family of benchmarks/checks/fault_injection.py: every numeric option of `loramcl train`,
+`generate`, `nll` and `evaluate` given values outside its domain, and output paths, devices and data files at fault,
+each run through ``loramcl.cli.main`` in this process on a tiny Llama folder (with a tokenizer) and its adapters, built
+once.
 
 **Generated, not picked.** The numeric options are read off each command's signature as its command line reads them
 (jsonargparse: the arguments, the fields of the configurations they take, ``--data.*``, ``--training.*``, ``--mcl.*``,
@@ -54,7 +55,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from fault_files import _tiny_llama
+from benchmarks.common import print_table
+from benchmarks.tiny import tiny_llama, word_tokenizer
 
 HUGE = 10**18
 INT_VALUES = ("0", "-1", str(HUGE), "1.5", "nan", "inf", "ten")
@@ -173,15 +175,6 @@ def _same_number(value: str, other) -> bool:
 
 # ---- the folder: a tiny Llama with a tokenizer, its adapters, good files ------------------------------------------
 
-def _word_tokenizer():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    try:
-        from tiny_models import word_tokenizer
-    finally:
-        sys.path.pop(0)
-    return word_tokenizer()
-
-
 def _jsonl(rows: list) -> str:
     return "".join(json.dumps(row) + "\n" for row in rows)
 
@@ -200,9 +193,9 @@ def build_folder(root: Path) -> None:
     from loramcl import MCLConfig, get_mcl_model
 
     torch.manual_seed(0)
-    base = _tiny_llama()  # 64 positions
+    base = tiny_llama(max_position_embeddings=64)
     base.save_pretrained(root / "tiny")
-    _word_tokenizer().save_pretrained(root / "tiny")
+    word_tokenizer().save_pretrained(root / "tiny")
     get_mcl_model(base, MCLConfig(num_hypotheses=2, r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(
         root / "adapters")
     for name, rows in (("prompts", PROMPTS), ("refs", REFERENCES), ("train", PAIRS), ("preds", PREDICTIONS),
@@ -542,15 +535,14 @@ def input_table(records: list[dict], before: list[dict] | None = None) -> list[d
 
 def print_input_table(records: list[dict], before: list[dict] | None = None) -> list[dict]:
     rows = input_table(records, before)
-    print("\n| family | command | trials | " + " | ".join(OUTCOMES) + " |")
-    print("|---|---|---|" + "---|" * len(OUTCOMES))
-    for row in rows:
-        cells = []
-        for outcome in OUTCOMES:
-            count = row[outcome]
-            now = f"{count[0]}" + (f" ({count[1]} after work)" if count[1] else "")
-            cells.append(f"{count[2]} → {now}" if before is not None else now)
-        print(f"| {row['family']} | {row['command']} | {row['trials']} | " + " | ".join(cells) + " |")
+
+    def cell(count: tuple) -> str:
+        now = f"{count[0]}" + (f" ({count[1]} after work)" if count[1] else "")
+        return f"{count[2]} → {now}" if before is not None else now
+
+    print()
+    print_table(["family", "command", "trials", *OUTCOMES],
+                [[row["family"], row["command"], row["trials"], *(cell(row[o]) for o in OUTCOMES)] for row in rows])
     print(("(before → now) " if before is not None else "") +
           "(after work: refused once the model had loaded, or once something was written where the command writes)")
     listed = [r for r in records if r["outcome"] != "refused clearly"]

@@ -19,20 +19,18 @@ above the model's (glibc told to return freed memory at once). Then the teacher-
 (diverse beam search's log-probabilities): peak memory of the full [N, T, V] log-softmax against the chosen tokens'
 only, in blocks.
 
-    python benchmarks/decoding_cost.py --model models/SmolLM2-135M-Instruct --threads 1
+    python -m benchmarks.speed.decoding_cost --model models/SmolLM2-135M-Instruct --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
-from common import RELEASE_FREED_MEMORY, peak_mib
 
+from benchmarks.common import peak_mib, restart_releasing_freed_memory
 from loramcl import MCLConfig, get_mcl_model
 from loramcl.decoding import generate_hypotheses, strategies
 from loramcl.mcl.export import to_peft
@@ -135,8 +133,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    if any(os.environ.get(name) != value for name, value in RELEASE_FREED_MEMORY.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **RELEASE_FREED_MEMORY})
+    restart_releasing_freed_memory(__spec__.name)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging

@@ -6,8 +6,8 @@ The K hypotheses decode one batch of B examples with ``beams`` beams each: the l
 token, hypothesis-major, with an index of K entries. Both computations run side by side on the same layer and input
 (interleaved, median of the repeats); the script first checks that they agree.
 
-    python benchmarks/indexed_routing.py                         # CPU, a few seconds
-    python benchmarks/indexed_routing.py --device cuda --width 4096 --batch 16 --beams 5 --dtype bfloat16
+    python -m benchmarks.speed.indexed_routing                         # CPU, a few seconds
+    python -m benchmarks.speed.indexed_routing --device cuda --width 4096 --batch 16 --beams 5 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import interleaved_medians, start
 from torch import nn
 
+from benchmarks.common import interleaved_medians, start
 from loramcl import MCLLoraLinear
 from loramcl.mcl.layers import INDEXED, HypothesisRouting
 

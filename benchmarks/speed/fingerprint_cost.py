@@ -2,10 +2,10 @@
 values per tensor) against the fingerprint of every value, alone and inside a whole load of adapters, side by side
 in one process.
 
-    python benchmarks/fingerprint_cost.py --threads 1                          # CPU: Llama-3.2-1B's shape, float32
-    python benchmarks/fingerprint_cost.py --device cuda --dtype bfloat16       # on a GPU
+    python -m benchmarks.speed.fingerprint_cost --threads 1                     # CPU: Llama-3.2-1B's shape, float32
+    python -m benchmarks.speed.fingerprint_cost --device cuda --dtype bfloat16  # on a GPU
 
-The model (``benchmarks/suite.py``'s shape, random weights) is saved to a temporary folder with K=3 adapters on
+The model (``benchmarks/speed/suite.py``'s shape, random weights) is saved to a temporary folder with K=3 adapters on
 q, k, v, up and down, once with each scheme's fingerprint, and loaded back with ``from_pretrained`` (timed once, with
 a first read of every weight: ``from_pretrained`` maps the file, and the weights are read when first touched).
 Then, taking turns (medians of ``--repeats``, after a warm-up that also reads every page of the loaded weights):
@@ -27,9 +27,9 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from common import TARGETS, interleaved_medians, start, timed
-from suite import SHAPES
 
+from benchmarks.common import TARGETS, interleaved_medians, start, timed
+from benchmarks.speed.suite_shapes import SHAPES
 from loramcl import MCLConfig, get_mcl_model, load_mcl_model
 from loramcl.mcl import build
 from loramcl.mcl import fingerprint as fingerprints

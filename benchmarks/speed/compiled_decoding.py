@@ -6,7 +6,7 @@ with the batch's ``target_index``, as ``TrainConfig(compile=True)`` trains. The 
 1.10x the compiled bare base, Llama-8B shape, batch 1; a K = 1 training step at 1024 tokens within 2x the compute
 floor:
 
-    python benchmarks/suite.py --shape llama-8b --device cuda --dtype bfloat16 --sections compiled
+    python -m benchmarks.speed.suite --shape llama-8b --device cuda --dtype bfloat16 --sections compiled
 
 On the CPU the rows run only when asked for (``--sections compiled``): inductor builds C++ for minutes at a real
 shape, and compiled decoding is no default there.
@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from common import interleaved_medians
 
+from benchmarks.common import interleaved_medians
 
 COMPILED = [(5, "greedy", 1), (5, "beam", 2)]  # (K, strategy, beams per hypothesis), batch 1
 COMPILED_TRAINING = (1, 5)  # K of the training steps, eager and compiled
@@ -73,8 +73,7 @@ def compiled_rows(suite, args) -> list[dict] | str:
 def training_rows(suite, args) -> list[dict]:
     """A training step (forward, backward, AdamW) of K stacked relaxed hypotheses at the suite's first length,
     eager and compiled, after a warm-up step each (which compiles); the losses of the first step compared."""
-    from common import train_step
-
+    from benchmarks.common import train_step
     from loramcl.decoding import compiled as decoding_compiled
     from loramcl.mcl.batch import checked_target_index
 

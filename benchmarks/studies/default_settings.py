@@ -21,8 +21,8 @@ win rates (win_rate_h{k} of train_log.json, sorted, mean over seeds), the runs w
 went to three different hypotheses each winning at least 90% of its language's prompts (split, from the trained
 hypotheses' NLLs on the training prompts) and the oracle NLL there (mean over prompts of min_k NLL, nats/token).
 
-    python benchmarks/default_settings.py --seeds 5            # both bases, every setting (about 15 min, 1 thread)
-    python benchmarks/default_settings.py --bases pretrained --settings "wta, random" --hypotheses 5
+    python -m benchmarks.studies.default_settings --seeds 5   # both bases, every setting (about 15 min, 1 thread)
+    python -m benchmarks.studies.default_settings --bases pretrained --settings "wta, random" --hypotheses 5
 
 The results are in docs/guide/scores.md ("Default settings that specialise").
 """
@@ -102,15 +102,13 @@ def ambiguous_task(folder: str | Path, pretrain_steps: int = 300, examples: int 
 
 def build_base(folder: Path, pretrain_steps: int, seed: int) -> Path:
     """The tiny Llama and its word tokenizer, saved in ``folder``; trained first on the unambiguous pairs."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from benchmarks.tiny import tiny_llama
     from loramcl.data.prompts import collate, encode_pairs
 
     tokenizer = word_tokenizer()
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    model = tiny_llama(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, pad_token_id=0,
+                       bos_token_id=1, eos_token_id=2)
     if pretrain_steps:
         pairs = [(f"translate {english} to {LANGUAGES[language]} :", target(english, language))
                  for english in WORDS for language in range(3)]

@@ -8,8 +8,8 @@ Each side runs in a fresh process on the same N rows (an in-memory datasets.Data
             trainer's construction is its preparation
 Both sides' examples are checked equal (input_ids and labels) on the first rows before the timing is reported.
 
-    .venv/bin/python benchmarks/data_prep.py --tokenizer models/SmolLM2-135M-Instruct            # 100,000 rows
-    .venv/bin/python benchmarks/data_prep.py --tokenizer models/SmolLM2-135M-Instruct --rows 1000
+    .venv/bin/python -m benchmarks.speed.data_prep --tokenizer models/SmolLM2-135M-Instruct            # 100,000 rows
+    .venv/bin/python -m benchmarks.speed.data_prep --tokenizer models/SmolLM2-135M-Instruct --rows 1000
 
 Peak memory: the peak resident set of the process during the preparation, above its resident set before it.
 """
@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
-import subprocess
-import sys
 import time
+
+from benchmarks.common import in_fresh_process, resident_bytes
 
 WORDS = ("the cat sat on a mat while two dogs ran across green fields under blue sky near old stone bridge over "
          "quiet river where children played with red ball and yellow kite").split()
@@ -36,11 +35,6 @@ def rows(n: int, seed: int = 0) -> list[dict]:
              "completion": " " + " ".join(draw.choices(WORDS, k=draw.randint(4, 16)))} for _ in range(n)]
 
 
-def _resident_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def prepare(side: str, tokenizer_path: str, n: int) -> dict:
     """One side's preparation of n rows in this process: seconds, peak MiB above the start, first examples."""
     from datasets import Dataset, disable_progress_bars
@@ -50,16 +44,17 @@ def prepare(side: str, tokenizer_path: str, n: int) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     data = Dataset.from_list(rows(n))
     if side == "trl":
-        from transformers import LlamaConfig, LlamaForCausalLM
         from trl import SFTConfig, SFTTrainer
 
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=8, intermediate_size=16,
-                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
+        from benchmarks.tiny import tiny_llama
+
+        model = tiny_llama(vocab_size=len(tokenizer), hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048)
         args = SFTConfig(output_dir="/tmp/data_prep_trl", report_to=[], max_length=1024, use_cpu=True, bf16=False,
                          completion_only_loss=True)
     else:
         from loramcl.data import prepare_dataset
-    before = _resident_mib()
+    before = resident_bytes() / 2**20
     started = time.perf_counter()
     if side == "trl":
         prepared = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer).train_dataset
@@ -83,10 +78,9 @@ def main() -> None:
         return
     results = {}
     for side in ("loramcl", "trl"):
-        done = subprocess.run([sys.executable, __file__, "--side", side, "--tokenizer", args.tokenizer, "--rows",
-                               str(args.rows)], capture_output=True, text=True, check=True,
-                              env=os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
-        results[side] = json.loads(done.stdout.strip().splitlines()[-1])
+        results[side] = in_fresh_process(__spec__.name, ["--side", side, "--tokenizer", args.tokenizer, "--rows",
+                                                          str(args.rows)],
+                                         {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     ours, trl = results["loramcl"], results["trl"]
     if ours["first"] != trl["first"] or ours["examples"] != trl["examples"]:
         raise SystemExit("the two preparations differ: no timing reported")

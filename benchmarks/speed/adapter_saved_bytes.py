@@ -5,8 +5,8 @@ saved a float32 copy of every adapted layer's input (q, k and v: three copies of
 Both run side by side on the same model and batch; every saved storage counted once (views share it), parameters
 left out.
 
-    python benchmarks/adapter_saved_bytes.py                   # CPU, seconds
-    python benchmarks/adapter_saved_bytes.py --hidden 1024 --layers 4 --tokens 256
+    python -m benchmarks.speed.adapter_saved_bytes                   # CPU, seconds
+    python -m benchmarks.speed.adapter_saved_bytes --hidden 1024 --layers 4 --tokens 256
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import argparse
 from contextlib import contextmanager
 
 import torch
-from common import TARGETS, small_llama_config, start
-from memory_plan import saved_bytes
 
+from benchmarks.common import TARGETS, small_llama_config, start
+from benchmarks.studies.memory_plan import saved_bytes
 from loramcl import MCLConfig, MCLLoraLinear, get_mcl_model
 
 

@@ -1,9 +1,9 @@
 """The K hypotheses of a trained run served by vLLM, one LoRA request per hypothesis, against loramcl's own decoding:
 same greedy candidates, text for text. Run by hand in two environments (vLLM pins its own transformers):
 
-    python benchmarks/serve_vllm.py ours --run RUN --prompts test.jsonl --out ours.json      # loramcl's venv
+    python -m benchmarks.checks.serve_vllm ours --run RUN --prompts test.jsonl --out ours.json      # loramcl's venv
     loramcl export RUN --out exported                                                      # K PEFT folders
-    vllm-env/bin/python benchmarks/serve_vllm.py vllm --exported exported --ours ours.json  # vLLM's venv
+    vllm-env/bin/python -m benchmarks.checks.serve_vllm vllm --exported exported --ours ours.json  # vLLM's venv
 
 `ours` decodes the first --n prompts (JSONL rows with a "prompt") with ``generate_hypotheses`` (greedy) and writes
 the prompts' token ids and the K candidates; `vllm` sends each prompt's token ids K times, row k with the LoRA request

@@ -15,7 +15,7 @@ no memory) and its training and decoding peaks on one GPU are estimated from its
 The estimate is checked against a measured CPU run at a small shape (tests/recipes/test_memory_plan.py): the
 bytes the tensors held at the training peak occupy, counted as autograd saves them.
 
-    python benchmarks/memory_plan.py                  # the table of docs/benchmarks.md
+    python -m benchmarks.studies.memory_plan                  # the table of docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ GPU_BYTES = 80 * GB
 FITS = 0.9 * GPU_BYTES
 LOGITS_CHUNK = 256  # MCLConfig.logits_chunk_size's default
 CALIBRATION_TOKENS = 16
-RECIPES = Path(__file__).resolve().parents[1] / "src" / "loramcl" / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "src" / "loramcl" / "recipes"
 
 
 def _llama2(**extra) -> dict:  # Llama-2-7B's shape: ALMA-7B and LLaVA-1.6-Vicuna-7B's language model

@@ -7,7 +7,7 @@ ambiguous question set. "Beside another job" is a process spinning on one core (
 every core (torch-job), for the whole run. Prints each setting's seconds and its ratio to the fastest setting of the
 same command and load, measured in one run, and the load average after each (nothing else should run):
 
-    python benchmarks/threads.py --out /tmp/threads            # about 20 minutes on 2 cores
+    python -m benchmarks.speed.threads --out /tmp/threads            # about 20 minutes on 2 cores
 """
 
 from __future__ import annotations

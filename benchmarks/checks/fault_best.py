@@ -1,11 +1,11 @@
-"""The best-checkpoint family of benchmarks/fault_injection.py, and the run its kill trials kill: `loramcl train` with
-``training.keep_best`` on a tiny Llama (2 layers, width 32, a word tokenizer), K = 2, adapter dropout 0.1 (so the
+"""The best-checkpoint family of benchmarks/checks/fault_injection.py, and the run its kill trials kill: `loramcl train`
+with ``training.keep_best`` on a tiny Llama (2 layers, width 32, a word tokenizer), K = 2, adapter dropout 0.1 (so the
 restored RNG state matters), 40 steps at a constant learning rate of 0.1 (an extra or a missing step would show),
 validation and a checkpoint every 2 steps, always with ``--resume true`` (the same command on a fresh folder and after
 a kill). Its 4 validation pairs are not among the 8 training pairs, so the validation loss falls and then rises: the
 best is step 28, not the last (``uninterrupted`` checks that the best is earlier than a later checkpoint).
 
-**The run** (``child``, a process of its own: ``python benchmarks/fault_best.py ROOT OUT SEED``) calls
+**The run** (``child``, a process of its own: ``python -m benchmarks.checks.fault_best ROOT OUT SEED``) calls
 ``loramcl.cli.main`` with that command line, after wrapping three methods so that it announces, with the time, each
 start of training (``start N``), each checkpoint write (``save N`` when it starts, ``saved N`` once renamed
 into place) and each validation's best-folder
@@ -50,6 +50,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import module_command, print_table
+
 STEPS, EVERY = 40, 2
 TRAIN = [{"prompt": f"w{5 + i} w{6 + i}", "target": f"w{20 + i} w{21 + i}"} for i in range(8)]
 VALIDATION = [{"prompt": f"w{7 + i} w{5 + i}", "target": f"w{30 + i} w{22 + i}"} for i in range(4)]
@@ -74,13 +76,13 @@ def build_folder(root: Path) -> None:
     validation pairs as `loramcl nll` reads references)."""
     import torch
 
-    from fault_files import _tiny_llama
-    from fault_inputs import _jsonl, _word_tokenizer
+    from benchmarks.checks.fault_inputs import _jsonl
+    from benchmarks.tiny import tiny_llama, word_tokenizer
 
     torch.manual_seed(0)
-    base = _tiny_llama()
+    base = tiny_llama(max_position_embeddings=64)
     base.save_pretrained(root / "tiny")
-    _word_tokenizer().save_pretrained(root / "tiny")
+    word_tokenizer().save_pretrained(root / "tiny")
     (root / "train.jsonl").write_text(_jsonl(TRAIN))
     (root / "val.jsonl").write_text(_jsonl(VALIDATION))
     (root / "refs.jsonl").write_text(_jsonl([{"id": str(i), "prompt": row["prompt"], "references": [row["target"]]}
@@ -179,7 +181,7 @@ def start(root: Path, out: Path, seed: int = 0, self_kill: str | None = None) ->
     env.pop(SELF_KILL, None)
     if self_kill:
         env[SELF_KILL] = self_kill
-    return subprocess.Popen([sys.executable, __file__, str(root), str(out), str(seed)], stdout=subprocess.PIPE,
+    return subprocess.Popen(module_command(__spec__.name, str(root), str(out), str(seed)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -492,10 +494,8 @@ def best_table(records: list[dict], before: list[dict] | None = None) -> list[di
 
 def print_best_table(records: list[dict], before: list[dict] | None = None) -> list[dict]:
     rows = best_table(records, before)
-    print("| family | cases | " + " | ".join(OUTCOMES) + " |")
-    print("|---|---|" + "---|" * len(OUTCOMES))
-    for row in rows:
-        print(f"| {row['family']} | {row['trials']} | " + " | ".join(str(row[o]) for o in OUTCOMES) + " |")
+    print_table(["family", "cases", *OUTCOMES], [[row["family"], row["trials"], *(row[o] for o in OUTCOMES)]
+                                                 for row in rows])
     if before is not None:
         was = {r["case"]: r["outcome"] for r in before}
         for r in records:

@@ -10,8 +10,8 @@ For each context length (the prompt, no labels) followed by a target of --target
 Every step is forward + backward + AdamW of the relaxed loss (epsilon=0.05), so every hypothesis gets a gradient.
 Before timing, `once` is checked to give the NLLs of `masked` (float32).
 
-    python benchmarks/context_once.py                          # CPU, small Llama (a few minutes)
-    python benchmarks/context_once.py --device cuda --layers 8 --hidden 1024 --contexts 256 1024 2048
+    python -m benchmarks.speed.context_once                          # CPU, small Llama (a few minutes)
+    python -m benchmarks.speed.context_once --device cuda --layers 8 --hidden 1024 --contexts 256 1024 2048
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import (
+
+from benchmarks.common import (
     TARGETS,
     build_model,
     interleaved_medians,
@@ -29,7 +30,6 @@ from common import (
     start,
     train_step,
 )
-
 from loramcl import MCLConfig, get_mcl_model
 
 

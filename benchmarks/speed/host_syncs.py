@@ -2,7 +2,7 @@
 (greedy, beam, diverse beam) run under ``torch.cuda.set_sync_debug_mode("warn")``, every synchronising call counted
 by the first frame of loramcl (or of transformers, when the sync is theirs) that led to it.
 
-    python benchmarks/host_syncs.py --device cuda --dtype bfloat16          # needs a GPU: CUDA alone reports syncs
+    python -m benchmarks.speed.host_syncs --device cuda --dtype bfloat16   # needs a GPU: CUDA alone reports syncs
 
 A warm-up of each run goes first (allocator and kernel caches), then the counted run. Prints a table per run and
 writes it as JSON with ``--out``.
@@ -18,9 +18,9 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from common import train_step
-from suite import SHAPES, Suite
 
+from benchmarks.common import train_step
+from benchmarks.speed.suite_shapes import SHAPES, Suite
 from loramcl.decoding import generate_hypotheses
 
 

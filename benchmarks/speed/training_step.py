@@ -11,9 +11,9 @@ is used for the first three so that every hypothesis gets a gradient. Every vari
 vocabulary logits and their cross-entropy computed in chunks of --chunk label tokens (MCLConfig.logits_chunk_size,
 the default), and whole ([N, V] logits at once, logits_chunk_size=None).
 
-    python benchmarks/training_step.py                  # CPU, small Llama (a few minutes)
-    python benchmarks/training_step.py --vocab 151936   # Qwen2's vocabulary: the logits dominate
-    python benchmarks/training_step.py --device cuda --layers 8 --hidden 1024 --seq 512 --batch 8
+    python -m benchmarks.speed.training_step                  # CPU, small Llama (a few minutes)
+    python -m benchmarks.speed.training_step --vocab 151936   # Qwen2's vocabulary: the logits dominate
+    python -m benchmarks.speed.training_step --device cuda --layers 8 --hidden 1024 --seq 512 --batch 8
 
 Peak memory: on CUDA, torch.cuda.max_memory_allocated during the steps; on CPU, in a fresh process running only
 that variant, the peak of the resident set sampled during two steps minus the resident set before them (glibc is
@@ -25,15 +25,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import subprocess
 import sys
 
 import torch
-from common import (
+
+from benchmarks.common import (
     RELEASE_FREED_MEMORY,
     TARGETS,
     build_model,
+    in_fresh_process,
     interleaved_medians,
     peak_mib,
     perturb_adapters,
@@ -43,7 +43,6 @@ from common import (
     train_step,
     use_grouped_conv,
 )
-
 from loramcl import MCLConfig, get_mcl_model
 
 STEPS = [(variant, k) for k in (1, 3, 5) for variant in ("stacked", "loop", "grouped-conv")]
@@ -106,10 +105,8 @@ def time_all(args) -> dict[tuple[str, int, str], float]:
 
 def peak_memory_mib(args, variant: str, k: int, logits: str) -> float:
     """Peak memory of the steps of one variant, measured in a fresh process (see the module docstring)."""
-    command = [sys.executable, __file__, "--memory-of", variant, str(k), logits, *sys.argv[1:]]
-    env = {**os.environ, **RELEASE_FREED_MEMORY}
-    output = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
-    return json.loads(output.strip().splitlines()[-1])["peak_mib"]
+    arguments = ["--memory-of", variant, str(k), logits, *sys.argv[1:]]
+    return in_fresh_process(__spec__.name, arguments, RELEASE_FREED_MEMORY)["peak_mib"]
 
 
 def measure_memory_here(args, variant: str, k: int, logits: str) -> None:

@@ -1,4 +1,4 @@
-"""The adapter-file families of benchmarks/fault_injection.py (its docstring says what each injects and counts).
+"""The adapter-file families of benchmarks/checks/fault_injection.py (its docstring says what each injects and counts).
 
 Each trial copies a saved folder, injects one fault (into the folder's files, or into the base model the folder is
 loaded onto) and loads it, once as a user would and once with ``strict=True``. Written against the public API only
@@ -17,6 +17,9 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.common import print_table
+from benchmarks.tiny import tiny_llama
+
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 TRAINING_EDITS = {"dropout": 0.0, "loss": "annealed", "epsilon": 0.0, "temperature0": 2.0, "temperature_decay": 0.99,
                   "temperature_min": 1e-3, "tie_break": "random", "scoring_weight": 0.5, "logits_chunk_size": None}
@@ -34,13 +37,6 @@ def _warning_classes() -> tuple[type[Warning], ...]:
 
     return tuple(getattr(inputs, name) for name in ("AdapterFilesWarning", "BaseWeightsMismatch")
                  if hasattr(inputs, name)) or (Warning,)
-
-
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
 
 
 def _edit_json(folder: Path, edit: Callable[[dict], object]) -> None:
@@ -136,7 +132,7 @@ def families(trials: int) -> dict[str, list[Callable]]:
                 import torch
 
                 torch.manual_seed(1)
-                base = _tiny_llama()
+                base = tiny_llama(max_position_embeddings=64)
             return f"base_fingerprint {how}, {'another seed' if other_seed else 'the right'} base", base
         return fault
 
@@ -163,7 +159,7 @@ def file_trials(root: Path, trials: int, seed: int) -> list[dict]:
     from loramcl import MCLConfig, get_mcl_model, load_mcl_model
 
     torch.manual_seed(0)
-    pristine = _tiny_llama().eval()
+    pristine = tiny_llama(max_position_embeddings=64).eval()
     mcl = get_mcl_model(copy.deepcopy(pristine), MCLConfig(num_hypotheses=3, r=4, alpha=8, dropout=0.1,
                                                            loss="relaxed", epsilon=0.1, target_modules=TARGETS))
     g = torch.Generator().manual_seed(1)
@@ -240,9 +236,6 @@ def file_table(records: list[dict]) -> list[dict]:
 
 def print_file_table(records: list[dict]) -> list[dict]:
     rows = file_table(records)
-    print("| family | trials | " + " | ".join(OUTCOMES) + " | strict=True refused |")
-    print("|---|" + "---|" * (len(OUTCOMES) + 2))
-    for row in rows:
-        print(f"| {row['family']} | {row['trials']} | " + " | ".join(str(row[o]) for o in OUTCOMES) +
-              f" | {row['strict refused']} |")
+    print_table(["family", "trials", *OUTCOMES, "strict=True refused"],
+                [[row["family"], row["trials"], *(row[o] for o in OUTCOMES), row["strict refused"]] for row in rows])
     return rows

@@ -4,12 +4,12 @@ lines (numeric options out of their domain, output paths, devices and data files
 `generate`, `nll` and `evaluate`; and training killed with SIGKILL at random moments, rerun with the same command, its
 final adapters compared with an uninterrupted run's.
 
-    python benchmarks/fault_injection.py --kills 48 --file-trials 24 --seed 0   # CPU, about 30 s per kill
-    python benchmarks/fault_injection.py --kills 0 --file-trials 0 --no-inputs --best   # the best checkpoint only
-    python benchmarks/fault_injection.py --kills 0 --no-inputs                  # the file families only (a minute)
-    python benchmarks/fault_injection.py --kills 0 --file-trials 0              # the bad inputs only (4 minutes)
+    python -m benchmarks.checks.fault_injection --kills 48 --file-trials 24 --seed 0   # CPU, about 30 s per kill
+    python -m benchmarks.checks.fault_injection --kills 0 --file-trials 0 --no-inputs --best   # best checkpoint only
+    python -m benchmarks.checks.fault_injection --kills 0 --no-inputs         # the file families only (a minute)
+    python -m benchmarks.checks.fault_injection --kills 0 --file-trials 0     # the bad inputs only (4 minutes)
 
-**Bad inputs** (in this process): benchmarks/fault_inputs.py's docstring says how the trials are generated and
+**Bad inputs** (in this process): benchmarks/checks/fault_inputs.py's docstring says how the trials are generated and
 classified (refused clearly, refused but unclear, accepted, ran on); it exits 1 if any trial is accepted outside its
 option's domain, refused unclearly or runs past ``--input-limit``.
 
@@ -32,15 +32,15 @@ counts (it must be 0); it is loaded again with ``strict=True``, which must refus
 With ``PYTHONPATH`` pointing at another checkout's ``src``, the same trials measure that version (the table of
 docs/guide/reliability.md has a "before" column made so).
 
-**Best checkpoint** (``--best``, subprocesses): benchmarks/fault_best.py's docstring says how its cases are made and
-classified (a killed `loramcl train --training.keep_best true` run's OUT/best damaged, then resumed with the same
+**Best checkpoint** (``--best``, subprocesses): benchmarks/checks/fault_best.py's docstring says how its cases are made
+and classified (a killed `loramcl train --training.keep_best true` run's OUT/best damaged, then resumed with the same
 command; member best folders damaged, then assembled); it exits 1 if a case ends silently wrong, in a traceback, with an
 unclear refusal or runs on.
 
-**Kills**: every run is the same command, benchmarks/fault_best.py's `loramcl train` (a tiny Llama, K = 2, adapter
-dropout, 40 steps at a constant learning rate, validation and a checkpoint every 2 steps, ``training.keep_best``,
-``--resume true``), in a process that announces each start of training, checkpoint write and best-folder write. No
-manual step exists between a kill and the rerun.
+**Kills**: every run is the same command, benchmarks/checks/fault_best.py's `loramcl train` (a tiny Llama, K = 2,
+adapter dropout, 40 steps at a constant learning rate, validation and a checkpoint every 2 steps,
+``training.keep_best``, ``--resume true``), in a process that announces each start of training, checkpoint write and
+best-folder write. No manual step exists between a kill and the rerun.
 
 Each trial starts a run in a fresh folder and kills it with SIGKILL: a third of the kills at a uniformly random time of
 the training phase, a third at a random offset inside a randomly chosen checkpoint write, a third inside a randomly
@@ -65,17 +65,29 @@ import random
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from fault_best import EVERY, STEPS, best_of, best_trials, build_folder, differences, kill_at, print_best_table
-from fault_best import references, run_to_end, start
-from fault_files import file_trials, print_file_table
-from fault_inputs import failed, input_trials, print_input_table
+from benchmarks.checks.fault_best import (
+    EVERY,
+    STEPS,
+    best_of,
+    best_trials,
+    build_folder,
+    differences,
+    kill_at,
+    print_best_table,
+    references,
+    run_to_end,
+    start,
+)
+from benchmarks.checks.fault_files import file_trials, print_file_table
+from benchmarks.checks.fault_inputs import failed, input_trials, print_input_table
 
 STAGING = "incomplete-"  # loramcl.training.checkpoints.STAGING_PREFIX: a folder being written, renamed when whole
 
 
-# ---- the kills (the run: benchmarks/fault_best.py's `loramcl train` with keep_best) ---------------------------------
+# ---- the kills (the run: benchmarks/checks/fault_best.py's `loramcl train` with keep_best) --------------------------
 
 KINDS = ("a random moment of training", "a checkpoint write", "a best-folder write")
 
@@ -145,6 +157,19 @@ def kill_trials(root: Path, kills: int, rng: random.Random, self_kills: int = 0)
     return records
 
 
+def timed_family(folder: Path, name: str, trials: Callable[[Path], list[dict]],
+                 table: Callable[[list[dict]], list[dict]]) -> dict:
+    """One family's trials run in ``folder`` (made here), its table printed, then how many took how long: the
+    report's entry (summary, seconds, trials)."""
+    folder.mkdir()
+    started = time.monotonic()
+    records = trials(folder)
+    seconds = round(time.monotonic() - started, 1)
+    entry = {"summary": table(records), "seconds": seconds, "trials": records}
+    print(f"{len(records)} {name} trials in {seconds} s")
+    return entry
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=48, help="number of trials, each with one SIGKILL (0: none)")
@@ -156,14 +181,14 @@ def main() -> None:
                         help="trials of each random file family (damaged weights, base rows edited; 0: no file "
                              "families)")
     parser.add_argument("--inputs", action=argparse.BooleanOptionalAction, default=True,
-                        help="the bad-CLI-input family (benchmarks/fault_inputs.py; --no-inputs: none)")
+                        help="the bad-CLI-input family (benchmarks/checks/fault_inputs.py; --no-inputs: none)")
     parser.add_argument("--input-limit", type=float, default=30.0,
                         help="seconds a bad-input trial may run before it counts as 'ran on'")
     parser.add_argument("--input-only", help="run only the bad-input trials whose 'command: fault' contains this")
     parser.add_argument("--input-before", help="a --json file written by an earlier version (PYTHONPATH at its src): "
                                                "the bad-input table then shows 'before -> now'")
     parser.add_argument("--best", action="store_true",
-                        help="the best-checkpoint family too (benchmarks/fault_best.py: OUT/best damaged in a "
+                        help="the best-checkpoint family too (benchmarks/checks/fault_best.py: OUT/best damaged in a "
                              "killed run, then resumed; member best folders damaged, then assembled; 4 minutes)")
     parser.add_argument("--best-limit", type=float, default=300.0,
                         help="seconds a resumed run of the best-checkpoint family may run before it counts as "
@@ -195,21 +220,14 @@ def main() -> None:
             failures += sum(r["outcome"] == "silent, other outputs" or (r["outcome"] == "said" and
                                                                         not r["strict_refused"]) for r in files)
         if args.inputs:
-            (root / "inputs").mkdir()
-            started = time.monotonic()
-            inputs = input_trials(root / "inputs", args.input_limit, args.input_only)
-            seconds = round(time.monotonic() - started, 1)
-            report["inputs"] = {"summary": print_input_table(inputs, before), "seconds": seconds, "trials": inputs}
-            print(f"{len(inputs)} bad-input trials in {seconds} s")
-            failures += sum(failed(r) for r in inputs)
+            report["inputs"] = timed_family(root / "inputs", "bad-input", lambda folder: input_trials(
+                folder, args.input_limit, args.input_only), lambda trials: print_input_table(trials, before))
+            failures += sum(failed(r) for r in report["inputs"]["trials"])
         if args.best:
-            (root / "best").mkdir()
-            started = time.monotonic()
-            best = best_trials(root / "best", args.best_limit, args.best_only)
-            seconds = round(time.monotonic() - started, 1)
-            report["best"] = {"summary": print_best_table(best, best_before), "seconds": seconds, "trials": best}
-            print(f"{len(best)} best-checkpoint trials in {seconds} s")
-            failures += sum(r["outcome"] in ("silent, wrong", "traceback", "ran on", "refused, unclear") for r in best)
+            report["best"] = timed_family(root / "best", "best-checkpoint", lambda folder: best_trials(
+                folder, args.best_limit, args.best_only), lambda trials: print_best_table(trials, best_before))
+            failures += sum(r["outcome"] in ("silent, wrong", "traceback", "ran on", "refused, unclear")
+                            for r in report["best"]["trials"])
         if args.kills or args.self_kills:
             (root / "kills").mkdir()
             records = kill_trials(root / "kills", args.kills, rng, args.self_kills)

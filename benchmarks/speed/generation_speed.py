@@ -5,9 +5,9 @@ hypothesis), on the same prompts, with every candidate forced to the same length
 sides decode the same number of steps. The two are interleaved repeat by repeat and the median is kept; the
 headline is their ratio, measured side by side. Before timing, the script checks that both give the same tokens.
 
-    python benchmarks/generation_speed.py                        # CPU, small Llama (a few minutes)
-    python benchmarks/generation_speed.py --threads 1            # when other processes share the CPU
-    python benchmarks/generation_speed.py --device cuda --layers 8 --hidden 1024 --batch 8
+    python -m benchmarks.speed.generation_speed                        # CPU, small Llama (a few minutes)
+    python -m benchmarks.speed.generation_speed --threads 1            # when other processes share the CPU
+    python -m benchmarks.speed.generation_speed --device cuda --layers 8 --hidden 1024 --batch 8
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import (
+
+from benchmarks.common import (
     TARGETS,
     build_model,
     decoding_sides,
@@ -26,7 +27,6 @@ from common import (
     small_llama_config,
     start,
 )
-
 from loramcl import MCLConfig, get_mcl_model
 
 SETTINGS = [(k, strategy, beams) for k in (3, 5) for strategy, beams in (("greedy", 1), ("beam", 2))]

@@ -8,10 +8,10 @@ lowest NLLs of an example (eager's): a winner flips by rounding only where that 
 After the first flip the two runs train different hypotheses on that example, so their losses part; before it they
 must agree to rounding.
 
-    python benchmarks/compiled_training_drift.py --threads 1                        # inductor (C++ compile, ~minutes)
-    python benchmarks/compiled_training_drift.py --threads 1 --backend aot_eager    # traced, no C++ compilation
+    python -m benchmarks.studies.compiled_training_drift --threads 1                      # inductor (C++, ~minutes)
+    python -m benchmarks.studies.compiled_training_drift --threads 1 --backend aot_eager  # traced, no C++ compilation
 
-The model and rows are the tests' tiny Llama (tests/tiny_models.py); tests/training/test_trainer_compile.py runs
+The model and rows are the tiny Llama of benchmarks/tiny.py (the tests'); tests/training/test_trainer_compile.py runs
 ``drift`` and checks that the losses agree until a winner flips.
 """
 
@@ -21,21 +21,16 @@ import argparse
 import contextlib
 import importlib
 import io
-import sys
 import tempfile
 from pathlib import Path
 from unittest import mock
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from tiny_models import build_model, token_rows  # noqa: E402
-
-import loramcl.training.trainer as trainer_module  # noqa: E402
-from loramcl import MCLConfig, MCLTrainer, TrainConfig, get_mcl_model  # noqa: E402
-from loramcl.training.fit import training_arguments  # noqa: E402
+import loramcl.training.trainer as trainer_module
+from benchmarks.tiny import tiny_llama, token_rows
+from loramcl import MCLConfig, MCLTrainer, TrainConfig, get_mcl_model
+from loramcl.training.fit import training_arguments
 
 _WINNERS = trainer_module.loss_winners  # two-pass WTA's draw, recorded by _Recording.draw_winners
 LOSSES = {"wta": {}, "relaxed": {"epsilon": 0.05}, "annealed": {"temperature0": 1.0, "temperature_decay": 0.9}}
@@ -68,7 +63,7 @@ def train(loss: str, steps: int, k: int, rows: list[dict], out: Path, backend: s
     """Each step's (loss, NLL [B, K]) and the trained adapters (flattened) of one run: eager (``backend`` None) or
     compiled with ``backend``."""
     torch.manual_seed(0)
-    mcl = get_mcl_model(build_model("llama"), MCLConfig(num_hypotheses=k, r=4, alpha=8, loss=loss, **LOSSES[loss],
+    mcl = get_mcl_model(tiny_llama(), MCLConfig(num_hypotheses=k, r=4, alpha=8, loss=loss, **LOSSES[loss],
                                                         target_modules=["q_proj", "v_proj", "down_proj"]))
     training = TrainConfig(steps=steps, batch_size=4, learning_rate=learning_rate, warmup_steps=0, logging_steps=1,
                            save_every=0, eval_every=0, compile=backend is not None)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The wheels benchmarks/gpu_check.py needs on a GPU machine that has torch but no network (docs/benchmarks.md, "The
+# The wheels benchmarks/checks/gpu_check.py needs on a GPU machine that has torch but no network (docs/benchmarks.md, "The
 # GPU check"): downloaded here into .whl/ (git-ignored) for Python 3.12 on x86-64 Linux, then carried with the
 # checkout and installed there with pip --no-index --no-deps --target. The versions are constraints.txt's; the
 # machine's own torch, accelerate, numpy, safetensors, tokenizers, pyarrow, sacrebleu and scipy are used as they are.
-#   bash benchmarks/gpu_wheels.sh [--no-quantization]   # without bitsandbytes (43 MB): the QLoRA step is skipped
+#   bash benchmarks/checks/gpu_wheels.sh [--no-quantization]   # without bitsandbytes (43 MB): the QLoRA step is skipped
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 version() { grep -i -E "^$1==" constraints.txt | cut -d= -f3; }
 names=(transformers peft jsonargparse docstring_parser datasets dill multiprocess)
 [ "${1:-}" = "--no-quantization" ] || names+=(bitsandbytes)

@@ -27,9 +27,9 @@ steps), its verdict, the win table by mode on 96 training examples after trainin
 winner is the hypothesis that wins most of their mode: 1 for a clean split by mode, and for a collapse too), and on
 the test prompts: valid share (markov, short) or chrF, oracle and mean over K, distinct answers and modes covered.
 
-    python benchmarks/defaults_study.py --model models/SmolLM2-135M-Instruct --out /tmp/defaults \
+    python -m benchmarks.studies.defaults_study --model models/SmolLM2-135M-Instruct --out /tmp/defaults \
         --tasks markov bilingual short --settings wta relaxed-0.05 relaxed-0.1 annealed-auto mle --seeds 0 1
-    python benchmarks/defaults_study.py --out /tmp/defaults --table       # the markdown tables of what has finished
+    python -m benchmarks.studies.defaults_study --out /tmp/defaults --table   # the tables of what has finished
 
 Finished runs (a results.json) are kept and skipped, so the command can be stopped and started again.
 """

@@ -7,9 +7,9 @@ hypotheses decoded by ``generate_hypotheses`` with one new token (the prefill an
 (``MCLModel.share_frozen_modules`` True / False) are interleaved repeat by repeat and the median of each is kept;
 the headline is their ratio, measured side by side. Before timing, the script checks that both give the same tokens.
 
-    python benchmarks/decoding_prefill.py                  # CPU, a few minutes
-    python benchmarks/decoding_prefill.py --threads 1      # when other processes share the CPU
-    python benchmarks/decoding_prefill.py --device cuda --vision_hidden 1024 --vision_layers 24 --image 336 \
+    python -m benchmarks.speed.decoding_prefill                  # CPU, a few minutes
+    python -m benchmarks.speed.decoding_prefill --threads 1      # when other processes share the CPU
+    python -m benchmarks.speed.decoding_prefill --device cuda --vision_hidden 1024 --vision_layers 24 --image 336 \
         --patch 14 --hidden 4096 --layers 32 --dtype bfloat16  # LLaVA-1.6-7B's shapes (random weights)
 """
 
@@ -19,8 +19,8 @@ import argparse
 import statistics
 
 import torch
-from common import perturb_adapters, timed
 
+from benchmarks.common import perturb_adapters, timed
 from loramcl import MCLConfig, get_mcl_model
 from loramcl.decoding import generate_hypotheses
 

@@ -9,10 +9,10 @@ and, for each chunked variant, several chunk sizes. Each step is a forward, a ba
 token NLLs (as the MCL losses are) into the hidden states (the output layer is frozen, as in LoRA-MCL), and a
 no-grad forward (the scoring pass of two-pass WTA). Before timing, every variant is checked against `whole`.
 
-    python benchmarks/chunked_cross_entropy.py --threads 1           # CPU: N 1024, d 576, V 32768
-    python benchmarks/chunked_cross_entropy.py --vocab 151936        # Qwen2's vocabulary
+    python -m benchmarks.speed.chunked_cross_entropy --threads 1           # CPU: N 1024, d 576, V 32768
+    python -m benchmarks.speed.chunked_cross_entropy --vocab 151936        # Qwen2's vocabulary
 
-Peak memory: as benchmarks/training_step.py (peak resident set of the step in a fresh process per variant, above
+Peak memory: as benchmarks/speed/training_step.py (peak resident set of the step in a fresh process per variant, above
 the resident set before it; on CUDA, max_memory_allocated).
 """
 
@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
-from common import peak_mib, synchronize
 from torch.utils.checkpoint import checkpoint
 
+from benchmarks.common import RELEASE_FREED_MEMORY, in_fresh_process, peak_mib, synchronize
 from loramcl.mcl.nll import chunked_token_nll
 
 
@@ -141,10 +139,8 @@ def time_all(args) -> dict:
 
 
 def peak_memory_mib(method: str, size: int | None) -> float:
-    command = [sys.executable, __file__, "--memory-of", method, str(size or 0), *sys.argv[1:]]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    output = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
-    return json.loads(output.strip().splitlines()[-1])["peak_mib"]
+    arguments = ["--memory-of", method, str(size or 0), *sys.argv[1:]]
+    return in_fresh_process(__spec__.name, arguments, RELEASE_FREED_MEMORY)["peak_mib"]
 
 
 def measure_memory_here(args, method: str, size: int | None) -> None:
