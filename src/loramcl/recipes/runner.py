@@ -4,7 +4,6 @@ experiment settings, its model and data, how one run trains and how one system d
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import ClassVar
 from loramcl.recipes.experiment import BEST, Experiment, trained_run
 from loramcl.recipes.grid import DecodeConfig, System, chosen_budgets, one_per_strategy
 from loramcl.recipes.stages import Stages
+from loramcl.utils.files import write_json
 from loramcl.utils.inputs import check_device, check_output
 from loramcl.utils.threads import check_threads, use_threads
 from loramcl.utils.validate import require
@@ -246,7 +246,7 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
 
     report = stages.timed("report", task.report, systems, trained)
     report["timing_s"] = stages.timings | {"runs": {run: run_record(root / run)["seconds"] for run in trained}}
-    (root / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_json(root / "report.json", report, ensure_ascii=False)
     print((root / "report.md").read_text(encoding="utf-8"))
     print(f"report: {root / 'report.md'} (+ report.json, figures/)")
     return report

@@ -30,7 +30,7 @@ from loramcl.training.runs import (
     settings_stamp,
     stale_checkpoint_fields,
 )
-from loramcl.utils.files import read_json, sha256
+from loramcl.utils.files import read_json, sha256, write_json
 from loramcl.utils.inputs import (
     MCL_CONFIG,
     RUN_RECORD,
@@ -315,7 +315,7 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
         trainer.add_callback(_epoch_callback(train_set))
     if saving:
         checkpoints.mkdir(parents=True, exist_ok=True)
-        (checkpoints / SETTINGS_NAME).write_text(json.dumps(settings, indent=1) + "\n")
+        write_json(checkpoints / SETTINGS_NAME, settings)
     writing = trainer.is_world_process_zero()  # the other processes hold the same adapters, or shards of them
     export_peft = method == "mcl" and mcl.num_hypotheses == 1  # a K = 1 run is a PEFT adapter too
     stamp = settings_stamp(settings)  # identifies the run in run.json and in its best's best.json
@@ -338,7 +338,7 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     # sharded: every process takes part in gathering the adapters; the first writes
     write_adapters(mcl_model, out_dir, export_peft, processor, writing, trainer.is_fsdp_enabled)
     if writing:
-        (out_dir / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
+        write_json(out_dir / "train_log.json", trainer.state.log_history)
     trainable, total = mcl_model.parameter_counts()
     run = {"settings": settings, STAMP: stamp, "resumed_from": trainer.resumed_from and Path(trainer.resumed_from).name,
            "threads": torch.get_num_threads(), "train_examples": len(train_set), "trainable_parameters": trainable,
@@ -346,7 +346,7 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     if trainer.specialisation is not None:  # did the hypotheses split (its line was logged), or why no verdict
         run["specialisation"] = trainer.specialisation.to_dict()
     if writing:
-        (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")
+        write_json(out_dir / RUN_RECORD, run)
         logger.info(f"trained {trainable:,} of {total:,} parameters in {seconds:.0f} s: {out_dir}")
     return run
 

@@ -26,6 +26,7 @@ from loramcl.recipes.experiment import Experiment as RecipeExperiment
 from loramcl.recipes.grid import System, check_sampling, check_tta
 from loramcl.recipes.steps import ProcessorTask
 from loramcl.recipes.stages import data_stats
+from loramcl.utils.files import write_json
 from loramcl.utils.validate import require, require_int, require_real
 
 DEFAULT_RECIPES = "audio_captioning/tiny"
@@ -197,7 +198,7 @@ def prepare_data(out: Path, experiment: Experiment, root: Path, quick: bool) -> 
                                    ensure_ascii=False) + "\n")
         stats["splits"][role] = {"split": split, "clips": len(clips), "captions": sum(len(c.captions) for c in clips),
                                  "skipped": len(skipped), "hours": round(seconds / 3600, 3)}
-    (out / "stats.json").write_text(json.dumps(stats, indent=1) + "\n", encoding="utf-8")
+    write_json(out / "stats.json", stats)
     return stats
 
 
