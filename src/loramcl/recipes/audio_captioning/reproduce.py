@@ -216,8 +216,9 @@ def read_manifest(path: Path) -> list:
 def training_config(values: dict, experiment: Experiment, train_examples: int, quick: bool = False):
     """The run's TrainConfig, its steps and warm-up from experiment.epochs when given (not in a quick run)."""
     from loramcl.training.config import TrainConfig
+    from loramcl.utils.run_record import RunFile
 
-    settings = dict(values.get("training", {}))
+    settings = dict(RunFile.of(values).training)
     if experiment.epochs is not None and not quick:
         batch = settings.get("batch_size", TrainConfig.batch_size) * experiment.processes
         steps = max(1, math.ceil(experiment.epochs * train_examples / batch))
