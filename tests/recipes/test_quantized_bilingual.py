@@ -63,9 +63,9 @@ def test_a_processor_task_run_trains_on_the_quantized_base_its_recipe_names(tmp_
                                        num_attention_heads=4)).save_pretrained(tmp_path / "base")
     values = {"model": str(tmp_path / "base"), "out": str(tmp_path / "run"), "mcl": {"num_hypotheses": 2},
               "quantization": "int8"}
-    settings = steps.run_settings(values, TrainConfig(), tmp_path, {})
+    settings = steps.run_file_settings(values, TrainConfig(), tmp_path, {})
     assert settings["quantization"] == "int8"
-    assert "quantization" not in steps.run_settings({**values, "quantization": None}, TrainConfig(), tmp_path, {})
+    assert "quantization" not in steps.run_file_settings({**values, "quantization": None}, TrainConfig(), tmp_path, {})
     loaded = []
     monkeypatch.setattr(fitting, "fit", lambda load, *args, **kwargs: loaded.append(load()))
     steps.fit_run(values, TrainConfig(), settings, lambda: (None, None, None, None))

@@ -8,7 +8,7 @@ import pytest
 from loramcl.metrics.io import read_report
 from loramcl.recipes.stages import data_stats
 from loramcl.training.runs import finished_run, run_record
-from loramcl.utils.files import read_json
+from loramcl.utils.files import read_json, write_json
 from loramcl.utils.inputs import model_config
 
 DAMAGES = {"truncated": '{"settings": {"a": 1', "not UTF-8": b'{"a": "\xff"}', "empty": ""}
@@ -45,3 +45,35 @@ def test_a_whole_record_reads_as_json(tmp_path):
     assert read_json(tmp_path / "record.json") == {"step": 4, "eval_loss": 1.5}
     with pytest.raises(FileNotFoundError, match="missing.json does not exist: restore it"):
         read_json(tmp_path / "missing.json", "restore it")
+
+
+def test_our_json_records_are_written_one_way(tmp_path):
+    """``write_json`` writes as the records were written by hand before it (issue 62): indented by one, ASCII unless
+    asked, a final newline, UTF-8; and ``read_json`` reads it back."""
+    value = {"settings": {"model": "m", "é": "Größe"}, "log": [{"step": 1, "loss": 0.5}], "none": None}
+    path = write_json(tmp_path / "record.json", value)
+    assert path.read_bytes() == (json.dumps(value, indent=1) + "\n").encode()
+    assert read_json(path) == value
+    write_json(path, value, indent=None, ensure_ascii=False)
+    assert path.read_bytes() == (json.dumps(value, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def test_a_failing_write_leaves_the_old_record(tmp_path, monkeypatch):
+    """Atomic: a value that cannot be written, or a write killed half-way, leaves the old file whole and no
+    temporary file beside it."""
+    path = write_json(tmp_path / "run.json", {"seconds": 1.0})
+    before = path.read_bytes()
+    with pytest.raises(TypeError):
+        write_json(path, {"seconds": object()})  # not JSON
+    assert path.read_bytes() == before
+
+    def half(self, text, encoding=None):  # writes part of the file, then the process is killed
+        with open(self, "w", encoding=encoding) as f:
+            f.write(text[:5])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(path), "write_text", half)
+    with pytest.raises(KeyboardInterrupt):
+        write_json(path, {"seconds": 2.0})
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]

@@ -19,6 +19,8 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from loramcl.utils.files import write_json
+
 LANGUAGES = ("fr", "de")
 PROMPT = "Translate: {source}\n"  # the newline ends the prompt: the target follows it
 # Debian packages that install French and German catalogs on a minimal image (checked with `dpkg -S`).
@@ -160,5 +162,5 @@ def build_dataset(out: str | Path, settings: BuildSettings | None = None) -> dic
         "test_references_per_item": {lang: sum(len(r[lang]) for r in splits["test"]) / max(len(splits["test"]), 1)
                                      for lang in LANGUAGES},
     }
-    (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
+    write_json(out / "stats.json", stats, indent=2)
     return stats

@@ -30,7 +30,7 @@ from torch import nn
 from loramcl.mcl.config import MCLConfig, saved_values
 from loramcl.mcl.fingerprint import check_wrapped_base_weights, whole_tensor
 from loramcl.mcl.scores import HypothesisScores
-from loramcl.utils.files import sha256, write_atomically
+from loramcl.utils.files import sha256, write_atomically, write_json
 from loramcl.utils.inputs import MCL_CONFIG, MCL_WEIGHTS, AdapterFilesWarning
 
 CONFIG_NAME = MCL_CONFIG
@@ -87,8 +87,7 @@ def save_pretrained(model, path: str | os.PathLike, state_dict: dict[str, torch.
         "settings_sha256": _digest(canonical(settings)),
         "base_fingerprint": model.frozen_base.fingerprint,
     })
-    write_atomically(os.path.join(path, CONFIG_NAME),
-                      lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8"))
+    write_json(os.path.join(path, CONFIG_NAME), meta, indent=2)
     return str(path)
 
 

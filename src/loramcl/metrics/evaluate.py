@@ -75,11 +75,10 @@ def evaluate(
         load_run,
         load_scores,
         to_jsonable,
-        write_json,
     )
     from loramcl.metrics.oracle import winners
     from loramcl.metrics.suite import METRICS, evaluate_candidates, markdown_report, unavailable_groups
-    from loramcl.utils.files import shown_ids
+    from loramcl.utils.files import shown_ids, write_json
 
     check_output(out, folder=True)
     ids, candidates, refs, groups = load_run(predictions, references, group_key)
@@ -95,7 +94,8 @@ def evaluate(
     report = {"name": name, "predictions": str(predictions), "references": str(references), **report}
     scores = report.pop("candidate_scores")
     out_dir = Path(out)
-    json_path = write_json(report, out_dir / f"{name}.json")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = write_json(out_dir / f"{name}.json", to_jsonable(report), indent=2)
     markdown = markdown_report(report)
     md_path = out_dir / f"{name}.md"
     md_path.write_text(markdown, encoding="utf-8")

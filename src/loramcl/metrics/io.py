@@ -11,7 +11,6 @@ as `loramcl generate` and `loramcl nll` number the lines of the test file they r
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -179,13 +178,6 @@ def to_jsonable(value):
     if isinstance(value, np.generic):
         return value.item()
     return value
-
-
-def write_json(data: dict, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_jsonable(data), indent=2) + "\n", encoding="utf-8")
-    return path
 
 
 def read_report(path: str | Path) -> dict:

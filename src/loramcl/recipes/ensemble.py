@@ -5,12 +5,14 @@ a LoRA-MCL run: the NLL table gives the oracle NLL over the members, decoding on
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from loramcl.recipes.files import method_of, num_hypotheses
+from loramcl.utils.files import write_json
+from loramcl.utils.inputs import RUN_RECORD
+from loramcl.utils.run_record import RunFile
 from loramcl.utils.validate import require
 
 ENSEMBLE = "ensemble"  # the run file's setting naming the members
@@ -72,7 +74,8 @@ def assemble(root: Path, run: str, values: dict, members: Sequence[str], best: b
 
     started = time.perf_counter()
     out = root / run
-    load = training_model_loader(values["model"], values.get("dtype", "float32"), values.get("quantization"))
+    run_file = RunFile.of(values)
+    load = training_model_loader(run_file.model, run_file.dtype, run_file.quantization)
     model = assemble_hypotheses(load(), [root / member for member in members])
     model.save_pretrained(out)
     if best:
@@ -82,17 +85,17 @@ def assemble(root: Path, run: str, values: dict, members: Sequence[str], best: b
                 " set `training: {keep_best: true}` in their run files and train them again")
         assemble_hypotheses(load(), [root / member / BEST_FOLDER for member in members]).save_pretrained(
             out / BEST_FOLDER)
-        (out / BEST_FOLDER / BEST_RECORD).write_text(json.dumps({"members": kept}, indent=1) + "\n")
+        write_json(out / BEST_FOLDER / BEST_RECORD, {"members": kept})
     records = [run_record(root / member) for member in members]
-    trainable = sum(r["trainable_parameters"] for r in records)  # each member's, trained on its own
-    total = records[0]["total_parameters"] + trainable - records[0]["trainable_parameters"]
-    settings = records[0]["settings"] | {"mcl": model.mcl_config.to_dict(), ENSEMBLE: list(members)}
-    record = {"settings": settings, "members": {m: r["seconds"] for m, r in zip(members, records, strict=True)},
+    trainable = sum(r.trainable_parameters for r in records)  # each member's, trained on its own
+    total = records[0].total_parameters + trainable - records[0].trainable_parameters
+    settings = records[0].settings.values | {"mcl": model.mcl_config.to_dict(), ENSEMBLE: list(members)}
+    record = {"settings": settings, "members": {m: r.seconds for m, r in zip(members, records, strict=True)},
               "resumed_from": None, "trainable_parameters": trainable, "total_parameters": total,
-              "seconds": round(sum(r["seconds"] for r in records), 1),
+              "seconds": round(sum(r.seconds for r in records), 1),
               "assembly_seconds": round(time.perf_counter() - started, 1)}
-    (out / "train_log.json").write_text("[]\n")  # no training of its own: the members' logs are theirs
-    (out / "run.json").write_text(json.dumps(record, indent=1) + "\n")  # last: a folder with a run.json is finished
+    write_json(out / "train_log.json", [])  # no training of its own: the members' logs are theirs
+    write_json(out / RUN_RECORD, record)  # last: a folder with a run.json is finished
 
 
 def check_best_adapters(root: Path, run: str, members: Sequence[str] | None) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loramcl.utils.inputs import absolute_path, cached_hub_model
+from loramcl.utils.run_record import RunFile
 from loramcl.utils.validate import require
 
 # The path settings of a `loramcl train --config` file, relative to the file that gives them (as the CLI reads them).
@@ -151,10 +152,10 @@ def method_of(values: dict) -> tuple[str, object]:
     MCL."""
     from loramcl.training.runs import METHOD_CONFIGS
 
-    method = values.get("method", "mcl")
-    require(method in METHOD_CONFIGS, f"method must be one of {sorted(METHOD_CONFIGS)}, got {method!r}")
-    require(isinstance(values.get(method), dict), f"method {method} needs its `{method}:` block")
-    return method, METHOD_CONFIGS[method].from_dict(values[method])
+    run = RunFile.of(values)
+    require(run.method in METHOD_CONFIGS, f"method must be one of {sorted(METHOD_CONFIGS)}, got {run.method!r}")
+    require(isinstance(run.method_block, dict), f"method {run.method} needs its `{run.method}:` block")
+    return run.method, METHOD_CONFIGS[run.method].from_dict(run.method_block)
 
 
 def num_hypotheses(values: dict) -> int:

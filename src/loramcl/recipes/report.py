@@ -3,13 +3,13 @@ training curves. Each function returns markdown lines or writes a figure and ret
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from loramcl.recipes.grid import System
 from loramcl.utils.files import read_json
+from loramcl.utils.run_record import RunRecord
 
 
 @dataclass(frozen=True)
@@ -102,19 +102,20 @@ def loss_name(mcl: dict, method: str = "mcl") -> str:
     return "WTA"
 
 
-def runs_table(records: dict[str, dict]) -> list[str]:
+def runs_table(records: dict[str, RunRecord | dict]) -> list[str]:
     """One row per trained run (its run.json): K, rank, loss, steps x batch, trainable parameters, seconds (of the
     process that finished it: a resumed run says from which checkpoint, its earlier processes' time not counted)."""
     lines = ["| run | K | rank | loss | steps x batch | trainable | seconds |", "|---|---:|---:|---|---|---:|---:|"]
     for run, record in records.items():
-        method = record["settings"].get("method", "mcl")  # a baseline's configuration is under its method's name
-        mcl, training = record["settings"][method], record["settings"]["training"]
-        resumed = record.get("resumed_from")
-        seconds = f"{record['seconds']:.0f}" + (f" (resumed from {resumed})" if resumed else "")
-        members = record["settings"].get("ensemble")  # an ensemble run (recipes.ensemble): its members' training
-        loss = f"ensemble of {' + '.join(members)}" if members else loss_name(mcl, method)
+        record = RunRecord.of(record)
+        settings = record.settings
+        mcl, training = settings.method_block, settings.training  # a baseline's under its method's name
+        resumed = record.resumed_from
+        seconds = f"{record.seconds:.0f}" + (f" (resumed from {resumed})" if resumed else "")
+        # an ensemble run (recipes.ensemble): its members' training
+        loss = f"ensemble of {' + '.join(settings.ensemble)}" if settings.ensemble else loss_name(mcl, settings.method)
         lines.append(f"| {run} | {mcl.get('num_hypotheses', 1)} | {mcl.get('r', '–')} | {loss} | "
-                     f"{training['steps']} x {training['batch_size']} | {record['trainable_parameters']:,} | "
+                     f"{training['steps']} x {training['batch_size']} | {record.trainable_parameters:,} | "
                      f"{seconds} |")
     return lines
 
@@ -131,13 +132,12 @@ def metrics_table(results: dict[str, dict], columns: Sequence[Column]) -> list[s
     return lines
 
 
-def method_label(record: dict) -> str:
+def method_label(record: RunRecord | dict) -> str:
     """The paper's name of a trained run (Fig. 3 legend), from its run.json."""
-    settings = record["settings"]
-    method = settings.get("method", "mcl")
-    if method == "moe":
+    settings = RunRecord.of(record).settings
+    if settings.method == "moe":
         return "LoRA-MoE"
-    mcl = settings["mcl"]
+    mcl = settings.values["mcl"]
     return f"LoRA-MLE r={mcl['r']}" if mcl["num_hypotheses"] == 1 else f"LoRA-MCL ({loss_name(mcl)})"
 
 
@@ -155,8 +155,8 @@ def decoding_label(system: System) -> str:
     return "greedy (penalty on logits)" if system.strategy == "greedy" else "beam search"
 
 
-def tradeoff_figure(results: dict[str, dict], systems: Sequence[System], records: dict[str, dict], x: str, y: str,
-                    out: Path, title: str | None = None) -> Path:
+def tradeoff_figure(results: dict[str, dict], systems: Sequence[System], records: dict[str, RunRecord], x: str,
+                    y: str, out: Path, title: str | None = None) -> Path:
     """Quality ``y`` against diversity ``x`` of every system (paper Fig. 3-4; ``results[name]["metrics"]``): a marker
     per method (``method_label`` of its run's record), a colour per decoding (``decoding_label``), each point
     labelled with its budget."""

@@ -4,7 +4,6 @@ experiment settings, its model and data, how one run trains and how one system d
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,7 +12,9 @@ from typing import ClassVar
 from loramcl.recipes.experiment import BEST, Experiment, trained_run
 from loramcl.recipes.grid import DecodeConfig, System, chosen_budgets, one_per_strategy
 from loramcl.recipes.stages import Stages
+from loramcl.utils.files import write_json
 from loramcl.utils.inputs import check_device, check_output
+from loramcl.utils.run_record import RunFile
 from loramcl.utils.threads import check_threads, use_threads
 from loramcl.utils.validate import require
 
@@ -200,7 +201,7 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
         for entry in experiment.table_runs(names):  # each run of the NLL table has its run file
             run = trained_run(entry)
             lacking = [member for member in members.get(run, [run])  # an ensemble's best: its members'
-                       if (values[member].get("training") or {}).get("keep_best") is not True]
+                       if (RunFile.of(values[member]).training or {}).get("keep_best") is not True]
             require(not entry.endswith(BEST) or not lacking,
                     f"nll_table: {entry} scores the best-validation adapters of {run}, but {', '.join(lacking)} "
                     "keeps none: set `training: {keep_best: true}` in its run file (an ensemble's: in its members'), "
@@ -245,8 +246,8 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     task.evaluate(systems)
 
     report = stages.timed("report", task.report, systems, trained)
-    report["timing_s"] = stages.timings | {"runs": {run: run_record(root / run)["seconds"] for run in trained}}
-    (root / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    report["timing_s"] = stages.timings | {"runs": {run: run_record(root / run).seconds for run in trained}}
+    write_json(root / "report.json", report, ensure_ascii=False)
     print((root / "report.md").read_text(encoding="utf-8"))
     print(f"report: {root / 'report.md'} (+ report.json, figures/)")
     return report

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loramcl.training.runs import CHECKPOINTS, file_stamp, finished_run, run_stamp, stale_checkpoint_fields
-from loramcl.utils.files import read_json
+from loramcl.utils.files import read_json, write_json
 from loramcl.utils.inputs import BEST_FOLDER, RUN_RECORD
 
 
@@ -46,7 +46,7 @@ class Stages:
             return False
         self.timed(name, fn, *args, **kwargs)
         record.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps({"settings": settings}, indent=1) + "\n")
+        write_json(record, {"settings": settings})
         return True
 
     def train(self, name: str, out: Path, settings: dict, fn: Callable, /, *args, **kwargs) -> bool:

@@ -10,30 +10,29 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 from loramcl.recipes import runner
 from loramcl.recipes.grid import DecodeConfig, System, systems_of
+from loramcl.utils.run_record import RunFile
 
 logger = logging.getLogger(__name__)  # a stage's progress, which the command shows (docs/guide/cli.md)
 TRAINING_FILES = ("train", "validation")
 """The data stage's files a run trains on (those written), whose SHA-256 its settings record."""
 
 
-def run_settings(values: dict, training, data: Path, examples: dict) -> dict:
-    """Everything that decides a run's adapters, as JSON (as read back from run.json): its model, its method's
-    configuration under the method's name (LoRA-MCL's under "mcl", as `loramcl train` records it), its training
-    settings and dtype, what its ``examples`` depend on beside the data, and the SHA-256 of its data files."""
+def run_file_settings(values: dict, training, data: Path, examples: dict) -> dict:
+    """``training.runs.run_settings`` of a run file (``values``) of a task whose examples are built in Python: no
+    `data:` block, but the quantization of its base, what its ``examples`` depend on beside the data, and the SHA-256
+    of the data stage's files it trains on (``data``/{train,validation}.jsonl, those written)."""
     from loramcl.recipes.files import method_of
-    from loramcl.training.runs import method_settings, quantization_settings
-    from loramcl.utils.files import sha256
+    from loramcl.training.runs import quantization_settings, run_settings
 
+    run, (method, config) = RunFile.of(values), method_of(values)
     files = {role: data / f"{role}.jsonl" for role in TRAINING_FILES}
-    return json.loads(json.dumps({
-        "model": values["model"], **method_settings(*method_of(values)), "training": asdict(training),
-        "dtype": values.get("dtype", "float32"), **quantization_settings(values.get("quantization")), **examples,
-        "data_sha256": {role: sha256(path) for role, path in files.items() if path.is_file()}}))
+    return run_settings(run.model, config, None, training, run.dtype, method,
+                        examples=quantization_settings(run.quantization) | examples,
+                        files={role: path for role, path in files.items() if path.is_file()})
 
 
 def fit_run(values: dict, training, settings: dict, examples: Callable[[], tuple]) -> dict:
@@ -44,13 +43,12 @@ def fit_run(values: dict, training, settings: dict, examples: Callable[[], tuple
     from loramcl.recipes.files import method_of
     from loramcl.training.fit import fit, resumable_checkpoint
 
-    method, config = method_of(values)
-    model, out, dtype = values["model"], values["out"], values.get("dtype", "float32")
+    run, (method, config) = RunFile.of(values), method_of(values)
     processor, train_set, eval_set, collator = examples()
     # quantized (the run's decoding reads it back from its run.json), loaded where this process trains
-    loader = training_model_loader(model, dtype, values.get("quantization"))
-    return fit(loader, out, config, training, settings, train_set, eval_set, collator=collator, processor=processor,
-               last_checkpoint=resumable_checkpoint(out, settings, True), method=method)
+    loader = training_model_loader(run.model, run.dtype, run.quantization)
+    return fit(loader, run.out, config, training, settings, train_set, eval_set, collator=collator,
+               processor=processor, last_checkpoint=resumable_checkpoint(run.out, settings, True), method=method)
 
 
 def decode_to_jsonl(out: Path, model, processor, items: dict, batch_size: int, arguments: dict,
@@ -119,7 +117,7 @@ class ProcessorTask(runner.Task):
         """A run's TrainConfig (its `training:` settings)."""
         from loramcl.training.config import TrainConfig
 
-        return TrainConfig(**values.get("training", {}))
+        return TrainConfig(**RunFile.of(values).training)
 
     def example_settings(self, values: dict) -> dict:
         """What a run's examples depend on beside the data files (e.g. the prompt): recorded in its settings."""
@@ -157,7 +155,8 @@ class ProcessorTask(runner.Task):
         """The run's model as it decodes, on ``self.device``."""
         from loramcl.models.load import load_model
 
-        return load_model(values["model"], adapters, values.get("dtype", "float32"), self.device)
+        run = RunFile.of(values)
+        return load_model(run.model, adapters, run.dtype, self.device)
 
     def prediction(self, key, candidates: list, processor) -> dict:
         """The predictions line of one test input: {"id", "candidates", "log_probs"} (+ "hypotheses")."""
@@ -166,17 +165,17 @@ class ProcessorTask(runner.Task):
         return prediction_record(key, candidates)
 
     def train(self, run: str, values: dict) -> None:
-        training = self.training_config(values)
-        settings = run_settings(values, training, self.data, self.example_settings(values))
+        run_file, training = RunFile.of(values), self.training_config(values)
+        settings = run_file_settings(values, training, self.data, self.example_settings(values))
 
         def examples() -> tuple:
-            processor = self.processor(values["model"])
+            processor = self.processor(run_file.model)
             return processor, *self.training_sets(values, training, processor), self.collator(processor)
 
-        self.stages.train(f"train {run}", Path(values["out"]), settings, fit_run, values, training, settings, examples)
+        self.stages.train(f"train {run}", Path(run_file.out), settings, fit_run, values, training, settings, examples)
 
     def decode(self, system: System, values: dict, arguments: dict, decode: DecodeConfig) -> None:
-        processor = self.processor(values["model"])
+        processor = self.processor(RunFile.of(values).model)
         model = self.decoding_model(values, str(self.root / system.run), processor)
         decode_to_jsonl(self.stages.predictions(system.name), model, processor, self.test_inputs(), decode.batch_size,
                         arguments, lambda batch, strength: self.inputs(processor, batch, strength),
@@ -185,7 +184,8 @@ class ProcessorTask(runner.Task):
     def score(self, run: str, values: dict, decode: DecodeConfig, out: Path) -> None:
         from loramcl.models.load import load_model
 
-        processor = self.processor(values["model"])
-        model = load_model(values["model"], str(self.scored_folder(run)), values.get("dtype", "float32"), self.device)
+        run_file = RunFile.of(values)
+        processor = self.processor(run_file.model)
+        model = load_model(run_file.model, str(self.scored_folder(run)), run_file.dtype, self.device)
         score_to_jsonl(out, model, self.reference_examples(processor), self.collator(processor), decode.batch_size,
                        self.device)

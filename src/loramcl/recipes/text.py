@@ -12,6 +12,7 @@ from typing import ClassVar
 from loramcl.recipes import runner
 from loramcl.recipes.experiment import Experiment
 from loramcl.recipes.grid import DecodeConfig, System, equal_budget_systems
+from loramcl.utils.run_record import RunFile
 from loramcl.utils.validate import require
 
 SMOLLM2_FOLDER = "SmolLM2-135M-Instruct"
@@ -62,7 +63,7 @@ class TextTask(runner.Task):
     def run_chat_template(values: dict) -> bool:
         from loramcl.training.config import DataConfig
 
-        return DataConfig(**values["data"]).chat_template
+        return DataConfig(**RunFile.of(values).data).chat_template
 
     def systems(self, values: dict[str, dict], budgets: list[int]) -> list[System]:
         """Each decoded run (default: every run with K = 1 or K = candidates) x each decoding x each budget."""
@@ -75,34 +76,35 @@ class TextTask(runner.Task):
     def train(self, run: str, values: dict) -> None:
         from loramcl.mcl.config import MCLConfig
         from loramcl.training.config import DataConfig, TrainConfig
-        from loramcl.training.fit import run_settings, train
-        from loramcl.training.runs import quantization_settings
+        from loramcl.training.fit import train
+        from loramcl.training.runs import quantization_settings, run_settings
 
-        data = dict(values["data"])
+        run_file = RunFile.of(values)
+        data = dict(run_file.data)
         if not (self.data / "validation.jsonl").is_file():  # no validation pairs given: the runs train without
             data["validation_file"] = None
         mcl, data_config = MCLConfig.from_dict(values["mcl"]), DataConfig(**data)
-        training, dtype = TrainConfig(**values.get("training", {})), values.get("dtype", "float32")
-        quantization = values.get("quantization")  # QLoRA-MCL; the decoding reads it back from the run's run.json
-        settings = run_settings(values["model"], mcl, data_config, training, dtype)
-        settings |= quantization_settings(quantization)
-        self.stages.train(f"train {run}", Path(values["out"]), settings, train, model=values["model"],
-                          out=values["out"], mcl=mcl, data=data_config, training=training, resume=True,
-                          threads=self.threads, dtype=dtype, quantization=quantization)
+        training = TrainConfig(**run_file.training)
+        # QLoRA-MCL: recorded as `loramcl train` records it; the decoding reads it back from the run's run.json
+        settings = run_settings(run_file.model, mcl, data_config, training, run_file.dtype)
+        settings |= quantization_settings(run_file.quantization)
+        self.stages.train(f"train {run}", Path(run_file.out), settings, train, model=run_file.model,
+                          out=run_file.out, mcl=mcl, data=data_config, training=training, resume=True,
+                          threads=self.threads, dtype=run_file.dtype, quantization=run_file.quantization)
 
     def decode(self, system: System, values: dict, arguments: dict, decode: DecodeConfig) -> None:
         from loramcl.decoding.predictions import generate
         from loramcl.utils.inputs import PEFT_FOLDER
 
-        single = self.hypotheses(values) == 1
-        generate(model=values["model"], input=str(self.test), out=str(self.stages.predictions(system.name)),
+        run_file, single = RunFile.of(values), self.hypotheses(values) == 1
+        generate(model=run_file.model, input=str(self.test), out=str(self.stages.predictions(system.name)),
                  adapters=str(self.root / system.run / (PEFT_FOLDER if single else "")), device=self.device,
-                 batch_size=decode.batch_size, chat_template=self.chat_template,
-                 dtype=values.get("dtype", "float32"), **arguments)
+                 batch_size=decode.batch_size, chat_template=self.chat_template, dtype=run_file.dtype, **arguments)
 
     def score(self, run: str, values: dict, decode: DecodeConfig, out: Path) -> None:
         from loramcl.training.reference_nll import nll
 
-        nll(model=values["model"], adapters=str(self.scored_folder(run)), input=str(self.test), out=str(out),
+        run_file = RunFile.of(values)
+        nll(model=run_file.model, adapters=str(self.scored_folder(run)), input=str(self.test), out=str(out),
             references_key=self.references_key, chat_template=self.chat_template, batch_size=decode.batch_size,
-            dtype=values.get("dtype", "float32"), device=self.device)
+            dtype=run_file.dtype, device=self.device)

@@ -15,7 +15,6 @@ settings, whole, and within its steps, is replaced when the run validates that s
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
@@ -24,7 +23,7 @@ from transformers import TrainerCallback
 
 from loramcl.mcl.adapter_files import WEIGHTS_NAME
 from loramcl.training.checkpoints import publish, staging_folder
-from loramcl.utils.files import sha256
+from loramcl.utils.files import sha256, write_json
 from loramcl.utils.inputs import BEST_FOLDER, PEFT_FOLDER
 from loramcl.utils.run_best import BEST_RECORD, check_best
 
@@ -86,5 +85,5 @@ class BestAdapters(TrainerCallback):
         if self.writing:
             record = {"step": state.global_step, "eval_loss": loss, "weights_sha256": sha256(staged / WEIGHTS_NAME),
                       "run": self.stamp}
-            (staged / BEST_RECORD).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+            write_json(staged / BEST_RECORD, record)
             publish(str(self.folder))

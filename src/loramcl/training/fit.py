@@ -10,11 +10,10 @@ and the model folder are checked.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -24,13 +23,13 @@ from loramcl.training.config import DataConfig, TrainConfig
 from loramcl.training.runs import (
     CHECKPOINTS,
     SETTINGS_NAME,
-    method_settings,
     quantization_settings,
+    run_settings,
     run_stamp,
     settings_stamp,
     stale_checkpoint_fields,
 )
-from loramcl.utils.files import read_json, sha256
+from loramcl.utils.files import read_json, write_json
 from loramcl.utils.inputs import (
     MCL_CONFIG,
     RUN_RECORD,
@@ -60,28 +59,6 @@ METHODS = ("mcl", "moe", "multihead")  # LoRA-MCL (K = 1: LoRA-MLE), LoRA-MoE, m
 COMMAND_MCL = MCLConfig(loss="relaxed", epsilon="auto", temperature_decay="auto")
 MethodConfig = MCLConfig | MoEConfig | MultiHeadConfig
 logger = logging.getLogger(__name__)  # a run's progress, which `loramcl <command>` shows (docs/guide/cli.md)
-
-
-def run_settings(model: str, mcl: MethodConfig, data: DataConfig, training: TrainConfig, dtype: str,
-                 method: str = "mcl") -> dict:
-    """Everything that decides a run's adapters, as JSON: its arguments and the SHA-256 of its data files (a
-    rebuilt file under the same name is another run). A finished run's run.json and its checkpoints record it.
-    ``mcl`` is the configuration of ``method`` (a baseline's is recorded under its method's name)."""
-    files = {"train": data.train_file, "validation": data.validation_file}
-    settings = {"model": model, **method_settings(method, mcl), "data": asdict(data), "training": asdict(training),
-                "dtype": dtype, "data_sha256": {name: data_sha256(path) for name, path in files.items() if path}}
-    return json.loads(json.dumps(settings))  # as read back from a file (lists, not tuples)
-
-
-def data_sha256(path: str) -> str:
-    """The SHA-256 of a data file; of a folder (a save_to_disk dataset), that of its files' names and hashes."""
-    if not Path(path).is_dir():
-        return sha256(path)
-    import hashlib
-
-    files = sorted(p for p in Path(path).rglob("*") if p.is_file())
-    listing = "".join(f"{p.relative_to(path).as_posix()} {sha256(p)}\n" for p in files)
-    return hashlib.sha256(listing.encode()).hexdigest()
 
 
 def method_config(method: str, mcl: MCLConfig | None, moe: MoEConfig | None,
@@ -315,7 +292,7 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
         trainer.add_callback(_epoch_callback(train_set))
     if saving:
         checkpoints.mkdir(parents=True, exist_ok=True)
-        (checkpoints / SETTINGS_NAME).write_text(json.dumps(settings, indent=1) + "\n")
+        write_json(checkpoints / SETTINGS_NAME, settings)
     writing = trainer.is_world_process_zero()  # the other processes hold the same adapters, or shards of them
     export_peft = method == "mcl" and mcl.num_hypotheses == 1  # a K = 1 run is a PEFT adapter too
     stamp = settings_stamp(settings)  # identifies the run in run.json and in its best's best.json
@@ -338,7 +315,7 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     # sharded: every process takes part in gathering the adapters; the first writes
     write_adapters(mcl_model, out_dir, export_peft, processor, writing, trainer.is_fsdp_enabled)
     if writing:
-        (out_dir / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
+        write_json(out_dir / "train_log.json", trainer.state.log_history)
     trainable, total = mcl_model.parameter_counts()
     run = {"settings": settings, STAMP: stamp, "resumed_from": trainer.resumed_from and Path(trainer.resumed_from).name,
            "threads": torch.get_num_threads(), "train_examples": len(train_set), "trainable_parameters": trainable,
@@ -346,7 +323,7 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     if trainer.specialisation is not None:  # did the hypotheses split (its line was logged), or why no verdict
         run["specialisation"] = trainer.specialisation.to_dict()
     if writing:
-        (out_dir / "run.json").write_text(json.dumps(run, indent=1) + "\n")
+        write_json(out_dir / RUN_RECORD, run)
         logger.info(f"trained {trainable:,} of {total:,} parameters in {seconds:.0f} s: {out_dir}")
     return run
 

@@ -12,8 +12,9 @@ from pathlib import Path
 from loramcl.baselines.config import MoEConfig, MultiHeadConfig
 from loramcl.mcl.config import MCLConfig
 from loramcl.training.config import DataConfig, TrainConfig
-from loramcl.utils.files import read_json
+from loramcl.utils.files import read_json, sha256
 from loramcl.utils.inputs import RUN_RECORD
+from loramcl.utils.run_record import RunRecord
 
 CHECKPOINTS = "checkpoints"  # Trainer's resumable checkpoints of a run, inside its `out` folder
 SETTINGS_NAME = "settings.json"  # in CHECKPOINTS: what the checkpoints were trained with, checked on resume
@@ -32,6 +33,31 @@ def _record_settings(path: Path) -> dict:
 
 
 METHOD_CONFIGS = {"mcl": MCLConfig, "moe": MoEConfig, "multihead": MultiHeadConfig}  # a run's method -> its settings
+
+
+def run_settings(model: str, mcl, data: DataConfig | None, training: TrainConfig, dtype: str, method: str = "mcl",
+                 examples: dict | None = None, files: dict[str, str | Path] | None = None) -> dict:
+    """Everything that decides a run's adapters, as JSON (as read back from run.json: lists, not tuples): its model,
+    its method's configuration (``mcl`` is that of ``method``, recorded under the method's name), its ``data``
+    settings (a run on dataset files, `loramcl train`), its training settings and dtype, what its examples depend on
+    beside the data files (``examples``: a recipe that builds its examples in Python, ``recipes.steps``), and the
+    SHA-256 of its data files (a rebuilt file under the same name is another run): ``data``'s train and validation
+    files, else ``files`` ({role: path}). A finished run's run.json and its checkpoints record it."""
+    if data is not None:
+        files = {"train": data.train_file, "validation": data.validation_file}
+    settings = {"model": model, **method_settings(method, mcl), **({"data": asdict(data)} if data is not None else {}),
+                "training": asdict(training), "dtype": dtype, **(examples or {}),
+                "data_sha256": {name: data_sha256(path) for name, path in (files or {}).items() if path}}
+    return json.loads(json.dumps(settings))
+
+
+def data_sha256(path: str | Path) -> str:
+    """The SHA-256 of a data file; of a folder (a save_to_disk dataset), that of its files' names and hashes."""
+    if not Path(path).is_dir():
+        return sha256(path)
+    files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+    listing = "".join(f"{p.relative_to(path).as_posix()} {sha256(p)}\n" for p in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
 
 
 def method_settings(method: str, config) -> dict:
@@ -102,9 +128,9 @@ def run_stamp(run: Path) -> str:
     return file_stamp(Path(run) / RUN_RECORD)
 
 
-def run_record(run: Path) -> dict:
-    """The run.json of a finished training run (``training.fit.fit``)."""
-    return read_json(Path(run) / RUN_RECORD, "it was damaged or edited: train the run again")
+def run_record(run: Path) -> RunRecord:
+    """The run.json of a finished training run (``training.fit.fit``), typed."""
+    return RunRecord.read(run)
 
 
 def settings_stamp(settings: dict) -> str:

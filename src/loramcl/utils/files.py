@@ -1,5 +1,6 @@
 """Files read and written with care: UTF-8 text, JSONL records and our own JSON records read with errors that name
-the file (and line), a file's SHA-256, and writing under a temporary name renamed when complete. Imports nothing heavy
+the file (and line), a file's SHA-256, and writing under a temporary name renamed when complete (``write_json``: our
+own JSON records, all written one way). Imports nothing heavy
 (the recipes use it before torch is loaded)."""
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ def write_atomically(path: str | os.PathLike, write) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def write_json(path: str | os.PathLike, value, indent: int | None = 1, ensure_ascii: bool = True) -> Path:
+    """Write a JSON record of ours (``read_json`` reads it back): ``json.dumps(value, indent, ensure_ascii)`` and a
+    newline, UTF-8, atomically (``write_atomically``: a reader, or a run killed while it writes, finds the old file
+    or the new one). ensure_ascii=False keeps non-ASCII text readable (a report's examples). Returns the path."""
+    text = json.dumps(value, indent=indent, ensure_ascii=ensure_ascii) + "\n"
+    write_atomically(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    return Path(path)
 
 
 def read_jsonl(path: str | Path, field: str, number_missing_ids: bool = False, hint: str = "") -> dict[object, dict]:

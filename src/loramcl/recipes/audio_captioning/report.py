@@ -59,6 +59,6 @@ def build_report(root: Path, experiment, systems: Sequence[System], runs: Sequen
     lines += ["", f"![training curves]({Path(curves).relative_to(root)})",
               f"![quality vs diversity]({Path(tradeoff).relative_to(root)})", ""]
     (root / "report.md").write_text("\n".join(lines), encoding="utf-8")
-    return {"data": stats, "runs": records, "systems": results, "figures": {"training": str(curves),
-                                                                              "tradeoff": str(tradeoff)}}
+    return {"data": stats, "runs": {run: r.values for run, r in records.items()}, "systems": results,
+            "figures": {"training": str(curves), "tradeoff": str(tradeoff)}}
 

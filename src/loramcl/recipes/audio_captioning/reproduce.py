@@ -26,6 +26,7 @@ from loramcl.recipes.experiment import Experiment as RecipeExperiment
 from loramcl.recipes.grid import System, check_sampling, check_tta
 from loramcl.recipes.steps import ProcessorTask
 from loramcl.recipes.stages import data_stats
+from loramcl.utils.files import write_json
 from loramcl.utils.validate import require, require_int, require_real
 
 DEFAULT_RECIPES = "audio_captioning/tiny"
@@ -197,7 +198,7 @@ def prepare_data(out: Path, experiment: Experiment, root: Path, quick: bool) -> 
                                    ensure_ascii=False) + "\n")
         stats["splits"][role] = {"split": split, "clips": len(clips), "captions": sum(len(c.captions) for c in clips),
                                  "skipped": len(skipped), "hours": round(seconds / 3600, 3)}
-    (out / "stats.json").write_text(json.dumps(stats, indent=1) + "\n", encoding="utf-8")
+    write_json(out / "stats.json", stats)
     return stats
 
 
@@ -215,8 +216,9 @@ def read_manifest(path: Path) -> list:
 def training_config(values: dict, experiment: Experiment, train_examples: int, quick: bool = False):
     """The run's TrainConfig, its steps and warm-up from experiment.epochs when given (not in a quick run)."""
     from loramcl.training.config import TrainConfig
+    from loramcl.utils.run_record import RunFile
 
-    settings = dict(values.get("training", {}))
+    settings = dict(RunFile.of(values).training)
     if experiment.epochs is not None and not quick:
         batch = settings.get("batch_size", TrainConfig.batch_size) * experiment.processes
         steps = max(1, math.ceil(experiment.epochs * train_examples / batch))

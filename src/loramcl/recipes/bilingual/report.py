@@ -50,7 +50,7 @@ def build_report(root: Path, systems, runs: list[str], scored: list[str], metric
     train = list(read_jsonl(root / "data" / "train.jsonl", "target").values())
     references = [r["references"] for r in test]
     identifier, identifier_accuracy = train_identifier(train, test)
-    run_info = {run: run_record(root / run) for run in runs}
+    run_info = {run: run_record(root / run).values for run in runs}
 
     results: dict[str, dict] = {}
     outputs: dict[str, list[list[str]]] = {}

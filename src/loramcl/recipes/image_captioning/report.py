@@ -62,7 +62,7 @@ def build_report(root: Path, experiment, systems, runs: list[str]) -> dict:
         candidates = {name: load_run(root / "predictions" / f"{name}.jsonl", root / "data" / "test.jsonl")[1]
                       for name in results}
         mcl_systems = [s.name for s in systems if s.strategy in ("greedy", "beam") and s.options == {}
-                       and records[s.run]["settings"].get("mcl", {}).get("num_hypotheses", 1) > 1]
+                       and records[s.run].settings.values.get("mcl", {}).get("num_hypotheses", 1) > 1]
         specialisation, more = bilingual_analysis(root, experiment.bilingual_settings().language, candidates,
                                                   mcl_systems)
         lines += more

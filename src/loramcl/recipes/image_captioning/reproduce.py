@@ -23,6 +23,7 @@ from loramcl.recipes.command import task_command
 from loramcl.recipes.experiment import Experiment as RecipeExperiment
 from loramcl.recipes.grid import System
 from loramcl.recipes.steps import ProcessorTask
+from loramcl.utils.files import write_json
 from loramcl.utils.validate import require, require_int
 
 DEFAULT_RECIPES = "image_captioning/tiny"
@@ -174,7 +175,7 @@ def prepare_data(out: Path, experiment: Experiment, quick: bool, device: str = "
              "captions": {name: sum(len(r["references"]) for r in images) for name, images in rows.items()}}
     if bilingual is not None:
         stats["translated_training_captions"] = sum(lang != "en" for r in rows["train"] for lang in r["languages"])
-    (out / "stats.json").write_text(json.dumps(stats, indent=1) + "\n", encoding="utf-8")
+    write_json(out / "stats.json", stats)
     return stats
 
 

@@ -19,6 +19,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loramcl.utils.files import write_json
+
 SPLIT_FILES = {"train": "TextCaps_0.1_train.json", "val": "TextCaps_0.1_val.json", "test": "TextCaps_0.1_test.json"}
 PER_IMAGE = ("all", "one")
 
@@ -222,7 +224,7 @@ def write_synthetic_textcaps(folder: str | Path, images: dict[str, int], seed: i
                              "reference_strs": references, "reference_tokens": [r.split() for r in references]}
                      for k, caption in enumerate(references)]
         content = {"dataset_type": split, "dataset_name": "textcaps", "dataset_version": "0.1", "data": data}
-        (folder / SPLIT_FILES[split]).write_text(json.dumps(content) + "\n", encoding="utf-8")
+        write_json(folder / SPLIT_FILES[split], content, indent=None)
     return folder
 
 

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loramcl.data.gettext_pairs import CatalogSettings
+from loramcl.utils.files import write_json
 from loramcl.utils.validate import require, require_int
 
 MODES = ("en", "fr")  # the English transcript, the French translation
@@ -205,7 +206,7 @@ def write_spoken_splits(out: str | Path, settings: SpokenSettings, max_seconds: 
                                  **({"french_references_per_message": round(sum(len(r["fr"]) for r in kept)
                                                                             / max(len(kept), 1), 3)}
                                     if name == "test" else {})}
-    (out / "stats.json").write_text(json.dumps(stats, indent=1) + "\n", encoding="utf-8")
+    write_json(out / "stats.json", stats)
     return stats
 
 

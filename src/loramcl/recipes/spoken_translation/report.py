@@ -77,7 +77,8 @@ def build_report(root: Path, experiment, systems, runs, scored: list[str], stats
         shown = [s.name for s in systems if s.budget == min(x.budget for x in systems)]
         examples = [{"source": r["source"], "fr": r["fr"][0], **{name: outputs[name][i] for name in shown}}
                     for i, r in enumerate(test[:EXAMPLES_SHOWN])]
-    return written_report(root, {"data": stats, "identifier": identifier_accuracy, "runs": records, "systems": results,
+    return written_report(root, {"data": stats, "identifier": identifier_accuracy,
+                                 "runs": {run: r.values for run, r in records.items()}, "systems": results,
                                  "likelihood": likelihood, "examples": examples, "figures": figures,
                                  "num_test_items": len(test), "context_seconds": experiment.context_seconds}, markdown)
 

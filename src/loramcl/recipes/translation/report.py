@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from loramcl.recipes.report import Column, inline, metrics_table, percent, runs_table, written_report
+from loramcl.utils.run_record import RunRecord
 
 EXAMPLES_SHOWN = 8
 COLUMNS = (Column("loo_bleu", "Loo-BLEU ↑", ".2f"), Column("pairwise_bleu", "Pairwise-BLEU ↓", ".2f"),
@@ -33,8 +34,8 @@ def clean(text: str) -> str:
     return lines[0] if lines else ""
 
 
-def method_name(record: dict) -> str:
-    mcl = record["settings"]["mcl"]
+def method_name(record: RunRecord) -> str:
+    mcl = record.settings.values["mcl"]
     k, r = mcl["num_hypotheses"], mcl["r"]
     return f"LoRA-MLE r={r}" if k == 1 else f"LoRA-MCL K={k} r={r}"
 
@@ -98,10 +99,10 @@ def build_report(root: Path, experiment, systems, nll_table: list[str], runs: li
 
     nll_rows = {}
     for run in nll_table:
-        mcl = records[run]["settings"]["mcl"]
+        mcl = records[run].settings.values["mcl"]
         summary = oracle_nll(nll[run])
         nll_rows[run] = {"K": mcl["num_hypotheses"], "r": mcl["r"],
-                         "trainable_parameters": records[run]["trainable_parameters"], **summary}
+                         "trainable_parameters": records[run].trainable_parameters, **summary}
 
     figures = {"curves": training_curves({run: root / run for run in runs}, root / "figures" / "training.png")}
     if results:
@@ -113,7 +114,8 @@ def build_report(root: Path, experiment, systems, nll_table: list[str], runs: li
             title=f"Quality vs diversity, K = {experiment.candidates} candidates (paper Fig. 4)"))
     examples = [{"source": sources[i], "references": references[i],
                  **{name: outputs[name][i] for name in outputs}} for i in range(min(EXAMPLES_SHOWN, len(test)))]
-    report = {"systems": results, "nll_table": nll_rows, "runs": records, "figures": figures, "examples": examples,
+    report = {"systems": results, "nll_table": nll_rows, "runs": {run: r.values for run, r in records.items()},
+              "figures": figures, "examples": examples,
               "num_test_items": len(test), "loo_references": r_min,
               "references_per_item": float(np.mean([len(r) for r in references])),
               "candidates": experiment.candidates, "bleu_tokenize": experiment.bleu_tokenize}

@@ -24,6 +24,7 @@ from pathlib import Path
 from loramcl.recipes.command import task_command
 from loramcl.recipes.grid import System
 from loramcl.recipes.text import TextExperiment, TextTask
+from loramcl.utils.files import write_json
 from loramcl.utils.validate import require
 
 DEFAULT_RECIPES = "translation/smollm2"
@@ -160,7 +161,7 @@ def prepare_data(out: Path, experiment: Experiment, tokenizer_folder: str, chat_
         counts[len(item["references"])] = counts.get(len(item["references"]), 0) + 1
     stats = {"examples": {name: len(rows) for name, rows in pairs.items()} | {"test": len(test)},
              "test_references": {str(n): counts[n] for n in sorted(counts)}, "separator": separator}
-    (out / "stats.json").write_text(json.dumps(stats, indent=1) + "\n", encoding="utf-8")
+    write_json(out / "stats.json", stats)
     return stats
 
 
