@@ -27,10 +27,10 @@ from loramcl.mcl.model import MCLModel
 from loramcl.mcl.step import mcl_step
 from loramcl.training.arguments import SETTING_NAMES, refuse_ignored_options, trainer_copy, trainer_settings
 from loramcl.training.checkpoints import StagedCheckpoints, checkpoint_step, checkpoint_to_resume, same_on_every_rank
-from loramcl.training.scoring_head import ScoringGradients, with_scoring_group
 from loramcl.training.distributed import AdaptersOnlyStateDict, refuse_data_parallel, refuse_fsdp1
 from loramcl.training.logs import LogStore
 from loramcl.training.schedule import warmup_shortfall
+from loramcl.training.scoring_head import ScoringGradients, with_scoring_group
 from loramcl.training.specialisation import NO_VERDICT, CollapseWatch, records_of, verdict, verdict_window
 from loramcl.training.throughput import Throughput, flops_per_token
 
