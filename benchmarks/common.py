@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from loramcl import MCLLoraLinear, mcl_loss
 from loramcl.decoding import generate_hypotheses
-from loramcl.training.trainer import scoring_block
+from loramcl.mcl.step import MCLStepOutput, mcl_step, scoring_block
 
 # LoRA on attention's q, k, v and the MLP's up and down projections (the paper's audio and vision setting)
 TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
@@ -110,24 +110,26 @@ def use_grouped_conv(mcl) -> None:
         layer.__class__ = GroupedConvLoraLinear
 
 
-def train_step(variant: str, mcl, batch: dict, optimizer) -> None:
-    """One training step (forward, backward, optimizer) of ``mcl`` on ``batch``, computed as ``variant`` says:
-    loop (K forwards of one hypothesis each, then one backward), wta-two-pass (score all K without gradient, then
-    forward and backward the winners only), wta-two-pass-blocks (the same with the scoring pass in blocks of
-    examples: what MCLTrainer runs for loss="wta"), or anything else: one forward of the K hypotheses stacked."""
+def train_step(variant: str, mcl, batch: dict, optimizer) -> MCLStepOutput | None:
+    """One training step (forward, backward, optimizer) of ``mcl`` on ``batch`` (its ``target_index``, if any, passed
+    as such), computed as ``variant`` says: loop (K forwards of one hypothesis each, then one backward: the reference
+    the stacked forward replaces), or MCLTrainer's own step (``loramcl.mcl.step.mcl_step``): wta-two-pass (score all
+    K without gradient, then forward and backward the winners only), wta-two-pass-blocks (the same with the scoring
+    pass in blocks of examples: what MCLTrainer runs for loss="wta"), or anything else: one forward of the K
+    hypotheses stacked. Returns the step's outputs (loss, winners, ...; None for loop)."""
     if variant == "loop":
         nll = torch.stack([mcl(**batch, hypotheses=h).nll for h in range(mcl.num_hypotheses)], dim=1)  # [B, K]
-        loss = mcl_loss(nll, mcl.mcl_config)[0]
-    elif variant.startswith("wta-two-pass"):
-        per_block = scoring_block(len(batch["labels"]), mcl.num_hypotheses) if variant.endswith("blocks") else None
-        with torch.no_grad():
-            winners = mcl(**batch, examples_per_block=per_block).nll.argmin(dim=1)  # [B]
-        loss = mcl(**batch, hypotheses=winners).loss
+        loss, outputs = mcl_loss(nll, mcl.mcl_config)[0], None
     else:
-        loss = mcl(**batch).loss
+        inputs = {name: value for name, value in batch.items() if name != "target_index"}
+        per_block = scoring_block(len(batch["labels"]), mcl.num_hypotheses) if variant.endswith("blocks") else None
+        outputs = mcl_step(mcl, inputs, mcl.mcl_config, two_pass=variant.startswith("wta-two-pass"),
+                           examples_per_block=per_block, target_index=batch.get("target_index"))
+        loss = outputs.loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return outputs
 
 
 def synchronize(device: str | torch.device) -> None:

@@ -23,16 +23,13 @@ import importlib
 import io
 import tempfile
 from pathlib import Path
-from unittest import mock
 
 import torch
 
-import loramcl.training.trainer as trainer_module
 from benchmarks.tiny import tiny_llama, token_rows
 from loramcl import MCLConfig, MCLTrainer, TrainConfig, get_mcl_model
 from loramcl.training.fit import training_arguments
 
-_WINNERS = trainer_module.loss_winners  # two-pass WTA's draw, recorded by _Recording.draw_winners
 LOSSES = {"wta": {}, "relaxed": {"epsilon": 0.05}, "annealed": {"temperature0": 1.0, "temperature_decay": 0.9}}
 
 
@@ -43,19 +40,12 @@ class _Recording(MCLTrainer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.recorded: list[tuple[float, torch.Tensor, torch.Tensor]] = []
-        self._drawn: torch.Tensor | None = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        self._drawn = None
         loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
-        if model.training:
-            chosen = self._drawn if self._drawn is not None else outputs.weights.argmax(dim=1)
-            self.recorded.append((loss.detach().item(), outputs.nll.detach().float().cpu(), chosen.cpu()))
+        if model.training:  # the step's winners (loramcl.mcl.step.MCLStepOutput)
+            self.recorded.append((loss.detach().item(), outputs.nll.detach().float().cpu(), outputs.winners.cpu()))
         return (loss, outputs) if return_outputs else loss
-
-    def draw_winners(self, nll: torch.Tensor, tie_break: str) -> torch.Tensor:
-        self._drawn = _WINNERS(nll, tie_break)
-        return self._drawn
 
 
 def train(loss: str, steps: int, k: int, rows: list[dict], out: Path, backend: str | None,
@@ -70,8 +60,7 @@ def train(loss: str, steps: int, k: int, rows: list[dict], out: Path, backend: s
     args = training_arguments(training, str(out), evaluating=False, use_cpu=True, disable_tqdm=True,
                               **({"torch_compile_backend": backend} if backend else {}))
     trainer = _Recording(mcl, args=args, train_dataset=rows)
-    with mock.patch.object(trainer_module, "loss_winners", trainer.draw_winners), \
-            contextlib.redirect_stdout(io.StringIO()):  # Trainer's log lines and the verdict: the table says it
+    with contextlib.redirect_stdout(io.StringIO()):  # Trainer's log lines and the verdict: the table says it
         trainer.train()
     adapters = torch.cat([p.detach().flatten() for p in mcl.parameters() if p.requires_grad])
     return trainer.recorded, adapters

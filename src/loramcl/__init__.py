@@ -15,7 +15,7 @@ _EXPORTS = {
     "MCLModel": "loramcl.mcl.model", "MCLOutput": "loramcl.mcl.model", "get_mcl_model": "loramcl.mcl.build",
     "load_mcl_model": "loramcl.models.mcl", "to_peft": "loramcl.mcl.export",
     "assemble_hypotheses": "loramcl.mcl.ensemble",
-    "MCLTrainer": "loramcl.training.trainer",
+    "MCLTrainer": "loramcl.training.trainer", "MCLTrainingArguments": "loramcl.training.arguments",
     "generate_hypotheses": "loramcl.decoding.strategies", "equal_budget": "loramcl.decoding.budget",
     "EqualBudget": "loramcl.decoding.budget", "Candidate": "loramcl.decoding.candidates",
     "Decoding": "loramcl.decoding.options",

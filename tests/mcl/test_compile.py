@@ -78,10 +78,9 @@ def _loss_and_gradients(mcl, forward):
 def test_the_compiled_forward_gives_the_eager_loss_and_gradients():
     """Relaxed WTA (annealed: test_the_annealed_forward_compiles_once_for_every_step)."""
     mcl, inputs, labels, index = _training_model("relaxed")
-    mcl.training_step = 3
     compiled = torch.compile(mcl, backend="aot_eager", fullgraph=True)
-    eager = _loss_and_gradients(mcl, lambda: mcl(**inputs, labels=labels, target_index=index).loss)
-    traced = _loss_and_gradients(mcl, lambda: compiled(**inputs, labels=labels, target_index=index).loss)
+    eager = _loss_and_gradients(mcl, lambda: mcl(**inputs, labels=labels, target_index=index, step=3).loss)
+    traced = _loss_and_gradients(mcl, lambda: compiled(**inputs, labels=labels, target_index=index, step=3).loss)
     torch.testing.assert_close(traced[0], eager[0])
     assert traced[1].keys() == eager[1].keys() and traced[1]
     for name, gradient in eager[1].items():
@@ -106,15 +105,15 @@ def test_each_pass_of_two_pass_wta_compiles_whole_with_the_eager_numbers():
 
 
 def test_the_annealed_forward_compiles_once_for_every_step():
-    """The temperature tau(t) is read as a value (``MCLModel._step``): one graph for all steps, each step's loss."""
+    """The temperature tau(t) is read as a value (the step as a 0-dim tensor, as MCLTrainer passes it compiled): one
+    graph for all steps, each step's loss."""
     mcl, inputs, labels, index = _training_model("annealed")
     compiled = torch.compile(mcl, backend="eager", fullgraph=True)
     counters.clear()
     for step in (0, 1, 5, 400):  # tau = 0.9^400 < temperature_min: hard WTA, in the same graph
-        mcl.training_step = step
         with torch.no_grad():
-            traced = compiled(**inputs, labels=labels, target_index=index)
-            eager = mcl(**inputs, labels=labels, target_index=index)
+            traced = compiled(**inputs, labels=labels, target_index=index, step=torch.tensor(step))
+            eager = mcl(**inputs, labels=labels, target_index=index, step=step)
         torch.testing.assert_close(traced.loss, eager.loss)
         torch.testing.assert_close(traced.weights, eager.weights)
     assert counters["stats"]["unique_graphs"] == 1

@@ -12,7 +12,7 @@ from tiny_models import build_batch, uneven_batch
 from transformers import TrainingArguments
 
 from loramcl import MCLTrainer
-from loramcl.training.trainer import scoring_block
+from loramcl.mcl.step import scoring_block
 
 
 def _scored(mcl, inputs, labels, examples_per_block=None):
@@ -102,7 +102,7 @@ def test_two_pass_step_with_the_scoring_pass_in_blocks_equals_it_whole(tmp_path,
         loss = trainer.compute_loss(model, {**inputs, "labels": labels})
         loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        results[per_block] = loss.detach(), trainer._train_wins.clone(), grads
+        results[per_block] = loss.detach(), trainer.log_store.wins.clone(), grads
         assert len(calls) == {None: 1, "auto": 3, 4: 2}[per_block] + 1  # scoring blocks (auto: 2, 2, 1), winners
     expected = results[None]
     assert expected[2]

@@ -170,11 +170,11 @@ def test_the_trainer_judges_a_partial_collapse_from_its_own_sums(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(10, 61, 10):
-            trainer._train_wins += torch.tensor([95, 10, 95])  # 200 examples over 10 steps
-            trainer._train_nll += torch.tensor([3.70, 5.01, 3.82]) * 200
-            trainer._train_oracle += 3.40 * 200
+            trainer.log_store.wins += torch.tensor([95, 10, 95])  # 200 examples over 10 steps
+            trainer.log_store.nll += torch.tensor([3.70, 5.01, 3.82]) * 200
+            trainer.log_store.oracle += 3.40 * 200
             if step == 10:
-                trainer._initial_nll += torch.tensor([5.2 * 20, 20])
+                trainer.log_store.initial_nll += torch.tensor([5.2 * 20, 20])
             trainer.state.global_step = step
             trainer.log({"loss": 3.5})
         trainer._judge_specialisation()

@@ -72,9 +72,9 @@ def temperature_decay(config: MCLConfig, total_steps: int | None = None) -> floa
         return config.temperature_decay
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"temperature_decay 'auto' sets rho from the run's number of optimizer steps, and none is "
-                         f"known (got {total_steps!r}): train with MCLTrainer (it sets MCLModel.training_steps from "
-                         "max_steps), set model.training_steps yourself, or give temperature_decay a number (the "
-                         "paper's: 0.999)")
+                         f"known (got {total_steps!r}): train with MCLTrainer (it passes the run's max_steps), pass "
+                         "total_steps to the forward (model(..., step=t, total_steps=T)) or to mcl_step yourself, or "
+                         "give temperature_decay a number (the paper's: 0.999)")
     return math.exp((math.log(config.temperature_min) - math.log(config.temperature0)) / floor_step(total_steps))
 
 

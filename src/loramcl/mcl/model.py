@@ -48,7 +48,7 @@ from loramcl.mcl.copies import (
 from loramcl.mcl.fingerprint import FrozenBase
 from loramcl.mcl.layers import DISABLED, INDEXED, SINGLE, HypothesisRouting, MCLLoraLinear
 from loramcl.mcl.logits import LabelLogits, output_layer_of
-from loramcl.mcl.losses import mcl_loss, step_tensor
+from loramcl.mcl.losses import mcl_loss
 from loramcl.mcl.nll import IGNORE_INDEX, aligned_targets
 from loramcl.mcl.routing import check_hypothesis, set_routing
 from loramcl.mcl.rows import nll_of_rows
@@ -106,9 +106,6 @@ class MCLModel(ActivationCheckpointing, nn.Module):
         self.routing = routing
         self.layer_names = layer_names
         self.frozen_base = base
-        self._step = torch.zeros((), dtype=torch.long)  # training_step as a tensor: a compiled forward's annealed tau
-        self.training_step = 0  # optimizer step, for the annealed temperature; MCLTrainer keeps it current
-        self.training_steps: int | None = None  # the run's optimizer steps (temperature_decay "auto"), MCLTrainer sets
         self._explicit_routing = 0
         self._adapters_disabled = 0
         self._detached: str | None = None  # how the adapters left the base model: 'merged in place' / 'unloaded'
@@ -160,15 +157,6 @@ class MCLModel(ActivationCheckpointing, nn.Module):
     @share_frozen_modules.setter
     def share_frozen_modules(self, value: bool) -> None:
         self.copy_hooks.share_frozen_modules = value
-
-    @property
-    def training_step(self) -> int:
-        return self._training_step
-
-    @training_step.setter
-    def training_step(self, step: int) -> None:
-        self._training_step = step
-        self._step = step_tensor(self._step, step, self.adapter_device())
 
     @property
     def method_config(self):
@@ -259,7 +247,7 @@ class MCLModel(ActivationCheckpointing, nn.Module):
 
     def forward(self, labels: torch.Tensor | None = None, hypotheses: int | torch.Tensor | None = None,
                 examples_per_block: int | None = None, target_index: torch.Tensor | None = None,
-                **inputs) -> MCLOutput:
+                step: int | torch.Tensor = 0, total_steps: int | None = None, **inputs) -> MCLOutput:
         """Run the hypotheses on a batch.
 
         labels: [B, T] token ids, -100 where nothing is predicted. With labels, returns ``nll`` and ``loss``.
@@ -277,6 +265,9 @@ class MCLModel(ActivationCheckpointing, nn.Module):
         target_index: [N] the positions whose output predicts a label (``loramcl.mcl.batch.checked_target_index``,
             once per batch outside the forward): given, nothing is checked or read on the host and the forward compiles
             whole; None: found and checked here. (No "label" in the name: Trainer would take it for a label column.)
+        step, total_steps: the loss's schedule position, the optimizer step of the run's (the annealed temperature's
+            t and T; ``loramcl.mcl.step.mcl_step`` passes them): an int, or in a compiled forward a 0-dim tensor on
+            the adapters' device (one graph for every step). Default: step 0 of a run of unknown length.
         inputs: every other input of the base model (input_ids, attention_mask, pixel_values,
             input_features, decoder_input_ids, ...), passed through untouched.
         """
@@ -314,16 +305,19 @@ class MCLModel(ActivationCheckpointing, nn.Module):
                               stacklevel=4)  # the caller of model(...), past nn.Module's call wrappers
                 index = self.routing.index.to(labels.device)
                 self._set_routing(None, rows=batch)
-                nll = self._forward_nll(inputs, targets, positions, target_index, stacked=True).nll  # [B, K]
+                nll = self._forward_nll(inputs, targets, positions, target_index, True, None, step,
+                                        total_steps).nll  # [B, K]
                 nll = nll.gather(1, index.unsqueeze(1)).squeeze(1)  # [B]
                 return MCLOutput(loss=nll.mean(), nll=nll)
-        return self._forward_nll(inputs, targets, positions, target_index, stacked, examples_per_block)
+        return self._forward_nll(inputs, targets, positions, target_index, stacked, examples_per_block, step,
+                                 total_steps)
 
     def _forward_nll(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, index: torch.Tensor,
-                     stacked: bool, examples_per_block: int | None = None) -> MCLOutput:
-        """nll of every example under the routing already set: [B, K] (stacked, with the loss) or [B]; stacked, the
-        examples run ``examples_per_block`` at a time (the loss and the scores see them all at once); ``index``: the
-        batch's target_index [N] (a block of examples finds its own)."""
+                     stacked: bool, examples_per_block: int | None = None, step: int | torch.Tensor = 0,
+                     total_steps: int | None = None) -> MCLOutput:
+        """nll of every example under the routing already set: [B, K] (stacked, with the loss at ``step`` of
+        ``total_steps``) or [B]; stacked, the examples run ``examples_per_block`` at a time (the loss and the scores
+        see them all at once); ``index``: the batch's target_index [N] (a block of examples finds its own)."""
         if not stacked:
             nll = nll_of_rows(self, inputs, targets, positions, index, stacked=False)[0]  # [B]
             return MCLOutput(loss=nll.mean(), nll=nll)
@@ -338,8 +332,7 @@ class MCLModel(ActivationCheckpointing, nn.Module):
             if block_states is not None:
                 states.append(block_states.view(k, -1, block_states.shape[-1]))  # [K, n, d]
         nll = torch.cat(nll, dim=1).T  # [B, K]
-        step = self._step if torch.compiler.is_compiling() else self.training_step  # a value, not a graph constant
-        loss, weights = mcl_loss(nll, self.mcl_config, step, self.training_steps, self.training)
+        loss, weights = mcl_loss(nll, self.mcl_config, step, total_steps, self.training)
         if self.scoring_head is None:
             return MCLOutput(loss=loss, nll=nll, weights=weights)
         # The head learns even inside the trainer's no-grad scoring pass of two-pass WTA (its inputs are detached).

@@ -20,7 +20,8 @@ import zipfile
 from collections.abc import Callable, Iterable
 
 import safetensors
-from accelerate import PartialState
+import torch
+from accelerate import Accelerator, PartialState
 from transformers import TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
@@ -157,6 +158,14 @@ class StagedCheckpoints(TrainerCallback):
         self.wait_for_pushes = wait_for_pushes
         self.publisher = _Publish(self)
 
+    def put_in_order(self, callbacks: list[TrainerCallback]) -> None:
+        """Staging last of the trainer's ``callbacks``, publishing first, whatever was added since."""
+        for callback in (self, self.publisher):
+            if callback in callbacks:
+                callbacks.remove(callback)
+        callbacks.insert(0, self.publisher)
+        callbacks.append(self)
+
     def unstage(self, args) -> None:
         """Point ``args.output_dir`` back at the run's folder (after a save, an evaluation that saved nothing, an
         error)."""
@@ -256,3 +265,13 @@ def checkpoint_to_resume(request: str | os.PathLike | bool, output_dir: str, say
             warnings.warn(f"no whole checkpoint to resume from in {folder}: training starts from the beginning",
                           stacklevel=3)
     return chosen
+
+
+def same_on_every_rank(checkpoint: str | None, accelerator: Accelerator) -> str | None:
+    """``checkpoint``, once every rank has chosen the same step to resume from (they resume the same or none)."""
+    step = -1 if checkpoint is None else checkpoint_step(checkpoint)
+    steps = accelerator.gather(torch.tensor([step], device=accelerator.device))  # [world size]
+    if (steps != step).any():
+        raise RuntimeError(f"the ranks found different checkpoints to resume from (global steps {steps.tolist()}, "
+                           "-1 = none): every rank must see the same files")
+    return checkpoint
