@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -87,7 +88,20 @@ def peft_reference(model, mcl):
 
 @pytest.fixture(scope="session")
 def smollm2_folder(tmp_path_factory):
-    """SmolLM2-135M-Instruct converted once per test session (about 20 s) for the recipes' end-to-end tests."""
+    """SmolLM2-135M-Instruct converted once per test run (about 20 s of a core) for the recipes' end-to-end tests:
+    under pytest-xdist into the run's folder that every worker shares (the first worker converts it, the others wait
+    for it), else into this session's own."""
+    from filelock import FileLock
+
     from loramcl.models import convert_smollm2
 
-    return convert_smollm2(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return convert_smollm2(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")
+    shared = tmp_path_factory.getbasetemp().parent  # pytest-N/, above each worker's popen-gwK/
+    folder = shared / "smollm2" / "SmolLM2-135M-Instruct"
+    with FileLock(str(shared / "smollm2.lock")):
+        if not (shared / "smollm2" / "converted").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            convert_smollm2(folder)
+            (shared / "smollm2" / "converted").touch()  # written last: a conversion cut short is redone
+    return folder
