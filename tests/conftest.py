@@ -26,12 +26,25 @@ torch.set_num_threads(1)
 FOLDER_MARKERS = {"recipes": "recipe", "system": "system"}
 
 
+# The test files that take longest (seconds of a core on 2 cores, a whole run: docs/benchmarks.md, "make main and make
+# test end to end"), longest first. `make test` hands whole files to its two workers (`--dist loadfile`: a module's
+# fixtures, such as a recipe's quick run, are made once) in collection order, so these start first and the short
+# files fill in around them; without the order, a long file handed out last keeps one core busy while the other
+# waits.
+LONGEST_FIRST = ("system/test_docs_run.py", "system/test_gpu_check.py", "recipes/test_markov.py",
+                 "recipes/test_bilingual_recipe.py", "system/test_distributed.py", "system/test_benchmark_suite.py",
+                 "test_cli.py", "system/test_wheel.py", "recipes/test_spoken_translation.py",
+                 "recipes/test_translation_recipe.py")
+
+
 def pytest_collection_modifyitems(config, items):
     here = os.path.dirname(os.path.abspath(__file__))
     for item in items:
         folder = os.path.relpath(str(item.path), here).split(os.sep)[0]
         if folder in FOLDER_MARKERS:
             item.add_marker(FOLDER_MARKERS[folder])
+    rank = {name: number for number, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.relpath(str(item.path), here).replace(os.sep, "/"), len(rank)))
 
 
 @pytest.fixture(autouse=True)
