@@ -442,8 +442,7 @@ REGISTRY = {
         why="the whole dry run takes minutes: its test runs this line as written, once"),
     ("docs/benchmarks.md", "PYTHONPATH=/tmp/site:src python3 -m benchmarks.checks.gpu_check --steps environment "
                            "compiled-8b suite --budget 540 --out runs/gpu-check-1 --work /tmp/gpu-check"): Module(
-        parse_only=True, covered_by="tests/system/test_gpu_check.py::"
-        "test_the_compiled_steps_dry_run_their_rows_with_peft_beside_them",
+        parse_only=True, covered_by="tests/system/test_gpu_check.py::test_the_steps_out_of_the_default_dry_run_pass",
         why="a GPU run (torch must see CUDA): the compiled steps' dry variant runs in that slow test, the others in "
             "the dry run"),
     ("docs/benchmarks.md", "PYTHONPATH=/tmp/site:src python3 -m benchmarks.checks.gpu_check --steps compiled-1b "
@@ -451,8 +450,8 @@ REGISTRY = {
                            "--work /tmp/gpu-check"):
     Module(
         parse_only=True, covered_by="tests/system/test_gpu_check.py::test_the_dry_run_passes_every_step",
-        why="a GPU run (torch must see CUDA): these steps' dry variants run in the dry run, compiled-1b's in "
-            "test_the_compiled_steps_dry_run_their_rows_with_peft_beside_them (slow)"),
+        why="a GPU run (torch must see CUDA): these steps' dry variants run in the dry run, compiled-1b's and "
+            "recipes-quick's in test_the_steps_out_of_the_default_dry_run_pass (slow)"),
     (G + "quantization.md", "import torch"): Python(
         "plain", subs=(('load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,',
                         "load_in_8bit=True,"),),
