@@ -2,14 +2,17 @@
 where a script needs another size.
 
 Its default is the tests' tiny Llama (tests/tiny_models.py's ``build_model("llama")``: 2 layers, width 32, vocabulary
-97, random weights), with the same word tokenizer (w3 ... w96) and token rows, so that a benchmark and a test built from
-the same seed hold the same weights. The tests keep their own copy: their helper scripts run in processes (torchrun,
-a killed checkpoint writer) that only see tests/ on their path.
+97, random weights), with the same word tokenizer (w3 ... w96) and token rows (both the library's,
+``loramcl.models.tiny``), so that a benchmark and a test built from the same seed hold the same weights. The tests keep
+their own builder: their helper scripts run in processes (torchrun, a killed checkpoint writer) that only see tests/
+on their path.
 """
 
 from __future__ import annotations
 
 import torch
+
+from loramcl.models.tiny import token_rows, word_tokenizer  # noqa: F401  (the scripts take them from here)
 
 VOCAB = 97
 
@@ -27,27 +30,3 @@ def tiny_llama(**changes) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM(tiny_llama_config(**changes))
-
-
-def word_tokenizer():
-    """A word-level tokenizer over the tiny Llama's vocabulary: w3 ... w96, with <pad>=0, <s>=1, </s>=2."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-
-
-def token_rows(n: int = 16, length: int = 8, seed: int = 0, prompt: int = 2) -> list[dict]:
-    """``n`` random token sequences as training rows, the first ``prompt`` positions unlabelled (-100)."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        ids = torch.randint(3, 80, (length,), generator=g)
-        labels = ids.clone()
-        labels[:prompt] = -100
-        rows.append({"input_ids": ids, "attention_mask": torch.ones(length, dtype=torch.long), "labels": labels})
-    return rows

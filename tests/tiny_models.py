@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import torch
 import transformers as tf
 
-from loramcl.models import tiny_llava_next_config, tiny_llava_next_processor
+from loramcl.models.tiny import tiny_llava_next_config, tiny_llava_next_processor
+from loramcl.models.tiny import token_rows, word_tokenizer  # noqa: F401  (the tests take them from here)
 
 VOCAB = 97
 IMAGE_TOKEN = AUDIO_TOKEN = 90  # inside the vocabulary, never drawn as an ordinary token (< 80)
@@ -286,16 +287,6 @@ def build_batch(name: str, model: torch.nn.Module, batch: int = 2, generator: to
     return {"input_ids": input_ids, "attention_mask": attention_mask}, labels
 
 
-def token_rows(n: int = 16, length: int = 8, seed: int = 0, prompt: int = 2) -> list[dict]:
-    """``n`` random token sequences as training rows, the first ``prompt`` positions unlabelled (-100)."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        ids = torch.randint(3, 80, (length,), generator=g)
-        labels = ids.clone()
-        labels[:prompt] = -100
-        rows.append({"input_ids": ids, "attention_mask": torch.ones(length, dtype=torch.long), "labels": labels})
-    return rows
 
 
 def save_tiny_run_inputs(root, examples: int = 16):
@@ -312,16 +303,6 @@ def save_tiny_run_inputs(root, examples: int = 16):
     return root
 
 
-def word_tokenizer():
-    """A word-level tokenizer over the tiny models' vocabulary: w3 ... w96, with <pad>=0, <s>=1, </s>=2."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
 # Caption words of the tiny LLaVA-NeXT processor (the chat template's words come with it).

@@ -1,5 +1,6 @@
 """Tiny randomly initialised models of real classes (Qwen2-Audio, LLaVA-NeXT) with their processors, for end-to-end
-checks of the audio and image recipes on the CPU: their outputs mean nothing."""
+checks of the audio and image recipes on the CPU: their outputs mean nothing; and the word tokenizer and token rows of
+the tests' and benchmarks' tiny Llama."""
 
 from __future__ import annotations
 
@@ -134,3 +135,31 @@ def tiny_llava_next(out: str | Path, words: Sequence[str], seed: int = 0) -> Pat
     model.save_pretrained(out)
     processor.save_pretrained(out)
     return out
+
+
+def word_tokenizer(vocab_size: int = 97):
+    """A word-level tokenizer for a tiny model of ``vocab_size`` tokens (the tests' and benchmarks' tiny Llama: 97):
+    w3 ... w{vocab_size - 1}, with <pad>=0, <s>=1, </s>=2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def token_rows(n: int = 16, length: int = 8, seed: int = 0, prompt: int = 2) -> list[dict]:
+    """``n`` random token sequences (ids 3 to 79) as training rows of a tiny model, the first ``prompt`` positions
+    unlabelled (-100)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(3, 80, (length,), generator=g)
+        labels = ids.clone()
+        labels[:prompt] = -100
+        rows.append({"input_ids": ids, "attention_mask": torch.ones(length, dtype=torch.long), "labels": labels})
+    return rows
