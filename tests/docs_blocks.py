@@ -443,8 +443,8 @@ REGISTRY = {
     ("docs/benchmarks.md", "PYTHONPATH=/tmp/site:src python3 -m benchmarks.checks.gpu_check --steps environment "
                            "compiled-8b suite --budget 540 --out runs/gpu-check-1 --work /tmp/gpu-check"): Module(
         parse_only=True, covered_by="tests/system/test_gpu_check.py::test_the_steps_out_of_the_default_dry_run_pass",
-        why="a GPU run (torch must see CUDA): the compiled steps' dry variant runs in that slow test, the others in "
-            "the dry run"),
+        why="a GPU run (torch must see CUDA): the compiled steps' and suite's dry variants run in that slow test, "
+            "environment's in the dry run"),
     ("docs/benchmarks.md", "PYTHONPATH=/tmp/site:src python3 -m benchmarks.checks.gpu_check --steps compiled-1b "
                            "commands paper-textcaps recipes-quick --budget 540 --out runs/gpu-check-2 "
                            "--work /tmp/gpu-check"):

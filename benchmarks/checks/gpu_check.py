@@ -225,12 +225,13 @@ STEPS = [Step("environment", 30, 60, _environment), Step("main-job", 60, 150, _m
          Step("paper-textcaps", 190, DRY_TEXTCAPS, _paper_recipe("image-captioning", "textcaps", "llava-next", "mcl")),
          Step("compiled-1b", 200, DRY_COMPILED, _compiled("llama-1b")),
          Step("compiled-8b", 480, DRY_COMPILED, _compiled("llama-8b"))]
-# The dry run without --steps: all but the compiled steps (65 s each here, aot_eager at the tiny shape) and
-# recipes-quick (101 s of a core in CI: the audio and image quick recipes on the fake accelerator, which CI runs on the
-# CPU in tests/recipes/, their training on the fake accelerator in paper-clotho and paper-textcaps, and `loramcl
-# generate` on it in commands): more than CI's 15 minutes can hold; tests/system/test_gpu_check.py runs the three in
-# a test marked slow.
-DRY_SLOW = ("recipes-quick", "compiled-1b", "compiled-8b")
+# The dry run without --steps: all but the compiled steps (65 s each here, aot_eager at the tiny shape), recipes-quick
+# (101 s of a core in CI: the audio and image quick recipes on the fake accelerator, which CI runs on the CPU in
+# tests/recipes/, their training on the fake accelerator in paper-clotho and paper-textcaps, and `loramcl generate` on
+# it in commands) and suite (33 s: its dry variant is the tiny shape's training section on the CPU, which
+# tests/system/test_benchmark_suite.py runs): more than CI's 15 minutes can hold; tests/system/test_gpu_check.py runs
+# the four in a test marked slow.
+DRY_SLOW = ("recipes-quick", "suite", "compiled-1b", "compiled-8b")
 DRY_DEFAULT = [s.name for s in STEPS if s.name not in DRY_SLOW]
 
 
