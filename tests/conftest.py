@@ -7,8 +7,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Tiny models run fastest on one thread, and two threads slow down up to 100x when another process holds a core. Set
 # before torch loads, so that the commands the tests run in this process (and the processes they start) keep it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# A test that asks for more threads (the bilingual recipe's threads=2) must not spin beside another job: measured, its
-# quick recipe took 504 s beside one busy process with OpenMP's default waits, 95 s with passive ones.
+# A command that asks for more threads must not spin beside another job: measured, the bilingual quick recipe with
+# two threads took 504 s beside one busy process with OpenMP's default waits, 95 s with passive ones (its test now
+# runs it on one thread: the other core is the other xdist worker's).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(__file__))
 

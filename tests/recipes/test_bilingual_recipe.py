@@ -19,7 +19,7 @@ SYSTEMS = ("mle-beam-b2", "mle-diversebeam-b2", *(f"mcl-{loss}-{decoding}-b2" fo
 def quick(tmp_path_factory, smollm2_folder):
     out = tmp_path_factory.mktemp("bilingual")
     (out / "SmolLM2-135M-Instruct").symlink_to(smollm2_folder)  # converted once per test session
-    return out, bilingual(out=str(out), quick=True, threads=2)
+    return out, bilingual(out=str(out), quick=True, threads=1)
 
 
 def test_quick_recipe_writes_every_output(quick):
@@ -60,7 +60,7 @@ def test_quick_recipe_writes_every_output(quick):
 
 def test_a_second_run_reuses_the_finished_stages(quick):
     out, first = quick
-    again = bilingual(out=str(out), quick=True, threads=2)
+    again = bilingual(out=str(out), quick=True, threads=1)
     assert set(again["timing_s"]) == {"convert model", "report", "runs"}  # nothing retrained or decoded
     for run in RUNS:  # each run records the hash of the data it was trained on: a rebuilt dataset retrains it
         recorded = json.loads((out / run / "run.json").read_text())["settings"]["data_sha256"]
