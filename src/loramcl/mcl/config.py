@@ -14,6 +14,7 @@ LossName = Literal["wta", "relaxed", "annealed"]
 LOSS_NAMES: tuple[str, ...] = ("wta", "relaxed", "annealed")
 ADAPTER_DTYPES: tuple[str, ...] = ("float32", "base")
 TIE_BREAKS: tuple[str, ...] = ("lowest", "random")
+BALANCES: tuple[str, ...] = ("none", "bias")
 # The adapter output is scaled by alpha / r (rsLoRA: alpha / sqrt(r)); the paper and the packaged recipes use 1 to 4.
 # After one AdamW step (about the learning rate on every B entry) the output moves by about scaling x r x lr: past
 # 100 the first steps already throw the model far from the base, and at 1e30 every gradient norm is infinite.
@@ -93,6 +94,29 @@ class MCLConfig:
     first step, and the others may never win one (measured in docs/guide/scores.md). Only exact ties are drawn; with
     K = 1 nothing is."""
 
+    balance: Literal["none", "bias"] = "none"
+    """Balanced assignment (an extension, off by default): 'bias' picks each example's winner as
+    argmin_k (nll_k - b_k) with a bias b per hypothesis that the trainer moves by balance_rate after every optimizer
+    step toward equal win shares (DeepSeek-V3's auxiliary-loss-free load balancing, applied to WTA): b_k rises while
+    hypothesis k wins less than 1/K of a step's examples, so an idle hypothesis is handed the examples it nearly wins,
+    without relaxed WTA's pull toward the mean. Training state only: saved with checkpoints, never used to evaluate or
+    decode (docs/guide/scores.md, "Balanced assignment and a staged split")."""
+
+    balance_rate: float = 0.01
+    """balance='bias': the bias step in nats per token per optimizer step, b_k += balance_rate * sign(1/K - share_k).
+    0.01 lets a bias cross 0.6 nats in a 60-step run, about the distance an idle hypothesis fell behind the others in
+    the defaults study, while its step-to-step jitter (one balance_rate) stays below most examples' margins."""
+
+    split_after: float = 0.0
+    """A staged split (an extension, off at 0): for the first ceil(split_after * T) of the run's T optimizer steps
+    every hypothesis learns from every example (q = 1/K: the mean of the K NLLs), then the configured loss takes over,
+    after a one-time symmetry break (split_noise). A fraction in [0, 1); needs the run's length (MCLTrainer's
+    max_steps)."""
+
+    split_noise: float = 0.1
+    """With split_after: at the switch, each layer's lora_B [K, r, d_out] gets seeded Gaussian noise of this standard
+    deviation relative to that tensor's RMS, so the hypotheses, trained alike until then, start the split apart."""
+
     scoring: bool = False
     """Hypothesis scores p(k | c) (an extension, off by default): a linear score per hypothesis from its own hidden
     state at the last context position, softmax over K, trained to maximise the mixture likelihood
@@ -151,6 +175,18 @@ class MCLConfig:
                 "hypothesis scores' loss, and scoring is off: set scoring true, or leave scoring_weight out",
                 "scoring_weight")
         require(self.tie_break in TIE_BREAKS, f"tie_break must be one of {TIE_BREAKS}, got {self.tie_break!r}")
+        require(self.balance in BALANCES, f"balance must be one of {BALANCES}, got {self.balance!r}", "balance")
+        require_real("balance_rate", self.balance_rate, low=0.0, low_open=True,
+                     hint=" (the balancing bias's step in nats per optimizer step)")
+        require(self.balance == "bias" or self.balance_rate == 0.01, f"balance_rate {self.balance_rate!r} is the "
+                "balancing bias's step, and balance is 'none': set balance bias, or leave balance_rate out",
+                "balance_rate")
+        require_real("split_after", self.split_after, low=0.0, high=1.0, high_open=True,
+                     hint=" (the share of the run's optimizer steps before the split; 0: none)")
+        require_real("split_noise", self.split_noise, low=0.0, hint=" (relative to the RMS of lora_B)")
+        require(self.split_after > 0 or self.split_noise == 0.1, f"split_noise {self.split_noise!r} breaks the "
+                "symmetry at a staged split, and split_after is 0 (no split): set split_after, or leave split_noise "
+                "out", "split_noise")
         require(self.adapter_dtype in ADAPTER_DTYPES,
                f"adapter_dtype must be one of {ADAPTER_DTYPES}, got {self.adapter_dtype!r}")
         if self.epsilon != "auto":
@@ -281,7 +317,7 @@ MCLConfig.__init__ = _refusing_peft_only_options(MCLConfig.__init__)
 # A setting that only acts beside another: (that setting, the value it needs). A configuration given for training is
 # refused when it sets one without the other (the value would be ignored); a saved one reads it as its default.
 ACTS_ONLY_WITH = {"epsilon": ("loss", "relaxed"), "scoring_weight": ("scoring", True),
-                  "router_std": ("router_init", "normal")}
+                  "router_std": ("router_init", "normal"), "balance_rate": ("balance", "bias")}
 
 
 def saved_values(values: dict) -> dict:

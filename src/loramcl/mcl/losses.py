@@ -114,6 +114,24 @@ def temperature_tensor(step: torch.Tensor, config: MCLConfig, total_steps: int |
     return torch.where(hard, 0.0, tau)
 
 
+def split_step(config: MCLConfig, total_steps: int | None) -> int:
+    """The first optimizer step of the configured loss under a staged split (``split_after`` > 0):
+    ceil(split_after * T) of the run's T optimizer steps (0 without a split: the configured loss from the start)."""
+    if not config.split_after:
+        return 0
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"split_after {config.split_after!r} is a share of the run's optimizer steps, and none is "
+                         f"known (got {total_steps!r}): train with MCLTrainer (it passes the run's max_steps), pass "
+                         "total_steps to the forward or to mcl_step yourself, or set split_after 0")
+    return max(1, math.ceil(config.split_after * total_steps - 1e-9))  # 1e-9: 0.1 * 30 is 3.0000000000000004
+
+
+def shared_phase(step: int | torch.Tensor, config: MCLConfig, total_steps: int | None) -> bool | torch.Tensor:
+    """Whether optimizer step ``step`` (an int, or a 0-dim tensor: then a 0-dim bool tensor) is in a staged split's
+    shared phase, where every hypothesis learns from every example."""
+    return step < split_step(config, total_steps)
+
+
 def step_tensor(kept: torch.Tensor, step: int, device: torch.device) -> torch.Tensor:
     """``step`` in a 0-dim tensor on ``device``, ``kept`` refilled where it is there already (filling it queues a
     kernel, no host sync; a CPU step read by a GPU graph would be copied in, waiting for the stream): what a compiled
@@ -151,13 +169,20 @@ ASSIGNMENTS: dict[str, WeightFn] = {
 }
 
 
+def balanced(nll: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """nll [B, K] less the balancing bias b [K] (``MCLConfig.balance``), what the winner is the argmin of: argmin_k
+    (nll[b, k] - b_k), and the annealed loss's softmax(-(nll - b) / tau); ``nll`` itself, detached, without a bias."""
+    return nll.detach() if bias is None else nll.detach().float() - bias.to(nll.device, torch.float32)
+
+
 def mcl_loss(nll: torch.Tensor, config: MCLConfig, step: int | torch.Tensor = 0, total_steps: int | None = None,
-             training: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+             training: bool = True, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The configured loss of ``nll`` [B, K] at optimizer step ``step`` (an int, or a 0-dim tensor in a compiled
     forward: ``temperature_tensor``) of ``total_steps`` (needed by the annealed
-    loss's ``temperature_decay="auto"`` only): (scalar loss, weights q [B, K]). Outside training (``training``
-    False) or with K = 1, an "auto" schedule of unknown length is read at its end: vanilla WTA (no run's length to
-    fit, and nothing learns from these weights; MCLTrainer's evaluation loss is WTA anyway)."""
+    loss's ``temperature_decay="auto"`` and by ``split_after``): (scalar loss, weights q [B, K]). Outside training
+    (``training`` False) or with K = 1, an "auto" schedule of unknown length is read at its end: vanilla WTA (no run's
+    length to fit, and nothing learns from these weights; MCLTrainer's evaluation loss is WTA anyway), and a staged
+    split is over. ``bias`` [K]: the balancing bias subtracted before the winners are picked (``balanced``)."""
     if nll.dim() != 2 or nll.shape[1] != config.num_hypotheses:
         raise ValueError(f"nll must have shape [batch, K={config.num_hypotheses}], got {tuple(nll.shape)}")
     assignment = ASSIGNMENTS[config.loss]
@@ -165,5 +190,10 @@ def mcl_loss(nll: torch.Tensor, config: MCLConfig, step: int | torch.Tensor = 0,
             and (not training or config.num_hypotheses == 1)):
         assignment = ASSIGNMENTS["wta"]
     with torch.no_grad():
-        weights = assignment(nll.detach(), config, step, total_steps)
+        weights = assignment(balanced(nll, bias), config, step, total_steps)
+        if config.split_after and training and config.num_hypotheses > 1:  # the staged split's shared phase: 1/K
+            shared = shared_phase(step, config, total_steps)
+            uniform = torch.full_like(weights, 1.0 / config.num_hypotheses)
+            weights = torch.where(shared.to(weights.device), uniform, weights) if torch.is_tensor(shared) else (
+                uniform if shared else weights)
     return weighted_nll(nll, weights), weights

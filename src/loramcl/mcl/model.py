@@ -247,7 +247,8 @@ class MCLModel(ActivationCheckpointing, nn.Module):
 
     def forward(self, labels: torch.Tensor | None = None, hypotheses: int | torch.Tensor | None = None,
                 examples_per_block: int | None = None, target_index: torch.Tensor | None = None,
-                step: int | torch.Tensor = 0, total_steps: int | None = None, **inputs) -> MCLOutput:
+                step: int | torch.Tensor = 0, total_steps: int | None = None,
+                balance_bias: torch.Tensor | None = None, **inputs) -> MCLOutput:
         """Run the hypotheses on a batch.
 
         labels: [B, T] token ids, -100 where nothing is predicted. With labels, returns ``nll`` and ``loss``.
@@ -268,6 +269,8 @@ class MCLModel(ActivationCheckpointing, nn.Module):
         step, total_steps: the loss's schedule position, the optimizer step of the run's (the annealed temperature's
             t and T; ``loramcl.mcl.step.mcl_step`` passes them): an int, or in a compiled forward a 0-dim tensor on
             the adapters' device (one graph for every step). Default: step 0 of a run of unknown length.
+        balance_bias: [K] the balancing bias (``MCLConfig.balance``) the stacked loss subtracts before it picks the
+            winners (``losses.balanced``), an argument as ``step`` is; None: none (evaluation never has one).
         inputs: every other input of the base model (input_ids, attention_mask, pixel_values,
             input_features, decoder_input_ids, ...), passed through untouched.
         """
@@ -310,14 +313,15 @@ class MCLModel(ActivationCheckpointing, nn.Module):
                 nll = nll.gather(1, index.unsqueeze(1)).squeeze(1)  # [B]
                 return MCLOutput(loss=nll.mean(), nll=nll)
         return self._forward_nll(inputs, targets, positions, target_index, stacked, examples_per_block, step,
-                                 total_steps)
+                                 total_steps, balance_bias)
 
     def _forward_nll(self, inputs: dict, targets: torch.Tensor, positions: torch.Tensor, index: torch.Tensor,
                      stacked: bool, examples_per_block: int | None = None, step: int | torch.Tensor = 0,
-                     total_steps: int | None = None) -> MCLOutput:
+                     total_steps: int | None = None, bias: torch.Tensor | None = None) -> MCLOutput:
         """nll of every example under the routing already set: [B, K] (stacked, with the loss at ``step`` of
-        ``total_steps``) or [B]; stacked, the examples run ``examples_per_block`` at a time (the loss and the scores
-        see them all at once); ``index``: the batch's target_index [N] (a block of examples finds its own)."""
+        ``total_steps``, its winners picked less the balancing ``bias``) or [B]; stacked, the examples run
+        ``examples_per_block`` at a time (the loss and the scores see them all at once); ``index``: the batch's
+        target_index [N] (a block of examples finds its own)."""
         if not stacked:
             nll = nll_of_rows(self, inputs, targets, positions, index, stacked=False)[0]  # [B]
             return MCLOutput(loss=nll.mean(), nll=nll)
@@ -332,7 +336,7 @@ class MCLModel(ActivationCheckpointing, nn.Module):
             if block_states is not None:
                 states.append(block_states.view(k, -1, block_states.shape[-1]))  # [K, n, d]
         nll = torch.cat(nll, dim=1).T  # [B, K]
-        loss, weights = mcl_loss(nll, self.mcl_config, step, total_steps, self.training)
+        loss, weights = mcl_loss(nll, self.mcl_config, step, total_steps, self.training, bias)
         if self.scoring_head is None:
             return MCLOutput(loss=loss, nll=nll, weights=weights)
         # The head learns even inside the trainer's no-grad scoring pass of two-pass WTA (its inputs are detached).

@@ -26,6 +26,10 @@ class LogStore:
         self.nonfinite_loss = torch.zeros((), dtype=torch.bool, device=device)  # checked when logging and saving
         self.nonfinite_grad_norm = torch.zeros((), dtype=torch.bool, device=device)  # likewise
         self.temperature: float | None = None  # tau of the latest training step (annealed loss)
+        # MCLConfig.balance "bias" (training.balance owns them): the bias [K] the training step subtracts before it
+        # picks the winners, logged as bias_h{k}, and the wins [K] of this optimizer step's micro-batches
+        self.balance_bias: torch.Tensor | None = None
+        self.step_wins: torch.Tensor | None = None
         self.eval_prefix = "eval"
         self.eval_nll: list[torch.Tensor] = []  # [B, K] per batch, gathered over the ranks, on the CPU
         self.eval_mixture: list[torch.Tensor] = []  # [B] per batch, likewise
@@ -34,7 +38,10 @@ class LogStore:
         """A training step's loss, winners [B] and nll [B, K] (``first``: of the run's first optimizer step, the base
         model's NLL, against which the split gap is judged)."""
         self.nonfinite_loss |= ~torch.isfinite(step.loss.detach())  # no host sync here
-        self.wins += torch.bincount(step.winners, minlength=self.wins.shape[0]).to(self.wins.device)  # [K]
+        wins = torch.bincount(step.winners, minlength=self.wins.shape[0]).to(self.wins.device)  # [K]
+        self.wins += wins
+        if self.step_wins is not None:
+            self.step_wins += wins
         nll = step.nll.detach().float()  # [B, K], what the loss saw
         self.nll += nll.sum(dim=0).to(self.nll.device)
         self.oracle += nll.min(dim=1).values.sum().to(self.oracle.device)
@@ -67,12 +74,16 @@ class LogStore:
 
     def drain(self, reduce: Reduce) -> dict[str, float]:
         """``win_rate_h{k}``, ``nll_h{k}``, ``split_gap`` (and ``initial_nll`` in the first log) of the steps since
-        the last log, summed over the ranks; the sums start again from 0."""
+        the last log, summed over the ranks; the sums start again from 0. With a balancing bias, ``bias_h{k}``: its
+        value now (the same on every rank)."""
         totals = (self.wins, self.nll, self.oracle, self.initial_nll)
         sums = [reduce(total.clone()) for total in totals]
         for total in totals:
             total.zero_()
-        return log_values(*sums)
+        logs = log_values(*sums)
+        if self.balance_bias is not None and logs:
+            logs |= {f"bias_h{k}": value for k, value in enumerate(self.balance_bias.tolist())}
+        return logs
 
     def start_evaluation(self, prefix: str) -> None:
         self.eval_prefix, self.eval_nll, self.eval_mixture = prefix, [], []

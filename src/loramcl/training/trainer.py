@@ -24,8 +24,9 @@ from loramcl.mcl.batch import batch_target_index
 from loramcl.mcl.compat import check_trainer_methods
 from loramcl.mcl.losses import schedule_line, step_tensor, temperature_at
 from loramcl.mcl.model import MCLModel
-from loramcl.mcl.step import mcl_step
+from loramcl.mcl.step import hard_wta_at, mcl_step
 from loramcl.training.arguments import SETTING_NAMES, refuse_ignored_options, trainer_copy, trainer_settings
+from loramcl.training.balance import assignment_callbacks
 from loramcl.training.checkpoints import StagedCheckpoints, checkpoint_step, checkpoint_to_resume, same_on_every_rank
 from loramcl.training.distributed import AdaptersOnlyStateDict, refuse_data_parallel, refuse_fsdp1
 from loramcl.training.logs import LogStore
@@ -93,7 +94,7 @@ class MCLTrainer(Trainer):
         self.log_store = LogStore(model.num_hypotheses, self.args.device)  # the values log() emits
         self._scoring_gradients = ScoringGradients(self.accelerator, self.args.max_grad_norm, model.scoring_head,
                                                    self.log_store.record_grad_norm)
-        for callback in (self._checkpoints, self._scoring_gradients, self._adapters_only):
+        for callback in (self._checkpoints, self._scoring_gradients, self._adapters_only, *assignment_callbacks(self)):
             self.add_callback(callback)
         if given.get("data_collator") is None:  # Trainer's default cannot pad labels: rows of any length work
             self.data_collator = PadExamples(padding_id(self.processing_class, model))
@@ -120,14 +121,14 @@ class MCLTrainer(Trainer):
             return self._evaluation_loss(model, inputs, return_outputs, index)
         config, step = mcl.mcl_config, self.state.global_step
         total_steps = self.state.max_steps or (self.args.max_steps if self.args.max_steps > 0 else None)
-        two_pass = self.settings.two_pass_wta and config.loss == "wta" and mcl.num_hypotheses > 1
+        two_pass = self.settings.two_pass_wta and hard_wta_at(step, config, total_steps)  # not in a shared phase
         per_block = self.settings.scoring_examples_per_block  # "auto" compiled: the whole batch (no host reads)
         per_block = None if per_block == "auto" and self.args.torch_compile else per_block
         if self.args.torch_compile:  # a tensor: a changing int would be a constant of the graph, one graph per step
             self._step_tensor = step_tensor(self._step_tensor, step, mcl.adapter_device())
         outputs = mcl_step(model, inputs, config, step=self._step_tensor if self.args.torch_compile else step,
                            total_steps=total_steps, two_pass=two_pass, examples_per_block=per_block,
-                           target_index=index)
+                           target_index=index, balance_bias=self.log_store.balance_bias)
         if config.loss == "annealed" and mcl.num_hypotheses > 1:
             self.log_store.temperature = temperature_at(step, config, total_steps)
         self.log_store.record_step(outputs, first=step == 0)
