@@ -165,3 +165,34 @@ def test_the_options_are_saved_and_read_back_and_an_older_file_reads_them_as_off
     (tmp_path / "a" / "mcl_config.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="split_after must be a finite number"):
         load_mcl_model(build_model("llama"), tmp_path / "a")
+
+
+def test_the_compiled_forward_reads_the_bias_and_the_shared_phase_as_values():
+    """The bias [K] and the step are tensors of the compiled forward: one graph for every step and bias, through the
+    shared phase and after it, with eager's weights (tie_break lowest: no random draw inside the graph)."""
+    import torch._dynamo
+    from conftest import wrapped_model
+    from torch._dynamo.utils import counters
+
+    from loramcl.mcl.batch import checked_target_index
+
+    mcl, _, inputs, labels = wrapped_model("llama", num_hypotheses=3, loss="relaxed", epsilon=0.1, balance="bias",
+                                           split_after=0.5, tie_break="lowest")
+    mcl.train()
+    index = checked_target_index(mcl, inputs, labels)  # as MCLTrainer gives it compiled: no host read inside
+    torch._dynamo.reset()
+    compiled = torch.compile(mcl, backend="eager", fullgraph=True)
+    counters.clear()
+    try:
+        for step, bias in ((0, [0.0, 0.0, 0.0]), (1, [0.0, 0.1, -0.1]), (2, [0.0, 0.2, -0.2]), (3, [5.0, 0.0, 0.0])):
+            bias = torch.tensor(bias)
+            with torch.no_grad():
+                traced = compiled(**inputs, labels=labels, target_index=index, step=torch.tensor(step), total_steps=4,
+                                  balance_bias=bias)
+                eager = mcl(**inputs, labels=labels, target_index=index, step=step, total_steps=4, balance_bias=bias)
+            torch.testing.assert_close(traced.weights, eager.weights, rtol=0, atol=0)
+            torch.testing.assert_close(traced.loss, eager.loss)
+        assert eager.weights.argmax(dim=1).tolist() == [0] * labels.shape[0]  # the last bias hands h0 every example
+        assert counters["stats"]["unique_graphs"] == 1
+    finally:
+        torch._dynamo.reset()
