@@ -90,8 +90,8 @@ def mcl_step(model: nn.Module, inputs: dict, config: MCLConfig, *, step: int | t
         examples_per_block = None if target_index is None else scoring_block(inputs["labels"].shape[0],
                                                                               config.num_hypotheses)
     with torch.no_grad():  # nll [B, K]; the scoring head, if any, learns from this pass
-        scored = model(**inputs, examples_per_block=examples_per_block, target_index=target_index, step=step,
-                       total_steps=total_steps)  # the schedule a staged split's loss reads (its weights unused)
+        scored = model(**inputs, examples_per_block=examples_per_block, target_index=target_index,
+                       total_steps=total_steps)  # the run's length, which a staged split's loss reads (weights unused)
     winners = loss_winners(balanced(scored.nll, balance_bias), config.tie_break)  # [B]; no host read between passes
     outputs = model(**inputs, hypotheses=winners, target_index=target_index)  # forward + backward of the winners
     loss = outputs.loss
