@@ -1,6 +1,7 @@
 """2-process CPU runs (torchrun, gloo): MCLTrainer under DDP ends with identical adapters on both ranks, without DDP's
 unused-parameter search, and its checkpoint holds both ranks' RNG states; an MCLModel sharded by hand with FSDP2, and
-MCLTrainer under accelerate's FSDP2, train to the adapters of one process."""
+MCLTrainer under accelerate's FSDP2, train to the adapters of one process; the balancing bias counts every rank's
+wins."""
 
 import json
 import os
@@ -139,3 +140,16 @@ def test_trainer_under_accelerate_fsdp2_checkpoints_adapters_only_resumes_and_eq
         layer, part = key.rsplit(".", 1)
         assert torch.equal(peft[f"base_model.model.{layer}.{part}.weight"], value[0].T), key
     assert set(os.listdir(run / "checkpoints" / "checkpoint-2")) == ours | {"pytorch_model_fsdp_0", "optimizer_0"}
+
+
+def test_the_balancing_bias_counts_every_ranks_wins_and_stays_the_same_on_every_rank(tmp_path):
+    """MCLConfig(balance="bias", split_after=0.25) on 2 ranks, batches of 2 accumulated over 2, 8 steps: each update
+    of the bias sees the 8 wins of its optimizer step (both micro-batches of both ranks), none is made in the 2 steps
+    of the shared phase, and both ranks end with the same bias and adapters (the symmetry break, drawn from the run's
+    seed, included)."""
+    result = run_on_two_processes("distributed_balance_train.py", tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    assert [sum(wins) for wins in ranks[0]["wins"]] == [8] * 6
+    assert ranks[0]["biases"][:2] == [[0.0] * 3] * 2 and any(any(bias) for bias in ranks[0]["biases"])
