@@ -195,6 +195,16 @@ def test_the_symmetry_break_is_applied_exactly_once_across_a_resume(tmp_path, mo
         _assert_identical(resumed, straight)
 
 
+def test_a_recipe_file_takes_the_options(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text("model: m\nout: o\ndata:\n  train_file: t.jsonl\nmcl:\n  balance: bias\n"
+                                       "  balance_rate: 0.02\n  split_after: 0.3\n  split_noise: 0.2\n")
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(tmp_path / "run.yaml"), "--print_config"])
+    printed = capsys.readouterr().out
+    for line in ("balance: bias", "balance_rate: 0.02", "split_after: 0.3", "split_noise: 0.2"):
+        assert f"  {line}\n" in printed, printed
+
+
 def test_loramcl_train_takes_the_options_and_saves_them(tmp_path):
     build_model("llama").save_pretrained(tmp_path / "tiny")
     word_tokenizer().save_pretrained(tmp_path / "tiny")
