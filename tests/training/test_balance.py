@@ -109,8 +109,11 @@ def test_the_balancing_bias_resumes_bit_identical_after_a_kill(tmp_path, loss):
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     del state["stateful_callbacks"]["BalancingBias"]
     (tmp_path / "c" / checkpoint.name / "trainer_state.json").write_text(json.dumps(state))
-    forgetful = _train(tmp_path / "d", config, resume=str(tmp_path / "c" / checkpoint.name))
+    forgetful = _train(tmp_path / "d", config, resume=str(tmp_path / "c" / checkpoint.name), save_strategy="steps",
+                       save_steps=1)  # its checkpoints take the bias up again
     assert not torch.equal(forgetful.log_store.balance_bias, straight.log_store.balance_bias)
+    resaved = json.loads((tmp_path / "d" / "checkpoint-6" / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert resaved["BalancingBias"]["attributes"]["saved_bias"] == forgetful.log_store.balance_bias.tolist()
 
 
 def test_trainers_own_callback_restoring_is_refused_with_what_to_do(tmp_path):
