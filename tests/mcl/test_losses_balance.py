@@ -149,6 +149,9 @@ def test_the_options_are_saved_and_read_back_and_an_older_file_reads_them_as_off
     config = MCLConfig(num_hypotheses=2, r=2, target_modules=["q_proj"], balance="bias", balance_rate=0.02,
                        split_after=0.25, split_noise=0.3)
     assert MCLConfig.from_dict(config.to_dict()) == config
+    # off (the defaults), a configuration writes the same fields as before these options existed
+    assert not {"balance", "balance_rate", "split_after", "split_noise"} & set(MCLConfig().to_dict())
+    assert set(MCLConfig(balance="bias").to_dict()) - set(MCLConfig().to_dict()) == {"balance"}
     assert {"balance", "balance_rate", "split_after", "split_noise"} <= TRAINING_SETTINGS  # no output changes
     torch.manual_seed(0)
     get_mcl_model(build_model("llama"), config).save_pretrained(tmp_path / "a")

@@ -23,6 +23,9 @@ MAX_SCALING = 100.0
 # acts on the logged total, where the scoring loss (nats per token, like the hypotheses' loss) weighs beta times;
 # past 100 that total is the scoring loss alone, and at 1e30 the head's gradient norm overflows.
 MAX_SCORING_WEIGHT = 100.0
+# Settings added by issue 63, written (mcl_config.json, run.json) only where they differ from their default: with them
+# off a configuration saves the same files as before they existed, and a file without them reads them as off.
+WRITTEN_WHEN_SET: tuple[str, ...] = ("balance", "balance_rate", "split_after", "split_noise")
 # epsilon 'auto' for relaxed WTA (`loramcl train`'s default loss, issue 53): measured over three tasks at a first-try
 # budget (docs/benchmarks.md, "Which defaults split on a first try"), relaxed WTA left no hypothesis idle in 12 runs,
 # vanilla WTA one in 4 of 6; epsilon 0.05 is the paper's translation value.
@@ -259,7 +262,10 @@ class MCLConfig:
         return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as a dict, those of ``WRITTEN_WHEN_SET`` only where they differ from their default."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in WRITTEN_WHEN_SET}
+        return {name: value for name, value in dataclasses.asdict(self).items()
+                if name not in defaults or value != defaults[name]}
 
     @classmethod
     def from_dict(cls, values: dict) -> MCLConfig:
