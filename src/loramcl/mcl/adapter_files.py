@@ -1,5 +1,5 @@
 """The files of an MCL model: ``mcl_adapters.safetensors`` (every hypothesis' lora_A [K, d_in, r] and lora_B
-[K, r, d_out], the scoring head) and ``mcl_config.json`` (the method's configuration, the adapted layers, the weights'
+[K, r, d_out], with a shared adapter its shared_A [d_in, s] and shared_B [s, d_out], the scoring head) and ``mcl_config.json`` (the method's configuration, the adapted layers, the weights'
 SHA-256, the dtypes of the tensors, the SHA-256 of the settings that change the outputs, the base weights'
 fingerprint). Saving, loading into a model, and reading with every check made before a weight is copied (so a failed
 load leaves the model as it was).
@@ -16,6 +16,7 @@ What loading verifies, and what it only warns about (``strict=True`` makes every
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -37,6 +38,7 @@ CONFIG_NAME = MCL_CONFIG
 WEIGHTS_NAME = MCL_WEIGHTS
 FORMAT_VERSION = 1
 SCORING_PREFIX = "scoring"  # the scoring head's tensors in mcl_adapters.safetensors: scoring.weight, scoring.bias
+SHARED_PARTS = ("shared_A", "shared_B")  # the shared adapter's tensors of a layer (MCLConfig.shared_r > 0)
 SETTINGS_METADATA = "loramcl_settings"  # the output settings in the weights file's header, to name an edited field
 # Fields of a method's configuration that only shape training (its loss, dropout, initialisation) or how the NLL is
 # computed (in chunks, to the same values): editing them in mcl_config.json changes no output of the saved adapters
@@ -114,7 +116,8 @@ def load_adapters(model, path: str | os.PathLike, verify: bool = True, strict: b
     if config.scoring != ours.scoring:
         raise ValueError(f"{path} {'has' if config.scoring else 'has no'} hypothesis scores (scoring="
                          f"{config.scoring}); this model was built with scoring={ours.scoring}")
-    theirs, mine = (output_settings({"mcl_config": c.to_dict()})["mcl_config"] for c in (config, ours))
+    # every field, those to_dict leaves out at their default included (a shared_r of 4 against none)
+    theirs, mine = (output_settings({"mcl_config": dataclasses.asdict(c)})["mcl_config"] for c in (config, ours))
     differing = [name for name in sorted(mine) if not same_setting(name, theirs.get(name), mine[name])]
     if differing:
         raise ValueError(f"{path} holds adapters with {', '.join(f'{n}={theirs.get(n)!r}' for n in differing)}; "
@@ -126,8 +129,8 @@ def load_adapters(model, path: str | os.PathLike, verify: bool = True, strict: b
     check_wrapped_base_weights(path, saved, model.base_model, model.frozen_base.fingerprint, strict)
     with torch.no_grad():
         for name, layer in layers.items():
-            _copy_whole(layer.lora_A, tensors[f"{name}.lora_A"])
-            _copy_whole(layer.lora_B, tensors[f"{name}.lora_B"])
+            for part, param in layer.adapter_tensors().items():  # lora_A, lora_B (shared_A, shared_B)
+                _copy_whole(param, tensors[f"{name}.{part}"])
         copy_scoring_head(model.scoring_head, tensors)
     if not is_trainable:
         model.eval()
@@ -365,7 +368,8 @@ def check_scoring_fits(path, tensors: dict[str, torch.Tensor], head: HypothesisS
 
 def _check_adapter_tensors(weights: str, config: MCLConfig, modules: list[str],
                            tensors: dict[str, torch.Tensor]) -> None:
-    expected = {f"{name}.{part}" for name in modules for part in ("lora_A", "lora_B")}
+    parts = ("lora_A", "lora_B", *(SHARED_PARTS if config.shared_r else ()))
+    expected = {f"{name}.{part}" for name in modules for part in parts}
     if config.scoring:
         expected |= {f"{SCORING_PREFIX}.weight", f"{SCORING_PREFIX}.bias"}
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
@@ -378,6 +382,13 @@ def _check_adapter_tensors(weights: str, config: MCLConfig, modules: list[str],
         if a.dim() != 3 or b.dim() != 3 or a.shape[0] != k or b.shape[0] != k or a.shape[2] != r or b.shape[1] != r:
             raise ValueError(f"{weights}: {name} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; K={k}, r={r} "
                              f"needs [{k}, d_in, {r}] and [{k}, {r}, d_out]")
+        if config.shared_r:
+            s, shared_a, shared_b = config.shared_r, tensors[f"{name}.shared_A"], tensors[f"{name}.shared_B"]
+            if tuple(shared_a.shape) != (a.shape[1], s) or tuple(shared_b.shape) != (s, b.shape[2]):
+                raise ValueError(f"{weights}: {name} has shared_A {tuple(shared_a.shape)} and shared_B "
+                                 f"{tuple(shared_b.shape)}; shared_r={s} with lora_A {tuple(a.shape)} and lora_B "
+                                 f"{tuple(b.shape)} needs [{a.shape[1]}, {s}] and [{s}, {b.shape[2]}]: the file was "
+                                 "damaged or edited; restore the one save_pretrained wrote")
     if config.scoring:
         weight, bias = tensors[f"{SCORING_PREFIX}.weight"], tensors[f"{SCORING_PREFIX}.bias"]
         if weight.dim() != 2 or weight.shape[0] != k or tuple(bias.shape) != (k,):

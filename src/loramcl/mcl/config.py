@@ -132,13 +132,24 @@ class MCLConfig:
     positions run on K*B rows (docs/architecture.md). Such adapters are not standard PEFT LoRA: export and merge
     refuse them."""
 
+    shared_r: int = 0
+    """Rank s of the shared adapter (an extension, off by default: 0, the paper's model). With s > 0 every adapted
+    layer has one more LoRA pair, A [d_in, s] and B [s, d_out], applied to every row whatever its hypothesis, so that
+    every example trains it (its gradient is sum_k q[b,k] times a row's, weights that sum to 1). Hypothesis k with the
+    shared pair is ONE LoRA of rank s + r: both pairs are scaled by alpha / (s + r) (alpha / sqrt(s + r) with
+    ``use_rslora``), read the same dropped-out input, and export as one PEFT LoRA of rank s + r. A LoRA-MLE of the
+    same trainable count has rank K*r + s."""
+
     def __post_init__(self) -> None:
         if isinstance(self.target_modules, tuple | set):
             self.target_modules = sorted(self.target_modules)
         require_int("num_hypotheses", self.num_hypotheses)
         require_int("r", self.r, what="(LoRA rank)")
         require_real("alpha", self.alpha, low=0.0, low_open=True, hint=" (the adapter output is scaled by alpha/r)")
-        divisor, said = (math.sqrt(self.r), "alpha/sqrt(r)") if self.use_rslora is True else (self.r, "alpha/r")
+        require_int("shared_r", self.shared_r, minimum=0, what="(the shared adapter's rank; 0: none)")
+        rank = "(shared_r + r)" if self.shared_r else "r"
+        divisor, said = (math.sqrt(self.lora_rank), f"alpha/sqrt{rank}" if self.shared_r else "alpha/sqrt(r)") if (
+            self.use_rslora is True) else (self.lora_rank, f"alpha/{rank}")
         require(self.alpha / divisor <= MAX_SCALING, f"alpha {self.alpha:g} scales the adapter output by {said} = "
                 f"{self.alpha / divisor:g}, more than {MAX_SCALING:g}: set alpha at most {MAX_SCALING * divisor:g} "
                 "(the paper and the recipes use alpha/r from 1 to 4)", "alpha")
@@ -219,11 +230,20 @@ class MCLConfig:
         return AUTO_EPSILON if self.loss == "relaxed" and self.num_hypotheses > 1 else 0.0
 
     @property
+    def lora_rank(self) -> int:
+        """The rank of one hypothesis as a plain LoRA: r, plus the shared adapter's shared_r."""
+        return self.r + self.shared_r
+
+    @property
     def scaling(self) -> float:
-        return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
+        rank = self.lora_rank
+        return self.alpha / math.sqrt(rank) if self.use_rslora else self.alpha / rank
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every field, less those of ``WRITTEN_WHEN_SET`` at their default: with a new option off, the files and the
+        run settings written are those written before it existed (and read back, a missing field is its default)."""
+        return {name: value for name, value in dataclasses.asdict(self).items()
+                if not (name in WRITTEN_WHEN_SET and value == WRITTEN_WHEN_SET[name])}
 
     @classmethod
     def from_dict(cls, values: dict) -> MCLConfig:
@@ -276,6 +296,11 @@ def _refusing_peft_only_options(init):
 
 
 MCLConfig.__init__ = _refusing_peft_only_options(MCLConfig.__init__)
+
+
+# Options added after files were first written, with their off value: ``to_dict`` leaves them out at it, so that
+# adapters and runs trained with the option off are written byte for byte as before it existed.
+WRITTEN_WHEN_SET = {"shared_r": 0}
 
 
 # A setting that only acts beside another: (that setting, the value it needs). A configuration given for training is
