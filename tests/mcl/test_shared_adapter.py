@@ -1,6 +1,6 @@
-"""The shared adapter (``MCLConfig.shared_r``): one LoRA pair of rank s on every adapted layer, run by every row, so that
-hypothesis k with it is ONE LoRA of rank s + r (scaling alpha / (s + r)). Off (s = 0) the model is today's exactly; on,
-it equals PEFT LoRAs of rank s + r, exports to them, saves, loads and decodes."""
+"""The shared adapter (``MCLConfig.shared_r``): one LoRA pair of rank s on every adapted layer, run by every row, so
+that hypothesis k with it is ONE LoRA of rank s + r (scaling alpha / (s + r)). Off (s = 0) the model is today's
+exactly; on, it equals PEFT LoRAs of rank s + r, exports to them, saves, loads and decodes."""
 
 import copy
 import json
@@ -358,3 +358,19 @@ def test_assembling_runs_with_a_shared_adapter_is_refused(tmp_path):
         mcl.save_pretrained(tmp_path / str(seed))
     with pytest.raises(ValueError, match="has a shared adapter"):
         assemble_hypotheses(build_model("llama"), [tmp_path / "0", tmp_path / "1"])
+
+
+def test_activation_checkpointing_gives_the_same_gradients_with_a_shared_adapter():
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        mcl, *_, inputs, labels = _shared_model(dropout=0.1)
+        mcl.train()
+        if checkpointing:
+            mcl.activation_checkpointing_enable({"use_reentrant": False})
+        torch.manual_seed(1)
+        mcl(**inputs, labels=labels).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in mcl.named_parameters() if p.requires_grad})
+    assert any("shared_A" in name and grad.abs().sum() > 0 for name, grad in grads[0].items())
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=0, msg=name)

@@ -1,5 +1,6 @@
 """The files of an MCL model: ``mcl_adapters.safetensors`` (every hypothesis' lora_A [K, d_in, r] and lora_B
-[K, r, d_out], with a shared adapter its shared_A [d_in, s] and shared_B [s, d_out], the scoring head) and ``mcl_config.json`` (the method's configuration, the adapted layers, the weights'
+[K, r, d_out], with a shared adapter its shared_A [d_in, s] and shared_B [s, d_out], the scoring head) and
+``mcl_config.json`` (the method's configuration, the adapted layers, the weights'
 SHA-256, the dtypes of the tensors, the SHA-256 of the settings that change the outputs, the base weights'
 fingerprint). Saving, loading into a model, and reading with every check made before a weight is copied (so a failed
 load leaves the model as it was).

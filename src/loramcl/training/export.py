@@ -164,7 +164,8 @@ def model_card(mcl, base: str, folders: list[str], record: tuple[Path, dict] | N
     rows = [("base model", f"`{base}`"), ("hypotheses", f"{len(names)} of K = {cfg.num_hypotheses}: "
                                           f"{', '.join(names)}"),
             ("method", "LoRA-MCL (multiple choice learning of LoRA adapters)"), ("loss", loss),
-            ("rank", f"{cfg.lora_rank}{shared}, {scaling}"), ("adapted layers", f"{len(mcl.layer_names)} ({short_names})")]
+            ("rank", f"{cfg.lora_rank}{shared}, {scaling}"),
+            ("adapted layers", f"{len(mcl.layer_names)} ({short_names})")]
     if invocation is not None:
         rows.append(("activated LoRA", f"from the invocation token {invocation} on (the context computed once)"))
     data = settings.get("data") or {}
