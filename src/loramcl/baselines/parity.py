@@ -48,8 +48,8 @@ class ParameterParity:
         return self.moe_experts + self.moe_routers
 
     def summary(self) -> str:
-        shared = f" shared_r={self.shared_r}" if self.shared_r else ""
-        lines = [f"LoRA-MCL  K={self.num_hypotheses} r={self.r}{shared} on {self.layers} layers: {self.mcl:,} trainable",
+        mcl = f"K={self.num_hypotheses} r={self.r}" + (f" shared_r={self.shared_r}" if self.shared_r else "")
+        lines = [f"LoRA-MCL  {mcl} on {self.layers} layers: {self.mcl:,} trainable",
                  f"LoRA-MLE  r={self.mle_rank}: {self.mle:,}",
                  f"LoRA-MoE  E={self.moe_num_experts} r={self.moe_rank}: {self.moe:,} = {self.moe_experts:,} experts "
                  f"+ {self.moe_routers:,} routers ({100 * (self.moe - self.mcl) / self.mcl:.2f}% more than LoRA-MCL)"]

@@ -52,7 +52,8 @@ STRICT_HINT = "strict=True, or --strict true in loramcl generate / nll, refuses 
 
 
 def adapter_state_dict(model, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """{'<layer>.lora_A': [K, d_in, r], '<layer>.lora_B': [K, r, d_out]} on CPU, from ``state_dict`` (e.g.
+    """{'<layer>.lora_A': [K, d_in, r], '<layer>.lora_B': [K, r, d_out]} (and '<layer>.shared_A' [d_in, s],
+    '<layer>.shared_B' [s, d_out] with a shared adapter) on CPU, from ``state_dict`` (e.g.
     one Trainer gathered from DeepSpeed/FSDP) when given, else from this model. Adapters sharded by FSDP2
     (``fully_shard``: DTensors) are gathered whole, a collective that every rank must call."""
     tensors = {}
