@@ -12,6 +12,7 @@ import torch
 from tiny_models import build_model, save_tiny_run_inputs, word_tokenizer
 
 from benchmarks.studies import kmeans_purity as kmeans
+from loramcl.data.prompts import encode_pairs
 
 
 def test_purity_is_the_share_in_their_clusters_majority_mode_and_a_collapse_scores_chance():
@@ -35,8 +36,6 @@ def test_features_are_the_means_over_the_target_positions_of_the_layers_outputs(
     rows = [{"prompt": "w5 w20 w7", "target": "w40 w60 w41 w42"}, {"prompt": "w6", "target": "w41"},
             {"prompt": "w8 w9", "target": "w43 w61"}]
     features = kmeans.target_features(model, tokenizer, rows, batch_size=2)  # padded batches, sorted by length
-    from loramcl.data.prompts import encode_pairs
-
     for i, pair in enumerate(encode_pairs(tokenizer, [r["prompt"] for r in rows], [r["target"] for r in rows])):
         with torch.no_grad():  # one row alone, unpadded; hidden_states: embeddings, layer 1, normed layer 2
             states = model(input_ids=torch.tensor([pair["input_ids"]]), output_hidden_states=True).hidden_states
