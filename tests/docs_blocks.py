@@ -427,6 +427,10 @@ REGISTRY = {
         "--out /tmp/defaults --tasks markov bilingual short --settings mle wta relaxed-0.05 relaxed-0.1 annealed-auto "
         "--seeds 0 1",
         ".venv/bin/python -m benchmarks.studies.defaults_study --out /tmp/defaults --table")},
+    ("docs/benchmarks.md", ".venv/bin/python -m benchmarks.studies.kmeans_purity --model models/SmolLM2-135M-Instruct "
+                           "--tasks markov bilingual short"):
+        Module(append=("--examples", "24"), covered_by="tests/system/test_kmeans_purity.py::"
+               "test_the_measurement_runs_on_a_tiny_model", why="the first 24 rows of each task, on the tiny model"),
     **{("docs/benchmarks.md", line): Module(
         parse_only=True, covered_by="tests/training/test_trainer_compile.py::"
         "test_compiled_relaxed_training_equals_eager_while_the_winners_agree",
