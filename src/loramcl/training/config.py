@@ -168,8 +168,8 @@ class TrainConfig:
                          hint=" (LoRA+'s lr_B / lr_A: about 16; None: one rate)")
             require(self.learning_rate * self.loraplus_lr_ratio <= MAX_LEARNING_RATE, f"loraplus_lr_ratio "
                     f"{self.loraplus_lr_ratio:g} puts LoRA's B at learning_rate x ratio = "
-                    f"{self.learning_rate * self.loraplus_lr_ratio:g}, past {MAX_LEARNING_RATE:g}{_LEARNING_RATE_HINT}: "
-                    f"lower the ratio or learning_rate", "loraplus_lr_ratio")
+                    f"{self.learning_rate * self.loraplus_lr_ratio:g}, past {MAX_LEARNING_RATE:g}"
+                    f"{_LEARNING_RATE_HINT}: lower the ratio or learning_rate", "loraplus_lr_ratio")
         require_int("batch_size", self.batch_size)
         require_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
         steps = self.gradient_accumulation_steps
