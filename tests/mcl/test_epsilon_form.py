@@ -94,6 +94,9 @@ def test_the_form_is_saved_read_back_and_an_older_file_reads_as_the_paper_form(t
     assert load_mcl_model(pristine, tmp_path / "mean").mcl_config.epsilon_form == "mean"
     older = {name: value for name, value in saved["mcl_config"].items() if name != "epsilon_form"}
     assert MCLConfig.from_dict(saved_values(older)).epsilon_form == "paper"  # written before the field existed
+    mcl, _, _, _ = wrapped_model("llama", loss="relaxed", epsilon=0.05)
+    mcl.save_pretrained(tmp_path / "paper")  # the default form: the file is written as before the field existed
+    assert "epsilon_form" not in json.loads((tmp_path / "paper" / "mcl_config.json").read_text())["mcl_config"]
     # a saved form under another loss (the loss edited to continue training) reads as the default, as epsilon does
     assert MCLConfig.from_dict(saved_values({**saved["mcl_config"], "loss": "wta", "epsilon": 0.0})) == MCLConfig(
         **{**saved["mcl_config"], "loss": "wta", "epsilon": 0.0, "epsilon_form": "paper"})
@@ -113,9 +116,8 @@ def test_a_run_resumed_with_the_other_form_is_refused(tmp_path):
     (checkpoints / SETTINGS_NAME).write_text(json.dumps(settings("mean")))
     assert stale_checkpoint_fields(tmp_path, settings("paper")) == ["mcl"]
     assert stale_checkpoint_fields(tmp_path, settings("mean")) == []
-    older = settings("paper")
-    del older["mcl"]["epsilon_form"]  # recorded before the field existed: the paper form, the same run and stamp
-    assert settings_stamp(older) == settings_stamp(settings("paper"))
+    assert "epsilon_form" not in settings("paper")["mcl"]  # the paper form is recorded as before the field existed
+    assert settings_stamp(settings("paper")) != settings_stamp(settings("mean"))
 
 
 def test_the_multihead_baseline_takes_the_form_too():

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from loramcl.mcl.config import MCLConfig
+from loramcl.mcl.config import MCLConfig, without_defaults_added_later
 from loramcl.utils.validate import names_its_options, require, require_int, require_real
 
 ROUTER_INITS: tuple[str, ...] = ("zeros", "normal")
@@ -22,7 +22,7 @@ class _Dictionary:
     """JSON round trip of a configuration dataclass, refusing unknown fields by name."""
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return without_defaults_added_later(dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, values: dict):
