@@ -44,8 +44,9 @@ SETTINGS_METADATA = "loramcl_settings"  # the output settings in the weights fil
 # Fields of a method's configuration that only shape training (its loss, dropout, initialisation) or how the NLL is
 # computed (in chunks, to the same values): editing them in mcl_config.json changes no output of the saved adapters
 # (e.g. to continue training with another loss). Every other field is covered by settings_sha256.
-TRAINING_SETTINGS = frozenset({"dropout", "loss", "epsilon", "temperature0", "temperature_decay", "temperature_min",
-                               "tie_break", "scoring_weight", "logits_chunk_size", "router_init", "router_std", "init"})
+TRAINING_SETTINGS = frozenset({"dropout", "loss", "epsilon", "epsilon_form", "temperature0", "temperature_decay",
+                               "temperature_min", "tie_break", "scoring_weight", "logits_chunk_size", "router_init",
+                               "router_std", "init"})
 # Settings that name a set of layers (which ones an adapter is on): the order of their lists changes nothing.
 ORDER_FREE = frozenset({"target_modules", "exclude_modules", "layers_to_transform"})
 STRICT_HINT = "strict=True, or --strict true in loramcl generate / nll, refuses this"

@@ -14,6 +14,7 @@ LossName = Literal["wta", "relaxed", "annealed"]
 LOSS_NAMES: tuple[str, ...] = ("wta", "relaxed", "annealed")
 ADAPTER_DTYPES: tuple[str, ...] = ("float32", "base")
 TIE_BREAKS: tuple[str, ...] = ("lowest", "random")
+EPSILON_FORMS: tuple[str, ...] = ("paper", "mean")
 # The adapter output is scaled by alpha / r (rsLoRA: alpha / sqrt(r)); the paper and the packaged recipes use 1 to 4.
 # After one AdamW step (about the learning rate on every B entry) the output moves by about scaling x r x lr: past
 # 100 the first steps already throw the model far from the base, and at 1e30 every gradient norm is infinite.
@@ -26,6 +27,9 @@ MAX_SCORING_WEIGHT = 100.0
 # budget (docs/benchmarks.md, "Which defaults split on a first try"), relaxed WTA left no hypothesis idle in 12 runs,
 # vanilla WTA one in 4 of 6; epsilon 0.05 is the paper's translation value.
 AUTO_EPSILON = 0.05
+# Fields added after adapter files and run records were first written, each with its default: saved only when set, so
+# that with them at their default a file is written as before (tests/fixtures/saved_run) and reads back the same.
+SAVED_WHEN_SET: dict[str, object] = {"epsilon_form": "paper", "loraplus_lr_ratio": None, "shared_r": 0}
 
 
 @names_its_options
@@ -67,6 +71,13 @@ class MCLConfig:
     """Relaxed-WTA weight shared by the non-winning hypotheses, in [0, (K-1)/K]; used when loss='relaxed'. 'auto'
     (`loramcl train`'s default): AUTO_EPSILON for relaxed WTA with K >= 2, none otherwise (another loss, or K = 1:
     plain LoRA), so that the command's relaxed default leaves `--mcl.loss wta` or one hypothesis valid as given."""
+
+    epsilon_form: Literal["paper", "mean"] = "paper"
+    """How relaxed WTA weighs the losers with epsilon: 'paper' (eq. 4: 1 - epsilon on the winner, epsilon/(K-1) on
+    each other, summing to 1; the released LoRA-MCL code's weights too) or 'mean' (the released code's multi-head
+    audio model: (1 - epsilon - epsilon/(K-1)) min_k + epsilon/(K-1) mean_k, i.e. 1 - epsilon - epsilon/K on the
+    winner and epsilon/(K(K-1)) on each other, summing to 1 - epsilon: the losers share epsilon/K, K times less). The
+    same epsilon is another loss in each form (docs/guide/scores.md, "Two forms of epsilon"); loss='relaxed' only."""
 
     temperature0: float = 1.0
     """Annealed MCL: initial temperature tau(0)."""
@@ -168,13 +179,19 @@ class MCLConfig:
             require_real("epsilon", self.epsilon, low=0.0, hint=" ('auto': relaxed WTA's measured default)")
         require(self.epsilon in (0, "auto") or self.loss == "relaxed", f"epsilon {self.epsilon!r} is relaxed WTA's "
                 f"weight, and loss is {self.loss!r}: set loss relaxed, or leave epsilon out", "epsilon")
+        require(self.epsilon_form in EPSILON_FORMS, f"epsilon_form must be one of {EPSILON_FORMS}, got "
+                f"{self.epsilon_form!r}", "epsilon_form")
+        require(self.epsilon_form == "paper" or self.loss == "relaxed", f"epsilon_form {self.epsilon_form!r} is how "
+                f"relaxed WTA weighs epsilon, and loss is {self.loss!r}: set loss relaxed, or leave epsilon_form out",
+                "epsilon_form")
         if self.loss == "relaxed" and self.epsilon != "auto":
             k = self.num_hypotheses
             upper = (k - 1) / k
             hint = (" With one hypothesis there is no other hypothesis to share epsilon: set epsilon=0 "
                     "(or loss='wta'), which is plain LoRA fine-tuning." if k == 1 else
                     " Above that bound a losing hypothesis would weigh more than the winner.")
-            # The bound printed in full (repr), so that the largest accepted value can be copied from the message.
+            # The bound printed in full (repr), so that the largest accepted value can be copied from the message. It
+            # is the same in both epsilon forms: at (K-1)/K the winner weighs what a loser does in each (1/K; 1/K^2).
             require(self.epsilon <= upper,
                     f"epsilon must be in [0, (K-1)/K] = [0, {k - 1}/{k}] for K={k} (at most {upper!r}), "
                     f"got {self.epsilon!r}.{hint}", "epsilon")
@@ -240,10 +257,7 @@ class MCLConfig:
         return self.alpha / math.sqrt(rank) if self.use_rslora else self.alpha / rank
 
     def to_dict(self) -> dict:
-        """Every field, less those of ``WRITTEN_WHEN_SET`` at their default: with a new option off, the files and the
-        run settings written are those written before it existed (and read back, a missing field is its default)."""
-        return {name: value for name, value in dataclasses.asdict(self).items()
-                if not (name in WRITTEN_WHEN_SET and value == WRITTEN_WHEN_SET[name])}
+        return without_defaults_added_later(dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, values: dict) -> MCLConfig:
@@ -298,15 +312,10 @@ def _refusing_peft_only_options(init):
 MCLConfig.__init__ = _refusing_peft_only_options(MCLConfig.__init__)
 
 
-# Options added after files were first written, with their off value: ``to_dict`` leaves them out at it, so that
-# adapters and runs trained with the option off are written byte for byte as before it existed.
-WRITTEN_WHEN_SET = {"shared_r": 0}
-
-
 # A setting that only acts beside another: (that setting, the value it needs). A configuration given for training is
 # refused when it sets one without the other (the value would be ignored); a saved one reads it as its default.
-ACTS_ONLY_WITH = {"epsilon": ("loss", "relaxed"), "scoring_weight": ("scoring", True),
-                  "router_std": ("router_init", "normal")}
+ACTS_ONLY_WITH = {"epsilon": ("loss", "relaxed"), "epsilon_form": ("loss", "relaxed"),
+                  "scoring_weight": ("scoring", True), "router_std": ("router_init", "normal")}
 
 
 def saved_values(values: dict) -> dict:
@@ -316,6 +325,12 @@ def saved_values(values: dict) -> dict:
     the same outputs (none of them is an output setting)."""
     return {name: value for name, value in values.items()
             if name not in ACTS_ONLY_WITH or values.get(ACTS_ONLY_WITH[name][0]) == ACTS_ONLY_WITH[name][1]}
+
+
+def without_defaults_added_later(values: dict) -> dict:
+    """``values`` (a configuration's fields) less the ``SAVED_WHEN_SET`` fields at their default."""
+    return {name: value for name, value in values.items()
+            if name not in SAVED_WHEN_SET or value != SAVED_WHEN_SET[name]}
 
 
 def _is_index(value) -> bool:

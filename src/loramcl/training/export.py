@@ -156,8 +156,9 @@ def model_card(mcl, base: str, folders: list[str], record: tuple[Path, dict] | N
     run = read_json(record[0], "it was damaged or edited: train the run again") if record else {}
     log_path = Path(adapters) / "train_log.json"
     log = read_json(log_path, "it was damaged or edited: train the run again") if log_path.is_file() else []
-    loss = cfg.loss + {"relaxed": f" (epsilon {cfg.relaxed_epsilon:g})", "annealed": f" (temperature {cfg.temperature0}, decay "
-                       f"{cfg.temperature_decay})"}.get(cfg.loss, "")
+    form = ", mean form" if cfg.epsilon_form == "mean" else ""
+    loss = cfg.loss + {"relaxed": f" (epsilon {cfg.relaxed_epsilon:g}{form})",
+                       "annealed": f" (temperature {cfg.temperature0}, decay {cfg.temperature_decay})"}.get(cfg.loss, "")
     scaling = "folded into lora_B (lora_alpha = r)" if fold_scaling else \
         f"alpha {cfg.alpha}{' with rsLoRA (alpha/sqrt(r))' if cfg.use_rslora else ''}"
     shared = f" (a shared adapter of rank {cfg.shared_r} + the hypothesis' own {cfg.r})" if cfg.shared_r else ""

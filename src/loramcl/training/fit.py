@@ -283,7 +283,8 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
         logger.warning(f"{shortfall}; set --training.warmup_steps below --training.steps (e.g. "
                        f"{training.steps // 10}) for the run to train at its learning rate")
     trainer = MCLTrainer(mcl_model, args=args, train_dataset=train_set, eval_dataset=eval_set,
-                         data_collator=collator, scoring_learning_rate=training.scoring_learning_rate)
+                         data_collator=collator, scoring_learning_rate=training.scoring_learning_rate,
+                         loraplus_lr_ratio=training.loraplus_lr_ratio)
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     progress = _log_lines_callback(ProgressCallback)()
