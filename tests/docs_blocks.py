@@ -427,6 +427,10 @@ REGISTRY = {
         "--out /tmp/defaults --tasks markov bilingual short --settings mle wta relaxed-0.05 relaxed-0.1 annealed-auto "
         "--seeds 0 1",
         ".venv/bin/python -m benchmarks.studies.defaults_study --out /tmp/defaults --table")},
+    ("docs/benchmarks.md", ".venv/bin/python -m benchmarks.studies.kmeans_purity --model models/SmolLM2-135M-Instruct "
+                           "--tasks markov bilingual short"):
+        Module(append=("--examples", "24"), covered_by="tests/system/test_kmeans_purity.py::"
+               "test_the_measurement_runs_on_a_tiny_model", why="the first 24 rows of each task, on the tiny model"),
     **{("docs/benchmarks.md", line): Module(
         parse_only=True, covered_by="tests/training/test_trainer_compile.py::"
         "test_compiled_relaxed_training_equals_eager_while_the_winners_agree",
@@ -615,6 +619,14 @@ REGISTRY = {
                        "train.jsonl --training.steps 60 --training.scoring_learning_rate 2e-2"):
         Run(replace=(_BASE,), append=("--training.steps", "2"), outputs=("runs/x/mcl-scores/mcl_config.json",),
             why=f"BASE: the tiny model; runs/x/mcl: the module's K = 2 run, copied there first; {_STEPS}"),
+    (G + "scores.md", "loramcl train --model BASE --out runs/x/loraplus --data.train_file train.jsonl --training.steps "
+                       "60 --training.learning_rate 2.5e-4 --training.loraplus_lr_ratio 16"):
+        Run(replace=(_BASE,), append=("--training.steps", "2"), outputs=("runs/x/loraplus/run.json",),
+            why=f"BASE: the tiny model; {_STEPS}"),
+    (G + "scores.md", "loramcl train --model BASE --out runs/x/mean-form --data.train_file train.jsonl --training.steps "
+                       "60 --mcl.epsilon 0.05 --mcl.epsilon_form mean"):
+        Run(replace=(_BASE,), append=("--training.steps", "2"), outputs=("runs/x/mean-form/mcl_config.json",),
+            why=f"BASE: the tiny model; {_STEPS}"),
     (G + "scores.md", "loramcl train --model $R/SmolLM2-135M-Instruct --scores_for $R/mcl-k3 --out "
                        "$R/mcl-k3-scores-lr1e-3 --data.train_file $R/data/train.jsonl --data.max_length 96 "
                        "--training.steps 60 --training.batch_size 8 --training.scoring_learning_rate 1e-3"):

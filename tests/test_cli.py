@@ -428,3 +428,28 @@ def test_the_last_bad_values_are_named_with_their_option(argv, message, capsys):
         main([argv[0], *required, *argv[1:]])
     err = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code in (1, 2) and err == [f"loramcl {argv[0]}: error: {message}"], err
+
+
+def test_a_shared_adapter_trains_from_a_recipe_or_the_command_line_and_exports(tmp_path, capsys):
+    """`mcl: {shared_r: 2}` in a recipe (or --mcl.shared_r) trains a shared adapter: saved with the hypotheses, counted
+    in run.json and the log, and `loramcl export` writes each hypothesis as one PEFT LoRA of rank shared_r + r."""
+    from tiny_models import save_tiny_run_inputs
+
+    save_tiny_run_inputs(tmp_path, 8)
+    (tmp_path / "run.yaml").write_text("model: base\nout: runs/shared\ndata:\n  train_file: train.jsonl\nmcl:\n"
+                                       "  num_hypotheses: 2\n  r: 2\n  shared_r: 2\n  target_modules: [q_proj]\n"
+                                       "training:\n  steps: 2\n  batch_size: 4\n  warmup_steps: 0\n")
+    main(["train", "--config", str(tmp_path / "run.yaml"), "--threads", "1"])
+    out = tmp_path / "runs" / "shared"
+    assert json.loads((out / "mcl_config.json").read_text())["mcl_config"]["shared_r"] == 2
+    run = json.loads((out / "run.json").read_text())
+    shared = 2 * 2 * (32 + 32)  # two q_proj layers of 32 -> 32 features, rank 2
+    assert run["shared_parameters"] == shared and run["trainable_parameters"] == (2 * 2 + 2) * 2 * 64
+    assert f"({shared:,} of them the shared adapter's)" in capsys.readouterr().out
+    main(["export", str(out), "--out", str(tmp_path / "peft")])
+    assert json.loads((tmp_path / "peft" / "h1" / "adapter_config.json").read_text())["r"] == 4
+    code, printed, _ = run_main(["train", "--config", str(tmp_path / "run.yaml"), "--mcl.shared_r", "3",
+                                 "--print_config"], capsys)  # the command line's flag overrides the recipe's
+    assert code == 0 and "  shared_r: 3\n" in printed
+    code, _, err = run_main(["train", "--config", str(tmp_path / "run.yaml"), "--mcl.shared_r", "-1"], capsys)
+    assert code == 1 and "shared_r (the shared adapter's rank; 0: none) must be an integer >= 0, got -1" in err

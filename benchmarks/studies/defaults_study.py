@@ -20,7 +20,14 @@ Settings (the candidate defaults; every one with random tie-breaking, `loramcl t
   wta               vanilla winner-takes-all (the paper's loss; `loramcl train`'s default before this study)
   relaxed-0.05/0.1  relaxed WTA, epsilon 0.05 (the paper's translation value) / 0.1 (the README's quickstart)
   annealed-auto     annealed WTA, tau0 1, `temperature_decay: auto` (tau reaches its floor at 90% of the run)
-and the baselines at equal trainable parameters (one LoRA of rank 8K, `mle`): beam search of K beams and K samples.
+and the baselines at equal trainable parameters (one LoRA of rank 8K, `mle`): beam search of K beams, K samples and
+its greedy answer. Issue 63's options, each beside today's default (relaxed-0.05) at the same trainable parameters:
+  shared            half of each hypothesis's rank moved into one shared adapter (r 4 each + shared 4K: K r + s = 8K)
+  bias              balanced WTA (MCLConfig balance "bias": the winner is argmin_k nll_k - b_k, b toward equal shares)
+  staged            every hypothesis learns from every example for the first quarter, then relaxed WTA (split_after)
+  loraplus          LoRA+: B learns 16x faster than A (--training.loraplus_lr_ratio); mle-loraplus: the one LoRA so
+  eps-mean          relaxed WTA with epsilon as the released code's audio model weighs it (epsilon_form "mean")
+  combined          a shared adapter, balanced WTA and LoRA+ together
 
 Per run: the trainer's logs every 5 steps (win shares sorted, split gap over what training gained, i.e. against
 steps), its verdict, the win table by mode on 96 training examples after training (the share of examples whose
@@ -49,13 +56,24 @@ import numpy as np
 import torch
 
 STATES = "abc"
+SHARED = "shared share"  # the share of each hypothesis's rank moved into a shared adapter (MCLConfig.shared_r)
+DEFAULT = {"loss": "relaxed", "epsilon": 0.05}  # `loramcl train`'s default (epsilon "auto")
 SETTINGS = {
     "wta": {"loss": "wta"},
-    "relaxed-0.05": {"loss": "relaxed", "epsilon": 0.05},
+    "relaxed-0.05": DEFAULT,
     "relaxed-0.1": {"loss": "relaxed", "epsilon": 0.1},
     "annealed-auto": {"loss": "annealed", "temperature0": 1.0, "temperature_decay": "auto"},
     "mle": {},  # one LoRA of rank 8K: LoRA-MLE at K hypotheses' trainable parameters
+    # issue 63's options, each beside today's default, at the same trainable parameters
+    "shared": DEFAULT | {SHARED: 0.5},  # half of each hypothesis's rank moved into one shared adapter of rank K r / 2
+    "bias": {"loss": "wta", "balance": "bias"},  # balanced WTA: no epsilon pull, no idle hypothesis
+    "staged": DEFAULT | {"split_after": 0.25},  # every hypothesis on every example for the first quarter
+    "loraplus": DEFAULT | {"loraplus_lr_ratio": 16.0},
+    "eps-mean": DEFAULT | {"epsilon_form": "mean"},  # epsilon as the released code's audio model weighs it
+    "combined": {"loss": "wta", "balance": "bias", SHARED: 0.5, "loraplus_lr_ratio": 16.0},
+    "mle-loraplus": {"loraplus_lr_ratio": 16.0},  # LoRA+ for the one LoRA too
 }
+TRAINING_KEYS = ("loraplus_lr_ratio",)  # settings of TrainConfig; the others are MCLConfig's
 TASKS = {"markov": 3, "bilingual": 2, "short": 3}  # task -> K, its number of modes
 SHORT_LANGUAGES = ("fr", "de", "es")
 PROMPT = "Translate: {source}\n"  # the bilingual recipe's prompt
@@ -145,23 +163,39 @@ def read_rows(path: Path) -> list[dict]:
 
 # ---- training ------------------------------------------------------------------------------------------------
 
+def is_mle(setting: str) -> bool:
+    return setting.startswith("mle")
+
+
+def run_configs(setting: str, hypotheses: int, rank: int) -> tuple[dict, dict]:
+    """(MCLConfig keywords, TrainConfig keywords) of ``setting``: K hypotheses of rank ``rank`` (alpha = r: the scale
+    alpha / r stays 1, MCLConfig's default at r = 8) or, for LoRA-MLE, one LoRA of rank ``rank`` * K; a shared
+    adapter takes ``SHARED`` of each hypothesis's rank, so K r + s stays K * ``rank`` (alpha = s + r: the scale 1)."""
+    chosen = dict(SETTINGS[setting])
+    training = {key: chosen.pop(key) for key in TRAINING_KEYS if key in chosen}
+    if is_mle(setting):
+        return {"num_hypotheses": 1, "r": rank * hypotheses, "alpha": float(rank * hypotheses)}, training
+    share = chosen.pop(SHARED, 0.0)
+    r = rank - round(rank * share)
+    shared = (rank - r) * hypotheses
+    if shared:
+        chosen["shared_r"] = shared
+    return {"num_hypotheses": hypotheses, "r": r, "alpha": float(r + shared)} | chosen, training
+
+
 def train_run(model: Path, data: Path, out: Path, setting: str, hypotheses: int, seed: int, steps: int,
               learning_rate: float, rank: int = 8) -> None:
-    """One `loramcl train` run (finetune.train) of ``setting``; MLE is one LoRA of rank rank * K."""
+    """One `loramcl train` run (finetune.train) of ``setting`` (``run_configs``)."""
     from loramcl.mcl.config import MCLConfig
     from loramcl.training import fit as finetune
     from loramcl.training.config import DataConfig, TrainConfig
 
-    if setting == "mle":
-        mcl = MCLConfig(num_hypotheses=1, r=rank * hypotheses, alpha=float(rank * hypotheses),
-                        target_modules=["q_proj", "v_proj"])
-    else:  # alpha = r: the scale alpha / r stays 1, MCLConfig's default at r = 8
-        mcl = MCLConfig(num_hypotheses=hypotheses, r=rank, alpha=float(rank), target_modules=["q_proj", "v_proj"],
-                        **SETTINGS[setting])
+    mcl, training = run_configs(setting, hypotheses, rank)
+    mcl = MCLConfig(target_modules=["q_proj", "v_proj"], **mcl)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         finetune.train(model=str(model), out=str(out), data=DataConfig(train_file=str(data / "train.jsonl")),
                        mcl=mcl, training=TrainConfig(steps=steps, seed=seed, learning_rate=learning_rate,
-                                                     logging_steps=5, save_every=0), threads=1)
+                                                     logging_steps=5, save_every=0, **training), threads=1)
 
 
 # ---- decoding and scoring ------------------------------------------------------------------------------------
@@ -284,23 +318,36 @@ def logged_curve(run: Path) -> list[dict]:
 
 def one_run(args, task: str, setting: str, seed: int) -> dict:
     data, run = args.out / "data" / task, args.out / task / f"{setting}-s{seed}"
-    if (run / "results.json").exists():
-        return json.loads((run / "results.json").read_text())
     hypotheses = TASKS[task]
+    rows = read_rows(data / "test.jsonl")
+    # one LoRA: beam search of K beams and K samples, and its greedy answer (the quality a hypothesis is held to)
+    strategies = ["beam", "sample", "greedy"] if is_mle(setting) else ["greedy"]
+    if (run / "results.json").exists():
+        result = json.loads((run / "results.json").read_text())
+        missing = [s for s in strategies if s not in result["test"]]  # a strategy added since the run finished
+        if missing:
+            identifier = None if task == "markov" else language_identifier(data, task)
+            decoded = json.loads((run / "candidates.json").read_text())
+            for strategy in missing:
+                decoded[strategy] = decode(args.model, run, task, rows, hypotheses, strategy)
+                result["test"][strategy] = score(task, rows, decoded[strategy], identifier)
+            (run / "candidates.json").write_text(json.dumps(decoded, ensure_ascii=False, indent=0) + "\n")
+            (run / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+        return result
     started = time.perf_counter()
     if not (run / "run.json").exists():
         train_run(args.model, data, run, setting, hypotheses, seed, args.steps, args.learning_rate, args.rank)
     trained = time.perf_counter() - started
-    rows = read_rows(data / "test.jsonl")
     identifier = None if task == "markov" else language_identifier(data, task)
-    strategies = ["beam", "sample"] if setting == "mle" else ["greedy"]
     decoded = {s: decode(args.model, run, task, rows, hypotheses, s) for s in strategies}
+    record = json.loads((run / "run.json").read_text())
     result = {"task": task, "setting": setting, "seed": seed, "K": hypotheses, "steps": args.steps,
               "learning_rate": args.learning_rate, "rank": args.rank, "train_seconds": round(trained),
+              "trainable_parameters": record.get("trainable_parameters"),
               "test": {s: score(task, rows, c, identifier) for s, c in decoded.items()}}
-    if setting != "mle":
+    if not is_mle(setting):
         table = wins_by_mode(args.model, run, data, hypotheses)
-        result |= {"verdict": json.loads((run / "run.json").read_text()).get("specialisation"),
+        result |= {"verdict": record.get("specialisation"),
                    "curve": logged_curve(run), "wins_by_mode": table, "mode_purity": mode_purity(table)}
     (run / "candidates.json").write_text(json.dumps(decoded, ensure_ascii=False, indent=0) + "\n")
     (run / "results.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -354,7 +401,7 @@ def curves(out: Path, every: int = 10) -> str:
     """Per task and MCL setting, against steps (every ``every``-th logged step, mean over the finished seeds): the split
     gap as a share of what training gained, and the smallest hypothesis's win share."""
     results = [json.loads(p.read_text()) for p in sorted(out.glob("*/*/results.json"))]
-    results = [r for r in results if r["setting"] != "mle" and r.get("curve")]
+    results = [r for r in results if not is_mle(r["setting"]) and r.get("curve")]
     steps = sorted({p["step"] for r in results for p in r["curve"] if p["step"] % every == 0})
     head = " | ".join(str(step) for step in steps)
     lines = [f"| task | setting | measure | {head} |", "|---|---|---|" + "---|" * len(steps)]
@@ -392,7 +439,7 @@ def table(out: Path) -> str:
                 test = {key: statistics.mean(r["test"][strategy][key] for r in done)
                         for key in ("oracle", "mean", "distinct", "modes_covered")}
                 scale = "{:.1f}" if task == "bilingual" else "{:.2f}"
-                if setting == "mle":
+                if is_mle(setting):
                     training = "| | | | |"
                 else:
                     last = [r["curve"][-1] for r in done if r["curve"]]  # none in a run shorter than one log
@@ -405,7 +452,8 @@ def table(out: Path) -> str:
                     training = (f"| {shares} | {statistics.mean(gaps) if gaps else float('nan'):.2f} | {splits} | "
                                 f"{statistics.mean(r['mode_purity'] for r in done):.2f} | {verdicts}")
                 rank = done[0].get("rank", 8) * TASKS[task]
-                name = f"LoRA-MLE r{rank}, {strategy} {TASKS[task]}" if setting == "mle" else setting
+                name = (f"LoRA-MLE r{rank}{setting[3:]}, {strategy} {TASKS[task] if strategy != 'greedy' else 1}"
+                        if is_mle(setting) else setting)
                 lines.append(f"| {task} | {TASKS[task]} | {name} | {len(done)} {training} | "
                              f"{scale.format(test['oracle'])} | {scale.format(test['mean'])} | "
                              f"{test['distinct']:.2f} | {test['modes_covered']:.2f} |")

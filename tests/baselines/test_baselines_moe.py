@@ -315,3 +315,13 @@ def test_moe_and_multihead_files_check_the_base_weights(tmp_path):
             loaded = load_mcl_model(other, tmp_path / name)
         with pytest.warns(BaseWeightsMismatch, match="trained on other base weights"):
             loaded.load_adapters(tmp_path / name)
+
+
+def test_parameter_parity_counts_a_shared_adapter():
+    """A shared adapter of rank s: LoRA-MCL trains (K*r + s) ranks' worth, matched by LoRA-MLE of rank K*r + s."""
+    base = build_model("llama")
+    parity = parameter_parity(base, num_hypotheses=3, r=4, target_modules=TARGETS, shared_r=2)
+    mcl = get_mcl_model(copy.deepcopy(base), MCLConfig(num_hypotheses=3, r=4, shared_r=2, target_modules=TARGETS))
+    mle = get_mcl_model(copy.deepcopy(base), MCLConfig(num_hypotheses=1, r=parity.mle_rank, target_modules=TARGETS))
+    assert parity.mle_rank == 14 and parity.mcl == mcl.parameter_counts()[0] == mle.parameter_counts()[0] == parity.mle
+    assert "LoRA-MCL  K=3 r=4 shared_r=2" in parity.summary()

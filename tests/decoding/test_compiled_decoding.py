@@ -105,3 +105,16 @@ def test_what_generate_would_decode_eagerly_is_refused(monkeypatch):
     output = type("Output", (), {"cache": DynamicCache()})()
     with pytest.raises(UpstreamChanged, match="DynamicCache, not the static KV cache"):
         compiled.check_static_cache(output, model)
+
+
+def test_a_shared_adapter_decodes_compiled_as_eager(aot_eager):
+    """MCLConfig.shared_r: the shared pair's un-gathered matmul inside the compiled step, in one graph."""
+    mcl, _, _, _ = wrapped_model("llama", num_hypotheses=3, shared_r=2)
+    with torch.no_grad():
+        for _, layer in mcl.mcl_layers():
+            layer.lora_B.normal_(std=0.5)
+            layer.shared_B.normal_(std=0.5)
+    torch._dynamo.utils.counters.clear()
+    eager, compiled_ = _eager_and_compiled(mcl, left_padded_prompts(), strategy="greedy")
+    assert compiled_ == eager
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])

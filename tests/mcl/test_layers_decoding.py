@@ -15,12 +15,14 @@ from loramcl.mcl.routing import set_routing
 K = 3
 
 
-def _layer(dtype=torch.float32) -> MCLLoraLinear:
+def _layer(dtype=torch.float32, shared_r: int = 0) -> MCLLoraLinear:
     torch.manual_seed(0)
     layer = MCLLoraLinear(nn.Linear(16, 8).to(dtype).requires_grad_(False), HypothesisRouting(), num_hypotheses=K,
-                          r=4, alpha=8, adapter_dtype=torch.float32)
+                          r=4, alpha=8, adapter_dtype=torch.float32, shared_r=shared_r)
     with torch.no_grad():
         layer.lora_B.normal_()
+        if shared_r:  # a shared adapter (MCLConfig.shared_r) that changes every row
+            layer.shared_B.normal_()
     return layer
 
 
@@ -34,11 +36,13 @@ def _each_alone(layer: MCLLoraLinear, x: torch.Tensor, hypotheses: list[int]) ->
     return torch.cat(outputs)
 
 
+@pytest.mark.parametrize("shared_r", [0, 2])
 @pytest.mark.parametrize("hypotheses", [None, [0, 1, 2], [2, 0]])
-def test_the_decoding_forward_equals_each_hypothesis_alone(hypotheses):
+def test_the_decoding_forward_equals_each_hypothesis_alone(hypotheses, shared_r):
     """Stacked (the training arithmetic), indexed copies 0 ... K-1 (no gather) and [2, 0] (a gather of the kept
-    copy), on [rows, T, d] and [rows, d] inputs, fewer and more than 16 rows per hypothesis (two ways of h A)."""
-    layer = _layer()
+    copy), on [rows, T, d] and [rows, d] inputs, fewer and more than 16 rows per hypothesis (two ways of h A); with a
+    shared adapter too (one un-gathered matmul on every row)."""
+    layer = _layer(shared_r=shared_r)
     for shape in [(6, 5, 16), (6, 9, 16), (6, 16)]:
         x = torch.randn(*shape[:-1], 16)
         order = list(range(K)) if hypotheses is None else hypotheses

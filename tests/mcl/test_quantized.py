@@ -362,3 +362,26 @@ def test_loramcl_generate_and_nll_load_the_base_quantized(folders, tmp_path, cap
     main(["generate", *common, "--out", str(tmp_path / "float.jsonl"), "--max_new_tokens", "2"])
     assert "were trained on other base weights" in capsys.readouterr().err
     assert len(json.loads((tmp_path / "nll.jsonl").read_text())["nll"][0]) == 3
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "torchao-int8"])
+def test_a_shared_adapter_trains_on_a_quantized_base_and_exports_to_peft(folders, tmp_path, quantization):
+    """MCLConfig.shared_r on a quantized base: the shared pair follows the base layer's compute dtype and device,
+    trains, and hypothesis k exports as one PEFT LoRA of rank shared_r + r with the same logits."""
+    from peft import PeftModel
+
+    mcl, inputs, labels = wrapped(folders, "llama", quantization, shared_r=2)
+    with torch.no_grad():
+        for _, layer in mcl.mcl_layers():
+            layer.shared_B.normal_(std=0.1)
+    mcl.train()
+    mcl(**inputs, labels=labels).loss.backward()
+    assert all(layer.shared_A.grad.abs().sum() > 0 for _, layer in mcl.mcl_layers())
+    mcl.eval()
+    mcl.export_hypothesis(1, tmp_path / "peft")
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["r"] == 6
+    peft = PeftModel.from_pretrained(quantized(folders, "llama", quantization), tmp_path / "peft").eval()
+    with torch.no_grad(), mcl.use_hypotheses(1):
+        ours = mcl.base_model(**inputs).logits
+    with torch.no_grad():
+        torch.testing.assert_close(peft(**inputs).logits, ours, atol=1e-4, rtol=0)

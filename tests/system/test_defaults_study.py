@@ -58,6 +58,19 @@ def test_mode_purity_and_the_logged_curve(tmp_path):
     assert study.split_step([*curve, {**curve[0], "step": 15, "gap_share": 0.05}]) is None  # fell back under 10%
 
 
+def test_every_setting_trains_as_many_parameters_as_the_one_lora():
+    for setting in study.SETTINGS:
+        for hypotheses in (2, 3):
+            mcl, training = study.run_configs(setting, hypotheses, rank=8)
+            assert mcl["r"] * mcl["num_hypotheses"] + mcl.get("shared_r", 0) == 8 * hypotheses, setting
+            assert mcl["alpha"] == mcl["r"] + mcl.get("shared_r", 0)  # the adapters' scale alpha / rank stays 1
+            assert set(training) <= set(study.TRAINING_KEYS) and not set(training) & set(mcl)
+    assert study.run_configs("shared", 3, rank=8)[0] | {"loss": None, "epsilon": None} == {
+        "num_hypotheses": 3, "r": 4, "alpha": 16.0, "shared_r": 12, "loss": None, "epsilon": None}
+    assert study.run_configs("mle-loraplus", 3, rank=8) == ({"num_hypotheses": 1, "r": 24, "alpha": 24.0},
+                                                          {"loraplus_lr_ratio": 16.0})
+
+
 def test_one_run_trains_decodes_scores_and_is_reused(tmp_path):
     base = save_tiny_run_inputs(tmp_path) / "base"
     args = Namespace(model=base, out=tmp_path / "study", steps=2, learning_rate=1e-3, rank=4)
@@ -71,7 +84,16 @@ def test_one_run_trains_decodes_scores_and_is_reused(tmp_path):
     (run / "run.json").unlink()  # a finished run is read back, not trained again
     assert study.one_run(args, "markov", "relaxed-0.1", seed=0) == result
     mle = study.one_run(args, "markov", "mle", seed=0)
-    assert set(mle["test"]) == {"beam", "sample"} and "wins_by_mode" not in mle
+    assert set(mle["test"]) == {"beam", "sample", "greedy"} and "wins_by_mode" not in mle
     assert json.loads((args.out / "markov" / "mle-s0" / "run.json").read_text())["settings"]["mcl"]["r"] == 12
+    # a run finished before greedy decoding of the one LoRA was added gets it on the next call, nothing else redone
+    results = args.out / "markov" / "mle-s0" / "results.json"
+    earlier = json.loads(results.read_text())
+    del earlier["test"]["greedy"]
+    results.write_text(json.dumps(earlier))
+    assert study.one_run(args, "markov", "mle", seed=0) == mle
+    shared = study.one_run(args, "markov", "combined", seed=0)  # a shared adapter, balanced WTA and LoRA+
+    assert shared["trainable_parameters"] == mle["trainable_parameters"]  # K r + s = the one LoRA's rank
     assert "| markov | 3 | relaxed-0.1 | 1 |" in study.table(args.out)
+    assert "| markov | 3 | LoRA-MLE r12, greedy 1 | 1 |" in study.table(args.out)
     assert study.curves(args.out).startswith("| task | setting | measure |")

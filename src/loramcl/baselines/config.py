@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from loramcl.mcl.config import MCLConfig
+from loramcl.mcl.config import MCLConfig, without_defaults_added_later
 from loramcl.utils.validate import names_its_options, require, require_int, require_real
 
 ROUTER_INITS: tuple[str, ...] = ("zeros", "normal")
@@ -22,7 +22,7 @@ class _Dictionary:
     """JSON round trip of a configuration dataclass, refusing unknown fields by name."""
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return without_defaults_added_later(dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, values: dict):
@@ -108,6 +108,10 @@ class MultiHeadConfig(_Dictionary):
     epsilon: float = 0.0
     """As ``MCLConfig.epsilon`` (relaxed WTA)."""
 
+    epsilon_form: Literal["paper", "mean"] = "paper"
+    """As ``MCLConfig.epsilon_form``: 'mean' weighs epsilon as the released code's multi-head audio model does (the
+    paper's multi-head rows, App. H.1, were most likely trained so)."""
+
     temperature0: float = 1.0
     """As ``MCLConfig.temperature0`` (annealed MCL)."""
 
@@ -133,6 +137,7 @@ class MultiHeadConfig(_Dictionary):
     def loss_config(self) -> MCLConfig:
         """The hypotheses and their loss as ``MCLTrainer`` and ``mcl_loss`` read them (no LoRA fields apply)."""
         return MCLConfig(num_hypotheses=self.num_hypotheses, loss=self.loss, epsilon=self.epsilon,
+                         epsilon_form=self.epsilon_form,
                          temperature0=self.temperature0, temperature_decay=self.temperature_decay,
                          temperature_min=self.temperature_min, tie_break="lowest")  # the paper's baseline
 

@@ -1,5 +1,6 @@
 """The files of an MCL model: ``mcl_adapters.safetensors`` (every hypothesis' lora_A [K, d_in, r] and lora_B
-[K, r, d_out], the scoring head) and ``mcl_config.json`` (the method's configuration, the adapted layers, the weights'
+[K, r, d_out], with a shared adapter its shared_A [d_in, s] and shared_B [s, d_out], the scoring head) and
+``mcl_config.json`` (the method's configuration, the adapted layers, the weights'
 SHA-256, the dtypes of the tensors, the SHA-256 of the settings that change the outputs, the base weights'
 fingerprint). Saving, loading into a model, and reading with every check made before a weight is copied (so a failed
 load leaves the model as it was).
@@ -16,6 +17,7 @@ What loading verifies, and what it only warns about (``strict=True`` makes every
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -37,20 +39,22 @@ CONFIG_NAME = MCL_CONFIG
 WEIGHTS_NAME = MCL_WEIGHTS
 FORMAT_VERSION = 1
 SCORING_PREFIX = "scoring"  # the scoring head's tensors in mcl_adapters.safetensors: scoring.weight, scoring.bias
+SHARED_PARTS = ("shared_A", "shared_B")  # the shared adapter's tensors of a layer (MCLConfig.shared_r > 0)
 SETTINGS_METADATA = "loramcl_settings"  # the output settings in the weights file's header, to name an edited field
 # Fields of a method's configuration that only shape training (its loss, dropout, initialisation) or how the NLL is
 # computed (in chunks, to the same values): editing them in mcl_config.json changes no output of the saved adapters
 # (e.g. to continue training with another loss). Every other field is covered by settings_sha256.
-TRAINING_SETTINGS = frozenset({"dropout", "loss", "epsilon", "temperature0", "temperature_decay", "temperature_min",
-                               "tie_break", "scoring_weight", "logits_chunk_size", "router_init", "router_std", "init",
-                               "balance", "balance_rate", "split_after", "split_noise"})
+TRAINING_SETTINGS = frozenset({"dropout", "loss", "epsilon", "epsilon_form", "temperature0", "temperature_decay",
+                               "temperature_min", "tie_break", "scoring_weight", "logits_chunk_size", "router_init",
+                               "router_std", "init", "balance", "balance_rate", "split_after", "split_noise"})
 # Settings that name a set of layers (which ones an adapter is on): the order of their lists changes nothing.
 ORDER_FREE = frozenset({"target_modules", "exclude_modules", "layers_to_transform"})
 STRICT_HINT = "strict=True, or --strict true in loramcl generate / nll, refuses this"
 
 
 def adapter_state_dict(model, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """{'<layer>.lora_A': [K, d_in, r], '<layer>.lora_B': [K, r, d_out]} on CPU, from ``state_dict`` (e.g.
+    """{'<layer>.lora_A': [K, d_in, r], '<layer>.lora_B': [K, r, d_out]} (and '<layer>.shared_A' [d_in, s],
+    '<layer>.shared_B' [s, d_out] with a shared adapter) on CPU, from ``state_dict`` (e.g.
     one Trainer gathered from DeepSpeed/FSDP) when given, else from this model. Adapters sharded by FSDP2
     (``fully_shard``: DTensors) are gathered whole, a collective that every rank must call."""
     tensors = {}
@@ -115,7 +119,8 @@ def load_adapters(model, path: str | os.PathLike, verify: bool = True, strict: b
     if config.scoring != ours.scoring:
         raise ValueError(f"{path} {'has' if config.scoring else 'has no'} hypothesis scores (scoring="
                          f"{config.scoring}); this model was built with scoring={ours.scoring}")
-    theirs, mine = (output_settings({"mcl_config": c.to_dict()})["mcl_config"] for c in (config, ours))
+    # every field, those to_dict leaves out at their default included (a shared_r of 4 against none)
+    theirs, mine = (output_settings({"mcl_config": dataclasses.asdict(c)})["mcl_config"] for c in (config, ours))
     differing = [name for name in sorted(mine) if not same_setting(name, theirs.get(name), mine[name])]
     if differing:
         raise ValueError(f"{path} holds adapters with {', '.join(f'{n}={theirs.get(n)!r}' for n in differing)}; "
@@ -127,8 +132,8 @@ def load_adapters(model, path: str | os.PathLike, verify: bool = True, strict: b
     check_wrapped_base_weights(path, saved, model.base_model, model.frozen_base.fingerprint, strict)
     with torch.no_grad():
         for name, layer in layers.items():
-            _copy_whole(layer.lora_A, tensors[f"{name}.lora_A"])
-            _copy_whole(layer.lora_B, tensors[f"{name}.lora_B"])
+            for part, param in layer.adapter_tensors().items():  # lora_A, lora_B (shared_A, shared_B)
+                _copy_whole(param, tensors[f"{name}.{part}"])
         copy_scoring_head(model.scoring_head, tensors)
     if not is_trainable:
         model.eval()
@@ -366,7 +371,8 @@ def check_scoring_fits(path, tensors: dict[str, torch.Tensor], head: HypothesisS
 
 def _check_adapter_tensors(weights: str, config: MCLConfig, modules: list[str],
                            tensors: dict[str, torch.Tensor]) -> None:
-    expected = {f"{name}.{part}" for name in modules for part in ("lora_A", "lora_B")}
+    parts = ("lora_A", "lora_B", *(SHARED_PARTS if config.shared_r else ()))
+    expected = {f"{name}.{part}" for name in modules for part in parts}
     if config.scoring:
         expected |= {f"{SCORING_PREFIX}.weight", f"{SCORING_PREFIX}.bias"}
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
@@ -379,6 +385,13 @@ def _check_adapter_tensors(weights: str, config: MCLConfig, modules: list[str],
         if a.dim() != 3 or b.dim() != 3 or a.shape[0] != k or b.shape[0] != k or a.shape[2] != r or b.shape[1] != r:
             raise ValueError(f"{weights}: {name} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; K={k}, r={r} "
                              f"needs [{k}, d_in, {r}] and [{k}, {r}, d_out]")
+        if config.shared_r:
+            s, shared_a, shared_b = config.shared_r, tensors[f"{name}.shared_A"], tensors[f"{name}.shared_B"]
+            if tuple(shared_a.shape) != (a.shape[1], s) or tuple(shared_b.shape) != (s, b.shape[2]):
+                raise ValueError(f"{weights}: {name} has shared_A {tuple(shared_a.shape)} and shared_B "
+                                 f"{tuple(shared_b.shape)}; shared_r={s} with lora_A {tuple(a.shape)} and lora_B "
+                                 f"{tuple(b.shape)} needs [{a.shape[1]}, {s}] and [{s}, {b.shape[2]}]: the file was "
+                                 "damaged or edited; restore the one save_pretrained wrote")
     if config.scoring:
         weight, bias = tensors[f"{SCORING_PREFIX}.weight"], tensors[f"{SCORING_PREFIX}.bias"]
         if weight.dim() != 2 or weight.shape[0] != k or tuple(bias.shape) != (k,):

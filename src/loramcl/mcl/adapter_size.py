@@ -23,11 +23,17 @@ TRAINING_COPIES = 4
 
 
 def check_rank(model: nn.Module, names: list[str], config) -> None:
-    """r is at most min(d_in, d_out) of every target layer: a larger A B has no more rank, only more weights."""
+    """r (with a shared adapter: shared_r + r, the rank of one hypothesis) is at most min(d_in, d_out) of every target
+    layer: a larger A B has no more rank, only more weights."""
     block = _block(config)
     widths = {name: linear_features(model.get_submodule(name)) for name in names}
     narrowest = min(names, key=lambda name: min(widths[name]))
     d_in, d_out = widths[narrowest]
+    shared = getattr(config, "shared_r", 0)
+    if shared and config.r + shared > min(d_in, d_out):
+        raise OptionError("shared_r", f"shared_r {shared} + r {config.r} is more than the rank of an adapter on "
+                          f"{narrowest} ({d_in} -> {d_out} features, rank at most {min(d_in, d_out)}): set "
+                          f"--{block}.shared_r + --{block}.r to {min(d_in, d_out)} or less", owner=type(config))
     if config.r > min(d_in, d_out):
         exclude = f" / --{block}.exclude_modules" if hasattr(config, "exclude_modules") else ""
         raise OptionError("r", f"r {config.r} is more than the rank of an adapter on {narrowest} ({d_in} -> {d_out} "
@@ -35,16 +41,18 @@ def check_rank(model: nn.Module, names: list[str], config) -> None:
                           f"or leave the narrow layers out (--{block}.target_modules{exclude})", owner=type(config))
 
 
-def hypothesis_bytes(model: nn.Module, names: list[str], config) -> dict[torch.device, int]:
+def hypothesis_bytes(model: nn.Module, names: list[str], config, rank: int | None = None) -> dict[torch.device, int]:
     """{device: bytes} of ONE hypothesis' adapter weights (A [d_in, r] and B [r, d_out] per target layer; a LoRA-MoE
-    expert's also its column of the router [d_in, E]), on the device of each layer."""
-    router = _block(config) == "moe"
+    expert's also its column of the router [d_in, E]), on the device of each layer; ``rank``: of that rank instead of
+    r, without router (the shared adapter's)."""
+    router = _block(config) == "moe" and rank is None
     sizes: dict[torch.device, int] = defaultdict(int)
     for name in names:
         layer = model.get_submodule(name)
         d_in, d_out = linear_features(layer)
         dtype = torch.float32 if config.adapter_dtype == "float32" else compute_dtype(layer)  # not uint8 codes
-        sizes[layer.weight.device] += ((d_in + d_out) * config.r + (d_in if router else 0)) * dtype.itemsize
+        sizes[layer.weight.device] += ((d_in + d_out) * (config.r if rank is None else rank) + (
+            d_in if router else 0)) * dtype.itemsize
     return dict(sizes)
 
 
@@ -70,10 +78,11 @@ def check_adapter_size(model: nn.Module, names: list[str], config,
     block = _block(config)
     option, what, one = ("num_experts", "E experts", "expert") if block == "moe" else (
         "num_hypotheses", "K hypotheses", "hypothesis")
+    shared = getattr(config, "shared_r", 0)
     _check_copies_fit(getattr(config, option), hypothesis_bytes(model, names, config), option, type(config),
                       f"{what} of rank {config.r} on {len(names)} layers need {{need}} of adapter weights",
                       f", or a lower --{block}.r", f"not one {one} fits: lower --{block}.r, or adapt fewer layers",
-                      training)
+                      training, hypothesis_bytes(model, names, config, shared) if shared else {})
 
 
 def check_heads_size(module: nn.Module, config, training: bool = False) -> None:
@@ -89,18 +98,20 @@ def check_heads_size(module: nn.Module, config, training: bool = False) -> None:
 
 
 def _check_copies_fit(count: int, one: dict[torch.device, int], option: str, owner: type, what: str, lower: str,
-                      none_fits: str, training: bool) -> None:
-    """``count`` copies of ``one`` ({device: bytes of one copy}, times ``TRAINING_COPIES`` when ``training``) fit the
-    memory available on each device, else an OptionError: ``what`` (with ``{need}``), the memory, the largest count
-    that fits (``lower``: what else to lower) or, when none fits, ``none_fits``."""
+                      none_fits: str, training: bool, fixed: dict[torch.device, int] | None = None) -> None:
+    """``count`` copies of ``one`` ({device: bytes of one copy}) and ``fixed`` (bytes made once: the shared adapter),
+    times ``TRAINING_COPIES`` when ``training``, fit the memory available on each device, else an OptionError:
+    ``what`` (with ``{need}``), the memory, the largest count that fits (``lower``: what else to lower) or, when none
+    fits, ``none_fits``."""
     copies = TRAINING_COPIES if training else 1
     block = _block(owner)
+    fixed = fixed or {}
     for device, size in one.items():
         free = available_memory(device)
-        need = count * size * copies
+        need = (count * size + fixed.get(device, 0)) * copies
         if free is None or need <= free:
             continue
-        fits = free // (size * copies)
+        fits = max(free // copies - fixed.get(device, 0), 0) // size
         state = " with their gradients and AdamW state" if training else ""
         fix = f"set --{block}.{option} {fits} or less{lower}" if fits else none_fits
         raise OptionError(option, f"{option} {count}: {what.format(need=_gb(need))}{state}, more than the "

@@ -49,7 +49,8 @@ def get_mcl_model(model: nn.Module, config: MCLConfig) -> MCLModel:
     check_adapter_size(model, names, config)
     return replace_modules(model, names, lambda layer: MCLLoraLinear(
         layer, routing, config.num_hypotheses, config.r, config.alpha, config.dropout, adapter_dtype=adapter_dtype,
-        use_rslora=config.use_rslora), lambda names, base: MCLModel(model, config, routing, names, base))
+        use_rslora=config.use_rslora, shared_r=config.shared_r),
+        lambda names, base: MCLModel(model, config, routing, names, base))
 
 
 # ---- 1. the target layers --------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ LossName = Literal["wta", "relaxed", "annealed"]
 LOSS_NAMES: tuple[str, ...] = ("wta", "relaxed", "annealed")
 ADAPTER_DTYPES: tuple[str, ...] = ("float32", "base")
 TIE_BREAKS: tuple[str, ...] = ("lowest", "random")
+EPSILON_FORMS: tuple[str, ...] = ("paper", "mean")
 BALANCES: tuple[str, ...] = ("none", "bias")
 # The adapter output is scaled by alpha / r (rsLoRA: alpha / sqrt(r)); the paper and the packaged recipes use 1 to 4.
 # After one AdamW step (about the learning rate on every B entry) the output moves by about scaling x r x lr: past
@@ -23,13 +24,14 @@ MAX_SCALING = 100.0
 # acts on the logged total, where the scoring loss (nats per token, like the hypotheses' loss) weighs beta times;
 # past 100 that total is the scoring loss alone, and at 1e30 the head's gradient norm overflows.
 MAX_SCORING_WEIGHT = 100.0
-# Settings added by issue 63, written (mcl_config.json, run.json) only where they differ from their default: with them
-# off a configuration saves the same files as before they existed, and a file without them reads them as off.
-WRITTEN_WHEN_SET: tuple[str, ...] = ("balance", "balance_rate", "split_after", "split_noise")
 # epsilon 'auto' for relaxed WTA (`loramcl train`'s default loss, issue 53): measured over three tasks at a first-try
 # budget (docs/benchmarks.md, "Which defaults split on a first try"), relaxed WTA left no hypothesis idle in 12 runs,
 # vanilla WTA one in 4 of 6; epsilon 0.05 is the paper's translation value.
 AUTO_EPSILON = 0.05
+# Fields added after adapter files and run records were first written, each with its default: saved only when set, so
+# that with them at their default a file is written as before (tests/fixtures/saved_run) and reads back the same.
+SAVED_WHEN_SET: dict[str, object] = {"epsilon_form": "paper", "loraplus_lr_ratio": None, "shared_r": 0,
+                                     "balance": "none", "balance_rate": 0.01, "split_after": 0.0, "split_noise": 0.1}
 
 
 @names_its_options
@@ -71,6 +73,13 @@ class MCLConfig:
     """Relaxed-WTA weight shared by the non-winning hypotheses, in [0, (K-1)/K]; used when loss='relaxed'. 'auto'
     (`loramcl train`'s default): AUTO_EPSILON for relaxed WTA with K >= 2, none otherwise (another loss, or K = 1:
     plain LoRA), so that the command's relaxed default leaves `--mcl.loss wta` or one hypothesis valid as given."""
+
+    epsilon_form: Literal["paper", "mean"] = "paper"
+    """How relaxed WTA weighs the losers with epsilon: 'paper' (eq. 4: 1 - epsilon on the winner, epsilon/(K-1) on
+    each other, summing to 1; the released LoRA-MCL code's weights too) or 'mean' (the released code's multi-head
+    audio model: (1 - epsilon - epsilon/(K-1)) min_k + epsilon/(K-1) mean_k, i.e. 1 - epsilon - epsilon/K on the
+    winner and epsilon/(K(K-1)) on each other, summing to 1 - epsilon: the losers share epsilon/K, K times less). The
+    same epsilon is another loss in each form (docs/guide/scores.md, "Two forms of epsilon"); loss='relaxed' only."""
 
     temperature0: float = 1.0
     """Annealed MCL: initial temperature tau(0)."""
@@ -159,13 +168,24 @@ class MCLConfig:
     positions run on K*B rows (docs/architecture.md). Such adapters are not standard PEFT LoRA: export and merge
     refuse them."""
 
+    shared_r: int = 0
+    """Rank s of the shared adapter (an extension, off by default: 0, the paper's model). With s > 0 every adapted
+    layer has one more LoRA pair, A [d_in, s] and B [s, d_out], applied to every row whatever its hypothesis, so that
+    every example trains it (its gradient is sum_k q[b,k] times a row's, weights that sum to 1). Hypothesis k with the
+    shared pair is ONE LoRA of rank s + r: both pairs are scaled by alpha / (s + r) (alpha / sqrt(s + r) with
+    ``use_rslora``), read the same dropped-out input, and export as one PEFT LoRA of rank s + r. A LoRA-MLE of the
+    same trainable count has rank K*r + s."""
+
     def __post_init__(self) -> None:
         if isinstance(self.target_modules, tuple | set):
             self.target_modules = sorted(self.target_modules)
         require_int("num_hypotheses", self.num_hypotheses)
         require_int("r", self.r, what="(LoRA rank)")
         require_real("alpha", self.alpha, low=0.0, low_open=True, hint=" (the adapter output is scaled by alpha/r)")
-        divisor, said = (math.sqrt(self.r), "alpha/sqrt(r)") if self.use_rslora is True else (self.r, "alpha/r")
+        require_int("shared_r", self.shared_r, minimum=0, what="(the shared adapter's rank; 0: none)")
+        rank = "(shared_r + r)" if self.shared_r else "r"
+        divisor, said = (math.sqrt(self.lora_rank), f"alpha/sqrt{rank}" if self.shared_r else "alpha/sqrt(r)") if (
+            self.use_rslora is True) else (self.lora_rank, f"alpha/{rank}")
         require(self.alpha / divisor <= MAX_SCALING, f"alpha {self.alpha:g} scales the adapter output by {said} = "
                 f"{self.alpha / divisor:g}, more than {MAX_SCALING:g}: set alpha at most {MAX_SCALING * divisor:g} "
                 "(the paper and the recipes use alpha/r from 1 to 4)", "alpha")
@@ -196,13 +216,19 @@ class MCLConfig:
             require_real("epsilon", self.epsilon, low=0.0, hint=" ('auto': relaxed WTA's measured default)")
         require(self.epsilon in (0, "auto") or self.loss == "relaxed", f"epsilon {self.epsilon!r} is relaxed WTA's "
                 f"weight, and loss is {self.loss!r}: set loss relaxed, or leave epsilon out", "epsilon")
+        require(self.epsilon_form in EPSILON_FORMS, f"epsilon_form must be one of {EPSILON_FORMS}, got "
+                f"{self.epsilon_form!r}", "epsilon_form")
+        require(self.epsilon_form == "paper" or self.loss == "relaxed", f"epsilon_form {self.epsilon_form!r} is how "
+                f"relaxed WTA weighs epsilon, and loss is {self.loss!r}: set loss relaxed, or leave epsilon_form out",
+                "epsilon_form")
         if self.loss == "relaxed" and self.epsilon != "auto":
             k = self.num_hypotheses
             upper = (k - 1) / k
             hint = (" With one hypothesis there is no other hypothesis to share epsilon: set epsilon=0 "
                     "(or loss='wta'), which is plain LoRA fine-tuning." if k == 1 else
                     " Above that bound a losing hypothesis would weigh more than the winner.")
-            # The bound printed in full (repr), so that the largest accepted value can be copied from the message.
+            # The bound printed in full (repr), so that the largest accepted value can be copied from the message. It
+            # is the same in both epsilon forms: at (K-1)/K the winner weighs what a loser does in each (1/K; 1/K^2).
             require(self.epsilon <= upper,
                     f"epsilon must be in [0, (K-1)/K] = [0, {k - 1}/{k}] for K={k} (at most {upper!r}), "
                     f"got {self.epsilon!r}.{hint}", "epsilon")
@@ -258,14 +284,17 @@ class MCLConfig:
         return AUTO_EPSILON if self.loss == "relaxed" and self.num_hypotheses > 1 else 0.0
 
     @property
+    def lora_rank(self) -> int:
+        """The rank of one hypothesis as a plain LoRA: r, plus the shared adapter's shared_r."""
+        return self.r + self.shared_r
+
+    @property
     def scaling(self) -> float:
-        return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
+        rank = self.lora_rank
+        return self.alpha / math.sqrt(rank) if self.use_rslora else self.alpha / rank
 
     def to_dict(self) -> dict:
-        """The fields as a dict, those of ``WRITTEN_WHEN_SET`` only where they differ from their default."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in WRITTEN_WHEN_SET}
-        return {name: value for name, value in dataclasses.asdict(self).items()
-                if name not in defaults or value != defaults[name]}
+        return without_defaults_added_later(dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, values: dict) -> MCLConfig:
@@ -322,8 +351,9 @@ MCLConfig.__init__ = _refusing_peft_only_options(MCLConfig.__init__)
 
 # A setting that only acts beside another: (that setting, the value it needs). A configuration given for training is
 # refused when it sets one without the other (the value would be ignored); a saved one reads it as its default.
-ACTS_ONLY_WITH = {"epsilon": ("loss", "relaxed"), "scoring_weight": ("scoring", True),
-                  "router_std": ("router_init", "normal"), "balance_rate": ("balance", "bias")}
+ACTS_ONLY_WITH = {"epsilon": ("loss", "relaxed"), "epsilon_form": ("loss", "relaxed"),
+                  "scoring_weight": ("scoring", True), "router_std": ("router_init", "normal"),
+                  "balance_rate": ("balance", "bias")}
 
 
 def saved_values(values: dict) -> dict:
@@ -333,6 +363,12 @@ def saved_values(values: dict) -> dict:
     the same outputs (none of them is an output setting)."""
     return {name: value for name, value in values.items()
             if name not in ACTS_ONLY_WITH or values.get(ACTS_ONLY_WITH[name][0]) == ACTS_ONLY_WITH[name][1]}
+
+
+def without_defaults_added_later(values: dict) -> dict:
+    """``values`` (a configuration's fields) less the ``SAVED_WHEN_SET`` fields at their default."""
+    return {name: value for name, value in values.items()
+            if name not in SAVED_WHEN_SET or value != SAVED_WHEN_SET[name]}
 
 
 def _is_index(value) -> bool:

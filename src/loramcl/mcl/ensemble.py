@@ -56,6 +56,9 @@ def assemble_hypotheses(model: nn.Module, folders: Sequence[str | os.PathLike], 
                          "member on its own (another seed or data), or name the run once")
     first, first_saved, first_config, _ = members[0]
     for folder, saved, config, _ in members:
+        require(not config.shared_r, f"{folder} has a shared adapter (shared_r {config.shared_r}), one per run: "
+               "the members' hypotheses would not share one. Export each member's hypotheses (each one LoRA of rank "
+               "shared_r + r) and serve them as PEFT adapters, or assemble runs trained without shared_r")
         require(not config.scoring, f"{folder} has hypothesis scores p(k | c), which rank its own hypotheses: "
                "assemble runs trained without scoring")
         differing = sorted(name for name, value in _output_settings(config).items()

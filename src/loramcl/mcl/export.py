@@ -108,13 +108,14 @@ def warn_serving(model, fold_scaling: bool) -> list[str]:
     messages."""
     cfg = model.mcl_config
     messages = []
-    if cfg.r not in VLLM_RANKS:
-        larger = next((rank for rank in VLLM_RANKS if rank > cfg.r), None)
-        messages.append(f"rank {cfg.r} is not one of vLLM's max_lora_rank values ({', '.join(map(str, VLLM_RANKS))}):"
+    rank = cfg.lora_rank  # the exported rank: shared_r + r with a shared adapter
+    if rank not in VLLM_RANKS:
+        larger = next((allowed for allowed in VLLM_RANKS if allowed > rank), None)
+        messages.append(f"rank {rank} is not one of vLLM's max_lora_rank values ({', '.join(map(str, VLLM_RANKS))}):"
                         f" serve with --max-lora-rank {larger} (padded), or train with one of them")
     if cfg.use_rslora and not fold_scaling:
         messages.append("these adapters use rsLoRA (alpha/sqrt(r)): llama.cpp's convert_lora_to_gguf.py reads "
-                        f"lora_alpha only and would scale them by alpha/r, {cfg.r ** 0.5:.3g}x too weak: export with "
+                        f"lora_alpha only and would scale them by alpha/r, {rank ** 0.5:.3g}x too weak: export with "
                         "fold_scaling (--fold_scaling) for llama.cpp")
     if getattr(model.config, "is_encoder_decoder", False):
         messages.append(f"{type(model.base_model).__name__} is an encoder-decoder: vLLM and llama.cpp serve LoRA "

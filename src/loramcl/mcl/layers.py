@@ -2,7 +2,8 @@
 as implemented": "Own stacked layer").
 
 All K hypotheses run in one batched matmul per layer. Rows are hypothesis-major: with K*B rows,
-hypothesis k owns rows k*B ... (k+1)*B - 1, a contiguous view, so no permute is needed.
+hypothesis k owns rows k*B ... (k+1)*B - 1, a contiguous view, so no permute is needed. A shared adapter
+(``MCLConfig.shared_r``) is one more LoRA pair that every row runs, un-gathered: one plain matmul on all rows.
 """
 
 from __future__ import annotations
@@ -62,40 +63,53 @@ class MCLLoraLinear(nn.Module):
     """``base(x) + (alpha / r) * dropout(x) @ A_k @ B_k`` with k the hypothesis of each row (alpha / sqrt(r) with
     ``use_rslora``).
 
+    With a shared adapter of rank s (``shared_r``): ``base(x) + (alpha / (s + r)) * h @ ([A_s | A_k] [B_s ; B_k])``,
+    h = dropout(x) read by both pairs, i.e. hypothesis k is one LoRA of rank s + r whose first s rank components every
+    hypothesis shares (PEFT's LoRA of rank s + r drops its input once, so the two pairs read the same h).
+
     ``base_layer`` is an ``nn.Linear`` or a transformers ``Conv1D`` (GPT-2), kept frozen inside.
     """
 
     def __init__(self, base_layer: nn.Module, routing: HypothesisRouting, num_hypotheses: int, r: int,
                  alpha: float, dropout: float = 0.0, adapter_dtype: torch.dtype | None = None,
-                 use_rslora: bool = False) -> None:
+                 use_rslora: bool = False, shared_r: int = 0) -> None:
         super().__init__()
         in_features, out_features = linear_features(base_layer)
         self.base_layer = base_layer
         self.routing = routing
         self.num_hypotheses = num_hypotheses
         self.in_features, self.out_features = in_features, out_features
-        self.r = r
-        self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r  # rsLoRA (Kalajdzievski 2023): alpha/sqrt(r)
+        self.r, self.shared_r = r, shared_r
+        rank = r + shared_r  # one hypothesis with the shared pair is one LoRA of this rank
+        self.scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank  # rsLoRA (Kalajdzievski 2023)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         # a quantized layer stores uint8/int8 codes: the adapters take the dtype it computes in, on its device
         device, dtype = base_layer.weight.device, adapter_dtype or compute_dtype(base_layer)
         self.lora_A = nn.Parameter(torch.empty(num_hypotheses, in_features, r, device=device, dtype=dtype))
         self.lora_B = nn.Parameter(torch.zeros(num_hypotheses, r, out_features, device=device, dtype=dtype))
+        if shared_r:  # no attribute at all without it: the layer's state_dict and forward are those of before
+            self.shared_A = nn.Parameter(torch.empty(in_features, shared_r, device=device, dtype=dtype))  # [d_in, s]
+            self.shared_B = nn.Parameter(torch.zeros(shared_r, out_features, device=device, dtype=dtype))  # [s, d_out]
         # inference's copies of the adapters in the activations' dtype, kept until the weights change (``_kept``):
         # (name, dtype, transposed) -> (weight, version, storage, copy)
         self._kept_copies: dict[tuple, tuple] = {}
         self.reset_adapters()
 
     def reset_adapters(self) -> None:
-        """PEFT's LoRA init for every hypothesis: A ~ kaiming_uniform(a=sqrt(5)) = U(+-1/sqrt(d_in)), B = 0."""
+        """PEFT's LoRA init for every hypothesis (and the shared pair, drawn after them): A ~ kaiming_uniform(a=sqrt(5))
+        = U(+-1/sqrt(d_in)), B = 0."""
         bound = 1.0 / math.sqrt(self.in_features)
         with torch.no_grad():
             self.lora_A.uniform_(-bound, bound)
             self.lora_B.zero_()
+            if self.shared_r:
+                self.shared_A.uniform_(-bound, bound)
+                self.shared_B.zero_()
 
     def adapter_tensors(self) -> dict[str, nn.Parameter]:
         """The trained tensors, by their name in this layer: what the adapter files hold and load freezes."""
-        return {"lora_A": self.lora_A, "lora_B": self.lora_B}
+        shared = {"shared_A": self.shared_A, "shared_B": self.shared_B} if self.shared_r else {}
+        return {"lora_A": self.lora_A, "lora_B": self.lora_B, **shared}
 
     @property
     def weight(self) -> torch.Tensor:  # models read e.g. `self.wo.weight.dtype` (T5)
@@ -124,8 +138,15 @@ class MCLLoraLinear(nn.Module):
             # h A as (A^T h^T)^T from m*T = 16 rows on: the CPU's batched matmul is faster with the long side last
             projected = torch.bmm(grouped, a) if grouped.shape[1] < 16 else torch.bmm(a.mT, grouped.mT).mT.contiguous()
             out = result.reshape(grouped.shape[0], -1, self.out_features)  # [n, m*T, d_out]
-            return torch.baddbmm(out, projected, b, alpha=self.scaling).view(result.shape)
+            out = torch.baddbmm(out, projected, b, alpha=self.scaling)
+            if self.shared_r:  # every row: one plain matmul, un-gathered
+                flat = grouped.reshape(-1, self.in_features)  # [rows*T, d_in]
+                out = torch.addmm(out.view(-1, self.out_features), flat @ self._kept("shared_A", h.dtype),
+                                  self._kept("shared_B", h.dtype), alpha=self.scaling)
+            return out.view(result.shape)
         delta = self._adapter_delta(h)  # [rows, ..., d_out], h's dtype
+        if self.shared_r:  # every row, whatever its hypothesis, before the mask by position (it is part of each LoRA)
+            delta = delta + h @ self.shared_A.to(h.dtype) @ self.shared_B.to(h.dtype)  # [rows, ..., d_out]
         if self.routing.positions is not None:
             if tuple(delta.shape[:2]) != tuple(self.routing.positions.shape[:2]):
                 raise RuntimeError(f"adapters masked by position on {tuple(self.routing.positions.shape[:2])} (rows, "
@@ -218,12 +239,17 @@ class MCLLoraLinear(nn.Module):
         return kept[3]
 
     def delta_weight(self, k: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The weight update of hypothesis k in the base layer's layout and ``dtype`` (default: its compute dtype)."""
-        delta = (self.lora_A[k].float() @ self.lora_B[k].float()) * self.scaling  # [d_in, d_out]
+        """The weight update of hypothesis k (with the shared pair) in the base layer's layout and ``dtype`` (default:
+        its compute dtype)."""
+        product = self.lora_A[k].float() @ self.lora_B[k].float()  # [d_in, d_out]
+        if self.shared_r:
+            product = product + self.shared_A.float() @ self.shared_B.float()
+        delta = product * self.scaling  # [d_in, d_out]
         if isinstance(self.base_layer, nn.Linear):
             delta = delta.T  # nn.Linear stores W as [d_out, d_in]
         return delta.to(dtype or compute_dtype(self.base_layer))
 
     def extra_repr(self) -> str:
-        return (f"hypotheses={self.num_hypotheses}, in={self.in_features}, out={self.out_features}, r={self.r}, "
-                f"scaling={self.scaling:g}")
+        shared = f", shared_r={self.shared_r}" if self.shared_r else ""
+        return (f"hypotheses={self.num_hypotheses}, in={self.in_features}, out={self.out_features}, r={self.r}"
+                f"{shared}, scaling={self.scaling:g}")

@@ -42,6 +42,19 @@ def relaxed_weights(nll: torch.Tensor, epsilon: float, tie_break: str = "lowest"
     return winner * (1.0 - epsilon) + (1.0 - winner) * (epsilon / (num_hypotheses - 1))
 
 
+def relaxed_mean_weights(nll: torch.Tensor, epsilon: float, tie_break: str = "lowest") -> torch.Tensor:
+    """Relaxed WTA as the released code's multi-head audio model weighs it (``epsilon_form="mean"``): the loss
+    (1 - epsilon - epsilon/(K-1)) min_k nll + epsilon/(K-1) mean_k nll, whose weights are 1 - epsilon - epsilon/K on
+    the winner (torch.min's first minimum: ``tie_break="lowest"``) and epsilon / (K (K-1)) on each other; they sum to
+    1 - epsilon. Eq. 4 at epsilon / (K (1 - epsilon)), scaled by 1 - epsilon. [B, K] -> [B, K]."""
+    num_hypotheses = nll.shape[1]
+    winner = wta_weights(nll, tie_break)
+    if num_hypotheses == 1:
+        return winner
+    share = epsilon / (num_hypotheses - 1)  # the reference code's coefficient of mean_k
+    return winner * (1.0 - epsilon - share) + share / num_hypotheses
+
+
 def annealed_weights(nll: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     """Eq. 5: q_k = p_k^(1/tau) / sum_s p_s^(1/tau) = softmax_k(-nll / tau), computed in log space.
 
@@ -164,7 +177,8 @@ def _annealed(nll: torch.Tensor, config: MCLConfig, step: int | torch.Tensor, to
 
 ASSIGNMENTS: dict[str, WeightFn] = {
     "wta": lambda nll, config, step, total_steps: wta_weights(nll, config.tie_break),
-    "relaxed": lambda nll, config, step, total_steps: relaxed_weights(nll, config.relaxed_epsilon, config.tie_break),
+    "relaxed": lambda nll, config, step, total_steps: (relaxed_mean_weights if config.epsilon_form == "mean" else
+                                                       relaxed_weights)(nll, config.relaxed_epsilon, config.tie_break),
     "annealed": _annealed,
 }
 

@@ -190,10 +190,16 @@ class MCLModel(ActivationCheckpointing, nn.Module):
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         return trainable, sum(p.numel() for p in self.parameters())
 
+    def shared_parameter_count(self) -> int:
+        """Trainable numbers of the shared adapter (``MCLConfig.shared_r``), counted in ``parameter_counts`` too."""
+        return sum(p.numel() for _, layer in self.mcl_layers() for part, p in layer.adapter_tensors().items()
+                   if part.startswith("shared_") and p.requires_grad)
+
     def print_trainable_parameters(self) -> None:
         trainable, total = self.parameter_counts()
+        shared = self.shared_parameter_count()
         print(f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}"
-              f" || hypotheses: {self.num_hypotheses}")
+              f" || hypotheses: {self.num_hypotheses}" + (f" || shared adapter: {shared:,}" if shared else ""))
 
     @contextlib.contextmanager
     def use_hypotheses(self, hypotheses: int | torch.Tensor, copies: bool = False) -> Iterator[None]:

@@ -59,8 +59,8 @@ def peft_lora_config(model, fold_scaling: bool = False, alora_invocation_tokens:
         raise ValueError("cannot export a mix of nn.Linear and Conv1D layers as one PEFT adapter")
     targets = _peft_target_modules(model)
     by_short_names = targets != sorted(model.layer_names)  # then PEFT must apply the same selection options
-    return LoraConfig(
-        r=cfg.r, lora_alpha=cfg.r if fold_scaling else cfg.alpha, lora_dropout=cfg.dropout, bias="none",
+    return LoraConfig(  # a shared adapter: hypothesis k is one LoRA of rank shared_r + r, scaled by alpha over it
+        r=cfg.lora_rank, lora_alpha=cfg.lora_rank if fold_scaling else cfg.alpha, lora_dropout=cfg.dropout, bias="none",
         use_rslora=cfg.use_rslora and not fold_scaling,
         target_modules=targets, fan_in_fan_out=all(is_conv1d), task_type=_peft_task_type(model.base_model),
         exclude_modules=cfg.exclude_modules if by_short_names else None,
@@ -73,11 +73,17 @@ def peft_lora_config(model, fold_scaling: bool = False, alora_invocation_tokens:
 
 def hypothesis_tensors(model, k: int, fold_scaling: bool = False) -> dict[str, torch.Tensor]:
     """Hypothesis k's tensors under PEFT's names, lora_A as [r, d_in] and lora_B as [d_out, r] (times the scaling
-    with ``fold_scaling``)."""
+    with ``fold_scaling``). With a shared adapter of rank s, one LoRA of rank s + r: lora_A = [shared_A | A_k] and
+    lora_B = [shared_B ; B_k] concatenated on the rank axis (shared first), so that lora_B @ lora_A = the sum of both
+    pairs' products, at the scaling both share."""
     tensors = {}
     for name, layer in model.mcl_layers():
-        lora_b = whole_tensor(layer.lora_B.detach())[k] * (layer.scaling if fold_scaling else 1)
-        tensors[f"base_model.model.{name}.lora_A.weight"] = whole_tensor(layer.lora_A.detach())[k].T.contiguous().cpu()
+        lora_a, lora_b = whole_tensor(layer.lora_A.detach())[k], whole_tensor(layer.lora_B.detach())[k]
+        if layer.shared_r:  # [d_in, s + r], [s + r, d_out]
+            lora_a = torch.cat([whole_tensor(layer.shared_A.detach()), lora_a], dim=1)
+            lora_b = torch.cat([whole_tensor(layer.shared_B.detach()), lora_b], dim=0)
+        lora_b = lora_b * (layer.scaling if fold_scaling else 1)
+        tensors[f"base_model.model.{name}.lora_A.weight"] = lora_a.T.contiguous().cpu()
         tensors[f"base_model.model.{name}.lora_B.weight"] = lora_b.T.contiguous().cpu()
     return tensors
 
@@ -117,7 +123,8 @@ def _peft_target_modules(model) -> list[str]:
 
 
 def merge_hypothesis(model, k: int, inplace: bool = False) -> nn.Module:
-    """The base model with hypothesis k merged into its weights (W + alpha/r * (A_k B_k)^T), adapters removed.
+    """The base model with hypothesis k merged into its weights (W + alpha/r * (A_k B_k)^T; with a shared adapter
+    W + alpha/(s + r) * (A_s B_s + A_k B_k)^T), adapters removed.
 
     By default the base model is copied first, so the MCL model stays usable (e.g. to merge another k);
     ``inplace=True`` saves the copy's memory on large models and leaves the MCL model unusable. Refused for a method

@@ -80,10 +80,9 @@ def load_mcl_model(model: nn.Module, path: str | os.PathLike, is_trainable: bool
         mcl = get_mcl_model(model, config)
     with torch.no_grad():
         for name, layer in mcl.mcl_layers():
-            layer.lora_A.copy_(tensors[f"{name}.lora_A"])
-            layer.lora_B.copy_(tensors[f"{name}.lora_B"])
-            layer.lora_A.requires_grad_(is_trainable)
-            layer.lora_B.requires_grad_(is_trainable)
+            for part, param in layer.adapter_tensors().items():  # lora_A, lora_B (shared_A, shared_B)
+                param.copy_(tensors[f"{name}.{part}"])
+                param.requires_grad_(is_trainable)
     copy_scoring_head(mcl.scoring_head, tensors)
     if mcl.scoring_head is not None:
         mcl.scoring_head.requires_grad_(is_trainable or fit_scores)

@@ -95,7 +95,8 @@ def loss_name(mcl: dict, method: str = "mcl") -> str:
         return "MLE"
     if mcl["loss"] == "relaxed":
         epsilon = mcl["epsilon"]
-        return f"relaxed ε={epsilon if isinstance(epsilon, str) else format(epsilon, 'g')}"
+        form = " (mean form)" if mcl.get("epsilon_form", "paper") == "mean" else ""
+        return f"relaxed ε={epsilon if isinstance(epsilon, str) else format(epsilon, 'g')}{form}"
     if mcl["loss"] == "annealed":
         decay = mcl["temperature_decay"]
         return f"annealed τ0={mcl['temperature0']:g}, ρ={decay if isinstance(decay, str) else format(decay, 'g')}"

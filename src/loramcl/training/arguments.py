@@ -41,6 +41,10 @@ class MCLTrainerSettings:
     scoring_learning_rate: float | None = field(default=None, metadata={"help": (
         "The learning rate of the hypothesis-scores head (MCLConfig(scoring=True)); None: the trainer's. With Adam "
         "the scoring loss's weight beta barely matters (the step is normalised), this does.")})
+    loraplus_lr_ratio: float | None = field(default=None, metadata={"help": (
+        "LoRA+ (Hayou et al., ICML 2024): LoRA's B matrices learn at this many times the rate of the rest (A, routers; "
+        "lr_B = ratio x lr_A), each of Trainer's param groups split in two (training.optimizer); the paper "
+        "recommends about 16 with Adam. None or 1: one rate, the optimizer as without it.")})
 
     def __post_init__(self) -> None:
         per_block = self.scoring_examples_per_block
@@ -52,6 +56,10 @@ class MCLTrainerSettings:
         rate = self.scoring_learning_rate
         if rate is not None and not (math.isfinite(rate) and rate > 0):
             raise ValueError(f"scoring_learning_rate must be a finite number > 0, got {rate!r}")
+        ratio = self.loraplus_lr_ratio
+        if ratio is not None and not (isinstance(ratio, int | float) and not isinstance(ratio, bool)
+                                      and math.isfinite(ratio) and ratio > 0):
+            raise ValueError(f"loraplus_lr_ratio must be a finite number > 0 (LoRA+: about 16) or None, got {ratio!r}")
 
 
 SETTING_NAMES = tuple(setting.name for setting in fields(MCLTrainerSettings))

@@ -150,6 +150,12 @@ class TrainConfig:
     scoring_learning_rate: float | None = None
     """Learning rate of the hypothesis-scores head (MCLConfig(scoring=True)); None: learning_rate."""
 
+    loraplus_lr_ratio: float | None = None
+    """LoRA+ (Hayou et al., ICML 2024): LoRA's B matrices learn at this many times learning_rate (A and the LoRA-MoE
+    routers at learning_rate), under the same schedule; the paper recommends about 16 with Adam, with a learning rate
+    about half of plain LoRA's. None (or 1): one rate. For LoRA-MCL, LoRA-MLE (K = 1) and LoRA-MoE alike; the
+    multi-head baseline has no B and refuses it."""
+
     def __post_init__(self) -> None:
         require_int("steps", self.steps, maximum=MAX_STEPS,
                     hint=" (MAX_STEPS: 10^8 optimizer steps take over 115 days at 10 steps a second; an epoch of the "
@@ -157,6 +163,13 @@ class TrainConfig:
         if self.scoring_learning_rate is not None:
             require_real("scoring_learning_rate", self.scoring_learning_rate, low=0.0, high=MAX_LEARNING_RATE,
                          low_open=True, hint=_LEARNING_RATE_HINT)
+        if self.loraplus_lr_ratio is not None:
+            require_real("loraplus_lr_ratio", self.loraplus_lr_ratio, low=0.0, low_open=True,
+                         hint=" (LoRA+'s lr_B / lr_A: about 16; None: one rate)")
+            require(self.learning_rate * self.loraplus_lr_ratio <= MAX_LEARNING_RATE, f"loraplus_lr_ratio "
+                    f"{self.loraplus_lr_ratio:g} puts LoRA's B at learning_rate x ratio = "
+                    f"{self.learning_rate * self.loraplus_lr_ratio:g}, past {MAX_LEARNING_RATE:g}"
+                    f"{_LEARNING_RATE_HINT}: lower the ratio or learning_rate", "loraplus_lr_ratio")
         require_int("batch_size", self.batch_size)
         require_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
         steps = self.gradient_accumulation_steps

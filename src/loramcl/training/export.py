@@ -156,14 +156,17 @@ def model_card(mcl, base: str, folders: list[str], record: tuple[Path, dict] | N
     run = read_json(record[0], "it was damaged or edited: train the run again") if record else {}
     log_path = Path(adapters) / "train_log.json"
     log = read_json(log_path, "it was damaged or edited: train the run again") if log_path.is_file() else []
-    loss = cfg.loss + {"relaxed": f" (epsilon {cfg.relaxed_epsilon:g})", "annealed": f" (temperature {cfg.temperature0}, decay "
-                       f"{cfg.temperature_decay})"}.get(cfg.loss, "")
+    form = ", mean form" if cfg.epsilon_form == "mean" else ""
+    loss = cfg.loss + {"relaxed": f" (epsilon {cfg.relaxed_epsilon:g}{form})",
+                       "annealed": f" (temperature {cfg.temperature0}, decay {cfg.temperature_decay})"}.get(cfg.loss, "")
     scaling = "folded into lora_B (lora_alpha = r)" if fold_scaling else \
         f"alpha {cfg.alpha}{' with rsLoRA (alpha/sqrt(r))' if cfg.use_rslora else ''}"
+    shared = f" (a shared adapter of rank {cfg.shared_r} + the hypothesis' own {cfg.r})" if cfg.shared_r else ""
     rows = [("base model", f"`{base}`"), ("hypotheses", f"{len(names)} of K = {cfg.num_hypotheses}: "
                                           f"{', '.join(names)}"),
             ("method", "LoRA-MCL (multiple choice learning of LoRA adapters)"), ("loss", loss),
-            ("rank", f"{cfg.r}, {scaling}"), ("adapted layers", f"{len(mcl.layer_names)} ({short_names})")]
+            ("rank", f"{cfg.lora_rank}{shared}, {scaling}"),
+            ("adapted layers", f"{len(mcl.layer_names)} ({short_names})")]
     if invocation is not None:
         rows.append(("activated LoRA", f"from the invocation token {invocation} on (the context computed once)"))
     data = settings.get("data") or {}
@@ -199,7 +202,7 @@ The commands below run from the folder where `loramcl export` was typed (their p
 
 ```bash
 # vLLM: the prompt sent once per hypothesis, "model": "h0" ... (in Python, one LoRARequest per hypothesis)
-vllm serve {shlex.quote(base)} --enable-lora --max-loras {len(names)} --max-lora-rank {_vllm_rank(cfg.r)} \\
+vllm serve {shlex.quote(base)} --enable-lora --max-loras {len(names)} --max-lora-rank {_vllm_rank(cfg.lora_rank)} \\
   --lora-modules {' '.join(shlex.quote(f'{Path(f).name}={f}') for f in folders)}
 {_llama_cpp(base, folders, rendered, rslora_note)}
 ```

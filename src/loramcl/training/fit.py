@@ -283,7 +283,8 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
         logger.warning(f"{shortfall}; set --training.warmup_steps below --training.steps (e.g. "
                        f"{training.steps // 10}) for the run to train at its learning rate")
     trainer = MCLTrainer(mcl_model, args=args, train_dataset=train_set, eval_dataset=eval_set,
-                         data_collator=collator, scoring_learning_rate=training.scoring_learning_rate)
+                         data_collator=collator, scoring_learning_rate=training.scoring_learning_rate,
+                         loraplus_lr_ratio=training.loraplus_lr_ratio)
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     progress = _log_lines_callback(ProgressCallback)()
@@ -320,11 +321,15 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     run = {"settings": settings, STAMP: stamp, "resumed_from": trainer.resumed_from and Path(trainer.resumed_from).name,
            "threads": torch.get_num_threads(), "train_examples": len(train_set), "trainable_parameters": trainable,
            "total_parameters": total, "seconds": round(seconds, 1)}
+    shared = mcl_model.shared_parameter_count()
+    if shared:  # of the trainable ones: a LoRA-MLE of rank K*r + shared_r trains as many (equal-parameter comparisons)
+        run["shared_parameters"] = shared
     if trainer.specialisation is not None:  # did the hypotheses split (its line was logged), or why no verdict
         run["specialisation"] = trainer.specialisation.to_dict()
     if writing:
         write_json(out_dir / RUN_RECORD, run)
-        logger.info(f"trained {trainable:,} of {total:,} parameters in {seconds:.0f} s: {out_dir}")
+        of_them = f" ({shared:,} of them the shared adapter's)" if shared else ""
+        logger.info(f"trained {trainable:,} of {total:,} parameters{of_them} in {seconds:.0f} s: {out_dir}")
     return run
 
 

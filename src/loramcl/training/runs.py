@@ -10,7 +10,7 @@ from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 
 from loramcl.baselines.config import MoEConfig, MultiHeadConfig
-from loramcl.mcl.config import MCLConfig
+from loramcl.mcl.config import MCLConfig, without_defaults_added_later
 from loramcl.training.config import DataConfig, TrainConfig
 from loramcl.utils.files import read_json, sha256
 from loramcl.utils.inputs import RUN_RECORD
@@ -46,7 +46,7 @@ def run_settings(model: str, mcl, data: DataConfig | None, training: TrainConfig
     if data is not None:
         files = {"train": data.train_file, "validation": data.validation_file}
     settings = {"model": model, **method_settings(method, mcl), **({"data": asdict(data)} if data is not None else {}),
-                "training": asdict(training), "dtype": dtype, **(examples or {}),
+                "training": without_defaults_added_later(asdict(training)), "dtype": dtype, **(examples or {}),
                 "data_sha256": {name: data_sha256(path) for name, path in (files or {}).items() if path}}
     return json.loads(json.dumps(settings))
 

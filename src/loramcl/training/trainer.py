@@ -31,7 +31,8 @@ from loramcl.training.checkpoints import StagedCheckpoints, checkpoint_step, che
 from loramcl.training.distributed import AdaptersOnlyStateDict, refuse_data_parallel, refuse_fsdp1
 from loramcl.training.logs import LogStore
 from loramcl.training.schedule import warmup_shortfall
-from loramcl.training.scoring_head import ScoringGradients, with_scoring_group
+from loramcl.training.optimizer import mcl_param_groups
+from loramcl.training.scoring_head import ScoringGradients
 from loramcl.training.specialisation import NO_VERDICT, CollapseWatch, records_of, verdict, verdict_window
 from loramcl.training.throughput import Throughput, flops_per_token
 
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)  # `loramcl train` shows it (docs/guide/cli
 class MCLTrainer(Trainer):
     """Train an ``MCLModel`` exactly as a ``Trainer`` trains any model.
 
-    Its own settings (two-pass WTA, the scoring pass's blocks, the collapse warning, the scores' learning rate) are
+    Its own settings (two-pass WTA, the scoring pass's blocks, the collapse warning, LoRA+, the scores' rate) are
     the documented fields of ``MCLTrainingArguments`` (``loramcl.training.arguments``): plain ``TrainingArguments``
     give their defaults, and the keywords ``MCLTrainer(..., two_pass_wta=False)`` override them. Each training step
     is ``loramcl.mcl.step.mcl_step`` (docs/architecture.md, "One training step").
@@ -242,9 +243,8 @@ class MCLTrainer(Trainer):
         super().log(logs, start_time)
 
     def create_optimizer(self, model=None):
-        """Trainer's optimizer, the scoring head (if any) in its own group at ``scoring_learning_rate``."""
-        return with_scoring_group(super().create_optimizer(model), self._mcl_model().scoring_head,
-                                  self.settings.scoring_learning_rate)
+        """Trainer's optimizer in our groups (``training.optimizer``): LoRA+'s B, the scoring head at its own rate."""
+        return mcl_param_groups(super().create_optimizer(model), self._mcl_model(), self.settings)
 
     # ---- inputs, files ----------------------------------------------------------------------------------
 

@@ -250,7 +250,8 @@ def train_run(name: str, mixture: MarkovMixture, settings: RunSettings, seed: in
                               logging_steps=training.eval_every, seed=seed, data_seed=seed,
                               remove_unused_columns=True, disable_tqdm=True, dataloader_drop_last=True)
     trainer = MCLTrainer(model, args=args, train_dataset=SequenceDataset(train_x),
-                         eval_dataset=SequenceDataset(eval_x), scoring_learning_rate=training.scoring_learning_rate)
+                         eval_dataset=SequenceDataset(eval_x), scoring_learning_rate=training.scoring_learning_rate,
+                         loraplus_lr_ratio=training.loraplus_lr_ratio)
     trainer.remove_callback(PrinterCallback)
     if show_progress:
         trainer.add_callback(_Progress(f"{name.upper()} K={k} seed {seed}", training.steps))
