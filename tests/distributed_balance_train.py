@@ -1,4 +1,4 @@
-"""Run by test_distributed.py under `torchrun --nproc_per_node 2`: MCLTrainer (DDP over gloo, CPU) with a balancing
+"""Run by distributed_train.py (test_distributed.py, `torchrun --nproc_per_node 2`) after its own run: MCLTrainer (DDP over gloo, CPU) with a balancing
 bias and a staged split, batches of 2 accumulated over 2 on each rank; writes each rank's view to OUT/rank{r}.json:
 the wins each bias update saw, the final bias and the adapters."""
 

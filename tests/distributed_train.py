@@ -1,5 +1,6 @@
 """Run by test_distributed.py under `torchrun --nproc_per_node 2`: train with MCLTrainer (DDP over gloo, CPU),
-writing checkpoints at steps 2 and 3, and write each rank's adapters to OUT/rank{r}.safetensors."""
+writing checkpoints at steps 2 and 3, and write each rank's adapters to OUT/rank{r}.safetensors; then, in the same
+processes (one launch), the balancing-bias run of distributed_balance_train.py into OUT/balance."""
 
 import os
 import sys
@@ -12,6 +13,8 @@ from transformers.utils import logging
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import build_model  # noqa: E402
+
+import distributed_balance_train  # noqa: E402
 
 from loramcl import MCLConfig, MCLTrainer, get_mcl_model  # noqa: E402
 
@@ -39,6 +42,7 @@ def main(out: str) -> None:
     final = mcl.adapter_state_dict()
     assert any(not torch.equal(initial[k], final[k]) for k in final), "the adapters did not train"
     safetensors.torch.save_file(final, os.path.join(out, f"rank{rank}.safetensors"))
+    distributed_balance_train.main(os.path.join(out, "balance"))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,11 @@ def run_on_two_processes(script: str, out) -> subprocess.CompletedProcess:
 
 
 def test_two_process_training_keeps_ranks_identical(tmp_path):
+    """Two-pass WTA under DDP: both ranks end with the same adapters and a checkpoint holds both ranks' RNG states;
+    then (the same launch) MCLConfig(balance="bias", split_after=0.25) on 2 ranks, batches of 2 accumulated over 2,
+    8 steps: each update of the bias sees the 8 wins of its optimizer step (both micro-batches of both ranks), none
+    is made in the 2 steps of the shared phase, and both ranks end with the same bias and adapters (the symmetry
+    break, drawn from the run's seed, included)."""
     result = run_on_two_processes("distributed_train.py", tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [safetensors.torch.load_file(tmp_path / f"rank{r}.safetensors") for r in (0, 1)]
@@ -34,7 +39,12 @@ def test_two_process_training_keeps_ranks_identical(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoint-2")) == sorted([
         "mcl_adapters.safetensors", "mcl_config.json", "optimizer.pt", "rng_state_0.pth", "rng_state_1.pth",
         "scheduler.pt", "trainer_state.json", "training_args.json"])
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-3", "rank0.safetensors", "rank1.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["balance", "checkpoint-2", "checkpoint-3", "rank0.safetensors",
+                                            "rank1.safetensors"]
+    ranks = [json.loads((tmp_path / "balance" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    assert [sum(wins) for wins in ranks[0]["wins"]] == [8] * 6
+    assert ranks[0]["biases"][:2] == [[0.0] * 3] * 2 and any(any(bias) for bias in ranks[0]["biases"])
 
 
 def test_fsdp2_sharded_training_equals_one_process_and_saves_whole_adapters(tmp_path):
@@ -140,16 +150,3 @@ def test_trainer_under_accelerate_fsdp2_checkpoints_adapters_only_resumes_and_eq
         layer, part = key.rsplit(".", 1)
         assert torch.equal(peft[f"base_model.model.{layer}.{part}.weight"], value[0].T), key
     assert set(os.listdir(run / "checkpoints" / "checkpoint-2")) == ours | {"pytorch_model_fsdp_0", "optimizer_0"}
-
-
-def test_the_balancing_bias_counts_every_ranks_wins_and_stays_the_same_on_every_rank(tmp_path):
-    """MCLConfig(balance="bias", split_after=0.25) on 2 ranks, batches of 2 accumulated over 2, 8 steps: each update
-    of the bias sees the 8 wins of its optimizer step (both micro-batches of both ranks), none is made in the 2 steps
-    of the shared phase, and both ranks end with the same bias and adapters (the symmetry break, drawn from the run's
-    seed, included)."""
-    result = run_on_two_processes("distributed_balance_train.py", tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0] == ranks[1]
-    assert [sum(wins) for wins in ranks[0]["wins"]] == [8] * 6
-    assert ranks[0]["biases"][:2] == [[0.0] * 3] * 2 and any(any(bias) for bias in ranks[0]["biases"])
