@@ -97,3 +97,20 @@ def test_one_run_trains_decodes_scores_and_is_reused(tmp_path):
     assert "| markov | 3 | relaxed-0.1 | 1 |" in study.table(args.out)
     assert "| markov | 3 | LoRA-MLE r12, greedy 1 | 1 |" in study.table(args.out)
     assert study.curves(args.out).startswith("| task | setting | measure |")
+    goal = study.goal_table(args.out).splitlines()
+    assert goal[0] == "| setting | markov | bilingual | short | tasks met |"
+    assert {line.split(" | ")[0] for line in goal[2:]} == {"| relaxed-0.1", "| combined"}  # the settings run
+
+
+def test_the_goal_is_to_beat_beam_on_best_of_k_and_modes_with_a_mean_near_greedy(tmp_path):
+    def write(task, setting, **test):
+        (tmp_path / task / setting).mkdir(parents=True)
+        (tmp_path / task / setting / "results.json").write_text(json.dumps(
+            {"task": task, "setting": setting.rsplit("-s", 1)[0], "test": test}))
+
+    scores = {"oracle": 0.5, "mean": 0.3, "distinct": 3, "modes_covered": 2.0}
+    write("short", "mle-s0", beam=scores, greedy={**scores, "oracle": 0.3})
+    write("short", "wta-s0", greedy={**scores, "oracle": 0.6, "modes_covered": 2.5, "mean": 0.24})  # 0.24 = 80%
+    write("short", "bias-s0", greedy={**scores, "oracle": 0.5, "modes_covered": 2.5, "mean": 0.2})
+    lines = study.goal_table(tmp_path).splitlines()[2:]
+    assert lines == ["| wta | - | - | yes | 1 |", "| bias | - | - | no: best of K, mean | 0 |"]
