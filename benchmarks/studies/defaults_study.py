@@ -24,6 +24,7 @@ and the baselines at equal trainable parameters (one LoRA of rank 8K, `mle`): be
 its greedy answer. Issue 63's options, each beside today's default (relaxed-0.05) at the same trainable parameters:
   shared            half of each hypothesis's rank moved into one shared adapter (r 4 each + shared 4K: K r + s = 8K)
   bias              balanced WTA (MCLConfig balance "bias": the winner is argmin_k nll_k - b_k, b toward equal shares)
+                    at balance_rate 0.01 (the default) and 0.1 (bias-0.1)
   staged            every hypothesis learns from every example for the first quarter, then relaxed WTA (split_after)
   loraplus          LoRA+: B learns 16x faster than A (--training.loraplus_lr_ratio); mle-loraplus: the one LoRA so
   eps-mean          relaxed WTA with epsilon as the released code's audio model weighs it (epsilon_form "mean")
@@ -67,6 +68,7 @@ SETTINGS = {
     # issue 63's options, each beside today's default, at the same trainable parameters
     "shared": DEFAULT | {SHARED: 0.5},  # half of each hypothesis's rank moved into one shared adapter of rank K r / 2
     "bias": {"loss": "wta", "balance": "bias"},  # balanced WTA: no epsilon pull, no idle hypothesis
+    "bias-0.1": {"loss": "wta", "balance": "bias", "balance_rate": 0.1},  # a bias 10x as fast
     "staged": DEFAULT | {"split_after": 0.25},  # every hypothesis on every example for the first quarter
     "loraplus": DEFAULT | {"loraplus_lr_ratio": 16.0},
     "eps-mean": DEFAULT | {"epsilon_form": "mean"},  # epsilon as the released code's audio model weighs it
