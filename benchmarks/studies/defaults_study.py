@@ -28,7 +28,7 @@ its greedy answer. Issue 63's options, each beside today's default (relaxed-0.05
   staged            every hypothesis learns from every example for the first quarter, then relaxed WTA (split_after)
   loraplus          LoRA+: B learns 16x faster than A (--training.loraplus_lr_ratio); mle-loraplus: the one LoRA so
   eps-mean          relaxed WTA with epsilon as the released code's audio model weighs it (epsilon_form "mean")
-  combined          a shared adapter, balanced WTA and LoRA+ together
+  combined          a shared adapter, balanced WTA and LoRA+ together; shared-loraplus: the shared adapter and LoRA+
 
 Per run: the trainer's logs every 5 steps (win shares sorted, split gap over what training gained, i.e. against
 steps), its verdict, the win table by mode on 96 training examples after training (the share of examples whose
@@ -73,6 +73,7 @@ SETTINGS = {
     "loraplus": DEFAULT | {"loraplus_lr_ratio": 16.0},
     "eps-mean": DEFAULT | {"epsilon_form": "mean"},  # epsilon as the released code's audio model weighs it
     "combined": {"loss": "wta", "balance": "bias", SHARED: 0.5, "loraplus_lr_ratio": 16.0},
+    "shared-loraplus": DEFAULT | {SHARED: 0.5, "loraplus_lr_ratio": 16.0},  # the two that helped alone (seed 0)
     "mle-loraplus": {"loraplus_lr_ratio": 16.0},  # LoRA+ for the one LoRA too
 }
 TRAINING_KEYS = ("loraplus_lr_ratio",)  # settings of TrainConfig; the others are MCLConfig's
