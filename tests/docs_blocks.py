@@ -426,7 +426,10 @@ REGISTRY = {
         ".venv/bin/python -m benchmarks.studies.defaults_study --model models/SmolLM2-135M-Instruct "
         "--out /tmp/defaults --tasks markov bilingual short --settings mle wta relaxed-0.05 relaxed-0.1 annealed-auto "
         "--seeds 0 1",
-        ".venv/bin/python -m benchmarks.studies.defaults_study --out /tmp/defaults --table")},
+        ".venv/bin/python -m benchmarks.studies.defaults_study --out /tmp/defaults --table",
+        ".venv/bin/python -m benchmarks.studies.defaults_study --model models/SmolLM2-135M-Instruct "
+        "--out /tmp/defaults --tasks markov short --settings mle relaxed-0.05 shared bias staged loraplus eps-mean "
+        "combined mle-loraplus --seeds 0")},
     ("docs/benchmarks.md", ".venv/bin/python -m benchmarks.studies.kmeans_purity --model models/SmolLM2-135M-Instruct "
                            "--tasks markov bilingual short"):
         Module(append=("--examples", "24"), covered_by="tests/system/test_kmeans_purity.py::"
