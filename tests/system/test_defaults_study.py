@@ -112,5 +112,9 @@ def test_the_goal_is_to_beat_beam_on_best_of_k_and_modes_with_a_mean_near_greedy
     write("short", "mle-s0", beam=scores, greedy={**scores, "oracle": 0.3})
     write("short", "wta-s0", greedy={**scores, "oracle": 0.6, "modes_covered": 2.5, "mean": 0.24})  # 0.24 = 80%
     write("short", "bias-s0", greedy={**scores, "oracle": 0.5, "modes_covered": 2.5, "mean": 0.2})
+    write("markov", "mle-s0", beam={**scores, "oracle": 1.0}, greedy={**scores, "oracle": 1.0})  # at the ceiling
+    write("markov", "wta-s0", greedy={**scores, "oracle": 1.0, "modes_covered": 2.5, "mean": 0.8})
+    write("markov", "bias-s0", greedy={**scores, "oracle": 1.0, "modes_covered": 2.0, "mean": 0.8})
     lines = study.goal_table(tmp_path).splitlines()[2:]
-    assert lines == ["| wta | - | - | yes | 1 |", "| bias | - | - | no: best of K, mean | 0 |"]
+    assert lines == ["| wta | yes (best of K tied at its ceiling) | - | yes | 2 |",
+                     "| bias | no: modes (best of K tied at its ceiling) | - | no: best of K, mean | 0 |"]
