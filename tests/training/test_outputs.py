@@ -121,3 +121,21 @@ def test_train_writes_the_verdict_beside_the_nll_verdict(tmp_path, capsys):
     assert "specialisation" in run and run["settings"]["training"]["output_verdict"] == 3
     assert len((root / "run" / "outputs.jsonl").read_text().splitlines()) == 3
     assert run["outputs"]["line"] in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_setting_changes_no_run(tmp_path):
+    """Off, run.json's settings are written as before it existed; on, the run's stamp is the same (it changes no
+    adapter) and checkpoints trained without it resume with it."""
+    from loramcl import TrainConfig
+    from loramcl.training.runs import SETTINGS_NAME, run_settings, settings_stamp, stale_checkpoint_fields
+
+    config = MCLConfig(num_hypotheses=2)
+    without = run_settings("model", config, None, TrainConfig(), "float32")
+    on = run_settings("model", config, None, TrainConfig(output_verdict=16, mode_column="language"), "float32")
+    assert "output_verdict" not in without["training"] and "mode_column" not in without["training"]
+    assert on["training"]["output_verdict"] == 16 and settings_stamp(on) == settings_stamp(without)
+    (tmp_path / "checkpoints" / "checkpoint-2").mkdir(parents=True)
+    (tmp_path / "checkpoints" / SETTINGS_NAME).write_text(json.dumps(without))
+    assert stale_checkpoint_fields(tmp_path, on) == []
+    with pytest.raises(ValueError, match=r"output_verdict \(prompts decoded; 0: off\) must be an integer >= 0"):
+        TrainConfig(output_verdict=-1)
