@@ -139,3 +139,23 @@ def test_the_setting_changes_no_run(tmp_path):
     assert stale_checkpoint_fields(tmp_path, on) == []
     with pytest.raises(ValueError, match=r"output_verdict \(prompts decoded; 0: off\) must be an integer >= 0"):
         TrainConfig(output_verdict=-1)
+
+
+def test_each_example_gets_the_mode_of_its_reference(tmp_path):
+    """A row of several references names one mode per reference (a list) or one for the row."""
+    from loramcl import DataConfig
+    from loramcl.training.fit import training_examples, training_rows
+    from loramcl.training.outputs import example_modes
+
+    rows = [{"prompt": "w5 w20", "references": ["w40", "w41 w42"], "mode": ["a", "b"]},
+            {"prompt": "w6", "references": ["w43"], "mode": "c"}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = DataConfig(train_file=str(tmp_path / "train.jsonl"))
+    examples = training_examples(training_rows(data.train_file, data, "training file"), data.train_file, data,
+                                 word_tokenizer(), False, mode_column="mode")
+    assert examples["mode"] == ["a", "b", "c"] and examples.column_names == ["input_ids", "labels", "mode"]
+    without = training_examples(training_rows(data.train_file, data, "training file"), data.train_file, data,
+                                word_tokenizer(), False)
+    assert without.column_names == ["input_ids", "labels"]  # off: the examples of before
+    with pytest.raises(ValueError, match="row 1: mode lists 1 modes for more references"):
+        example_modes([["a"]], [0, 0], "mode", lambda i: f"row {i + 1}")
