@@ -23,7 +23,8 @@ def _rows(prompts=6, modes=("a", "b")):
             prompt = tokenizer(f"w{5 + i} w20")["input_ids"]
             target = tokenizer(f"w40 w{60 + 10 * m}")["input_ids"] + [tokenizer.eos_token_id]
             rows.append({"input_ids": torch.tensor(prompt + target), "labels": torch.tensor([-100] * 2 + target),
-                         "attention_mask": torch.ones(len(prompt + target), dtype=torch.long), "mode": mode})
+                         "attention_mask": torch.ones(len(prompt + target), dtype=torch.long), "mode": mode,
+                         "id": f"p{i}"})  # metadata: no input of another modality
     return rows
 
 

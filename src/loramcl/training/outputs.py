@@ -91,30 +91,31 @@ class OutputVerdictCallback(TrainerCallback):
             return self._last[1]
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         sample = self._sample = self._sample if self._sample is not None else self._draw(model)
-        if isinstance(sample, str):
-            found = OutputVerdict(NO_VERDICT, f"outputs: no verdict: {sample}.", 0, model.num_hypotheses,
-                                  reason=sample)
-        else:
+        answers = None
+        if not isinstance(sample, str):
             try:
                 answers = self._answers(model, sample)
             except OptionError as error:  # the prompts and references do not fit the model's positions
-                answers, found = None, OutputVerdict(NO_VERDICT, f"outputs: no verdict: {error}.", 0,
-                                                     model.num_hypotheses, reason=str(error))
-            if answers is not None:
-                found = output_verdict(answers, sample.references, sample.modes, self._examples_seen(state),
-                                       self.min_examples, self._remedies(model))
-                self._report(state, sample, answers, found)
+                sample = str(error)
+        if answers is None:
+            found = OutputVerdict(NO_VERDICT, f"outputs: no verdict: {sample}.", 0, model.num_hypotheses,
+                                  reason=sample)
+        else:
+            found = output_verdict(answers, sample.references, sample.modes, self._examples_seen(state),
+                                   self.min_examples, self._remedies(model))
+            self._report(state, sample, answers, found)
         self._last = (state.global_step, found)
         return found
 
     def _answers(self, model, sample: Sample) -> list[list[str]]:
-        """Each hypothesis's greedy answer to each prompt [N][K], decoded in batches of left-padded prompts."""
+        """Each hypothesis's greedy answer to each prompt [N][K], decoded in batches of left-padded prompts (the
+        evaluation's batch size, each prompt made K rows)."""
         import torch
 
-        pad = _pad_id(self.tokenizer, model)
+        pad, batch = _pad_id(self.tokenizer, model), self.trainer.args.per_device_eval_batch_size
         answers = []
-        for start in range(0, len(sample.prompts), self.count):
-            prompts = sample.prompts[start:start + self.count]
+        for start in range(0, len(sample.prompts), batch):
+            prompts = sample.prompts[start:start + batch]
             width = max(map(len, prompts))
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -161,12 +162,12 @@ class OutputVerdictCallback(TrainerCallback):
             dataset[i] for i in range(min(SCAN_ROWS, len(dataset)))]
         if not rows or "input_ids" not in rows[0] or "labels" not in rows[0]:
             return "the examples have no input_ids and labels to read prompts and references from"
-        other = sorted(set(rows[0]) - TEXT_COLUMNS - {self.mode_column})
+        other = sorted(name for name, value in rows[0].items() if name not in TEXT_COLUMNS | {self.mode_column}
+                       and not isinstance(value, str | int | float | bool | None))  # other inputs, not metadata
         if other:
             return (f"the examples carry {', '.join(other)} besides the text (a multimodal model): the output verdict "
                     "decodes decoder-only text models in this version")
-        found: dict[tuple, tuple[list[str], list[str]]] = {}  # prompt ids -> (references, modes)
-        longest = 1
+        found: dict[tuple, tuple[list[str], list[str], list[int]]] = {}  # prompt ids -> references, modes, lengths
         with_modes = all(self.mode_column in row for row in rows)
         for row in rows:
             ids, labels = self._ids(row["input_ids"]), self._ids(row["labels"])
@@ -174,17 +175,18 @@ class OutputVerdictCallback(TrainerCallback):
             mask = self._ids(row.get("attention_mask", [1] * len(ids)))
             prompt = tuple(i for i, m in zip(ids[:first], mask[:first], strict=True) if m)
             if prompt:  # an example labelled from its first token (a text row) has no prompt to decode from
-                refs, modes = found.setdefault(prompt, ([], []))
+                refs, modes, lengths = found.setdefault(prompt, ([], [], []))
                 target = [t for t in labels[first:] if t != IGNORE_INDEX]  # its end token included
                 refs.append(self._text(None, target))
-                longest = max(longest, len(target))
                 modes.append(str(row[self.mode_column]) if with_modes else "")
+                lengths.append(len(target))
         if not found:
             return "no example has a prompt (each is labelled from its first token): nothing to decode from"
-        chosen = sorted(random.Random(self.seed).sample(range(len(found)), min(self.count, len(found))))
-        prompts = [list(p) for i, p in enumerate(found) if i in set(chosen)]
-        return Sample(prompts, [found[tuple(p)][0] for p in prompts],
-                      [found[tuple(p)][1] for p in prompts] if with_modes else None, longest)
+        chosen = set(random.Random(self.seed).sample(range(len(found)), min(self.count, len(found))))
+        drawn = [found[p] for i, p in enumerate(found) if i in chosen]  # in the dataset's order
+        return Sample([list(p) for i, p in enumerate(found) if i in chosen], [refs for refs, _, _ in drawn],
+                      [modes for _, modes, _ in drawn] if with_modes else None,
+                      max(max(lengths) for _, _, lengths in drawn))
 
     def _examples_seen(self, state) -> int:
         args = self.trainer.args
