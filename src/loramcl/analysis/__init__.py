@@ -8,6 +8,7 @@
     embedding  embed (unit sentence embeddings, default the packaged all-MiniLM-L6-v2),
                hypothesis_probe (linear SVM predicting the hypothesis from the embedding, split by item),
                item_split (that split), pca_plot (2-D PCA scatter coloured by hypothesis or label)
+    outputs    output_verdict (do the hypotheses' answers differ, and does each own a mode: issue 64), OutputVerdict
 
 Candidate k of an item comes from hypothesis k; for a beam-search baseline, k is the beam rank. The modules import
 sklearn, sentence-transformers and matplotlib inside their functions.
@@ -22,8 +23,9 @@ from loramcl.analysis.language import (
     language_table,
     language_wins,
 )
+from loramcl.analysis.outputs import OutputVerdict, output_verdict
 
 __all__ = [
     "LanguageIdentifier", "evaluate_identifier", "language_shares", "language_table", "language_wins", "EMPTY",
-    "embed", "hypothesis_probe", "item_split", "pca_plot",
+    "embed", "hypothesis_probe", "item_split", "pca_plot", "OutputVerdict", "output_verdict",
 ]

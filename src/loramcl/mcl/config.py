@@ -31,7 +31,8 @@ AUTO_EPSILON = 0.05
 # Fields added after adapter files and run records were first written, each with its default: saved only when set, so
 # that with them at their default a file is written as before (tests/fixtures/saved_run) and reads back the same.
 SAVED_WHEN_SET: dict[str, object] = {"epsilon_form": "paper", "loraplus_lr_ratio": None, "shared_r": 0,
-                                     "balance": "none", "balance_rate": 0.01, "split_after": 0.0, "split_noise": 0.1}
+                                     "balance": "none", "balance_rate": 0.01, "split_after": 0.0, "split_noise": 0.1,
+                                     "output_verdict": 0, "mode_column": "mode"}
 
 
 @names_its_options

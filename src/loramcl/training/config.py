@@ -156,6 +156,16 @@ class TrainConfig:
     about half of plain LoRA's. None (or 1): one rate. For LoRA-MCL, LoRA-MLE (K = 1) and LoRA-MoE alike; the
     multi-head baseline has no B and refuses it."""
 
+    output_verdict: int = 0
+    """Prompts each hypothesis decodes greedily at each validation and when training ends (validation prompts, else
+    training ones; 0: off): the run says whether the hypotheses write different answers, and with ``mode_column`` each
+    hypothesis's mode (docs/guide/scores.md, "Do the hypotheses write different things"). Logged as ``outputs_*``,
+    the answers in ``OUT/outputs.jsonl``, the verdict in run.json's "outputs". Changes no adapter."""
+
+    mode_column: str = "mode"
+    """The data file's field naming each example's mode (e.g. its language), read by the output verdict when the
+    file has it (a list, one per reference, in rows of several references)."""
+
     def __post_init__(self) -> None:
         require_int("steps", self.steps, maximum=MAX_STEPS,
                     hint=" (MAX_STEPS: 10^8 optimizer steps take over 115 days at 10 steps a second; an epoch of the "
@@ -195,6 +205,9 @@ class TrainConfig:
         require_int("save_every", self.save_every, minimum=0)
         require_int("keep_checkpoints", self.keep_checkpoints)
         require_seed("seed", self.seed)
+        require_int("output_verdict", self.output_verdict, minimum=0, what="(prompts decoded; 0: off)")
+        require(isinstance(self.mode_column, str) and self.mode_column,
+                f"mode_column must be a field's name, got {self.mode_column!r}", "mode_column")
 
 
 __all__ = ["DataConfig", "TrainConfig"]

@@ -188,9 +188,10 @@ def train(
     use_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model)
     pad_id = pad_token_id(tokenizer)
-    train_set = training_examples(train_rows, data.train_file, data, tokenizer, encoder_decoder)
+    modes = training.mode_column if training.output_verdict else None  # the column the output verdict reads
+    train_set = training_examples(train_rows, data.train_file, data, tokenizer, encoder_decoder, mode_column=modes)
     eval_set = (training_examples(eval_rows, data.validation_file, data, tokenizer, encoder_decoder,
-                                  data.eval_examples) if eval_rows is not None else None)
+                                  data.eval_examples, modes) if eval_rows is not None else None)
     fit(training_model_loader(model, dtype, quantization), out, config, training, settings, train_set, eval_set,
         collator=lambda rows: collate(rows, pad_id), processor=tokenizer, last_checkpoint=last, method=method,
         scores_for=scores_for)
@@ -302,6 +303,13 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
 
         trainer.add_callback(BestAdapters(mcl_model, out_dir, export_peft, processor, writing,
                                           trainer.is_fsdp_enabled, stamp))
+    outputs = None
+    if training.output_verdict and method != "moe":  # a LoRA-MoE has no hypotheses to decode one by one
+        from loramcl.training.outputs import OutputVerdictCallback
+
+        outputs = OutputVerdictCallback(trainer, training.output_verdict, processor, training.mode_column,
+                                        out_dir / "outputs.jsonl", training.seed)
+        trainer.add_callback(outputs)
     if last_checkpoint is not None:
         logger.info(f"resuming from the newest whole checkpoint in {checkpoints}")
     started = time.perf_counter()
@@ -326,6 +334,8 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
         run["shared_parameters"] = shared
     if trainer.specialisation is not None:  # did the hypotheses split (its line was logged), or why no verdict
         run["specialisation"] = trainer.specialisation.to_dict()
+    if outputs is not None and outputs.verdict is not None:  # do their answers differ (its line was logged)
+        run["outputs"] = outputs.verdict.to_dict()
     if writing:
         write_json(out_dir / RUN_RECORD, run)
         of_them = f" ({shared:,} of them the shared adapter's)" if shared else ""
@@ -393,8 +403,9 @@ def training_rows(path: str, data: DataConfig, what: str):
 
 
 def training_examples(rows, path: str, data: DataConfig, tokenizer, encoder_decoder: bool,
-                      limit: int | None = None):
-    """The tokenized examples (input_ids, labels) of ``rows`` (``training_rows``), the first ``limit`` of them."""
+                      limit: int | None = None, mode_column: str | None = None):
+    """The tokenized examples (input_ids, labels) of ``rows`` (``training_rows``), the first ``limit`` of them; and
+    each one's ``mode_column`` where the rows have that field (the output verdict's modes)."""
     from loramcl.data.formats import prepare_dataset
     from loramcl.data.sources import row_names
 
@@ -404,6 +415,11 @@ def training_examples(rows, path: str, data: DataConfig, tokenizer, encoder_deco
                                data.chat_template, encoder_decoder, source=path, where=row_names(path))
     if limit is not None:
         examples = examples.select(range(min(limit, len(examples))))
+    if mode_column is not None and mode_column in rows.column_names:
+        from loramcl.training.outputs import example_modes
+
+        modes = example_modes(rows[mode_column], examples["row"], mode_column, row_names(path))
+        return examples.select_columns(["input_ids", "labels"]).add_column(mode_column, modes)
     return examples.select_columns(["input_ids", "labels"])
 
 

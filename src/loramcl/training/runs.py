@@ -71,7 +71,7 @@ def quantization_settings(quantization: str | None) -> dict:
     return {"quantization": quantization} if quantization else {}
 
 # Fields that decide how a run is computed, not its adapters: a run resumed or compared with another value is the same
-_COMPUTATION_ONLY = {"mcl": ("logits_chunk_size",), "training": ("compile",)}
+_COMPUTATION_ONLY = {"mcl": ("logits_chunk_size",), "training": ("compile", "output_verdict", "mode_column")}
 # Fields that act only under one loss (loss name, fields): a run under another loss is the same whatever they hold (a
 # WTA run recorded when `loramcl train`'s temperature_decay default was 0.999 is the run of today's default, "auto")
 _LOSS_ONLY = {"mcl": ("annealed", ("temperature0", "temperature_decay", "temperature_min"))}

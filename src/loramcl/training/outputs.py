@@ -1,0 +1,253 @@
+"""The output verdict while training (issue 64; docs/guide/scores.md, "Do the hypotheses write different things"):
+a ``TrainerCallback`` that has each hypothesis decode a few prompts greedily at each evaluation and when training
+ends, and judges their answers with ``analysis.outputs.output_verdict``.
+
+As TRL's ``LogCompletionsCallback``, it holds the trainer and logs through ``trainer.log`` (so every ``report_to``
+logger gets ``outputs_distinct``, ``outputs_same_rate``, ``outputs_best_of_k``, ``outputs_mean_over_k``,
+``outputs_exact_best_of_k``); the answers go to the console (a few lines) and to a JSONL file. Unlike it, it decodes
+the whole sample on every rank, with the unwrapped model (no DDP hook, no gather): each rank decodes the same prompts
+with the same adapters, no collective runs inside, and only the first process writes and prints. Sharded weights
+(FSDP, DeepSpeed ZeRO-3) would need every rank in step through ``generate``: no verdict there.
+
+The sample: up to ``SCAN_ROWS`` examples of the validation set (else of the training set) are read; their prompts
+are the input_ids before each example's first label, its reference the label tokens decoded; examples with the same
+prompt pool their references (one example per reference, as a file of several references per prompt gives them);
+``prompts`` distinct prompts are drawn with a seeded ``random.Random``, the same at every decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from loramcl.analysis.outputs import NO_VERDICT, OPTIONS, OutputVerdict, output_verdict
+from loramcl.decoding.candidates import is_encoder_decoder, text_tokenizer
+from loramcl.decoding.strategies import generate_hypotheses
+from loramcl.mcl.config import MCLConfig
+from loramcl.mcl.nll import IGNORE_INDEX
+from loramcl.training.specialisation import remedies
+from loramcl.utils.validate import OptionError
+
+SCAN_ROWS = 4096  # examples read to find the prompts (a multi-reference file lists a prompt's references together)
+MAX_NEW_TOKENS = 64  # at most; each decoding stops at the longest reference of its sample
+TEXT_COLUMNS = frozenset({"input_ids", "attention_mask", "labels", "position_ids", "token_type_ids", "row"})
+SHOWN = 3  # prompts whose answers the console shows at each decoding
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Sample:
+    """The prompts decoded: their token ids [N][T_i], references [N][R_i], the references' modes (or None), and
+    the tokens of the longest reference (what a decoding needs at most)."""
+
+    prompts: list[list[int]]
+    references: list[list[str]]
+    modes: list[list[str]] | None
+    longest: int
+
+
+class OutputVerdictCallback(TrainerCallback):
+    """Decode ``prompts`` prompts with each hypothesis of ``trainer``'s model at each evaluation and when training
+    ends; log the numbers, write the answers to ``path`` (JSONL: one line per prompt and decoding), and at the end
+    log the verdict, kept as ``self.verdict`` (and, when one is given, appended to ``state.log_history`` as
+    ``{"step", "outputs"}``). ``tokenizer`` (default the trainer's ``processing_class``) decodes the answers;
+    ``mode_column``: the examples' column naming each reference's mode, when there is one; ``min_examples``: the
+    training examples before a verdict (default ``MIN_EXAMPLES_PER_HYPOTHESIS`` x K)."""
+
+    def __init__(self, trainer, prompts: int = 16, tokenizer=None, mode_column: str = "mode", path=None,
+                 seed: int = 0, min_examples: int | None = None) -> None:
+        self.trainer, self.count, self.mode_column, self.seed = trainer, prompts, mode_column, seed
+        self.min_examples = min_examples
+        self.tokenizer = tokenizer if tokenizer is not None else trainer.processing_class
+        self.path = Path(path) if path is not None else Path(trainer.args.output_dir) / "outputs.jsonl"
+        self.verdict: OutputVerdict | None = None
+        self._sample: Sample | str | None = None  # a str: why there is none
+        self._last: tuple[int, OutputVerdict] | None = None  # (step, verdict) of the latest decoding
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._decode(state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        found = self._decode(state)
+        self.verdict = found
+        if found.kind != NO_VERDICT:
+            state.log_history.append({"step": state.global_step, "outputs": found.to_dict()})
+        if state.is_world_process_zero:
+            (logger.warning if found.kind == "write the same" else logger.info)(found.line)
+
+    # ---- one decoding ---------------------------------------------------------------------------------
+
+    def _decode(self, state) -> OutputVerdict:
+        """The verdict on this step's answers, decoded once per step (an evaluation at the last step serves the end
+        of training too); its numbers logged, its answers written."""
+        if self._last is not None and self._last[0] == state.global_step:
+            return self._last[1]
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        sample = self._sample = self._sample if self._sample is not None else self._draw(model)
+        answers = None
+        if not isinstance(sample, str):
+            try:
+                answers = self._answers(model, sample)
+            except OptionError as error:  # the prompts and references do not fit the model's positions
+                sample = str(error)
+        if answers is None:
+            found = OutputVerdict(NO_VERDICT, f"outputs: no verdict: {sample}.", 0, model.num_hypotheses,
+                                  reason=sample)
+        else:
+            found = output_verdict(answers, sample.references, sample.modes, self._examples_seen(state),
+                                   self.min_examples, self._remedies(model))
+            self._report(state, sample, answers, found)
+        self._last = (state.global_step, found)
+        return found
+
+    def _answers(self, model, sample: Sample) -> list[list[str]]:
+        """Each hypothesis's greedy answer to each prompt [N][K], decoded in batches of left-padded prompts (the
+        evaluation's batch size, each prompt made K rows)."""
+        import torch
+
+        pad, batch = _pad_id(self.tokenizer, model), self.trainer.args.per_device_eval_batch_size
+        answers = []
+        for start in range(0, len(sample.prompts), batch):
+            prompts = sample.prompts[start:start + batch]
+            width = max(map(len, prompts))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            decoded = generate_hypotheses(model, self.tokenizer, {"input_ids": ids, "attention_mask": mask},
+                                          strategy="greedy", max_new_tokens=min(sample.longest, MAX_NEW_TOKENS),
+                                          log_probs=False)
+            answers += [[self._text(c.text, c.token_ids) for c in row] for row in decoded]
+        return answers
+
+    def _report(self, state, sample: Sample, answers: list[list[str]], found: OutputVerdict) -> None:
+        metrics = {f"outputs_{name}": getattr(found, name) for name in (
+            "distinct", "same_rate", "best_of_k", "mean_over_k", "exact_best_of_k") if getattr(found, name) is not None}
+        self.trainer.log(metrics)  # every rank, as Trainer's own logs: no collective inside
+        if not state.is_world_process_zero:
+            return
+        for i in range(min(SHOWN, len(answers))):
+            shown = " | ".join(f"h{k} {_short(a)!r}" for k, a in enumerate(answers[i]))
+            logger.info(f"outputs at step {state.global_step}, prompt {_short(self._text(None, sample.prompts[i]))!r}:"
+                        f" {shown} (reference {_short(sample.references[i][0])!r})")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            for i, row in enumerate(answers):
+                record = {"step": state.global_step, "prompt": self._text(None, sample.prompts[i]), "answers": row,
+                          "references": sample.references[i]}
+                if sample.modes is not None:
+                    record["modes"] = sample.modes[i]
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    # ---- the sample -------------------------------------------------------------------------------------
+
+    def _draw(self, model) -> Sample | str:
+        """The prompts decoded at every decoding, or why there are none."""
+        if model.num_hypotheses < 2:
+            return f"one hypothesis (K = {model.num_hypotheses}), nothing to compare"
+        if is_encoder_decoder(model):
+            return ("an encoder-decoder model: the output verdict decodes decoder-only text models in this version "
+                    "(decode the saved adapters with loramcl generate and call loramcl.analysis.output_verdict)")
+        if self.trainer.is_fsdp_enabled or _zero3(self.trainer):
+            return ("the model's weights are sharded (FSDP or ZeRO-3), and decoding would need every rank in step: "
+                    "decode the saved adapters with loramcl generate and call loramcl.analysis.output_verdict")
+        dataset = self.trainer.eval_dataset if self.trainer.eval_dataset is not None else self.trainer.train_dataset
+        dataset = next(iter(dataset.values())) if isinstance(dataset, dict) else dataset
+        rows = list(islice(iter(dataset), SCAN_ROWS)) if not hasattr(dataset, "__len__") else [
+            dataset[i] for i in range(min(SCAN_ROWS, len(dataset)))]
+        if not rows or "input_ids" not in rows[0] or "labels" not in rows[0]:
+            return "the examples have no input_ids and labels to read prompts and references from"
+        other = sorted(name for name, value in rows[0].items() if name not in TEXT_COLUMNS | {self.mode_column}
+                       and not isinstance(value, str | int | float | bool | None))  # other inputs, not metadata
+        if other:
+            return (f"the examples carry {', '.join(other)} besides the text (a multimodal model): the output verdict "
+                    "decodes decoder-only text models in this version")
+        found: dict[tuple, tuple[list[str], list[str], list[int]]] = {}  # prompt ids -> references, modes, lengths
+        with_modes = all(self.mode_column in row for row in rows)
+        for row in rows:
+            ids, labels = self._ids(row["input_ids"]), self._ids(row["labels"])
+            first = next((t for t, label in enumerate(labels) if label != IGNORE_INDEX), 0)
+            mask = self._ids(row.get("attention_mask", [1] * len(ids)))
+            prompt = tuple(i for i, m in zip(ids[:first], mask[:first], strict=True) if m)
+            if prompt:  # an example labelled from its first token (a text row) has no prompt to decode from
+                refs, modes, lengths = found.setdefault(prompt, ([], [], []))
+                target = [t for t in labels[first:] if t != IGNORE_INDEX]  # its end token included
+                refs.append(self._text(None, target))
+                modes.append(str(row[self.mode_column]) if with_modes else "")
+                lengths.append(len(target))
+        if not found:
+            return "no example has a prompt (each is labelled from its first token): nothing to decode from"
+        chosen = set(random.Random(self.seed).sample(range(len(found)), min(self.count, len(found))))
+        drawn = [found[p] for i, p in enumerate(found) if i in chosen]  # in the dataset's order
+        return Sample([list(p) for i, p in enumerate(found) if i in chosen], [refs for refs, _, _ in drawn],
+                      [modes for _, modes, _ in drawn] if with_modes else None,
+                      max(max(lengths) for _, _, lengths in drawn))
+
+    def _examples_seen(self, state) -> int:
+        args = self.trainer.args
+        return state.global_step * args.per_device_train_batch_size * args.gradient_accumulation_steps * \
+            args.world_size
+
+    def _remedies(self, model) -> str | None:
+        config = model.mcl_config
+        if not isinstance(config, MCLConfig):
+            return None
+        return remedies(config, self.trainer.log_store.temperature, "not split")[:-1] + f"; or {OPTIONS}."
+
+    def _text(self, text: str | None, ids) -> str:
+        """A candidate's text, or token ids decoded (as ids joined by spaces without a tokenizer)."""
+        if text is not None:
+            return text
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return text_tokenizer(self.tokenizer).decode(list(ids), skip_special_tokens=True)
+
+    @staticmethod
+    def _ids(value) -> list[int]:
+        return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
+def example_modes(values: list, rows: list[int], column: str, where) -> list[str]:
+    """Each example's mode: its row's ``column`` value (``values``, per row; ``rows``: each example's row), or for a
+    row of several references, the entry of its own reference in the row's list (its examples come in their order).
+    ``where(i)`` names row i in an error."""
+    taken: Counter[int] = Counter()  # examples of each row so far
+    modes = []
+    for row in rows:
+        value = values[row]
+        if isinstance(value, list):
+            if taken[row] >= len(value):
+                raise ValueError(f"{where(row)}: {column} lists {len(value)} modes for more references: give one "
+                                 "mode per reference, or one for the row")
+            value = value[taken[row]]
+        taken[row] += 1
+        modes.append(str(value))
+    return modes
+
+
+def _pad_id(tokenizer, model) -> int:
+    tokenizer = text_tokenizer(tokenizer) if tokenizer is not None else None
+    for value in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
+                  getattr(model.base_model.generation_config, "pad_token_id", None),
+                  getattr(model.base_model.generation_config, "eos_token_id", None)):
+        value = value[0] if isinstance(value, list) and value else value
+        if isinstance(value, int):
+            return value
+    return 0  # masked out: any id does
+
+
+def _zero3(trainer) -> bool:
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and getattr(plugin, "zero_stage", None) == 3
+
+
+def _short(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+__all__ = ["OutputVerdictCallback", "Sample", "example_modes"]

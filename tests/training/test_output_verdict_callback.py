@@ -1,0 +1,162 @@
+"""The output verdict while training (issue 64): OutputVerdictCallback on a tiny Llama, and `loramcl train
+--training.output_verdict`."""
+
+import json
+
+import pytest
+import torch
+from conftest import randomize_adapters
+from tiny_models import build_model, save_tiny_run_inputs, word_tokenizer
+from transformers import TrainingArguments
+
+from loramcl import MCLConfig, MCLTrainer, get_mcl_model
+from loramcl.cli import main
+from loramcl.training.outputs import OutputVerdictCallback
+
+
+def _rows(prompts=6, modes=("a", "b")):
+    """Two references per prompt (one per mode), each an example: prompt w{5+i} w20, target w40 w{60+m} </s>."""
+    tokenizer = word_tokenizer()
+    rows = []
+    for i in range(prompts):
+        for m, mode in enumerate(modes):
+            prompt = tokenizer(f"w{5 + i} w20")["input_ids"]
+            target = tokenizer(f"w40 w{60 + 10 * m}")["input_ids"] + [tokenizer.eos_token_id]
+            rows.append({"input_ids": torch.tensor(prompt + target), "labels": torch.tensor([-100] * 2 + target),
+                         "attention_mask": torch.ones(len(prompt + target), dtype=torch.long), "mode": mode,
+                         "id": f"p{i}"})  # metadata: no input of another modality
+    return rows
+
+
+def _trainer(tmp_path, model="llama", rows=None, steps=2, learning_rate=1e-2, eval_dataset=None, **args):
+    torch.manual_seed(0)
+    targets = ["q", "v"] if model == "t5" else ["q_proj", "v_proj"]
+    mcl = get_mcl_model(build_model(model), MCLConfig(num_hypotheses=2, r=4, alpha=8, target_modules=targets))
+    arguments = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=steps,
+                                  learning_rate=learning_rate, report_to=[], use_cpu=True, save_strategy="no",
+                                  logging_steps=1, disable_tqdm=True, seed=0, remove_unused_columns=False, **args)
+    trainer = MCLTrainer(mcl, args=arguments, train_dataset=rows if rows is not None else _rows(),
+                         eval_dataset=eval_dataset)
+    callback = OutputVerdictCallback(trainer, prompts=4, tokenizer=word_tokenizer(), min_examples=0)
+    trainer.add_callback(callback)
+    return trainer, callback
+
+
+def test_identical_hypotheses_write_the_same(tmp_path):
+    """Fresh adapters (B = 0) that do not move (learning rate 0): every hypothesis is the base model."""
+    trainer, callback = _trainer(tmp_path, learning_rate=0.0)
+    trainer.train()
+    found = callback.verdict
+    assert found.kind == "write the same" and found.same_rate == 1.0 and found.distinct == 1.0
+    assert "Try:" in found.line and "--mcl.shared_r" in found.line
+    assert trainer.state.log_history[-1] == {"step": 2, "outputs": found.to_dict()}
+    logged = next(log for log in trainer.state.log_history if "outputs_distinct" in log)
+    assert logged["outputs_same_rate"] == 1.0 and logged["outputs_best_of_k"] >= logged["outputs_mean_over_k"]
+    lines = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and lines[0]["step"] == 2 and len(lines[0]["answers"]) == 2
+    assert lines[0]["references"] == ["w40 w60", "w40 w70"] and lines[0]["modes"] == ["a", "b"]  # grouped by prompt
+
+
+def test_different_adapters_differ_and_the_mode_column_gives_a_table(tmp_path):
+    trainer, callback = _trainer(tmp_path, learning_rate=0.0)
+    randomize_adapters(trainer.model, std=1.0)
+    trainer.train()
+    found = callback.verdict
+    assert found.kind in ("differ", "split by mode") and found.same_rate < 0.5
+    assert found.modes[:2] == ["a", "b"] and len(found.mode_table) == 2 and len(found.purity) == 2
+
+
+def test_decoding_changes_no_adapter_and_an_evaluation_at_the_last_step_is_decoded_once(tmp_path):
+    adapters = {}
+    for verdict in (False, True):
+        trainer, callback = _trainer(tmp_path / str(verdict), steps=4, eval_dataset=_rows(3), eval_strategy="steps",
+                                     eval_steps=2)
+        if not verdict:
+            trainer.remove_callback(callback)
+        trainer.train()
+        adapters[verdict] = trainer.model.adapter_state_dict()
+    assert all(torch.equal(adapters[False][name], value) for name, value in adapters[True].items())
+    steps = [log["step"] for log in trainer.state.log_history if "outputs_distinct" in log]
+    assert steps == [2, 4]  # the evaluations; the end of training (step 4) reuses the last one
+    assert len((tmp_path / "True" / "outputs.jsonl").read_text().splitlines()) == 2 * 3  # the validation's prompts
+
+
+def test_no_verdict_before_the_minimum_of_examples(tmp_path):
+    trainer, callback = _trainer(tmp_path)
+    callback.min_examples = None  # the default: 100 per hypothesis
+    trainer.train()
+    assert callback.verdict.kind == "no verdict" and callback.verdict.line.startswith(
+        "outputs: no verdict: 8 training examples seen, fewer than 200 (100 per hypothesis)")
+    assert "outputs" not in trainer.state.log_history[-1]  # as the NLL verdict, an abstention adds no entry
+
+
+@pytest.mark.parametrize("case", ["encoder-decoder", "multimodal"])
+def test_other_models_get_no_verdict_and_a_reason(tmp_path, case):
+    rows = _rows(2)
+    if case == "multimodal":
+        rows = [row | {"pixel_values": torch.zeros(3, 4, 4)} for row in rows]
+        trainer, callback = _trainer(tmp_path, rows=rows)
+    else:
+        trainer, callback = _trainer(tmp_path, model="t5", rows=[{
+            "input_ids": torch.tensor([5, 6, 2]), "labels": torch.tensor([40, 60, 2])}] * 4)
+    callback.on_train_end(trainer.args, trainer.state, trainer.control)  # no training needed
+    found = callback.verdict
+    assert found.kind == "no verdict"
+    assert ("an encoder-decoder model" if case == "encoder-decoder" else "the examples carry pixel_values") \
+        in found.reason
+    assert not (tmp_path / "outputs.jsonl").exists()
+
+
+def test_train_writes_the_verdict_beside_the_nll_verdict(tmp_path, capsys):
+    root = save_tiny_run_inputs(tmp_path, 24)
+    rows = [json.loads(line) | {"mode": "ab"[i % 2]} for i, line in
+            enumerate((root / "train.jsonl").read_text().splitlines())]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    main(["train", "--model", str(root / "base"), "--out", str(root / "run"), "--data.train_file",
+          str(root / "train.jsonl"), "--mcl.r", "4", "--mcl.target_modules", "[q_proj, v_proj]", "--training.steps",
+          "4", "--training.batch_size", "8", "--training.logging_steps", "2", "--training.output_verdict", "3",
+          "--threads", "1"])
+    run = json.loads((root / "run" / "run.json").read_text())
+    assert run["outputs"]["kind"] == "no verdict" and run["outputs"]["reason"].startswith("32 training examples seen")
+    assert run["outputs"]["prompts"] == 3 and run["outputs"]["modes"] == ["a", "b"]
+    assert "specialisation" in run and run["settings"]["training"]["output_verdict"] == 3
+    assert len((root / "run" / "outputs.jsonl").read_text().splitlines()) == 3
+    assert run["outputs"]["line"] in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_setting_changes_no_run(tmp_path):
+    """Off, run.json's settings are written as before it existed; on, the run's stamp is the same (it changes no
+    adapter) and checkpoints trained without it resume with it."""
+    from loramcl import TrainConfig
+    from loramcl.training.runs import SETTINGS_NAME, run_settings, settings_stamp, stale_checkpoint_fields
+
+    config = MCLConfig(num_hypotheses=2)
+    without = run_settings("model", config, None, TrainConfig(), "float32")
+    on = run_settings("model", config, None, TrainConfig(output_verdict=16, mode_column="language"), "float32")
+    assert "output_verdict" not in without["training"] and "mode_column" not in without["training"]
+    assert on["training"]["output_verdict"] == 16 and settings_stamp(on) == settings_stamp(without)
+    (tmp_path / "checkpoints" / "checkpoint-2").mkdir(parents=True)
+    (tmp_path / "checkpoints" / SETTINGS_NAME).write_text(json.dumps(without))
+    assert stale_checkpoint_fields(tmp_path, on) == []
+    with pytest.raises(ValueError, match=r"output_verdict \(prompts decoded; 0: off\) must be an integer >= 0"):
+        TrainConfig(output_verdict=-1)
+
+
+def test_each_example_gets_the_mode_of_its_reference(tmp_path):
+    """A row of several references names one mode per reference (a list) or one for the row."""
+    from loramcl import DataConfig
+    from loramcl.training.fit import training_examples, training_rows
+    from loramcl.training.outputs import example_modes
+
+    rows = [{"prompt": "w5 w20", "references": ["w40", "w41 w42"], "mode": ["a", "b"]},
+            {"prompt": "w6", "references": ["w43"], "mode": "c"}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = DataConfig(train_file=str(tmp_path / "train.jsonl"))
+    examples = training_examples(training_rows(data.train_file, data, "training file"), data.train_file, data,
+                                 word_tokenizer(), False, mode_column="mode")
+    assert examples["mode"] == ["a", "b", "c"] and examples.column_names == ["input_ids", "labels", "mode"]
+    without = training_examples(training_rows(data.train_file, data, "training file"), data.train_file, data,
+                                word_tokenizer(), False)
+    assert without.column_names == ["input_ids", "labels"]  # off: the examples of before
+    with pytest.raises(ValueError, match="row 1: mode lists 1 modes for more references"):
+        example_modes([["a"]], [0, 0], "mode", lambda i: f"row {i + 1}")
