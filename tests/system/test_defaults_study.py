@@ -118,3 +118,21 @@ def test_the_goal_is_to_beat_beam_on_best_of_k_and_modes_with_a_mean_near_greedy
     lines = study.goal_table(tmp_path).splitlines()[2:]
     assert lines == ["| wta | yes (best of K tied at its ceiling) | - | yes | 2 |",
                      "| bias | no: modes (best of K tied at its ceiling) | - | no: best of K, mean | 0 |"]
+
+
+def test_the_verdicts_are_checked_against_the_split_by_mode():
+    """benchmarks/studies/verdict_agreement.py: a run splits by mode when each hypothesis writes its own language at
+    MODE_PURITY or more, the source language ("en") or empty answers owning nothing; each verdict's "split" counted
+    against it."""
+    from benchmarks.studies.verdict_agreement import split_by_mode, table
+
+    own = [["fr", "de"]] * 8 + [["fr", "fr"]] * 2  # h1: de on 8 of 10
+    assert split_by_mode(own) == (True, ["fr", "de"], [1.0, 0.8])
+    assert split_by_mode([["fr", "de"]] * 6 + [["de", "fr"]] * 4)[0] is False  # 0.6 < MODE_PURITY
+    assert split_by_mode([["en", "fr"]] * 10)[0] is False  # copying the source is no mode of its own
+    rows = [{"task": "short", "setting": s, "seed": 0, "split": split, "majority": ["fr", "de"], "purity": [1.0, 0.8],
+             "nll_verdict": nll, "output_verdict": out, "output_majority": ["fr", "de"], "same_rate": 0.1}
+            for s, split, nll, out in (("a", True, "split", "split by mode"), ("b", False, "split", "differ"))]
+    assert table(rows).splitlines()[-1] == (
+        '2 runs, 1 split by mode. The NLL verdict agrees on 1 (said "split" on 1 that did not split by mode); the '
+        'output verdict agrees on 2 (said "split by mode" on 0 that did not).')

@@ -1,0 +1,94 @@
+"""Do the verdicts see the split by mode? The NLL verdict (``training.specialisation``) and the output verdict
+(``analysis.outputs``, issue 64) on the defaults study's finished MCL runs, against what the study knows.
+
+The study knows each prompt's modes (the language of each reference) and decodes every hypothesis greedily on the
+test prompts (``candidates.json``). The truth here: a run **split by mode** when each hypothesis writes one language
+of its own, its most written language (the study's character n-gram identifier, trained on the task's own text, the
+one its "modes covered" reads) at least ``MODE_PURITY`` of its answers, and the K most written languages all
+different. The output verdict reads the same answers another way (an answer's mode: the language of the reference it
+is closest to by chrF); the NLL verdict reads the training logs only. The bilingual and short-answer tasks (the
+Markov task's 3 test prompts carry no references).
+
+    python -m benchmarks.studies.verdict_agreement --out /tmp/defaults   # the defaults study's --out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+from benchmarks.studies.defaults_study import SHORT_LANGUAGES, is_mle, language_identifier, read_rows
+from loramcl.analysis.outputs import MODE_PURITY, output_verdict
+
+TASKS = ("bilingual", "short")
+LANGUAGES = {"bilingual": ("fr", "de"), "short": SHORT_LANGUAGES}
+EXAMPLES_PER_STEP = 16  # the study's batch
+
+
+def split_by_mode(languages: list[list[str]]) -> tuple[bool, list[str], list[float]]:
+    """(split, most written language, its share) per hypothesis from ``languages`` [N][K], each answer's language."""
+    counts = [Counter(row[k] for row in languages) for k in range(len(languages[0]))]
+    majority = [c.most_common(1)[0][0] for c in counts]
+    purity = [c[m] / len(languages) for c, m in zip(counts, majority, strict=True)]
+    split = len(set(majority)) == len(majority) and min(purity) >= MODE_PURITY and not {"en", "empty"} & set(majority)
+    return split, majority, purity
+
+
+def run_verdicts(out: Path) -> list[dict]:
+    """One row per finished MCL run of the bilingual and short-answer tasks: the truth and the two verdicts."""
+    rows = []
+    for task in TASKS:
+        data = out / "data" / task
+        if not (data / "test.jsonl").exists():
+            continue
+        tests, identifier, names = read_rows(data / "test.jsonl"), None, LANGUAGES[task]
+        for results in sorted((out / task).glob("*/results.json")):
+            result = json.loads(results.read_text())
+            if is_mle(result["setting"]):
+                continue
+            identifier = identifier or language_identifier(data, task)
+            answers = json.loads((results.parent / "candidates.json").read_text())["greedy"]
+            languages = [identifier.predict([a if a.strip() else "-" for a in row]) for row in answers]
+            languages = [[lang if a.strip() else "empty" for lang, a in zip(row, answers_row, strict=True)]
+                         for row, answers_row in zip(languages, answers, strict=True)]
+            split, majority, purity = split_by_mode(languages)
+            verdict = output_verdict(answers, [t["references"] for t in tests],
+                                     [[names[m] for m in t["reference_modes"]] for t in tests],
+                                     examples_seen=result["steps"] * EXAMPLES_PER_STEP)
+            rows.append({"task": task, "setting": result["setting"], "seed": result["seed"], "split": split,
+                         "majority": majority, "purity": [round(p, 2) for p in purity],
+                         "nll_verdict": (result.get("verdict") or {}).get("kind"), "output_verdict": verdict.kind,
+                         "output_majority": verdict.majority, "same_rate": verdict.same_rate})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """Per run, then how often each verdict's "split" agrees with the split by mode."""
+    lines = ["| task | setting | seed | split by mode (most written, share) | NLL verdict | output verdict (most written "
+             "by chrF; same answer) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        written = ", ".join(f"{m} {p:.2f}" for m, p in zip(r["majority"], r["purity"], strict=True))
+        lines.append(f"| {r['task']} | {r['setting']} | {r['seed']} | {'yes' if r['split'] else 'no'} ({written}) | "
+                     f"{r['nll_verdict']} | {r['output_verdict']} ({', '.join(r['output_majority'] or [])}; "
+                     f"{r['same_rate']:.2f}) |")
+    agree_nll = sum((r["nll_verdict"] == "split") == r["split"] for r in rows)
+    agree_out = sum((r["output_verdict"] == "split by mode") == r["split"] for r in rows)
+    said_nll = sum(r["nll_verdict"] == "split" and not r["split"] for r in rows)
+    said_out = sum(r["output_verdict"] == "split by mode" and not r["split"] for r in rows)
+    lines += ["", f"{len(rows)} runs, {sum(r['split'] for r in rows)} split by mode. The NLL verdict agrees on "
+              f"{agree_nll} (said \"split\" on {said_nll} that did not split by mode); the output verdict agrees on "
+              f"{agree_out} (said \"split by mode\" on {said_out} that did not)."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="the defaults study's --out")
+    print(table(run_verdicts(parser.parse_args().out)))
+
+
+if __name__ == "__main__":
+    main()
