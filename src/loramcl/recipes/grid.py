@@ -76,7 +76,8 @@ class System:
 
     def __post_init__(self) -> None:
         require(isinstance(self.name, str) and self.name, f"a system needs a name, got {self.name!r}")
-        if isinstance(self.run, str) and self.run.endswith(BEST):  # frozen: set once here, so every way of building a system reads '@best' alike
+        # read here (frozen: set once), so that every way of building a system reads '<run>@best' alike
+        if isinstance(self.run, str) and self.run.endswith(BEST):
             object.__setattr__(self, "run", trained_run(self.run))
             object.__setattr__(self, "best", True)
         require(self.strategy in SINGLE_MODEL_STRATEGIES + MCL_STRATEGIES,
