@@ -1,7 +1,7 @@
 """The recipes' ensemble run kind: a run file naming member runs; the runner trains the members, assembles them into
 one K-hypothesis model that the later stages read as a LoRA-MCL run (its NLL table row: the oracle over the
-members), and refuses members that cannot be one model before any work. And an NLL table row of a run's
-best-validation adapters ('<run>@best', training.keep_best)."""
+members), and refuses members that cannot be one model before any work. And an NLL table row, or decoded systems, of
+a run's best-validation adapters ('<run>@best', training.keep_best)."""
 
 import json
 
@@ -202,3 +202,57 @@ def test_a_damaged_member_best_or_best_row_is_refused_naming_the_folder(recipe, 
                                          r"\(SHA-256 [0-9a-f]{12}..., recorded [0-9a-f]{64}\): they were replaced or "
                                          "damaged: restore it from a copy"):
         run_recipe(Toy, out=str(out), recipes=str(folder), threads=1)
+
+
+def test_decoded_best_systems_decode_the_best_adapters_of_a_run_and_of_an_ensemble(recipe, monkeypatch):
+    """Issue 64: `decoded: [<run>@best]` decodes root/<run>/best (an ensemble's: its members' best, assembled) in
+    systems named '<run>@best-...', as `loramcl generate` decodes that folder, the stage's record holding the best's
+    stamp; a run that keeps no best is refused before any work, a best folder gone when it is read."""
+    import shutil
+
+    from loramcl.decoding.predictions import generate
+    from loramcl.recipes.grid import DecodeConfig, System
+    from loramcl.training.runs import file_stamp
+    from loramcl.training.trainer import MCLTrainer
+
+    tmp_path, folder = recipe
+    metrics = MCLTrainer._hypothesis_metrics  # the validation loss lowest at step 1 of 2: best != last
+    monkeypatch.setattr(MCLTrainer, "_hypothesis_metrics",
+                        lambda self: metrics(self) | {"eval_loss": {1: 1.0, 2: 2.0}[self.state.global_step]})
+    (folder / "experiment.yaml").write_text("decoded: [m0, m0@best, ensemble@best]\nnll_table: [m0]\nbudgets: [2]\n"
+                                            "decoding:\n  max_new_tokens: 3\n")
+    (folder / "m0.yaml").write_text(MLE + "training:\n  keep_best: true\n  eval_every: 1\n")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"decoded: ensemble@best decodes the best-validation adapters of ensemble, "
+                                         r"but m1 keeps none: set `training: \{keep_best: true\}` in its run file"):
+        run_recipe(Toy, out=str(out), recipes=str(folder), threads=1, quick=True)
+    assert not (out / "data").exists()  # before any work
+    (folder / "m1.yaml").write_text(MLE + "training:\n  seed: 1\n  keep_best: true\n  eval_every: 1\n")
+    report = run_recipe(Toy, out=str(out), recipes=str(folder), threads=1, quick=True)
+    decoded = {name.removeprefix("generate ") for name in report["timing_s"] if name.startswith("generate ")}
+    assert decoded == {"m0-beam-b2", "m0-diversebeam-b2", "m0@best-beam-b2", "m0@best-diversebeam-b2",
+                       "ensemble@best-beam-b2", "ensemble@best-greedy-b2"}
+    assert json.loads((out / "m0" / "best" / "best.json").read_text())["step"] == 1
+
+    def lines(path):
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    for system, adapters, single in ((System("m0@best-beam-b2", "m0@best", "beam", 2), out / "m0" / "best" / "peft",
+                                      True),
+                                     (System("ensemble@best-greedy-b2", "ensemble@best", "greedy", 2),
+                                      out / "ensemble" / "best", False)):
+        arguments = system.decoding(2, single, DecodeConfig(max_new_tokens=3))
+        direct = tmp_path / f"{system.name}.jsonl"  # `loramcl generate --adapters OUT/<run>/best` with its arguments
+        generate(model=str(tmp_path / "base"), input=str(out / "data" / "test.jsonl"), out=str(direct),
+                 adapters=str(adapters), threads=1, **arguments)
+        assert lines(out / "predictions" / f"{system.name}.jsonl") == lines(direct)
+    assert lines(out / "predictions" / "m0@best-beam-b2.jsonl") != lines(out / "predictions" / "m0-beam-b2.jsonl")
+    record = json.loads((out / "predictions" / "m0@best-beam-b2.settings.json").read_text())["settings"]
+    assert record["best"] == file_stamp(out / "m0" / "best" / "best.json")  # a changed best is decoded again
+    assert "best" not in json.loads((out / "predictions" / "m0-beam-b2.settings.json").read_text())["settings"]
+    again = run_recipe(Toy, out=str(out), recipes=str(folder), threads=1, quick=True)
+    assert not {name for name in again["timing_s"] if name.startswith(("train ", "assemble ", "generate "))}
+    shutil.rmtree(out / "m0" / "best")
+    with pytest.raises(FileNotFoundError, match=r"m0/best does not exist, and decoded's m0@best decodes it: restore "
+                                                r"it from a copy, or delete .*m0 to train the run again"):
+        run_recipe(Toy, out=str(out), recipes=str(folder), threads=1, quick=True)

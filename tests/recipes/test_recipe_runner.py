@@ -125,6 +125,27 @@ def test_impossible_systems_are_refused(system, single, message):
         System("x", "mle", "nucleus", 2)
 
 
+def test_a_system_of_run_at_best_decodes_that_runs_best_adapters():
+    """Issue 64: '<run>@best' (experiment.yaml's decoded) gives systems of run '<run>' with ``best``, named with the
+    '@best', kept apart from the run's last adapters in a quick run, recorded as before when not best."""
+    from dataclasses import replace
+
+    from loramcl.recipes.experiment import Experiment
+    from loramcl.recipes.grid import equal_budget_systems, one_per_strategy
+
+    best = System("mle@best-beam-b2", "mle@best", "beam", 2)
+    assert (best.run, best.best, best.entry) == ("mle", True, "mle@best")
+    assert replace(best, name="y").best and best == System("mle@best-beam-b2", "mle", "beam", 2, best=True)
+    assert best.to_dict()["best"] is True and "best" not in System("mle-beam-b2", "mle", "beam", 2).to_dict()
+    systems = equal_budget_systems({"mle": 1, "mle@best": 1}, 2, [2, 4])
+    assert [s.name for s in one_per_strategy(systems)] == ["mle-beam-b2", "mle-diversebeam-b2", "mle@best-beam-b2",
+                                                           "mle@best-diversebeam-b2"]
+    experiment = Experiment(decoded=["mle", "mle@best"], budgets=[2])
+    assert experiment.decoded_runs(["mle", "mcl"]) == ["mle", "mle@best"]
+    with pytest.raises(ValueError, match=r"decoded: no run file for \['mlx'\] \(runs: \['mcl', 'mle'\]\)"):
+        Experiment(decoded=["mlx@best"], budgets=[2]).decoded_runs(["mle", "mcl"])
+
+
 def test_report_tables():
     record = {"settings": {"mcl": {"num_hypotheses": 2, "r": 8, "loss": "relaxed", "epsilon": 0.05},
                            "training": {"steps": 200, "batch_size": 16}}, "trainable_parameters": 1840000,

@@ -283,8 +283,11 @@ def test_quick_end_to_end_on_whisper_base_then_every_stage_reused(tmp_path):
         lines = [json.loads(line) for line in (out / "predictions" / f"{name}.jsonl").read_text().splitlines()]
         assert [line["id"] for line in lines] == [r["id"] for r in test]
         assert all(len(line["candidates"]) == len(line["modes"]) == 2 for line in lines)
-        if name.startswith("mcl-"):
+        if name.startswith(("mcl-", "mcl@best-")):
             assert all(line["hypotheses"] == [0, 1] for line in lines)
+    # the recipe decodes each run's best-validation adapters (issue 64): its systems are named for them
+    assert {name.split("-")[0] for name in report["systems"]} == {"mcl@best", "mle@best"}
+    assert all((out / run / "best" / "best.json").is_file() for run in ("mcl", "mle"))
     for result in report["systems"].values():
         assert {"sacrebleu", "chrf", "mbleu4"} <= set(result["metrics"])
         assert set(result["mode_wins"]["by_group"]) == {"en", "fr"}

@@ -98,16 +98,18 @@ def assemble(root: Path, run: str, values: dict, members: Sequence[str], best: b
     write_json(out / RUN_RECORD, record)  # last: a folder with a run.json is finished
 
 
-def check_best_adapters(root: Path, run: str, members: Sequence[str] | None) -> None:
-    """Before a '<run>@best' row is scored (or its scores reused): root/``run``/best checked against the run
-    (``check_run_best``); for an ensemble (``members``), each member's best and the record of the assembled one."""
+def check_best_adapters(root: Path, run: str, members: Sequence[str] | None, reader: str | None = None) -> None:
+    """Before a '<run>@best' row is scored or a '<run>@best' system decoded (or its outputs reused): root/``run``/best
+    checked against the run (``check_run_best``); for an ensemble (``members``), each member's best and the record of
+    the assembled one. ``reader``: what reads it, for the message (default: the NLL table's row)."""
     from loramcl.utils.inputs import BEST_FOLDER
     from loramcl.utils.run_best import BEST_RECORD, best_record, check_run_best
 
     kept = {name: check_run_best(root / name) for name in members or [run]}
     missing = [name for name, record in kept.items() if record is None]
     if missing:
-        raise FileNotFoundError(f"{root / missing[0] / BEST_FOLDER} does not exist, and the {run}@best row scores it: "
+        reader = reader or f"the {run}@best row scores it"
+        raise FileNotFoundError(f"{root / missing[0] / BEST_FOLDER} does not exist, and {reader}: "
                                 f"restore it from a copy, or delete {root / missing[0]} to train the run again")
     if members:
         recorded = best_record(root / run)

@@ -8,15 +8,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
-from loramcl.recipes.grid import MCL_DECODINGS, DecodeConfig, check_budgets
+from loramcl.recipes.grid import BEST, MCL_DECODINGS, DecodeConfig, check_budgets, trained_run
 from loramcl.utils.validate import require
 
-BEST = "@best"  # an NLL table entry '<run>@best': the run's best-validation adapters (training.keep_best), not its last
-
-
-def trained_run(entry: str) -> str:
-    """The run an NLL table entry scores: 'mle@best' -> 'mle'."""
-    return entry.removesuffix(BEST)
+__all__ = ["BEST", "Experiment", "trained_run"]  # BEST and trained_run: defined beside System, which reads '@best' too
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +33,8 @@ class Experiment:
     runs with K hypotheses with beam B/K each."""
 
     decoded: list[str] | None = None
-    """Runs whose candidates are decoded and scored (default: every run)."""
+    """Runs whose candidates are decoded and scored (default: every run). '<run>@best' decodes the run's
+    best-validation adapters (its `training: keep_best: true`) as systems of their own, named '<run>@best-...'."""
 
     mcl_decodings: list[str] = field(default_factory=lambda: ["beam", "greedy"])
     """How runs with K hypotheses decode: 'beam' (beam B/K per hypothesis; at B = K one beam through beam search, so
@@ -77,11 +73,12 @@ class Experiment:
         return {}
 
     def decoded_runs(self, runs: Sequence[str], default: Sequence[str] | None = None) -> list[str]:
-        """The runs decoded: ``decoded`` (each must be one of ``runs``), or ``default`` (every run if None)."""
+        """The runs decoded: ``decoded`` (each one of ``runs``, or '<run>@best' of one), or ``default`` (every run if
+        None)."""
         return self._chosen_runs("decoded", runs, default)
 
     def table_runs(self, runs: Sequence[str]) -> list[str]:
-        """The runs of the NLL table: ``nll_table`` (each must be one of ``runs``), or every run."""
+        """The runs of the NLL table: ``nll_table`` (each one of ``runs``, or '<run>@best' of one), or every run."""
         return self._chosen_runs("nll_table", runs)
 
     def _chosen_runs(self, name: str, runs: Sequence[str], default: Sequence[str] | None = None) -> list[str]:
@@ -89,7 +86,7 @@ class Experiment:
         chosen = getattr(self, name)
         if chosen is None:
             return list(runs if default is None else default)
-        unknown = sorted({trained_run(run) if name == "nll_table" else run for run in chosen} - set(runs))
+        unknown = sorted({trained_run(run) for run in chosen} - set(runs))
         require(not unknown, f"{name}: no run file for {unknown} (runs: {sorted(runs)})")
         return list(chosen)
 

@@ -14,6 +14,12 @@ from loramcl.utils.validate import require, require_int, require_real, require_s
 # the baselines a recipe compares: every single-model strategy but LoRA-MoE's stochastic router
 SINGLE_MODEL_STRATEGIES = tuple(s for s in BASELINE_STRATEGIES if s != "stochastic_router")
 MCL_DECODINGS = ("beam", "greedy", "diverse_beam")  # an experiment's MCL decodings with a forward budget
+BEST = "@best"  # '<run>@best' (in decoded and nll_table): the run's best-validation adapters (training.keep_best)
+
+
+def trained_run(entry: str) -> str:
+    """The run a decoded or NLL table entry reads: 'mle@best' -> 'mle'."""
+    return entry.removesuffix(BEST)
 
 
 @dataclass(frozen=True)
@@ -57,16 +63,23 @@ class DecodeConfig:
 class System:
     """One way of producing K candidates per input: the run ``run`` decoded with ``strategy`` at forward budget
     ``budget`` (sequences advanced per decoding step and input). ``options``: further ``generate_hypotheses``
-    arguments of this system only (e.g. {"top_p": 0.95} for nucleus sampling, {"diversity_penalty": 1.0})."""
+    arguments of this system only (e.g. {"top_p": 0.95} for nucleus sampling, {"diversity_penalty": 1.0}).
+    ``best``: it decodes the run's best-validation adapters (root/<run>/best, ``training.keep_best``), not its last;
+    a run given as '<run>@best' (experiment.yaml's ``decoded``) is read as run '<run>' with ``best``."""
 
     name: str
     run: str
     strategy: str
     budget: int
     options: dict = field(default_factory=dict)
+    best: bool = False
 
     def __post_init__(self) -> None:
         require(isinstance(self.name, str) and self.name, f"a system needs a name, got {self.name!r}")
+        # read here (frozen: set once), so that every way of building a system reads '<run>@best' alike
+        if isinstance(self.run, str) and self.run.endswith(BEST):
+            object.__setattr__(self, "run", trained_run(self.run))
+            object.__setattr__(self, "best", True)
         require(self.strategy in SINGLE_MODEL_STRATEGIES + MCL_STRATEGIES,
                f"system {self.name}: unknown strategy {self.strategy!r}; single models decode with "
                f"{SINGLE_MODEL_STRATEGIES}, MCL models with {MCL_STRATEGIES}")
@@ -112,8 +125,16 @@ class System:
             arguments["compile"] = True
         return arguments
 
+    @property
+    def entry(self) -> str:
+        """The adapters it decodes as decoded and nll_table name them: '<run>', or '<run>@best'."""
+        return self.run + BEST if self.best else self.run
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        values = asdict(self)
+        if not self.best:  # a system of the last adapters is recorded as before '@best' systems existed
+            values.pop("best")
+        return values
 
 
 def systems_of(experiment, hypotheses: dict[str, int], budgets: list[int]) -> list[System]:
@@ -193,9 +214,10 @@ def equal_budget_systems(hypotheses: dict[str, int], candidates: int, budgets: S
 
 
 def one_per_strategy(systems: Sequence[System]) -> list[System]:
-    """The first system of each (run, strategy): a quick run's every decoding code path, with fewer decodes."""
+    """The first system of each (run, its last or best adapters, strategy): a quick run's every decoding code path,
+    with fewer decodes."""
     seen: set = set()
-    return [s for s in systems if (s.run, s.strategy) not in seen and not seen.add((s.run, s.strategy))]
+    return [s for s in systems if (s.entry, s.strategy) not in seen and not seen.add((s.entry, s.strategy))]
 
 
 def chosen_budgets(budgets: Sequence[int] | None, available: Sequence[int], quick: bool) -> list[int]:

@@ -88,7 +88,9 @@ class Task(ABC):
 
     @abstractmethod
     def systems(self, values: dict[str, dict], budgets: list[int]) -> list[System]:
-        """The systems compared at the forward ``budgets``."""
+        """The systems compared at the forward ``budgets``. ``values``: each run's settings, and those of each
+        '<run>@best' of ``decoded`` (the run's), so that a system of '<run>@best' is built as one of '<run>' is (its
+        ``System.best`` set)."""
 
     def hypotheses(self, values: dict) -> int:
         """How many candidates a run's model decodes as one model: its K (1 for a single model)."""
@@ -135,6 +137,10 @@ class Task(ABC):
         from loramcl.utils.inputs import BEST_FOLDER
 
         return self.root / trained_run(run) / (BEST_FOLDER if run.endswith(BEST) else "")
+
+    def decoded_folder(self, system: System) -> Path:
+        """The adapters ``system`` decodes: root/<run>, or root/<run>/best for a system of '<run>@best'."""
+        return self.scored_folder(system.entry)
 
     def score(self, run: str, values: dict, decode: DecodeConfig, out: Path) -> None:
         """Write to ``out`` the NLL of every test reference under every hypothesis of ``run`` (an NLL table entry: a
@@ -199,17 +205,15 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     task.model = model
     if task.scores_references:
         for entry in experiment.table_runs(names):  # each run of the NLL table has its run file
-            run = trained_run(entry)
-            lacking = [member for member in members.get(run, [run])  # an ensemble's best: its members'
-                       if (RunFile.of(values[member]).training or {}).get("keep_best") is not True]
-            require(not entry.endswith(BEST) or not lacking,
-                    f"nll_table: {entry} scores the best-validation adapters of {run}, but {', '.join(lacking)} "
-                    "keeps none: set `training: {keep_best: true}` in its run file (an ensemble's: in its members'), "
-                    f"or name {run}")
+            check_keeps_best("nll_table", entry, "scores", values, members)
     else:
         require(experiment.nll_table is None, f"nll_table: {task_type.__name__} scores no test reference")
+    decoded_best = [entry for entry in experiment.decoded_runs(names) if entry.endswith(BEST)]
+    for entry in decoded_best:
+        check_keeps_best("decoded", entry, "decodes", values, members)
     task.check(model, values)
-    systems = task.systems(values, chosen)
+    # a '<run>@best' of decoded is built as the run's systems are, from its settings; System reads the '@best'
+    systems = task.systems(values | {entry: values[trained_run(entry)] for entry in decoded_best}, chosen)
     require(systems or task.scores_references, f"decoded: {experiment.decoded!r} decodes no run and "
             f"{task_type.__name__} scores no test reference, so there is nothing to report: name a run in decoded, "
             "or leave decoded out to decode every run")
@@ -223,7 +227,7 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     for run in trained:  # retrained when its recipe or its data changed, resumed when it was interrupted
         if run in members:  # its members, trained before it, as one K-hypothesis model
             stamps = {member: run_stamp(root / member) for member in members[run]}
-            best = run + BEST in (experiment.nll_table or [])  # the members' best adapters assembled too
+            best = run + BEST in [*(experiment.nll_table or []), *(experiment.decoded or [])]  # members' best too
             stages.run(f"assemble {run}", root / run / ASSEMBLED, {"members": stamps, "best": best}, assemble, root,
                        run, values[run], members[run], best)
         else:
@@ -233,6 +237,8 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
 
     decode = DecodeConfig(**(experiment.decoding | (task.quick_decoding if quick else {})))
     for system in systems:
+        if system.best:  # checked on every read, also when its predictions are reused
+            check_best_adapters(root, system.run, members.get(system.run), f"decoded's {system.entry} decodes it")
         arguments = system.decoding(experiment.candidates, task.hypotheses(values[system.run]) == 1, decode)
         stages.decode(system, arguments, decode.batch_size, task.test, task.decode, system, values[system.run],
                       dict(arguments), decode, extra=task.decoding_settings())
@@ -251,6 +257,20 @@ def run_recipe(task_type: type[Task], out: str | None = None, recipes: str | Non
     print((root / "report.md").read_text(encoding="utf-8"))
     print(f"report: {root / 'report.md'} (+ report.json, figures/)")
     return report
+
+
+def check_keeps_best(setting: str, entry: str, reads: str, values: dict[str, dict],
+                     members: dict[str, list[str]]) -> None:
+    """Before any work: an entry '<run>@best' of experiment.yaml's ``setting`` (decoded, nll_table), which ``reads``
+    the run's best-validation adapters, names a run that keeps them (an ensemble: whose members all do)."""
+    if not entry.endswith(BEST):
+        return
+    run = trained_run(entry)
+    lacking = [member for member in members.get(run, [run])  # an ensemble's best: its members'
+               if (RunFile.of(values[member]).training or {}).get("keep_best") is not True]
+    require(not lacking, f"{setting}: {entry} {reads} the best-validation adapters of {run}, but {', '.join(lacking)} "
+            "keeps none: set `training: {keep_best: true}` in its run file (an ensemble's: in its members'), or name "
+            f"{run}")
 
 
 def check_data_files(folder: Path, experiment: Experiment, default_recipes: str) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from loramcl.training.runs import CHECKPOINTS, file_stamp, finished_run, run_stamp, stale_checkpoint_fields
 from loramcl.utils.files import read_json, write_json
 from loramcl.utils.inputs import BEST_FOLDER, RUN_RECORD
+from loramcl.utils.run_best import BEST_RECORD
 
 
 def data_stats(folder: Path) -> dict:
@@ -73,9 +74,12 @@ class Stages:
                extra: dict | None = None, **kwargs) -> bool:
         """The decoding stage of ``system`` (a ``recipes.grid.System``): ``fn(*args, **kwargs)`` writes
         ``self.predictions(system.name)``; redone when its decoding ``arguments``, ``batch_size``, ``extra`` settings,
-        its trained run or the ``test`` file change. True if it ran."""
+        its trained run, the best adapters it decodes (a ``best`` system: their best.json, which holds the weights'
+        SHA-256, or an ensemble's members') or the ``test`` file change. True if it ran."""
         settings = {**arguments, "batch_size": batch_size, "trained": run_stamp(self.root / system.run),
                     "test": file_stamp(test), **(extra or {})}
+        if system.best:  # only then: the records of the last adapters' systems stay as they were
+            settings["best"] = file_stamp(self.root / system.run / BEST_FOLDER / BEST_RECORD)
         return self.run(f"generate {system.name}", self.predictions(system.name).with_suffix(".settings.json"),
                         settings, fn, *args, **kwargs)
 

@@ -176,7 +176,7 @@ class ProcessorTask(runner.Task):
 
     def decode(self, system: System, values: dict, arguments: dict, decode: DecodeConfig) -> None:
         processor = self.processor(RunFile.of(values).model)
-        model = self.decoding_model(values, str(self.root / system.run), processor)
+        model = self.decoding_model(values, str(self.decoded_folder(system)), processor)
         decode_to_jsonl(self.stages.predictions(system.name), model, processor, self.test_inputs(), decode.batch_size,
                         arguments, lambda batch, strength: self.inputs(processor, batch, strength),
                         lambda key, candidates: self.prediction(key, candidates, processor))

@@ -98,7 +98,7 @@ class TextTask(runner.Task):
 
         run_file, single = RunFile.of(values), self.hypotheses(values) == 1
         generate(model=run_file.model, input=str(self.test), out=str(self.stages.predictions(system.name)),
-                 adapters=str(self.root / system.run / (PEFT_FOLDER if single else "")), device=self.device,
+                 adapters=str(self.decoded_folder(system) / (PEFT_FOLDER if single else "")), device=self.device,
                  batch_size=decode.batch_size, chat_template=self.chat_template, dtype=run_file.dtype, **arguments)
 
     def score(self, run: str, values: dict, decode: DecodeConfig, out: Path) -> None:

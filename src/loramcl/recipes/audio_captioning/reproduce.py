@@ -326,7 +326,7 @@ class AudioCaptioning(ProcessorTask):
                 tta_augment(*strength) if strength else None)
 
     def scored_runs(self, runs: list[str], systems: list[System]) -> list[str]:
-        return list(dict.fromkeys(system.run for system in systems))
+        return list(dict.fromkeys(system.entry for system in systems))  # '<run>@best': its best adapters
 
     def reference_examples(self, processor):
         """The reference captions of each test clip, tokenized as in training: the mean NLL per caption token (end
@@ -342,7 +342,7 @@ class AudioCaptioning(ProcessorTask):
 
         metrics = QUICK_METRICS if self.quick else self.experiment.metrics
         for system in systems:
-            predictions, nll = self.stages.predictions(system.name), self.root / "nll" / f"{system.run}.jsonl"
+            predictions, nll = self.stages.predictions(system.name), self.root / "nll" / f"{system.entry}.jsonl"
             self.stages.run(f"evaluate {system.name}", self.root / "eval" / f"{system.name}.settings.json",
                             {"predictions": file_stamp(predictions), "nll": file_stamp(nll), "metrics": metrics},
                             evaluate, predictions=str(predictions), references=str(self.test), metrics=metrics,

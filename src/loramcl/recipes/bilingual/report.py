@@ -60,7 +60,7 @@ def build_report(root: Path, systems, runs: list[str], scored: list[str], metric
         predictions = read_jsonl(path, "candidates")
         candidates = [predictions[r["id"]]["candidates"] for r in test]
         outputs[system.name] = candidates
-        ids, nll_path = [r["id"] for r in test], root / "nll" / f"{system.run}.jsonl"
+        ids, nll_path = [r["id"] for r in test], root / "nll" / f"{system.entry}.jsonl"
         # p(k | c): runs trained with hypothesis scores (docs/guide/scores.md)
         scores = load_scores(path, ids, candidates)
         report = evaluate_candidates(candidates, references, metrics=metrics, nll=load_nll(nll_path, ids, references),

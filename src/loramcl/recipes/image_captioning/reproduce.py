@@ -16,7 +16,7 @@ Adding a run (another K, a baseline) is adding a file. Three ship inside the pac
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from loramcl.recipes.command import task_command
@@ -232,8 +232,7 @@ class ImageCaptioning(ProcessorTask):
                 continue
             for penalty in self.experiment.diversity_penalties:
                 name = system.name.replace("-diversebeam-", f"-diversebeam{penalty:g}-")
-                systems.append(System(name, system.run, system.strategy, system.budget,
-                                      {"diversity_penalty": penalty}))
+                systems.append(replace(system, name=name, options={"diversity_penalty": penalty}))  # best kept
         return systems
 
     def split_files(self) -> dict[str, Path]:

@@ -88,7 +88,7 @@ def build_report(root: Path, experiment, systems, nll_table: list[str], runs: li
         outputs[system.name] = candidates
         evaluated = evaluate_candidates(candidates, references, metrics="sacrebleu,chrf,pairwise_bleu,refs_covered",
                                         winner_metric="sacrebleu", bleu_tokenize=experiment.bleu_tokenize,
-                                        nll=nll.get(system.run))
+                                        nll=nll.get(system.entry))  # the NLL of the adapters it decodes
         metrics = evaluated["metrics"] | loo_bleu(candidates, loo_references, tokenize=experiment.bleu_tokenize)
         metrics["distinct"] = float(np.mean([len(set(c)) for c in candidates]))
         results[system.name] = {"system": system.to_dict(), "method": method_name(records[system.run]),
