@@ -16,7 +16,8 @@ from benchmarks.studies import budget_tables
 from benchmarks.studies.defaults_study import read_rows
 
 
-def test_two_budgets_train_keep_the_best_decode_score_and_are_reused(tmp_path):
+def test_two_budgets_train_keep_the_best_decode_score_and_are_reused(tmp_path, monkeypatch):
+    monkeypatch.setitem(study.study.TASKS, "markov", 2)  # K = 2 (the task has 3 chains): two ensemble members to train
     base = save_tiny_run_inputs(tmp_path) / "base"
     args = Namespace(model=base, out=tmp_path / "study", learning_rate=1e-3, rank=4, evaluations=2, device="cpu",
                      bf16=True, threads=1, prune=False)
@@ -31,12 +32,12 @@ def test_two_budgets_train_keep_the_best_decode_score_and_are_reused(tmp_path):
         assert result["budget"] == budget and result["oracle_nll"] > 0
         steps = result["best_step"] if setting == "ensemble" else [result["best_step"]]
         assert all(1 <= step <= budget for step in steps)  # validated every step: the best is a step of the run
-        assert result["trainable_parameters"] == 3 * 4 * 224  # K r = r K = K members of rank r: equal parameters
+        assert result["trainable_parameters"] == 2 * 4 * 224  # K r = r K = K members of rank r: equal
     assert set(results[2, "mle"]["test"]) == {"beam", "diverse_beam", "sample", "greedy"}
     assert set(results[2, "relaxed-0.05"]["test"]) == set(results[2, "ensemble"]["test"]) == {"greedy"}
-    assert results[2, "ensemble"]["members"] == ["mle-r4-s0", "mle-r4-s1", "mle-r4-s2"]
+    assert results[2, "ensemble"]["members"] == ["mle-r4-s0", "mle-r4-s1"]
     assert len(json.loads((args.out / "markov" / "2-steps" / "ensemble-s0" / "candidates.json").read_text())
-               ["greedy"][0]) == 3  # one candidate per member
+               ["greedy"][0]) == 2  # one candidate per member
     folder = args.out / "markov" / "2-steps"
     assert not (folder / "relaxed-0.05-s0" / "checkpoints").exists()  # a finished run is never resumed
     # finished runs are read back, not trained or decoded again
@@ -44,9 +45,12 @@ def test_two_budgets_train_keep_the_best_decode_score_and_are_reused(tmp_path):
     shutil.rmtree(folder / "mle-r4-s1")
     assert study.one_run(args, "markov", 2, "relaxed-0.05", seed=0) == results[2, "relaxed-0.05"]
     assert study.one_run(args, "markov", 2, "ensemble", seed=0) == results[2, "ensemble"]
+    study.prune(folder / "mle-s0")  # --prune: the records and scores stay, the weights go
+    assert {p.name for p in (folder / "mle-s0").rglob("*") if p.is_file()} <= set(study.KEPT)
+    assert study.one_run(args, "markov", 2, "mle", seed=0) == results[2, "mle"]
     printed = budget_tables.tables(args.out)
-    assert "| LoRA-MLE r12, diverse beam 3 | 2 | 1 |" in printed
-    assert "| ensemble of 3 LoRA-MLE r4, greedy | 1 | 1 |" in printed
+    assert "| LoRA-MLE r8, diverse beam 2 | 2 | 1 |" in printed
+    assert "| ensemble of 2 LoRA-MLE r4, greedy | 1 | 1 |" in printed
     assert "| markov | relaxed-0.05 |" in printed
 
 
