@@ -243,8 +243,11 @@ def ensemble_run(args, task: str, budget: int, seed: int, common: dict) -> dict:
 
 
 def finish(args, run: Path, result: dict, decoded: dict) -> dict:
-    (run / "candidates.json").write_text(json.dumps(decoded, ensure_ascii=False, indent=0) + "\n")
-    (run / "results.json").write_text(json.dumps(result, indent=1) + "\n")  # last: the run is finished
+    """Write the candidates, then the results (each whole: a study stopped by a time limit leaves no half file)."""
+    for name, values, indent in (("candidates", decoded, 0), ("results", result, 1)):  # results last: it is finished
+        staged = run / f"{name}.json.tmp"
+        staged.write_text(json.dumps(values, ensure_ascii=False, indent=indent) + "\n", encoding="utf-8")
+        staged.replace(run / f"{name}.json")
     if args.prune:
         prune(run)
     return result
@@ -272,6 +275,9 @@ def parser() -> argparse.ArgumentParser:
     parse.add_argument("--prune", action="store_true", help="delete each finished run's weights (keep its scores)")
     parse.add_argument("--data_only", action="store_true", help="only build the tasks' data in OUT/data (the "
                        "bilingual and short tasks read this machine's gettext catalogs)")
+    parse.add_argument("--spoken_recipe", type=Path, help="only write a copy of the spoken-translation recipe with its "
+                       "runs at --budgets and --seeds in this folder (its outputs: OUT/spoken-translation; "
+                       "benchmarks.studies.spoken_budgets) and print the command that runs it")
     parse.add_argument("--table", action="store_true", help="only print the tables of the finished runs")
     return parse
 
@@ -286,6 +292,14 @@ def main() -> None:
     if min(args.budgets) < 1 or min(args.seeds) < 0 or args.evaluations < 1:
         raise SystemExit(f"--budgets {args.budgets}, --seeds {args.seeds}, --evaluations {args.evaluations}: budgets "
                          "and evaluations are positive counts, seeds 0 or more")
+    if args.spoken_recipe is not None:
+        from benchmarks.studies.spoken_budgets import write_recipe
+
+        command = write_recipe(args.spoken_recipe, args.out.absolute() / "spoken-translation", args.budgets,
+                               args.seeds, args.evaluations)
+        print(f"the spoken-translation recipe at {args.budgets} steps: {args.spoken_recipe}; run it with\n"
+              + " ".join(command))
+        return
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch starts CUDA: training would take a GPU it sees
     import torch

@@ -89,3 +89,29 @@ def test_bad_budgets_and_seeds_are_refused(argv, monkeypatch, tmp_path):
     monkeypatch.setattr("sys.argv", ["budget_study", "--out", str(tmp_path), *argv])
     with pytest.raises(SystemExit, match="budgets and evaluations are positive counts"):
         study.main()
+
+
+def test_the_spoken_translation_recipe_has_every_budget_and_seed_and_reads_as_the_recipe_reads_it(tmp_path):
+    from loramcl.recipes.ensemble import ensembles
+    from loramcl.recipes.files import read_recipe, run_names
+    from loramcl.recipes.spoken_translation.reproduce import Experiment
+
+    from benchmarks.studies.spoken_budgets import write_recipe
+
+    folder = tmp_path / "recipe"
+    command = write_recipe(folder, tmp_path / "out", budgets=[60, 200], seeds=[0, 1])
+    assert command == ["loramcl", "spoken-translation", "--recipes", str(folder), "--threads", "1"]
+    runs = run_names(folder, ("common.yaml", "experiment.yaml"))
+    assert len(runs) == 2 * 2 * 5  # budgets x seeds x (MCL, the one LoRA, two members, the ensemble)
+    values = {run: read_recipe(folder, ["common.yaml", f"{run}.yaml"]) for run in runs}
+    assert ensembles(values)["ensemble-200-s1"] == ["mle-r8-200-s2", "mle-r8-200-s3"]  # checked as the runner does
+    assert values["mcl-200-s1"]["training"] | {"learning_rate": None} == values["mcl-60-s0"]["training"] | {
+        "steps": 200, "seed": 1, "eval_every": 40, "save_every": 40, "learning_rate": None}
+    assert values["mcl-60-s0"]["training"]["keep_best"] and values["mle-60-s0"]["mcl"]["r"] == 16
+    experiment = Experiment.read(folder / "experiment.yaml")
+    assert experiment.out == str(tmp_path / "out")
+    assert experiment.decoded_runs(runs) == ["mcl-60-s0", "mle-60-s0", "ensemble-60-s0", "mcl-60-s1", "mle-60-s1",
+                                             "ensemble-60-s1", "mcl-200-s0", "mle-200-s0", "ensemble-200-s0",
+                                             "mcl-200-s1", "mle-200-s1", "ensemble-200-s1"]
+    assert "ensemble-600-s0@best" not in experiment.table_runs(runs)
+    assert experiment.table_runs(runs)[:2] == ["mcl-60-s0", "mcl-60-s0@best"]
