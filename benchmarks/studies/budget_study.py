@@ -6,10 +6,10 @@ K = 3, bilingual K = 2, short K = 3; SmolLM2-135M-Instruct through `loramcl trai
 hypothesis on q_proj and v_proj, 16 examples a step, learning rate 2e-3, cosine after 10 warm-up steps). New here:
 
   budgets     each budget (optimizer steps) is a whole run with its own schedule, as a user's budget is
-  validation  the last ``--validation`` rows of the task's training data held out (the training rows are the defaults
-              study's, those rows added after them); validated every budget / ``--evaluations`` steps, the adapters of
-              the lowest validation loss kept (TrainConfig keep_best: ``<run>/best``), and every system decoded and
-              scored from them
+  validation  ``--validation`` rows of the task's data held out (``build_data``: the training rows are the defaults
+              study's but on the short answers, whose last 64 words go), validated every budget / ``--evaluations``
+              steps, the adapters of the lowest validation loss kept (TrainConfig keep_best: ``<run>/best``), and
+              every system decoded and scored from them
   systems     at K rows of forward budget per prompt: each MCL setting greedy per hypothesis; LoRA-MLE at equal
               trainable parameters (one LoRA of rank r K: ``mle``) with beam search of K, diverse beam search of K
               groups (lambda ``DIVERSITY_PENALTY``), K samples, and its greedy answer; ``ensemble``: K LoRA-MLE runs of
@@ -59,18 +59,23 @@ MARKOV_REFERENCES = 60  # sequences drawn from the mixture as the markov task's 
 # ---- data ----------------------------------------------------------------------------------------------------
 
 def build_data(task: str, folder: Path, train: int, validation: int, test: int) -> None:
-    """train.jsonl, validation.jsonl (the last ``validation`` of ``train + validation`` rows the defaults study's
-    ``build_task`` draws), test.jsonl and references.jsonl (prompt, references: what the NLL scores) in ``folder``;
-    validation.jsonl, written last, marks it done."""
+    """train.jsonl, validation.jsonl, test.jsonl and references.jsonl (prompt, references: what the NLL scores) in
+    ``folder``, from the defaults study's ``build_task``: the Markov task's ``train`` rows and ``validation`` more
+    drawn apart (seed 2); a translation task's next ``validation`` messages after its ``train`` ones held out (the
+    short-answer task has fewer words than that: its last ``validation`` go). validation.jsonl, written last, marks
+    the folder done."""
     if (folder / "validation.jsonl").exists():
         return
-    study.build_task(task, folder / "all", train + validation, test)
+    markov = task == "markov"
+    study.build_task(task, folder / "all", train if markov else train + validation, test)
     rows = study.read_rows(folder / "all" / "train.jsonl")
+    if markov:
+        rows += study.markov_rows(validation, seed=2)
     if len(rows) <= validation:
         raise ValueError(f"task {task} has {len(rows)} training rows, too few to hold {validation} out for "
                          "validation: lower --validation")
     tests = study.read_rows(folder / "all" / "test.jsonl")
-    if task == "markov":  # its test prompts have no references: sequences drawn from the mixture, by first state
+    if markov:  # its test prompts have no references: sequences drawn from the mixture (seed 1), by first state
         drawn = study.markov_rows(MARKOV_REFERENCES, seed=1)
         references = [{"prompt": row["prompt"], "references": [r["target"] for r in drawn
                                                                 if r["prompt"] == row["prompt"]]} for row in tests]
