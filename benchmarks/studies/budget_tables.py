@@ -1,0 +1,134 @@
+"""The tables of the study across budgets (``benchmarks.studies.budget_study``, issue 64), from its results.json
+files: per task, every system at every budget (means over the finished seeds), and the crossover of each MCL setting
+with each baseline."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from benchmarks.studies import defaults_study as study
+from benchmarks.studies.budget_study import ENSEMBLE, MLE_STRATEGIES
+
+# the baselines MCL is held to, as the crossover table heads them: the one LoRA's decodings (beam search of K beams,
+# diverse beam search of K groups, K samples) and the K-seed ensemble
+BASELINES = {"beam": "beam K", "diverse_beam": "diverse beam K", "sample": "sample K", ENSEMBLE: "ensemble"}
+
+MEASURES = ("oracle", "mean", "distinct", "modes_covered", "oracle_nll", "best_step", "train_seconds")
+
+
+def read_results(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("*/*-steps/*/results.json"))]
+
+
+def systems(result: dict):
+    """(system, scores) of one run: an MCL setting's greedy hypotheses; the one LoRA's four decodings
+    ("mle:beam", ...); the ensemble. scores: the test scores with the run's oracle NLL, best step and training
+    seconds (an ensemble's best step: the mean of its members')."""
+    steps = result["best_step"]
+    shared = {"oracle_nll": result["oracle_nll"], "train_seconds": result["train_seconds"],
+              "best_step": statistics.mean(steps) if isinstance(steps, list) else steps}
+    for strategy, scores in result["test"].items():
+        name = f"{result['setting']}:{strategy}" if study.is_mle(result["setting"]) else result["setting"]
+        yield name, scores | shared
+
+
+def means(results: list[dict]) -> dict:
+    """{task: {system: {budget: (seeds, {measure: mean over the seeds})}}}"""
+    found: dict = {}
+    for result in results:
+        for name, scores in systems(result):
+            found.setdefault(result["task"], {}).setdefault(name, {}).setdefault(result["budget"], []).append(scores)
+    return {task: {name: {budget: (len(runs), {m: statistics.mean(r[m] for r in runs) for m in MEASURES})
+                          for budget, runs in by_budget.items()} for name, by_budget in by_system.items()}
+            for task, by_system in found.items()}
+
+
+def system_name(name: str, task: str, rank: int) -> str:
+    k = study.TASKS[task]
+    if name == ENSEMBLE:
+        return f"ensemble of {k} LoRA-MLE r{rank}, greedy"
+    if ":" in name:
+        setting, strategy = name.split(":")
+        what = {"beam": f"beam {k}", "diverse_beam": f"diverse beam {k}", "sample": f"sample {k}",
+                "greedy": "greedy 1"}[strategy]
+        return f"LoRA-MLE r{rank * k}{setting[3:]}, {what}"
+    return name
+
+
+def order(name: str) -> tuple:
+    """MCL settings in the study's order, then the one LoRA's decodings, then the ensemble."""
+    names = list(study.SETTINGS)
+    if name == ENSEMBLE:
+        return (2, 0, 0)
+    if ":" in name:
+        setting, strategy = name.split(":")
+        return (1, names.index(setting), MLE_STRATEGIES.index(strategy))
+    return (0, names.index(name), 0)
+
+
+def task_table(task: str, by_system: dict, rank: int) -> str:
+    scale = "{:.1f}" if task == "bilingual" else "{:.2f}"
+    lines = [f"{task} (K = {study.TASKS[task]})", "",
+             "| system | steps | seeds | valid or chrF: best of K | mean over K | distinct | modes covered | "
+             "oracle NLL | best step | training s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in sorted(by_system, key=order):
+        for budget in sorted(by_system[name]):
+            seeds, m = by_system[name][budget]
+            lines.append(f"| {system_name(name, task, rank)} | {budget} | {seeds} | {scale.format(m['oracle'])} | "
+                         f"{scale.format(m['mean'])} | {m['distinct']:.2f} | {m['modes_covered']:.2f} | "
+                         f"{m['oracle_nll']:.3f} | {m['best_step']:.0f} | {m['train_seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def beats(mcl: dict, baseline: dict) -> bool:
+    """MCL beats a baseline on best-of-K and modes covered: as good on both and better on one (on the Markov task
+    every system finds a valid sequence, so there the modes decide)."""
+    at_least = mcl["oracle"] >= baseline["oracle"] and mcl["modes_covered"] >= baseline["modes_covered"]
+    return at_least and (mcl["oracle"] > baseline["oracle"] or mcl["modes_covered"] > baseline["modes_covered"])
+
+
+def crossover(points: dict[int, tuple[dict, dict]]) -> str:
+    """The smallest budget from which on MCL beats the baseline (at it and at every larger budget measured), from
+    ``points`` {budget: (MCL's means, the baseline's)} of the budgets where both were measured; else "not within
+    <largest budget> steps" ("-": none measured)."""
+    if not points:
+        return "-"
+    since = None
+    for budget in sorted(points):
+        if beats(*points[budget]):
+            since = since or budget
+        else:
+            since = None
+    return str(since) if since is not None else f"not within {max(points)} steps"
+
+
+def crossover_table(found: dict, mle: str = "mle") -> str:
+    """Per task and MCL setting, the crossover with each baseline (``BASELINES``: the one LoRA ``mle``'s beam K,
+    diverse beam K and samples, the ensemble)."""
+    lines = ["| task | setting | " + " | ".join(BASELINES.values()) + " |",
+             "|---|---|" + "---|" * len(BASELINES)]
+    for task, by_system in found.items():
+        for setting in sorted((n for n in by_system if ":" not in n and n != ENSEMBLE), key=order):
+            cells = []
+            for baseline in BASELINES:
+                other = by_system.get(ENSEMBLE if baseline == ENSEMBLE else f"{mle}:{baseline}", {})
+                mine = by_system[setting]
+                cells.append(crossover({b: (mine[b][1], other[b][1]) for b in mine if b in other}))
+            lines.append(f"| {task} | {setting} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def tables(out: Path) -> str:
+    """Every task's table and the crossover table, of the runs finished in ``out``."""
+    results = read_results(out)
+    if not results:
+        return f"no finished run in {out} (a finished run has a results.json)"
+    found = {task: by_system for task, by_system in sorted(means(results).items(), key=lambda t: list(
+        study.TASKS).index(t[0]))}
+    rank = results[0]["rank"]
+    parts = [task_table(task, by_system, rank) for task, by_system in found.items()]
+    parts.append("Crossover: the smallest budget (steps) from which each MCL setting beats the baseline on best of "
+                 "K and modes covered (as good on both, better on one)\n\n" + crossover_table(found))
+    return "\n\n".join(parts)

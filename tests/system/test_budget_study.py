@@ -1,0 +1,117 @@
+"""The study across budgets (benchmarks/studies/budget_study.py, issue 64): its pipeline on a tiny model (two budgets
+of one MCL setting, the one LoRA decoded four ways and the K-seed ensemble, each from its best checkpoint; finished
+runs read back), and the crossover on hand-made numbers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from argparse import Namespace
+
+import pytest
+from tiny_models import save_tiny_run_inputs
+
+from benchmarks.studies import budget_study as study
+from benchmarks.studies import budget_tables
+from benchmarks.studies.defaults_study import read_rows
+
+
+def test_two_budgets_train_keep_the_best_decode_score_and_are_reused(tmp_path, monkeypatch):
+    monkeypatch.setitem(study.study.TASKS, "markov", 2)  # K = 2 (the task has 3 chains): two ensemble members to train
+    base = save_tiny_run_inputs(tmp_path) / "base"
+    args = Namespace(model=base, out=tmp_path / "study", learning_rate=1e-3, rank=4, evaluations=2, device="cpu",
+                     bf16=True, threads=1, prune=False)
+    data = args.out / "data" / "markov"
+    study.build_data("markov", data, train=40, validation=8, test=3)
+    assert [len(read_rows(data / f"{name}.jsonl")) for name in ("train", "validation", "test")] == [40, 8, 3]
+    assert all(r["references"] for r in read_rows(data / "references.jsonl"))  # drawn sequences
+    results = {(budget, setting): study.one_run(args, "markov", budget, setting, seed=0)
+               for budget in (1, 2) for setting in ("relaxed-0.05", "mle", "ensemble")}
+    for (budget, setting), result in results.items():
+        assert {"train_seconds", "best_step", "oracle_nll", "test", "trainable_parameters"} <= set(result)
+        assert result["budget"] == budget and result["oracle_nll"] > 0
+        steps = result["best_step"] if setting == "ensemble" else [result["best_step"]]
+        assert all(1 <= step <= budget for step in steps)  # validated every step: the best is a step of the run
+        assert result["trainable_parameters"] == 2 * 4 * 224  # K r = r K = K members of rank r: equal
+    assert set(results[2, "mle"]["test"]) == {"beam", "diverse_beam", "sample", "greedy"}
+    assert set(results[2, "relaxed-0.05"]["test"]) == set(results[2, "ensemble"]["test"]) == {"greedy"}
+    assert results[2, "ensemble"]["members"] == ["mle-r4-s0", "mle-r4-s1"]
+    assert len(json.loads((args.out / "markov" / "2-steps" / "ensemble-s0" / "candidates.json").read_text())
+               ["greedy"][0]) == 2  # one candidate per member
+    folder = args.out / "markov" / "2-steps"
+    assert not (folder / "relaxed-0.05-s0" / "checkpoints").exists()  # a finished run is never resumed
+    # finished runs are read back, not trained or decoded again
+    (folder / "relaxed-0.05-s0" / "run.json").unlink()
+    shutil.rmtree(folder / "mle-r4-s1")
+    assert study.one_run(args, "markov", 2, "relaxed-0.05", seed=0) == results[2, "relaxed-0.05"]
+    assert study.one_run(args, "markov", 2, "ensemble", seed=0) == results[2, "ensemble"]
+    study.prune(folder / "mle-s0")  # --prune: the records and scores stay, the weights go
+    assert {p.name for p in (folder / "mle-s0").rglob("*") if p.is_file()} <= set(study.KEPT)
+    assert study.one_run(args, "markov", 2, "mle", seed=0) == results[2, "mle"]
+    printed = budget_tables.tables(args.out)
+    assert "| LoRA-MLE r8, diverse beam 2 | 2 | 1 |" in printed
+    assert "| ensemble of 2 LoRA-MLE r4, greedy | 1 | 1 |" in printed
+    assert "| markov | relaxed-0.05 |" in printed
+
+
+def test_the_crossover_is_the_budget_from_which_mcl_beats_each_baseline(tmp_path):
+    def write(setting, budget, **test):
+        folder = tmp_path / "short" / f"{budget}-steps" / f"{setting}-s0"
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps(
+            {"task": "short", "setting": setting, "seed": 0, "budget": budget, "rank": 8, "best_step": 10,
+             "train_seconds": 1.0, "oracle_nll": 2.0, "test": test}))
+
+    def scores(oracle, modes):
+        return {"oracle": oracle, "mean": 0.1, "distinct": 2.0, "modes_covered": modes}
+
+    for budget in (60, 200, 600):
+        write("mle", budget, beam=scores(0.2, 1.0), diverse_beam=scores(0.1, 1.5), sample=scores(0.05, 1.0),
+              greedy=scores(0.1, 0.5))
+        write("ensemble", budget, greedy=scores(0.3, 2.5))
+    write("shared", 60, greedy=scores(0.1, 1.1))  # worse than beam at 60 steps, better from 200 on
+    write("shared", 200, greedy=scores(0.2, 1.6))  # ties beam on best of K, more modes: beats it
+    write("shared", 600, greedy=scores(0.25, 1.6))
+    write("bias", 60, greedy=scores(0.1, 0.9))
+    write("bias", 200, greedy=scores(0.3, 1.6))  # beats beam at 200 steps only: not "from" it
+    write("bias", 600, greedy=scores(0.3, 0.9))
+    lines = budget_tables.tables(tmp_path).split("Crossover")[1].splitlines()[-2:]
+    never = " | ".join(["not within 600 steps"] * 4)
+    assert lines == ["| short | shared | 200 | 200 | 60 | not within 600 steps |", f"| short | bias | {never} |"]
+    assert budget_tables.crossover({}) == "-"
+    same = scores(1.0, 2.0)
+    assert not budget_tables.beats(same, same) and budget_tables.beats(scores(1.0, 2.5), same)  # Markov: modes decide
+    assert not budget_tables.beats(scores(0.9, 3.0), same)  # more modes, worse best of K
+
+
+@pytest.mark.parametrize("argv", [["--budgets", "0"], ["--seeds", "-1"]])
+def test_bad_budgets_and_seeds_are_refused(argv, monkeypatch, tmp_path):
+    monkeypatch.setattr("sys.argv", ["budget_study", "--out", str(tmp_path), *argv])
+    with pytest.raises(SystemExit, match="budgets and evaluations are positive counts"):
+        study.main()
+
+
+def test_the_spoken_translation_recipe_has_every_budget_and_seed_and_reads_as_the_recipe_reads_it(tmp_path):
+    from loramcl.recipes.ensemble import ensembles
+    from loramcl.recipes.files import read_recipe, run_names
+    from loramcl.recipes.spoken_translation.reproduce import Experiment
+
+    from benchmarks.studies.spoken_budgets import write_recipe
+
+    folder = tmp_path / "recipe"
+    command = write_recipe(folder, tmp_path / "out", budgets=[60, 200], seeds=[0, 1])
+    assert command == ["loramcl", "spoken-translation", "--recipes", str(folder), "--threads", "1"]
+    runs = run_names(folder, ("common.yaml", "experiment.yaml"))
+    assert len(runs) == 2 * 2 * 5  # budgets x seeds x (MCL, the one LoRA, two members, the ensemble)
+    values = {run: read_recipe(folder, ["common.yaml", f"{run}.yaml"]) for run in runs}
+    assert ensembles(values)["ensemble-200-s1"] == ["mle-r8-200-s2", "mle-r8-200-s3"]  # checked as the runner does
+    assert values["mcl-200-s1"]["training"] | {"learning_rate": None} == values["mcl-60-s0"]["training"] | {
+        "steps": 200, "seed": 1, "eval_every": 40, "save_every": 40, "learning_rate": None}
+    assert values["mcl-60-s0"]["training"]["keep_best"] and values["mle-60-s0"]["mcl"]["r"] == 16
+    experiment = Experiment.read(folder / "experiment.yaml")
+    assert experiment.out == str(tmp_path / "out")
+    assert experiment.decoded_runs(runs) == ["mcl-60-s0", "mle-60-s0", "ensemble-60-s0", "mcl-60-s1", "mle-60-s1",
+                                             "ensemble-60-s1", "mcl-200-s0", "mle-200-s0", "ensemble-200-s0",
+                                             "mcl-200-s1", "mle-200-s1", "ensemble-200-s1"]
+    assert "ensemble-600-s0@best" not in experiment.table_runs(runs)
+    assert experiment.table_runs(runs)[:2] == ["mcl-60-s0", "mcl-60-s0@best"]
