@@ -8,10 +8,9 @@ validation and a checkpoint every B / 5 steps, keep_best):
   mle-B-s<s>        LoRA-MLE of rank 16 (equal trainable parameters)
   mle-r8-B-s<m>     LoRA-MLE of rank 8, training seeds m = 2 s and 2 s + 1: the members of
   ensemble-B-s<s>   the K-seed ensemble (K = 2)
-experiment.yaml decodes the three at budget 2 (MCL greedy per hypothesis, LoRA-MLE beam 2, diverse beam of 2 groups
-(lambda 0.8) and 2 samples) and scores every run's oracle NLL of the test references at its last and best adapters
-('<run>@best'). What the recipe cannot do yet: decode '<run>@best' (its decoding stage reads the last adapters; the
-NLL table reads both), so its decoded rows are the last step's.
+experiment.yaml decodes the three from their best checkpoints ('<run>@best': an ensemble's, its members' best) at
+budget 2 (MCL greedy per hypothesis, LoRA-MLE beam 2, diverse beam of 2 groups (lambda 0.8) and 2 samples) and scores
+every run's oracle NLL of the test references at its last and best adapters.
 
     python -m benchmarks.studies.budget_study --out /tmp/budgets --budgets 60 200 600 --seeds 0 1 \
         --spoken_recipe /tmp/spoken-budgets
@@ -71,8 +70,8 @@ def write_recipe(folder: Path, out: Path, budgets: list[int], seeds: list[int], 
             ensemble = f"ensemble-{budget}-s{seed}"
             write_yaml(folder / f"{ensemble}.yaml", {"ensemble": members},
                        f"the K-seed ensemble of {', '.join(members)} (budget_study)")
-            decoded += [f"mcl-{budget}-s{seed}", f"mle-{budget}-s{seed}", ensemble]
-    table = [entry for run in decoded for entry in (run, f"{run}@best")]
+            decoded += [f"mcl-{budget}-s{seed}@best", f"mle-{budget}-s{seed}@best", f"{ensemble}@best"]
+    table = [entry for run in decoded for entry in (run.removesuffix("@best"), run)]
     experiment = read_yaml(packaged / "experiment.yaml") | {
         "out": str(out), "decoded": decoded, "nll_table": table, "budgets": [2], "mcl_decodings": ["greedy"],
         "diversity_penalties": [0.8], "tta": [], "sampling": [{"temperature": 1.0}]}

@@ -110,8 +110,7 @@ def test_the_spoken_translation_recipe_has_every_budget_and_seed_and_reads_as_th
     assert values["mcl-60-s0"]["training"]["keep_best"] and values["mle-60-s0"]["mcl"]["r"] == 16
     experiment = Experiment.read(folder / "experiment.yaml")
     assert experiment.out == str(tmp_path / "out")
-    assert experiment.decoded_runs(runs) == ["mcl-60-s0", "mle-60-s0", "ensemble-60-s0", "mcl-60-s1", "mle-60-s1",
-                                             "ensemble-60-s1", "mcl-200-s0", "mle-200-s0", "ensemble-200-s0",
-                                             "mcl-200-s1", "mle-200-s1", "ensemble-200-s1"]
+    assert experiment.decoded_runs(runs) == [f"{run}-{budget}-s{seed}@best" for budget in (60, 200) for seed in (0, 1)
+                                             for run in ("mcl", "mle", "ensemble")]  # each from its best checkpoint
     assert "ensemble-600-s0@best" not in experiment.table_runs(runs)
     assert experiment.table_runs(runs)[:2] == ["mcl-60-s0", "mcl-60-s0@best"]
