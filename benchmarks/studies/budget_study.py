@@ -54,6 +54,9 @@ CHOICES = (*study.SETTINGS, ENSEMBLE)
 MLE_STRATEGIES = ("beam", "diverse_beam", "sample", "greedy")  # the one LoRA's: K beams, K groups, K samples, 1
 DIVERSITY_PENALTY = 0.8  # lambda of diverse beam search (the paper: 0.8 or 1.0; the spoken-translation recipe's 0.8)
 MARKOV_REFERENCES = 60  # sequences drawn from the mixture as the markov task's test references (for the NLL)
+# MCL runs decode this many validation prompts per hypothesis at each validation and at the end: the output verdict
+# (training.outputs, issue 64) with the rows' "mode" column, kept in results.json beside the NLL verdict
+OUTPUT_PROMPTS = 16
 
 
 # ---- data ----------------------------------------------------------------------------------------------------
@@ -107,7 +110,8 @@ def train_run(args, data: Path, out: Path, setting: str, hypotheses: int, seed: 
     cuda = args.device == "cuda"
     schedule = TrainConfig(steps=budget, seed=seed, learning_rate=args.learning_rate, logging_steps=min(5, every),
                            eval_every=every, keep_best=True, save_every=every, keep_checkpoints=1,
-                           bf16=cuda and args.bf16, tf32=cuda, **training)
+                           bf16=cuda and args.bf16, tf32=cuda, **training,
+                           output_verdict=0 if study.is_mle(setting) else OUTPUT_PROMPTS)
     files = DataConfig(train_file=str(data / "train.jsonl"), validation_file=str(data / "validation.jsonl"),
                        eval_examples=None)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -215,7 +219,8 @@ def one_run(args, task: str, budget: int, setting: str, seed: int) -> dict:
                        "trainable_parameters": record.get("trainable_parameters")} | scores
     if not study.is_mle(setting):
         table = study.wins_by_mode(args.model, run / "best", data, hypotheses)
-        result |= {"verdict": record.get("specialisation"), "curve": study.logged_curve(run),
+        result |= {"verdict": record.get("specialisation"), "output_verdict": record.get("outputs"),
+                   "curve": study.logged_curve(run),
                    "wins_by_mode": table, "mode_purity": study.mode_purity(table)}
     result["eval_seconds"] = round(time.perf_counter() - started, 1)
     return finish(args, run, result, decoded)

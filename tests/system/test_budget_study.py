@@ -36,6 +36,9 @@ def test_two_budgets_train_keep_the_best_decode_score_and_are_reused(tmp_path, m
     assert set(results[2, "mle"]["test"]) == {"beam", "diverse_beam", "sample", "greedy"}
     assert set(results[2, "relaxed-0.05"]["test"]) == set(results[2, "ensemble"]["test"]) == {"greedy"}
     assert results[2, "ensemble"]["members"] == ["mle-r4-s0", "mle-r4-s1"]
+    verdict = results[2, "relaxed-0.05"]["output_verdict"]  # its answers read: too few examples for a verdict
+    assert verdict["kind"] == "no verdict" and "training examples seen" in verdict["reason"]
+    assert "output_verdict" not in results[2, "mle"]
     assert len(json.loads((args.out / "markov" / "2-steps" / "ensemble-s0" / "candidates.json").read_text())
                ["greedy"][0]) == 2  # one candidate per member
     folder = args.out / "markov" / "2-steps"
