@@ -6,8 +6,8 @@ test prompts (``candidates.json``). The truth here: a run **split by mode** when
 of its own, its most written language (the study's character n-gram identifier, trained on the task's own text, the
 one its "modes covered" reads) at least ``MODE_PURITY`` of its answers, and the K most written languages all
 different. The output verdict reads the same answers another way (an answer's mode: the language of the reference it
-is closest to by chrF); the NLL verdict reads the training logs only. The bilingual and short-answer tasks (the
-Markov task's 3 test prompts carry no references).
+is closest to by chrF, "prompt" when it copies the prompt); the NLL verdict reads the training logs only. The
+bilingual and short-answer tasks (the Markov task's 3 test prompts carry no references).
 
     python -m benchmarks.studies.verdict_agreement --out /tmp/defaults   # the defaults study's --out
 """
@@ -56,7 +56,8 @@ def run_verdicts(out: Path) -> list[dict]:
             split, majority, purity = split_by_mode(languages)
             verdict = output_verdict(answers, [t["references"] for t in tests],
                                      [[names[m] for m in t["reference_modes"]] for t in tests],
-                                     examples_seen=result["steps"] * EXAMPLES_PER_STEP)
+                                     examples_seen=result["steps"] * EXAMPLES_PER_STEP,
+                                     prompts=[t["prompt"] for t in tests])
             rows.append({"task": task, "setting": result["setting"], "seed": result["seed"], "split": split,
                          "majority": majority, "purity": [round(p, 2) for p in purity],
                          "nll_verdict": (result.get("verdict") or {}).get("kind"), "output_verdict": verdict.kind,

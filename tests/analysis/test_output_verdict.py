@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from loramcl.analysis.outputs import MIN_EXAMPLES_PER_HYPOTHESIS, NO_VERDICT, output_verdict
+from loramcl.analysis.outputs import COPY, MIN_EXAMPLES_PER_HYPOTHESIS, NO_VERDICT, output_verdict
 
 REFERENCES = [["bonjour le monde", "hallo welt"], ["merci beaucoup", "danke sehr"], ["au revoir", "auf wiedersehen"]]
 MODES = [["fr", "de"]] * 3
@@ -93,3 +93,21 @@ def test_it_needs_no_torch():
     code = ("import sys; from loramcl.analysis.outputs import output_verdict; "
             "output_verdict([['a', 'b']], [['a']], [['x']]); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_answers_that_copy_their_prompt_own_no_mode():
+    """The defaults study's hypotheses mostly copied the English source after 60 steps; chrF alone calls a copy the
+    closest language. With the prompts, a copy is the mode "prompt", and no
+    hypothesis owns a language by copying; a right answer found in the prompt is no copy."""
+    references, modes = [["ENCODAGE", "KODIERUNG"], ["CHAÎNE", "ZEICHENKETTE"]], [["fr", "de"]] * 2
+    answers = [["ENCODING", "KODIERUNG"], ["STRING", "ZEICHENKETTE"]]
+    prompts = ["Translate: ENCODING\n", "Translate: STRING\n"]
+    assert COPY not in output_verdict(answers, references, modes).majority  # a copy is a language to chrF
+    found = output_verdict(answers, references, modes, prompts=prompts)
+    assert found.copy_rate == 0.5 and found.majority == [COPY, "de"] and found.kind == "differ"
+    assert found.modes == ["de", "fr", COPY] and found.mode_table == [[0, 0, 2], [2, 0, 0]]
+    assert "50% of the answers copy their prompt" in found.line and "h0 prompt (100%)" in found.line
+    assert output_verdict([["Paris", "Lyon"]], [["Paris"]], prompts=["Paris or Lyon?"]).copy_rate == 0.5
+    assert output_verdict([["the cat", "dog"]], prompts=["Is the cat here?"]).copy_rate == 0.5  # no references
+    with pytest.raises(ValueError, match="prompts must hold one string per prompt"):
+        output_verdict([["a", "b"]], prompts=["p", "q"])

@@ -102,7 +102,8 @@ class OutputVerdictCallback(TrainerCallback):
                                   reason=sample)
         else:
             found = output_verdict(answers, sample.references, sample.modes, self._examples_seen(state),
-                                   self.min_examples, self._remedies(model))
+                                   self.min_examples, self._remedies(model),
+                                   prompts=[self._text(None, prompt) for prompt in sample.prompts])
             self._report(state, sample, answers, found)
         self._last = (state.global_step, found)
         return found
