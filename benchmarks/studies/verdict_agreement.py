@@ -61,20 +61,21 @@ def run_verdicts(out: Path) -> list[dict]:
             rows.append({"task": task, "setting": result["setting"], "seed": result["seed"], "split": split,
                          "majority": majority, "purity": [round(p, 2) for p in purity],
                          "nll_verdict": (result.get("verdict") or {}).get("kind"), "output_verdict": verdict.kind,
-                         "output_majority": verdict.majority, "same_rate": verdict.same_rate})
+                         "output_majority": verdict.majority, "same_rate": verdict.same_rate,
+                         "copy_rate": verdict.copy_rate})
     return rows
 
 
 def table(rows: list[dict]) -> str:
     """Per run, then how often each verdict's "split" agrees with the split by mode."""
     lines = ["| task | setting | seed | split by mode (most written, share) | NLL verdict | output verdict (most written "
-             "by chrF; same answer) |",
+             "by chrF; same answer; copies) |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         written = ", ".join(f"{m} {p:.2f}" for m, p in zip(r["majority"], r["purity"], strict=True))
         lines.append(f"| {r['task']} | {r['setting']} | {r['seed']} | {'yes' if r['split'] else 'no'} ({written}) | "
                      f"{r['nll_verdict']} | {r['output_verdict']} ({', '.join(r['output_majority'] or [])}; "
-                     f"{r['same_rate']:.2f}) |")
+                     f"{r['same_rate']:.2f}; {r['copy_rate']:.2f}) |")
     agree_nll = sum((r["nll_verdict"] == "split") == r["split"] for r in rows)
     agree_out = sum((r["output_verdict"] == "split by mode") == r["split"] for r in rows)
     said_nll = sum(r["nll_verdict"] == "split" and not r["split"] for r in rows)

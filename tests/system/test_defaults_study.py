@@ -131,7 +131,8 @@ def test_the_verdicts_are_checked_against_the_split_by_mode():
     assert split_by_mode([["fr", "de"]] * 6 + [["de", "fr"]] * 4)[0] is False  # 0.6 < MODE_PURITY
     assert split_by_mode([["en", "fr"]] * 10)[0] is False  # copying the source is no mode of its own
     rows = [{"task": "short", "setting": s, "seed": 0, "split": split, "majority": ["fr", "de"], "purity": [1.0, 0.8],
-             "nll_verdict": nll, "output_verdict": out, "output_majority": ["fr", "de"], "same_rate": 0.1}
+             "nll_verdict": nll, "output_verdict": out, "output_majority": ["fr", "de"], "same_rate": 0.1,
+             "copy_rate": 0.0}
             for s, split, nll, out in (("a", True, "split", "split by mode"), ("b", False, "split", "differ"))]
     assert table(rows).splitlines()[-1] == (
         '2 runs, 1 split by mode. The NLL verdict agrees on 1 (said "split" on 1 that did not split by mode); the '
