@@ -428,8 +428,9 @@ REGISTRY = {
         "--seeds 0 1",
         ".venv/bin/python -m benchmarks.studies.defaults_study --out /tmp/defaults --table",
         ".venv/bin/python -m benchmarks.studies.defaults_study --model models/SmolLM2-135M-Instruct "
-        "--out /tmp/defaults --tasks markov short --settings mle relaxed-0.05 shared bias staged loraplus eps-mean "
-        "combined mle-loraplus --seeds 0",
+        "--out /tmp/defaults --tasks markov bilingual short --settings mle relaxed-0.05 shared bias bias-0.1 staged "
+        "loraplus eps-mean combined shared-loraplus mle-loraplus --seeds 0 1",
+        ".venv/bin/python -m benchmarks.studies.verdict_agreement --out /tmp/defaults",
         ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
         "--budgets 60 200 600 --tasks markov bilingual short --seeds 0 1",
         ".venv/bin/python -m benchmarks.studies.budget_study --out /tmp/budgets --table",
