@@ -106,8 +106,8 @@ def output_verdict(answers: Sequence[Sequence[str]], references: Sequence[Sequen
                f"{100 * found.same_rate:.0f}% of hypothesis pairs over {len(answers)} prompts")
     copied = [[False] * k for _ in answers]
     if prompts is not None:
-        copied = [[_copies(a, prompt, refs) for a in row] for row, prompt, refs in
-                  zip(normalised, prompts, references or [[]] * len(answers), strict=True)]
+        copied = [[_copies(a, f" {normalise_answer(prompt)} ", {normalise_answer(r) for r in refs}) for a in row]
+                  for row, prompt, refs in zip(normalised, prompts, references or [[]] * len(answers), strict=True)]
         found.copy_rate = _mean([_mean(row) for row in copied])
         numbers += f"; {100 * found.copy_rate:.0f}% of the answers copy their prompt"
     if references is not None:
@@ -159,11 +159,10 @@ def _split_by_mode(found: OutputVerdict) -> bool:
             and min(found.purity) >= MODE_PURITY)
 
 
-def _copies(answer: str, prompt: str, references: Sequence[str]) -> bool:
-    """Whether a normalised ``answer`` copies ``prompt``: its words are a run of the prompt's words (normalised), and
-    it is none of the ``references`` (a right answer found in the prompt is no copy)."""
-    return bool(answer) and f" {answer} " in f" {normalise_answer(prompt)} " and answer not in {
-        normalise_answer(r) for r in references}
+def _copies(answer: str, prompt: str, references: set[str]) -> bool:
+    """Whether a normalised ``answer`` copies ``prompt`` (normalised, between spaces): its words are a run of the
+    prompt's words, and it is none of the normalised ``references`` (a right answer found in the prompt is no copy)."""
+    return bool(answer) and f" {answer} " in prompt and answer not in references
 
 
 def _mode_table(found: OutputVerdict, scores: list, modes: Sequence[Sequence[str]], copied: list) -> str:
