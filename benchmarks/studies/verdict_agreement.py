@@ -7,9 +7,13 @@ of its own, its most written language (the study's character n-gram identifier, 
 one its "modes covered" reads) at least ``MODE_PURITY`` of its answers, and the K most written languages all
 different. The output verdict reads the same answers another way (an answer's mode: the language of the reference it
 is closest to by chrF, "prompt" when it copies the prompt); the NLL verdict reads the training logs only. The
-bilingual and short-answer tasks (the Markov task's 3 test prompts carry no references).
+bilingual and short-answer tasks (the Markov task's 3 test prompts carry no references). It reads the budget study's
+runs too (``benchmarks.studies.budget_study``: OUT/<task>/<budget>-steps/<run>, decoded from the best checkpoint), and
+there adds the verdict the run gave itself in training (``output_verdict: 16`` on validation prompts, with the rows'
+mode column).
 
     python -m benchmarks.studies.verdict_agreement --out /tmp/defaults   # the defaults study's --out
+    python -m benchmarks.studies.verdict_agreement --out /tmp/budgets    # the budget study's
 """
 
 from __future__ import annotations
@@ -44,10 +48,11 @@ def run_verdicts(out: Path) -> list[dict]:
         if not (data / "test.jsonl").exists():
             continue
         tests, identifier, names = read_rows(data / "test.jsonl"), None, LANGUAGES[task]
-        for results in sorted((out / task).glob("*/results.json")):
+        for results in sorted([*(out / task).glob("*/results.json"), *(out / task).glob("*-steps/*/results.json")]):
             result = json.loads(results.read_text())
-            if is_mle(result["setting"]):
+            if is_mle(result["setting"]) or result["setting"] == "ensemble":
                 continue
+            steps = result.get("best_step", result.get("steps"))  # the budget study decodes its best checkpoint
             identifier = identifier or language_identifier(data, task)
             answers = json.loads((results.parent / "candidates.json").read_text())["greedy"]
             languages = [identifier.predict([a if a.strip() else "-" for a in row]) for row in answers]
@@ -56,9 +61,11 @@ def run_verdicts(out: Path) -> list[dict]:
             split, majority, purity = split_by_mode(languages)
             verdict = output_verdict(answers, [t["references"] for t in tests],
                                      [[names[m] for m in t["reference_modes"]] for t in tests],
-                                     examples_seen=result["steps"] * EXAMPLES_PER_STEP,
+                                     examples_seen=steps * EXAMPLES_PER_STEP,
                                      prompts=[t["prompt"] for t in tests])
             rows.append({"task": task, "setting": result["setting"], "seed": result["seed"], "split": split,
+                         "budget": result.get("budget"),
+                         "trained_verdict": (result.get("output_verdict") or {}).get("kind"),
                          "majority": majority, "purity": [round(p, 2) for p in purity],
                          "nll_verdict": (result.get("verdict") or {}).get("kind"), "output_verdict": verdict.kind,
                          "output_majority": verdict.majority, "same_rate": verdict.same_rate,
@@ -68,14 +75,17 @@ def run_verdicts(out: Path) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     """Per run, then how often each verdict's "split" agrees with the split by mode."""
-    lines = ["| task | setting | seed | split by mode (most written, share) | NLL verdict | output verdict (most written "
-             "by chrF; same answer; copies) |",
-             "|---|---|---|---|---|---|"]
+    budgets = any(r.get("budget") for r in rows)  # the budget study's runs: their steps and own verdict too
+    lines = ["| task | setting | seed | " + ("steps | " if budgets else "") + "split by mode (most written, share) | NLL "
+             "verdict | output verdict (most written by chrF; same answer; copies) |"
+             + (" in training (validation prompts) |" if budgets else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if budgets else "")]
     for r in rows:
         written = ", ".join(f"{m} {p:.2f}" for m, p in zip(r["majority"], r["purity"], strict=True))
-        lines.append(f"| {r['task']} | {r['setting']} | {r['seed']} | {'yes' if r['split'] else 'no'} ({written}) | "
-                     f"{r['nll_verdict']} | {r['output_verdict']} ({', '.join(r['output_majority'] or [])}; "
-                     f"{r['same_rate']:.2f}; {r['copy_rate']:.2f}) |")
+        lines.append(f"| {r['task']} | {r['setting']} | {r['seed']} | " + (f"{r.get('budget')} | " if budgets else "")
+                     + f"{'yes' if r['split'] else 'no'} ({written}) | {r['nll_verdict']} | {r['output_verdict']} "
+                     f"({', '.join(r['output_majority'] or [])}; {r['same_rate']:.2f}; {r['copy_rate']:.2f}) |"
+                     + (f" {r.get('trained_verdict')} |" if budgets else ""))
     agree_nll = sum((r["nll_verdict"] == "split") == r["split"] for r in rows)
     agree_out = sum((r["output_verdict"] == "split by mode") == r["split"] for r in rows)
     said_nll = sum(r["nll_verdict"] == "split" and not r["split"] for r in rows)
@@ -83,12 +93,18 @@ def table(rows: list[dict]) -> str:
     lines += ["", f"{len(rows)} runs, {sum(r['split'] for r in rows)} split by mode. The NLL verdict agrees on "
               f"{agree_nll} (said \"split\" on {said_nll} that did not split by mode); the output verdict agrees on "
               f"{agree_out} (said \"split by mode\" on {said_out} that did not)."]
+    trained = [r for r in rows if r.get("trained_verdict")]
+    if trained:
+        agree = sum((r["trained_verdict"] == "split by mode") == r["split"] for r in trained)
+        said = sum(r["trained_verdict"] == "split by mode" and not r["split"] for r in trained)
+        lines[-1] += (f" The verdict the {len(trained)} budget-study runs gave themselves in training agrees on {agree} "
+                      f"(said \"split by mode\" on {said} that did not).")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="the defaults study's --out")
+    parser.add_argument("--out", type=Path, required=True, help="the defaults or budget study's --out")
     print(table(run_verdicts(parser.parse_args().out)))
 
 

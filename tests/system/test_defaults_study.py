@@ -137,3 +137,8 @@ def test_the_verdicts_are_checked_against_the_split_by_mode():
     assert table(rows).splitlines()[-1] == (
         '2 runs, 1 split by mode. The NLL verdict agrees on 1 (said "split" on 1 that did not split by mode); the '
         'output verdict agrees on 2 (said "split by mode" on 0 that did not).')
+    budget = [dict(rows[1], budget=200, trained_verdict="split by mode")]  # a budget-study run: its own verdict too
+    lines = table(budget).splitlines()
+    assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 9 and "| 200 | no (" in lines[2]
+    assert lines[-1].endswith('The verdict the 1 budget-study runs gave themselves in training agrees on 0 (said '
+                              '"split by mode" on 1 that did not).')
