@@ -215,8 +215,8 @@ def one_run(args, task: str, budget: int, setting: str, seed: int) -> dict:
     started = time.perf_counter()
     scores, decoded = evaluate(args, task, run / "best", hypotheses,
                                MLE_STRATEGIES if study.is_mle(setting) else ("greedy",))
-    result = common | {"train_seconds": record["seconds"], "best_step": best_step(run),
-                       "trainable_parameters": record.get("trainable_parameters")} | scores
+    result = common | {"train_seconds": record["seconds"], "resumed_from": record.get("resumed_from"),
+                       "best_step": best_step(run), "trainable_parameters": record.get("trainable_parameters")} | scores
     if not study.is_mle(setting):
         table = study.wins_by_mode(args.model, run / "best", data, hypotheses)
         result |= {"verdict": record.get("specialisation"), "output_verdict": record.get("outputs"),

@@ -15,11 +15,20 @@ from benchmarks.studies.budget_study import ENSEMBLE, MLE_STRATEGIES
 # diverse beam search of K groups, K samples) and the K-seed ensemble
 BASELINES = {"beam": "beam K", "diverse_beam": "diverse beam K", "sample": "sample K", ENSEMBLE: "ensemble"}
 
-MEASURES = ("oracle", "mean", "distinct", "modes_covered", "oracle_nll", "best_step", "train_seconds")
+MEASURES = ("oracle", "mean", "distinct", "modes_covered", "oracle_nll", "best_step", "train_seconds", "resumed")
 
 
 def read_results(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("*/*-steps/*/results.json"))]
+    """Every finished run's results, with ``resumed_from`` from its run.json (the checkpoint a stopped run resumed
+    from: its training seconds are those after the resume only)."""
+    results = []
+    for path in sorted(out.glob("*/*-steps/*/results.json")):
+        result = json.loads(path.read_text())
+        record = path.parent / "run.json"
+        if "resumed_from" not in result and record.exists():
+            result["resumed_from"] = json.loads(record.read_text()).get("resumed_from")
+        results.append(result)
+    return results
 
 
 def systems(result: dict):
@@ -28,7 +37,8 @@ def systems(result: dict):
     seconds (an ensemble's best step: the mean of its members')."""
     steps = result["best_step"]
     shared = {"oracle_nll": result["oracle_nll"], "train_seconds": result["train_seconds"],
-              "best_step": statistics.mean(steps) if isinstance(steps, list) else steps}
+              "best_step": statistics.mean(steps) if isinstance(steps, list) else steps,
+              "resumed": bool(result.get("resumed_from"))}
     for strategy, scores in result["test"].items():
         name = f"{result['setting']}:{strategy}" if study.is_mle(result["setting"]) else result["setting"]
         yield name, scores | shared
@@ -78,7 +88,10 @@ def task_table(task: str, by_system: dict, rank: int) -> str:
             seeds, m = by_system[name][budget]
             lines.append(f"| {system_name(name, task, rank)} | {budget} | {seeds} | {scale.format(m['oracle'])} | "
                          f"{scale.format(m['mean'])} | {m['distinct']:.2f} | {m['modes_covered']:.2f} | "
-                         f"{m['oracle_nll']:.3f} | {m['best_step']:.0f} | {m['train_seconds']:.0f} |")
+                         f"{m['oracle_nll']:.3f} | {m['best_step']:.0f} | {m['train_seconds']:.0f}"
+                         f"{'*' if m['resumed'] else ''} |")
+    if any(m["resumed"] for by_budget in by_system.values() for _, m in by_budget.values()):
+        lines += ["", "\\* a run stopped and resumed from a checkpoint: its training seconds count from the resume"]
     return "\n".join(lines)
 
 

@@ -78,7 +78,11 @@ def test_the_crossover_is_the_budget_from_which_mcl_beats_each_baseline(tmp_path
     write("bias", 60, greedy=scores(0.1, 0.9))
     write("bias", 200, greedy=scores(0.3, 1.6))  # beats beam at 200 steps only: not "from" it
     write("bias", 600, greedy=scores(0.3, 0.9))
-    lines = budget_tables.tables(tmp_path).split("Crossover")[1].splitlines()[-2:]
+    (tmp_path / "short" / "60-steps" / "mle-s0" / "run.json").write_text('{"resumed_from": "checkpoint-40"}')
+    printed = budget_tables.tables(tmp_path)  # a resumed run's training seconds are marked: they count from the resume
+    assert "| LoRA-MLE r24, beam 3 | 60 | 1 | 0.20 | 0.10 | 2.00 | 1.00 | 2.000 | 10 | 1* |" in printed
+    assert "| LoRA-MLE r24, beam 3 | 200 | 1 | 0.20 | 0.10 | 2.00 | 1.00 | 2.000 | 10 | 1 |" in printed
+    lines = printed.split("Crossover")[1].splitlines()[-2:]
     never = " | ".join(["not within 600 steps"] * 4)
     assert lines == ["| short | shared | 200 | 200 | 60 | not within 600 steps |", f"| short | bias | {never} |"]
     assert budget_tables.crossover({}) == "-"
