@@ -25,17 +25,20 @@ def smollm2_gguf() -> Path:
     return files[0]
 
 
-def convert_smollm2(out: str | Path, tokenizer_only: bool = False) -> Path:
+def convert_smollm2(out: str | Path, tokenizer_only: bool = False, gguf: str | Path | None = None) -> Path:
     """Dequantize the packaged Q4_1 GGUF into an fp32 `LlamaForCausalLM` folder with its tokenizer (517 MB; once,
     about 20 s). Reloading the folder takes under a second and gives the same logits. ``tokenizer_only``: the
     tokenizer and chat template alone (3.5 MB, a few seconds; e.g. for a tiny model of one's own with SmolLM2's
-    vocabulary). An existing folder is kept. Returns `out`."""
+    vocabulary). ``gguf``: that GGUF file instead of the package's (a copy carried where the package is not
+    installed: benchmarks/checks/gpu_budget.py). An existing folder is kept. Returns `out`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = Path(out)
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    gguf = smollm2_gguf()
+    gguf = smollm2_gguf() if gguf is None else Path(gguf)
+    if not gguf.is_file():
+        raise FileNotFoundError(f"{gguf}: no such GGUF file: give the SmolLM2-135M-Instruct GGUF's path")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if tokenizer_only:
         if not (out / "tokenizer.json").is_file():
