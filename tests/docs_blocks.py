@@ -210,7 +210,7 @@ def gpu_wheels(line: str) -> None:
     """benchmarks/checks/gpu_wheels.sh downloads the lock's version of each package it names (a network download: not
     run here), and the GPU check installs what it downloads."""
     script = (ROOT / line.split("#")[0].split()[1]).read_text()
-    names = re.search(r"names=\(([^)]*)\)", script).group(1).split() + ["bitsandbytes"]
+    names = [n for group in re.findall(r"names\+?=\(([^)]*)\)", script) for n in group.split()] + ["bitsandbytes"]
     lock = (ROOT / "constraints.txt").read_text().lower()
     for name in names:
         assert re.search(rf"(?m)^{re.escape(name.lower())}==", lock), f"gpu_wheels.sh: {name} is not in the lock"

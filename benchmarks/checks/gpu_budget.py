@@ -15,11 +15,12 @@ the next call resumes that run.
     bash benchmarks/checks/gpu_wheels.sh --study            # here: .whl/, the wheels, gguf in, bitsandbytes out
     python -m benchmarks.checks.gpu_budget split            # here: .gpu/ (parts, manifest, study.tar.gz), the sizes
     python3 -m benchmarks.checks.gpu_budget install         # there, first call: the wheels into /tmp/site
-    python3 -m benchmarks.checks.gpu_budget study --out $OUT --seconds 540 -- --budgets 200 ...   # there, each call
+    python3 -m benchmarks.checks.gpu_budget study --out $OUT --seconds 540 --jobs 6 -- --budgets 200 ...   # there
 
 ``study`` puts the model together and converts it once per machine, then runs ``budget_study --model <converted>
 --out FOLDER/study --device cuda --prune`` with the arguments after ``--`` until ``--seconds`` from its own start less
-``RESERVE`` (the study is killed then: a checkpoint is whole or absent, a results.json too), and leaves in OUT
+``RESERVE`` (the study is killed then: a checkpoint is whole or absent, a results.json too), in ``--jobs`` processes
+at once, each of one task and seed (their runs share no folder: the CPU study runs two the same way), and leaves in OUT
 study.tar.gz, table.md (``--table``), study.log and gpu_budget.json (what finished, what was cut, the seconds). The
 dry path (``--model`` a folder, ``--device cpu``) skips the model's parts and the wheels: CI runs it on a tiny model.
 """
@@ -27,8 +28,8 @@ dry path (``--model`` a folder, ``--device cpu``) skips the model's parts and th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
-import io
 import json
 import math
 import os
@@ -43,6 +44,7 @@ from pathlib import Path
 MIB = 1 << 20
 LIMIT_MIB = 64  # what one `run` call carries, the checkout included (/work/.library/device/README.md)
 MARGIN_MIB = 2  # kept free in each planned call: the checkout grows
+LOG_CHARS = 1_000_000  # the end of each study process's output kept in OUT/study.log
 RESERVE = 45  # seconds of --seconds kept for the table and the tarball after the study is stopped
 SITE = Path("/tmp/site")
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -213,16 +215,17 @@ def environment(root: Path) -> dict:
     return {**os.environ, "PYTHONPATH": joined, "PYTHONUNBUFFERED": "1"}
 
 
-def stop(process: subprocess.Popen) -> None:
-    """``process`` and its whole process group: SIGTERM, then SIGKILL after 10 s."""
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
-        try:
-            os.killpg(process.pid, sig)
-            process.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
+def stop(processes: list[subprocess.Popen]) -> None:
+    """``processes`` and their whole process groups: SIGTERM to all, SIGKILL to those alive 10 s later."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, sig)
+        ends = time.monotonic() + 10
+        while any(p.poll() is None for p in processes) and time.monotonic() < ends:
+            time.sleep(0.1)
+        processes = [p for p in processes if p.poll() is None]
+        if not processes:
             return
 
 
@@ -244,8 +247,8 @@ def run_limited(commands: list[list[str]], jobs: int, seconds: float, logs: list
                 status[i] = "finished" if code == 0 else f"failed (exit {code})"
                 del running[i]
         time.sleep(0.2 if running else 0)
-    for i, process in running.items():
-        stop(process)
+    stop(list(running.values()))
+    for i in running:
         status[i] = "cut"
     return status
 
@@ -339,7 +342,7 @@ def study_command(args) -> None:
     statuses = run_limited(commands, args.jobs, args.seconds - RESERVE - (time.monotonic() - started), logs, env,
                            root)
     summary["study"] = [" ".join(c[len(common):]) + f": {s}" for c, s in zip(commands, statuses, strict=True)]
-    log.write_text("".join(f"==== {' '.join(c[len(common):])}: {s}\n{p.read_text(errors='replace')}"
+    log.write_text("".join(f"==== {' '.join(c[len(common):])}: {s}\n{p.read_text(errors='replace')[-LOG_CHARS:]}"
                            for c, s, p in zip(commands, statuses, logs, strict=True)))
     phase("study", began)
     began = time.monotonic()

@@ -93,7 +93,8 @@ def test_one_study_process_per_task_and_seed():
     args = ["--budgets", "200", "--settings", "mle", "shared", "--tasks", "markov", "short", "--seeds", "0", "1"]
     assert gpu_budget.job_arguments(args, 1) == [args]
     jobs = gpu_budget.job_arguments(args, 4)
-    assert [job[len(args):] for job in jobs] == [["--tasks", t, "--seeds", s] for s in "01" for t in ("markov", "short")]
+    assert [job[len(args):] for job in jobs] == [["--tasks", task, "--seeds", seed] for seed in "01"
+                                                 for task in ("markov", "short")]
 
 
 def test_a_gguf_given_to_the_conversion_must_exist(tmp_path):
