@@ -51,6 +51,8 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def sha256(path: Path) -> str:
+    # loramcl.utils.files.sha256's twin: `study` runs there as `python3 -m benchmarks.checks.gpu_budget` from the
+    # checkout's root, where src/ is on no path until environment() gives it to the study's own processes
     digest = hashlib.sha256()
     with path.open("rb") as stream:
         while block := stream.read(MIB):
