@@ -10,6 +10,7 @@ from pathlib import Path
 
 from benchmarks.studies import defaults_study as study
 from benchmarks.studies.budget_study import ENSEMBLE, MLE_STRATEGIES
+from loramcl.utils.run_record import RunRecord
 
 # the baselines MCL is held to, as the crossover table heads them: the one LoRA's decodings (beam search of K beams,
 # diverse beam search of K groups, K samples) and the K-seed ensemble
@@ -19,14 +20,14 @@ MEASURES = ("oracle", "mean", "distinct", "modes_covered", "oracle_nll", "best_s
 
 
 def read_results(out: Path) -> list[dict]:
-    """Every finished run's results, with ``resumed_from`` from its run.json (the checkpoint a stopped run resumed
-    from: its training seconds are those after the resume only)."""
+    """Every finished run's results, with ``seconds_partial`` from its run.json: its training seconds leave out the
+    processes before a resume (a checkpoint that did not record their seconds; an ensemble: some member's)."""
     results = []
     for path in sorted(out.glob("*/*-steps/*/results.json")):
         result = json.loads(path.read_text())
         record = path.parent / "run.json"
-        if "resumed_from" not in result and record.exists():
-            result["resumed_from"] = json.loads(record.read_text()).get("resumed_from")
+        if record.exists():
+            result["seconds_partial"] = RunRecord.of(json.loads(record.read_text())).seconds_partial
         results.append(result)
     return results
 
@@ -38,7 +39,7 @@ def systems(result: dict):
     steps = result["best_step"]
     shared = {"oracle_nll": result["oracle_nll"], "train_seconds": result["train_seconds"],
               "best_step": statistics.mean(steps) if isinstance(steps, list) else steps,
-              "resumed": bool(result.get("resumed_from"))}
+              "resumed": bool(result.get("seconds_partial"))}
     for strategy, scores in result["test"].items():
         name = f"{result['setting']}:{strategy}" if study.is_mle(result["setting"]) else result["setting"]
         yield name, scores | shared
@@ -91,7 +92,8 @@ def task_table(task: str, by_system: dict, rank: int) -> str:
                          f"{m['oracle_nll']:.3f} | {m['best_step']:.0f} | {m['train_seconds']:.0f}"
                          f"{'*' if m['resumed'] else ''} |")
     if any(m["resumed"] for by_budget in by_system.values() for _, m in by_budget.values()):
-        lines += ["", "\\* a run stopped and resumed from a checkpoint: its training seconds count from the resume"]
+        lines += ["", "\\* a run resumed from a checkpoint that did not record the seconds before it: its training "
+                  "seconds count from the resume"]
     return "\n".join(lines)
 
 

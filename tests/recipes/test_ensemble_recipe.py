@@ -166,6 +166,13 @@ def test_an_ensembles_best_row_assembles_its_members_best_validation_adapters(re
         for j, per_hypothesis in enumerate(row):
             assert per_hypothesis == pytest.approx([scored[m][i][j][0] for m in ("m0@best", "m1@best")], abs=1e-5)
     assert scored["ensemble@best"] != scored["ensemble"]  # the last adapters are another model
+    from loramcl.recipes.ensemble import assemble  # a member resumed from a checkpoint without its earlier seconds:
+
+    m1 = json.loads((out / "m1" / "run.json").read_text())  # the ensemble's seconds leave them out, and say so
+    (out / "m1" / "run.json").write_text(json.dumps(m1 | {"resumed_from": "checkpoint-1"}))
+    assemble(out, "again", json.loads((out / "ensemble" / "run.json").read_text())["settings"], ["m0", "m1"])
+    assert json.loads((out / "again" / "run.json").read_text())["seconds_counted_from_resume"] == ["m1"]
+    assert "seconds_counted_from_resume" not in json.loads((out / "ensemble" / "run.json").read_text())
 
 
 def test_a_damaged_member_best_or_best_row_is_refused_naming_the_folder(recipe, monkeypatch):

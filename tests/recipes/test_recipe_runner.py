@@ -153,7 +153,9 @@ def test_report_tables():
     row = "| mcl-relaxed | 2 | 8 | relaxed ε=0.05 | 200 x 16 | 1,840,000 | 1219 |"
     assert runs_table({"mcl-relaxed": record})[2] == row
     resumed = runs_table({"mcl-relaxed": record | {"seconds": 74.0, "resumed_from": "checkpoint-400"}})[2]
-    assert resumed.endswith("| 1,840,000 | 74 (resumed from checkpoint-400) |")  # this process's time only
+    assert resumed.endswith("| 1,840,000 | 74 (resumed from checkpoint-400, counted from the resume) |")  # unknown
+    whole = runs_table({"mcl-relaxed": record | {"resumed_from": "checkpoint-400", "seconds_before_resume": 1145.4}})
+    assert whole[2].endswith("| 1,840,000 | 1219 (resumed from checkpoint-400) |")  # the earlier processes counted
     results = {"mcl": {"system": {"budget": 2}, "metrics": {"chrf": 40.123, "mbleu4": 0.3871}}}
     table = metrics_table(results, [Column("chrf", "oracle chrF", ".2f"), Column("mbleu4", "mBLEU-4"),
                                     Column("spider", "SPIDEr")])

@@ -78,8 +78,11 @@ def test_the_crossover_is_the_budget_from_which_mcl_beats_each_baseline(tmp_path
     write("bias", 60, greedy=scores(0.1, 0.9))
     write("bias", 200, greedy=scores(0.3, 1.6))  # beats beam at 200 steps only: not "from" it
     write("bias", 600, greedy=scores(0.3, 0.9))
-    (tmp_path / "short" / "60-steps" / "mle-s0" / "run.json").write_text('{"resumed_from": "checkpoint-40"}')
-    printed = budget_tables.tables(tmp_path)  # a resumed run's training seconds are marked: they count from the resume
+    record = {"settings": {"model": "m"}, "seconds": 1.0, "trainable_parameters": 4, "resumed_from": "checkpoint-40"}
+    (tmp_path / "short" / "60-steps" / "mle-s0" / "run.json").write_text(json.dumps(record))  # seconds unknown before
+    (tmp_path / "short" / "200-steps" / "mle-s0" / "run.json").write_text(json.dumps(record | {
+        "seconds_before_resume": 0.6}))  # its checkpoint recorded them: counted
+    printed = budget_tables.tables(tmp_path)  # training seconds that count from a resume only are marked
     assert "| LoRA-MLE r24, beam 3 | 60 | 1 | 0.20 | 0.10 | 2.00 | 1.00 | 2.000 | 10 | 1* |" in printed
     assert "| LoRA-MLE r24, beam 3 | 200 | 1 | 0.20 | 0.10 | 2.00 | 1.00 | 2.000 | 10 | 1 |" in printed
     lines = printed.split("Crossover")[1].splitlines()[-2:]

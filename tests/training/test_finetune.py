@@ -179,7 +179,12 @@ def test_train_checkpoints_and_resumes_an_interrupted_run_exactly(folders, tmp_p
     (interrupted / "checkpoints" / "checkpoint-8" / "trainer_state.json").unlink()
     with pytest.warns(UserWarning, match="skipping the incomplete checkpoint .*checkpoint-8"):
         run(interrupted, resume=True)
-    assert json.loads((interrupted / "run.json").read_text())["resumed_from"] == "checkpoint-6"
+    record = json.loads((interrupted / "run.json").read_text())
+    assert record["resumed_from"] == "checkpoint-6"
+    state = json.loads((whole / "checkpoints" / "checkpoint-6" / "trainer_state.json").read_text())
+    before = state["stateful_callbacks"]["TrainingClock"]["attributes"]["earlier"]  # the first 6 steps' seconds
+    assert record["seconds_before_resume"] == round(before, 1) and record["seconds"] > before  # the run's, all of it
+    assert "seconds_before_resume" not in json.loads((whole / "run.json").read_text())  # not resumed
     resumed, expected = _adapters(interrupted), _adapters(whole)
     assert all(torch.equal(resumed[name], expected[name]) for name in expected)  # bit-identical, dropout included
 

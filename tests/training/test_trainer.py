@@ -1,6 +1,7 @@
 """MCLTrainer: what changes after a step, the two-pass WTA gradient, accumulation, resume, logs."""
 
 import dataclasses
+import json
 import math
 import os
 import warnings
@@ -12,6 +13,7 @@ from tiny_models import build_model, token_rows
 from transformers import TrainerCallback, TrainingArguments
 
 from loramcl import MCLConfig, MCLTrainer, get_mcl_model, load_mcl_model
+from loramcl.training.throughput import TrainingClock
 from loramcl.utils.inputs import BaseWeightsMismatch
 
 
@@ -147,6 +149,34 @@ def test_resuming_from_a_checkpoint_continues_the_same_run(tmp_path):
     assert got.keys() == expected.keys() and any(k.endswith("lora_A") for k in got)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     assert not all(torch.equal(got[k], final[k]) for k in final)
+
+
+@pytest.mark.parametrize("restore", [False, True])
+def test_a_resumed_run_counts_the_seconds_its_checkpoint_recorded(tmp_path, restore):
+    """Each checkpoint keeps the run's training seconds so far (trainer_state.json, the TrainingClock's state); a run
+    resumed from it starts from them, whether or not Trainer restores callback states; a checkpoint without them
+    (written before loramcl kept them) gives None: unknown, never 0."""
+    data = _dataset(16)
+    first = MCLTrainer(_model(), args=_args(tmp_path / "a", max_steps=4, save_strategy="steps", save_steps=2),
+                       train_dataset=data)
+    first.train()
+    assert TrainingClock.of(first).earlier == 0.0
+    state_file = tmp_path / "a" / "checkpoint-2" / "trainer_state.json"
+    recorded = json.loads(state_file.read_text())["stateful_callbacks"]["TrainingClock"]["attributes"]["earlier"]
+    assert recorded > 0
+
+    def resumed():
+        trainer = MCLTrainer(_model(), args=_args(tmp_path / "b", max_steps=4,
+                                                  restore_callback_states_from_checkpoint=restore),
+                             train_dataset=data)
+        trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+        return TrainingClock.of(trainer).earlier
+
+    assert resumed() == recorded
+    state = json.loads(state_file.read_text())
+    del state["stateful_callbacks"]["TrainingClock"]
+    state_file.write_text(json.dumps(state))
+    assert resumed() is None
 
 
 def test_trainer_refuses_a_plain_model_and_options_it_would_ignore(tmp_path):

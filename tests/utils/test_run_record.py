@@ -32,6 +32,10 @@ def test_an_older_run_record_reads_with_the_defaults(tmp_path):
     assert record.values == written  # the whole file, as a report copies it
     full = written | {"settings_stamp": "0123456789abcdef", "resumed_from": "checkpoint-4", "total_parameters": 9}
     assert RunRecord.of(full).settings_stamp == "0123456789abcdef" and RunRecord.of(full).total_parameters == 9
+    # resumed from a checkpoint that did not record the earlier processes' seconds: they are not in `seconds`
+    assert not record.seconds_partial and RunRecord.of(full).seconds_partial
+    assert not RunRecord.of(full | {"seconds_before_resume": 10.0}).seconds_partial
+    assert RunRecord.of(written | {"seconds_counted_from_resume": ["mle-s1"]}).seconds_partial  # an ensemble's member
 
 
 @pytest.mark.parametrize("content, says", [

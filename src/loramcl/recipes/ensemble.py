@@ -94,6 +94,8 @@ def assemble(root: Path, run: str, values: dict, members: Sequence[str], best: b
               "resumed_from": None, "trainable_parameters": trainable, "total_parameters": total,
               "seconds": round(sum(r.seconds for r in records), 1),
               "assembly_seconds": round(time.perf_counter() - started, 1)}
+    if partial := [member for member, r in zip(members, records, strict=True) if r.seconds_partial]:
+        record["seconds_counted_from_resume"] = partial  # members resumed from a checkpoint without their seconds
     write_json(out / "train_log.json", [])  # no training of its own: the members' logs are theirs
     write_json(out / RUN_RECORD, record)  # last: a folder with a run.json is finished
 

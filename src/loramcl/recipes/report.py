@@ -104,15 +104,17 @@ def loss_name(mcl: dict, method: str = "mcl") -> str:
 
 
 def runs_table(records: dict[str, RunRecord | dict]) -> list[str]:
-    """One row per trained run (its run.json): K, rank, loss, steps x batch, trainable parameters, seconds (of the
-    process that finished it: a resumed run says from which checkpoint, its earlier processes' time not counted)."""
+    """One row per trained run (its run.json): K, rank, loss, steps x batch, trainable parameters, seconds (a resumed
+    run's earlier processes counted as its checkpoint recorded them; it says from which checkpoint, and when the
+    checkpoint recorded none that the seconds count from the resume)."""
     lines = ["| run | K | rank | loss | steps x batch | trainable | seconds |", "|---|---:|---:|---|---|---:|---:|"]
     for run, record in records.items():
         record = RunRecord.of(record)
         settings = record.settings
         mcl, training = settings.method_block, settings.training  # a baseline's under its method's name
         resumed = record.resumed_from
-        seconds = f"{record.seconds:.0f}" + (f" (resumed from {resumed})" if resumed else "")
+        notes = [f"resumed from {resumed}"] * bool(resumed) + ["counted from the resume"] * record.seconds_partial
+        seconds = f"{record.seconds:.0f}" + (f" ({', '.join(notes)})" if notes else "")
         # an ensemble run (recipes.ensemble): its members' training
         loss = f"ensemble of {' + '.join(settings.ensemble)}" if settings.ensemble else loss_name(mcl, settings.method)
         lines.append(f"| {run} | {mcl.get('num_hypotheses', 1)} | {mcl.get('r', '–')} | {loss} | "

@@ -262,6 +262,7 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
 
     from loramcl.training.best import write_adapters
     from loramcl.training.schedule import warmup_shortfall
+    from loramcl.training.throughput import TrainingClock
     from loramcl.training.trainer import MCLTrainer
 
     if training.keep_best and eval_set is None:
@@ -326,9 +327,12 @@ def fit(build_model: Callable, out: str | Path, mcl: MethodConfig, training: Tra
     if writing:
         write_json(out_dir / "train_log.json", trainer.state.log_history)
     trainable, total = mcl_model.parameter_counts()
+    earlier = TrainingClock.of(trainer).earlier  # the seconds before the checkpoint resumed, as it recorded them
     run = {"settings": settings, STAMP: stamp, "resumed_from": trainer.resumed_from and Path(trainer.resumed_from).name,
            "threads": torch.get_num_threads(), "train_examples": len(train_set), "trainable_parameters": trainable,
-           "total_parameters": total, "seconds": round(seconds, 1)}
+           "total_parameters": total, "seconds": round(seconds + (earlier or 0.0), 1)}
+    if trainer.resumed_from:  # of those seconds, the earlier processes' (None: the checkpoint did not record them)
+        run["seconds_before_resume"] = earlier and round(earlier, 1)
     shared = mcl_model.shared_parameter_count()
     if shared:  # of the trainable ones: a LoRA-MLE of rank K*r + shared_r trains as many (equal-parameter comparisons)
         run["shared_parameters"] = shared

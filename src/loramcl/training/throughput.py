@@ -15,6 +15,11 @@ from transformers import TrainerCallback
 
 from loramcl.mcl.nll import IGNORE_INDEX
 
+try:  # the callbacks whose state Trainer keeps in each checkpoint (trainer_state.json: stateful_callbacks)
+    from transformers.trainer_callback import ExportableState
+except ImportError:  # moved: no checkpoint keeps the seconds, a resumed run's earlier ones are unknown (None)
+    ExportableState = object
+
 # Dense bf16 tensor-core peaks of NVIDIA's data sheets (FLOP/s, without sparsity), matched in this order against
 # torch.cuda.get_device_name: the H200 has the H100 SXM's compute (989.4 TFLOP/s) with more, faster memory; the
 # H100 PCIe card is clocked lower. NVL variants and other devices are not listed: no MFU is logged for them rather
@@ -104,3 +109,37 @@ class Throughput(TrainerCallback):
 
 
 __all__ = ["Throughput", "flops_per_token", "gpu_fields", "peak_flops"]
+
+
+class TrainingClock(TrainerCallback, ExportableState):
+    """A run's training seconds across resumes. Every checkpoint keeps the seconds trained until it was written (this
+    callback's state in its ``trainer_state.json``, Trainer's place for callback state: ``ExportableState``); a run
+    resumed from it starts from them (``earlier``), None when the checkpoint holds none (written before loramcl kept
+    them): the earlier processes' time is then unknown."""
+
+    def __init__(self) -> None:
+        self.earlier: float | None = 0.0  # the seconds before this train() call (restored by Trainer when asked)
+        self.started: float | None = None
+
+    @classmethod
+    def of(cls, trainer) -> TrainingClock:
+        """The trainer's clock (Trainer replaces it by a new one when ``restore_callback_states_from_checkpoint``)."""
+        return next(c for c in trainer.callback_handler.callbacks if isinstance(c, cls))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        stored = state.stateful_callbacks.get(type(self).__name__) if state.global_step else None
+        if isinstance(stored, list):  # Trainer's form for several callbacks of one class: there is one
+            stored = stored[0]
+        self.earlier = (stored or {}).get("attributes", {}).get("earlier") if state.global_step else 0.0
+        self.started = time.perf_counter()
+
+    @property
+    def seconds(self) -> float | None:
+        """The run's seconds so far (this call's and the earlier ones), None when the earlier ones are unknown."""
+        if self.earlier is None:
+            return None
+        return self.earlier + (time.perf_counter() - self.started if self.started is not None else 0.0)
+
+    def state(self) -> dict:
+        # at a checkpoint: the seconds so far become the "earlier" seconds of a run resumed from it
+        return {"args": {}, "attributes": {"earlier": self.seconds}}

@@ -34,7 +34,7 @@ from loramcl.training.schedule import warmup_shortfall
 from loramcl.training.optimizer import mcl_param_groups
 from loramcl.training.scoring_head import ScoringGradients
 from loramcl.training.specialisation import NO_VERDICT, CollapseWatch, records_of, verdict, verdict_window
-from loramcl.training.throughput import Throughput, flops_per_token
+from loramcl.training.throughput import Throughput, TrainingClock, flops_per_token
 
 TRAINING_ARGS_NAME = "training_args.json"  # TrainingArguments.to_dict(), tokens masked; never read back
 # Private Trainer methods MCLTrainer overrides, each where no public hook or callback event computes the same (the
@@ -104,6 +104,7 @@ class MCLTrainer(Trainer):
                                 self.settings.two_pass_wta and model.mcl_config.loss == "wta")
         self._throughput = Throughput(self.args.device, flops, self.args.world_size)
         self.add_callback(self._throughput)
+        self.add_callback(TrainingClock())  # the run's seconds, kept in every checkpoint
         self._step_tensor = torch.zeros((), dtype=torch.long)  # the optimizer step a compiled forward reads
 
     # ---- loss -------------------------------------------------------------------------------------------

@@ -59,16 +59,27 @@ class RunRecord:
     settings: RunFile
     """What decided the run (``training.runs.run_settings``)."""
     seconds: float
-    """The wall time of the process that finished the run (a resumed run's earlier processes not counted)."""
+    """The run's training wall time: the process that finished it, plus for a resumed run the processes before the
+    checkpoint it resumed, as that checkpoint recorded them (``seconds_before_resume``)."""
     trainable_parameters: int
     total_parameters: int | None = None
     resumed_from: str | None = None
     """The checkpoint the finishing process resumed from, None when it trained from the start."""
+    seconds_before_resume: float | None = None
+    """Of ``seconds``, those of the processes before ``resumed_from``; None for a run resumed from a checkpoint that
+    did not record them (written before loramcl kept them: ``seconds`` is then the finishing process's only)."""
     settings_stamp: str | None = None
     """``training.runs.settings_stamp`` of the settings; None in a run.json written before loramcl recorded it."""
     values: dict = field(default_factory=dict, repr=False, compare=False)
 
     REQUIRED = ("settings", "seconds", "trainable_parameters")
+
+    @property
+    def seconds_partial(self) -> bool:
+        """Whether ``seconds`` leaves earlier processes out: the run's (resumed from a checkpoint that did not record
+        them) or, for an ensemble, some member's (``seconds_counted_from_resume`` names them)."""
+        return (bool(self.resumed_from) and self.seconds_before_resume is None
+                or bool(self.values.get("seconds_counted_from_resume")))
 
     @classmethod
     def of(cls, values: dict | RunRecord) -> RunRecord:
