@@ -2,6 +2,7 @@
 --training.output_verdict`."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -79,6 +80,41 @@ def test_decoding_changes_no_adapter_and_an_evaluation_at_the_last_step_is_decod
     steps = [log["step"] for log in trainer.state.log_history if "outputs_distinct" in log]
     assert steps == [2, 4]  # the evaluations; the end of training (step 4) reuses the last one
     assert len((tmp_path / "True" / "outputs.jsonl").read_text().splitlines()) == 2 * 3  # the validation's prompts
+
+
+def test_the_answers_reach_the_loggers_that_keep_tables(tmp_path, monkeypatch):
+    """As TRL's completion logging: Weights & Biases and Comet get the whole table at each decoding, MLflow the new
+    rows (its log_table appends); a logger without an active run gets none. The packages are stand-ins: they record
+    the calls of their public API that the callback makes."""
+    import types
+
+    calls = {"wandb": [], "comet_ml": [], "mlflow": []}
+    wandb = types.SimpleNamespace(run=object(), Table=lambda columns, data: (columns, [list(r) for r in data]),
+                                  log=lambda values: calls["wandb"].append(values["outputs"]))
+    experiment = types.SimpleNamespace(log_table=lambda filename, tabular_data, headers: calls["comet_ml"].append(
+        (filename, headers, [list(r) for r in tabular_data])))
+    comet = types.SimpleNamespace(get_running_experiment=lambda: experiment)
+    mlflow = types.SimpleNamespace(active_run=lambda: None,
+                                   log_table=lambda data, artifact_file: calls["mlflow"].append((artifact_file, data)))
+    for name, module in (("wandb", wandb), ("comet_ml", comet), ("mlflow", mlflow)):
+        monkeypatch.setitem(sys.modules, name, module)
+    trainer, callback = _trainer(tmp_path, steps=4, eval_dataset=_rows(3), eval_strategy="steps", eval_steps=2)
+    trainer.args.report_to = ["wandb", "comet_ml", "mlflow"]  # set after Trainer built its own logging callbacks
+    trainer.train()
+    columns = ["step", "prompt", "reference", "h0", "h1"]
+    assert [len(rows) for _, rows in calls["wandb"]] == [3, 6] and calls["wandb"][1][0] == columns
+    first, second = (rows for _, rows in calls["wandb"])
+    assert second[:3] == first and {row[0] for row in first} == {"2"} and {row[0] for row in second[3:]} == {"4"}
+    assert sorted(row[1:3] for row in first) == [["w5 w20", "w40 w60"], ["w6 w20", "w40 w60"], ["w7 w20", "w40 w60"]]
+    assert calls["comet_ml"] == [("outputs.csv", columns, rows) for _, rows in calls["wandb"]]
+    assert calls["mlflow"] == []  # no active run
+    mlflow.active_run = object
+    callback.table, callback._last = [], None
+    callback.on_train_end(trainer.args, trainer.state, trainer.control)
+    callback._last = None
+    callback.on_train_end(trainer.args, trainer.state, trainer.control)
+    assert [file for file, _ in calls["mlflow"]] == ["outputs.json"] * 2
+    assert all(list(data) == columns and len(data["h0"]) == 3 for _, data in calls["mlflow"])  # the new rows only
 
 
 def test_no_verdict_before_the_minimum_of_examples(tmp_path):

@@ -4,7 +4,9 @@ ends, and judges their answers with ``analysis.outputs.output_verdict``.
 
 As TRL's ``LogCompletionsCallback``, it holds the trainer and logs through ``trainer.log`` (so every ``report_to``
 logger gets ``outputs_distinct``, ``outputs_same_rate``, ``outputs_best_of_k``, ``outputs_mean_over_k``,
-``outputs_exact_best_of_k``); the answers go to the console (a few lines) and to a JSONL file. Unlike it, it decodes
+``outputs_exact_best_of_k``); the answers go to the console (a few lines), to a JSONL file, and as a table (step,
+prompt, reference, one column per hypothesis; every decoding so far) to the ``report_to`` loggers that keep tables:
+Weights & Biases (``wandb.Table``), Comet (``log_table``) and MLflow (``log_table``), each when its run is active. Unlike it, it decodes
 the whole sample on every rank, with the unwrapped model (no DDP hook, no gather): each rank decodes the same prompts
 with the same adapters, no collective runs inside, and only the first process writes and prints. Sharded weights
 (FSDP, DeepSpeed ZeRO-3) would need every rank in step through ``generate``: no verdict there.
@@ -70,6 +72,7 @@ class OutputVerdictCallback(TrainerCallback):
         self.verdict: OutputVerdict | None = None
         self._sample: Sample | str | None = None  # a str: why there is none
         self._last: tuple[int, OutputVerdict] | None = None  # (step, verdict) of the latest decoding
+        self.table: list[list[str]] = []  # [step, prompt, reference, h0 .. hK-1] of every decoding: the loggers' table
 
     def on_evaluate(self, args, state, control, **kwargs):
         self._decode(state)
@@ -136,6 +139,10 @@ class OutputVerdictCallback(TrainerCallback):
             shown = " | ".join(f"h{k} {_short(a)!r}" for k, a in enumerate(answers[i]))
             logger.info(f"outputs at step {state.global_step}, prompt {_short(self._text(None, sample.prompts[i]))!r}:"
                         f" {shown} (reference {_short(sample.references[i][0])!r})")
+        self.table += [[str(state.global_step), self._text(None, sample.prompts[i]), sample.references[i][0], *row]
+                       for i, row in enumerate(answers)]
+        log_table(self.trainer.args.report_to, ["step", "prompt", "reference", *(f"h{k}" for k in range(
+            len(answers[0])))], self.table, new=len(answers))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:
             for i, row in enumerate(answers):
@@ -211,6 +218,31 @@ class OutputVerdictCallback(TrainerCallback):
     @staticmethod
     def _ids(value) -> list[int]:
         return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
+def log_table(report_to, columns: list[str], rows: list[list[str]], new: int, name: str = "outputs") -> None:
+    """``rows`` under ``columns`` (the last ``new`` of them new) to each logger of ``report_to`` that keeps tables
+    and has an active run (as TRL's ``LogCompletionsCallback``, which logs to the first two): Weights & Biases and
+    Comet the whole table again, MLflow the new rows (its ``log_table`` appends to the file); the others get the
+    numbers only."""
+    report_to = report_to or []
+    if "wandb" in report_to:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.log({name: wandb.Table(columns=columns, data=rows)})
+    if "comet_ml" in report_to:
+        import comet_ml
+
+        experiment = comet_ml.get_running_experiment()
+        if experiment is not None:
+            experiment.log_table(f"{name}.csv", tabular_data=rows, headers=columns)
+    if "mlflow" in report_to:
+        import mlflow
+
+        if mlflow.active_run() is not None:
+            mlflow.log_table({column: [row[i] for row in rows[len(rows) - new:]] for i, column in enumerate(columns)},
+                             artifact_file=f"{name}.json")
 
 
 def example_modes(values: list, rows: list[int], column: str, where) -> list[str]:
