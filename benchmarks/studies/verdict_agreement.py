@@ -5,10 +5,12 @@ The study knows each prompt's modes (the language of each reference) and decodes
 test prompts (``candidates.json``). The truth here: a run **split by mode** when each hypothesis writes one language
 of its own, its most written language (the study's character n-gram identifier, trained on the task's own text, the
 one its "modes covered" reads) at least ``MODE_PURITY`` of its answers, and the K most written languages all
-different. The output verdict reads the same answers another way (an answer's mode: the language of the reference it
-is closest to by chrF, "prompt" when it copies the prompt); the NLL verdict reads the training logs only. The
-bilingual and short-answer tasks (the Markov task's 3 test prompts carry no references). It reads the budget study's
-runs too (``benchmarks.studies.budget_study``: OUT/<task>/<budget>-steps/<run>, decoded from the best checkpoint), and
+different. On the Markov task an answer's mode is the chain it follows (``defaults_study.markov_score``: the chain
+whose typical transitions it takes, "invalid" for a sequence no chain explains), over its 3 test prompts. The output
+verdict reads the same answers another way (an answer's mode: the mode of the reference it is closest to by chrF,
+"prompt" when it copies the prompt; the Markov task's references: the budget study's sequences drawn from the
+mixture, each of the chain that explains it; the defaults study keeps none, and its Markov runs are left out); the
+NLL verdict reads the training logs only. It reads the budget study's runs too (``benchmarks.studies.budget_study``: OUT/<task>/<budget>-steps/<run>, decoded from the best checkpoint), and
 there adds the verdict the run gave itself in training (``output_verdict: 16`` on validation prompts, with the rows'
 mode column).
 
@@ -23,11 +25,12 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.studies.defaults_study import SHORT_LANGUAGES, is_mle, language_identifier, read_rows
+from benchmarks.studies.defaults_study import SHORT_LANGUAGES, is_mle, language_identifier, markov_score, read_rows
 from loramcl.analysis.outputs import MODE_PURITY, output_verdict
 
-TASKS = ("bilingual", "short")
+TASKS = ("markov", "bilingual", "short")
 LANGUAGES = {"bilingual": ("fr", "de"), "short": SHORT_LANGUAGES}
+NOT_A_MODE = {"en", "empty", "invalid"}  # what no hypothesis may own: the source language, nothing, no chain
 EXAMPLES_PER_STEP = 16  # the study's batch
 
 
@@ -36,31 +39,51 @@ def split_by_mode(languages: list[list[str]]) -> tuple[bool, list[str], list[flo
     counts = [Counter(row[k] for row in languages) for k in range(len(languages[0]))]
     majority = [c.most_common(1)[0][0] for c in counts]
     purity = [c[m] / len(languages) for c, m in zip(counts, majority, strict=True)]
-    split = len(set(majority)) == len(majority) and min(purity) >= MODE_PURITY and not {"en", "empty"} & set(majority)
+    split = len(set(majority)) == len(majority) and min(purity) >= MODE_PURITY and not NOT_A_MODE & set(majority)
     return split, majority, purity
 
 
+def chain(prompt: str, answer: str) -> str:
+    """The Markov chain ``answer`` follows after ``prompt`` ("chain k"), "invalid" when none explains it."""
+    valid, mode = markov_score(prompt, answer)
+    return f"chain {mode}" if valid else "invalid"
+
+
+def test_prompts(data: Path, task: str) -> tuple[list[dict], list[list[str]]] | None:
+    """The test prompts with their references, and each reference's mode; None for a Markov task without drawn
+    references (the defaults study's)."""
+    if task != "markov":
+        tests = read_rows(data / "test.jsonl")
+        return tests, [[LANGUAGES[task][m] for m in t["reference_modes"]] for t in tests]
+    if not (data / "references.jsonl").exists():
+        return None
+    tests = read_rows(data / "references.jsonl")  # the budget study's: every test prompt has drawn sequences
+    return tests, [[chain(t["prompt"], r) for r in t["references"]] for t in tests]
+
+
 def run_verdicts(out: Path) -> list[dict]:
-    """One row per finished MCL run of the bilingual and short-answer tasks: the truth and the two verdicts."""
+    """One row per finished MCL run of each task: the truth and the two verdicts."""
     rows = []
     for task in TASKS:
         data = out / "data" / task
-        if not (data / "test.jsonl").exists():
+        if not (data / "test.jsonl").exists() or (found := test_prompts(data, task)) is None:
             continue
-        tests, identifier, names = read_rows(data / "test.jsonl"), None, LANGUAGES[task]
+        (tests, modes), identifier = found, None
         for results in sorted([*(out / task).glob("*/results.json"), *(out / task).glob("*-steps/*/results.json")]):
             result = json.loads(results.read_text())
             if is_mle(result["setting"]) or result["setting"] == "ensemble":
                 continue
             steps = result.get("best_step", result.get("steps"))  # the budget study decodes its best checkpoint
-            identifier = identifier or language_identifier(data, task)
             answers = json.loads((results.parent / "candidates.json").read_text())["greedy"]
-            languages = [identifier.predict([a if a.strip() else "-" for a in row]) for row in answers]
-            languages = [[lang if a.strip() else "empty" for lang, a in zip(row, answers_row, strict=True)]
-                         for row, answers_row in zip(languages, answers, strict=True)]
-            split, majority, purity = split_by_mode(languages)
-            verdict = output_verdict(answers, [t["references"] for t in tests],
-                                     [[names[m] for m in t["reference_modes"]] for t in tests],
+            if task == "markov":
+                written = [[chain(t["prompt"], a) for a in row] for t, row in zip(tests, answers, strict=True)]
+            else:
+                identifier = identifier or language_identifier(data, task)
+                written = [identifier.predict([a if a.strip() else "-" for a in row]) for row in answers]
+                written = [[lang if a.strip() else "empty" for lang, a in zip(row, answers_row, strict=True)]
+                           for row, answers_row in zip(written, answers, strict=True)]
+            split, majority, purity = split_by_mode(written)
+            verdict = output_verdict(answers, [t["references"] for t in tests], modes,
                                      examples_seen=steps * EXAMPLES_PER_STEP,
                                      prompts=[t["prompt"] for t in tests])
             rows.append({"task": task, "setting": result["setting"], "seed": result["seed"], "split": split,

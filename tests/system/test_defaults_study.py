@@ -142,3 +142,33 @@ def test_the_verdicts_are_checked_against_the_split_by_mode():
     assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 9 and "| 200 | no (" in lines[2]
     assert lines[-1].endswith('The verdict the 1 budget-study runs gave themselves in training agrees on 0 (said '
                               '"split by mode" on 1 that did not).')
+
+
+def test_on_the_markov_task_an_answers_mode_is_the_chain_it_follows(tmp_path):
+    """verdict_agreement on a budget-study Markov run: each answer's mode is its chain (markov_score), the references
+    are the drawn sequences of references.jsonl, each of its chain; a run whose hypotheses each write one chain of
+    their own split by mode, and the output verdict sees it."""
+    from benchmarks.studies.verdict_agreement import chain, run_verdicts, split_by_mode
+
+    assert chain("Sequence: a", " b c a b c a b c") == "chain 0" and chain("Sequence: a", " b c a") == "invalid"
+    assert split_by_mode([["chain 0", "invalid"]] * 3)[0] is False  # writing no chain is no mode of its own
+    forward = {"a": " b c a b c a b c", "b": " c a b c a b c a", "c": " a b c a b c a b"}
+    backward = {"a": " c b a c b a c b", "b": " a c b a c b a c", "c": " b a c b a c b a"}
+    data, prompts = tmp_path / "data" / "markov", [f"Sequence: {state}" for state in "abc"]
+    data.mkdir(parents=True)
+    (data / "test.jsonl").write_text("".join(json.dumps({"prompt": p, "references": []}) + "\n" for p in prompts))
+    assert run_verdicts(tmp_path) == []  # the defaults study's Markov data: no drawn references, no row
+    (data / "references.jsonl").write_text("".join(json.dumps(
+        {"prompt": p, "references": [forward[p[-1]], backward[p[-1]]]}) + "\n" for p in prompts))
+    run = tmp_path / "markov" / "200-steps" / "bias-0.1-s1"
+    run.mkdir(parents=True)
+    (run / "results.json").write_text(json.dumps({"setting": "bias-0.1", "seed": 1, "budget": 200, "best_step": 200,
+                                                  "verdict": {"kind": "split"}}))
+    answers = {"greedy": [[forward[p[-1]], backward[p[-1]]] for p in prompts]}
+    (run / "candidates.json").write_text(json.dumps(answers))
+    [row] = run_verdicts(tmp_path)
+    assert (row["split"], row["majority"], row["output_verdict"]) == (True, ["chain 0", "chain 1"], "split by mode")
+    answers["greedy"] = [[forward[p[-1]], forward[p[-1]]] for p in prompts]  # both write the forward cycle
+    (run / "candidates.json").write_text(json.dumps(answers))
+    [row] = run_verdicts(tmp_path)
+    assert (row["split"], row["output_verdict"]) == (False, "write the same")
