@@ -2,7 +2,7 @@
 ways and the K-seed ensemble, every system decoded from its best checkpoint at an equal forward budget (issue 64).
 
 The tasks, the MCL settings and the scoring are the defaults study's (``benchmarks.studies.defaults_study``: markov
-K = 3, bilingual K = 2, short K = 3; SmolLM2-135M-Instruct through `loramcl train`'s own code, LoRA r = 8 per
+K = 3, bilingual K = 2, short K = 3, and on request ``--tasks markov-skewed``: the Markov chains drawn 60/30/10; SmolLM2-135M-Instruct through `loramcl train`'s own code, LoRA r = 8 per
 hypothesis on q_proj and v_proj, 16 examples a step, learning rate 2e-3, cosine after 10 warm-up steps). New here:
 
   budgets     each budget (optimizer steps) is a whole run with its own schedule, as a user's budget is
@@ -69,17 +69,17 @@ def build_data(task: str, folder: Path, train: int, validation: int, test: int) 
     the folder done."""
     if (folder / "validation.jsonl").exists():
         return
-    markov = task == "markov"
+    markov, weights = study.is_markov(task), study.MARKOV_WEIGHTS.get(task)
     study.build_task(task, folder / "all", train if markov else train + validation, test)
     rows = study.read_rows(folder / "all" / "train.jsonl")
     if markov:
-        rows += study.markov_rows(validation, seed=2)
+        rows += study.markov_rows(validation, seed=2, weights=weights)
     if len(rows) <= validation:
         raise ValueError(f"task {task} has {len(rows)} training rows, too few to hold {validation} out for "
                          "validation: lower --validation")
     tests = study.read_rows(folder / "all" / "test.jsonl")
     if markov:  # its test prompts have no references: sequences drawn from the mixture (seed 1), by first state
-        drawn = study.markov_rows(MARKOV_REFERENCES, seed=1)
+        drawn = study.markov_rows(MARKOV_REFERENCES, seed=1, weights=weights)
         references = [{"prompt": row["prompt"], "references": [r["target"] for r in drawn
                                                                 if r["prompt"] == row["prompt"]]} for row in tests]
     else:
@@ -167,7 +167,7 @@ def evaluate(args, task: str, adapters: Path, hypotheses: int, strategies) -> tu
 
     data = args.out / "data" / task
     rows = study.read_rows(data / "test.jsonl")
-    identifier = None if task == "markov" else study.language_identifier(data, task)
+    identifier = None if study.is_markov(task) else study.language_identifier(data, task)
     tokenizer = AutoTokenizer.from_pretrained(args.model)  # the runs save it; an assembled ensemble does not
     net = load_model(str(args.model), adapters=str(adapters), device=args.device)
     decoded = {s: decode(net, tokenizer, task, rows, hypotheses, s) for s in strategies}
@@ -268,7 +268,7 @@ def parser() -> argparse.ArgumentParser:
     parse.add_argument("--model", type=Path, default=Path("models/SmolLM2-135M-Instruct"))
     parse.add_argument("--out", type=Path, required=True)
     parse.add_argument("--budgets", nargs="+", type=int, default=[60, 200, 600], help="optimizer steps, one run each")
-    parse.add_argument("--tasks", nargs="+", default=list(study.TASKS), choices=list(study.TASKS))
+    parse.add_argument("--tasks", nargs="+", default=list(study.MAIN_TASKS), choices=list(study.TASKS))
     parse.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), choices=list(CHOICES),
                        help="MCL settings (defaults_study.SETTINGS), mle (one LoRA of rank r K) and ensemble")
     parse.add_argument("--seeds", nargs="+", type=int, default=[0, 1])

@@ -8,6 +8,8 @@ K = the task's number of modes, and decodes the test prompts at an equal forward
              transition 0.8) written as letters: "Sequence: a" -> " b c a b c c a b" (8 states). K = 3. A candidate
              is valid when it is 8 states whose chain-typical transitions (probability 0.8 under its best chain) are
              at least 6 of the 8; its mode is that best chain.
+  markov-skewed  the same chains drawn 60% / 30% / 10% (``MARKOV_WEIGHTS``): modes of unequal size, where a loss
+             that balances the hypotheses' wins (``bias``) must not take the rare chain's hypothesis away from it.
   bilingual  English UI messages of the gettext catalogs -> French or German (the bilingual recipe's data, its
              shorter messages: 15-40 characters; the language drawn per example, never said). K = 2. Quality: chrF
              against every reference of both languages (oracle: best of K; mean over K); mode: the candidate's
@@ -77,19 +79,30 @@ SETTINGS = {
     "mle-loraplus": {"loraplus_lr_ratio": 16.0},  # LoRA+ for the one LoRA too
 }
 TRAINING_KEYS = ("loraplus_lr_ratio",)  # settings of TrainConfig; the others are MCLConfig's
-TASKS = {"markov": 3, "bilingual": 2, "short": 3}  # task -> K, its number of modes
-CEILING = {"markov": 1.0, "bilingual": 100.0, "short": 1.0}  # the best quality score: valid share, chrF
+TASKS = {"markov": 3, "markov-skewed": 3, "bilingual": 2, "short": 3}  # task -> K, its number of modes
+MAIN_TASKS = ("markov", "bilingual", "short")  # run unless --tasks names others
+CEILING = {"markov": 1.0, "markov-skewed": 1.0, "bilingual": 100.0, "short": 1.0}  # the best: valid share, chrF
+MARKOV_WEIGHTS = {"markov": None, "markov-skewed": (0.6, 0.3, 0.1)}  # the Markov tasks' chain weights (None: equal)
 SHORT_LANGUAGES = ("fr", "de", "es")
 PROMPT = "Translate: {source}\n"  # the bilingual recipe's prompt
 
 
 # ---- the tasks' data -----------------------------------------------------------------------------------------
 
-def markov_rows(count: int, seed: int, length: int = 8) -> list[dict]:
-    """``count`` rows: prompt "Sequence: x0", target the next ``length`` states of the drawn chain, mode its index."""
+def is_markov(task: str) -> bool:
+    return task in MARKOV_WEIGHTS
+
+
+def markov_rows(count: int, seed: int, length: int = 8, weights: tuple[float, ...] | None = None) -> list[dict]:
+    """``count`` rows: prompt "Sequence: x0", target the next ``length`` states of the drawn chain, mode its index;
+    the chains drawn with ``weights`` (equal when None)."""
+    from dataclasses import replace
+
     from loramcl.recipes.markov.chains import preset_mixture
 
     mixture = preset_mixture("three")
+    if weights is not None:
+        mixture = replace(mixture, weights=np.array(weights))
     mixture.seq_len = length + 1
     states, chains = mixture.sample(count, seed)
     return [{"prompt": f"Sequence: {STATES[s[0]]}", "target": "".join(f" {STATES[x]}" for x in s[1:]),
@@ -149,8 +162,8 @@ def build_task(task: str, folder: Path, train: int, test: int) -> None:
     """train.jsonl (prompt, target, mode) and test.jsonl (prompt, references, reference_modes) in ``folder``."""
     if (folder / "test.jsonl").exists():
         return
-    if task == "markov":
-        train_rows, test_rows = markov_rows(train, seed=0), markov_prompts()
+    if is_markov(task):
+        train_rows, test_rows = markov_rows(train, seed=0, weights=MARKOV_WEIGHTS[task]), markov_prompts()
     elif task == "bilingual":
         train_rows, test_rows = translation_task(("fr", "de"), gettext_items(("fr", "de"), 15, 40), train, test, 0)
     else:
@@ -204,7 +217,7 @@ def train_run(model: Path, data: Path, out: Path, setting: str, hypotheses: int,
 
 # ---- decoding and scoring ------------------------------------------------------------------------------------
 
-MAX_NEW_TOKENS = {"markov": 20, "bilingual": 48, "short": 12}
+MAX_NEW_TOKENS = {"markov": 20, "markov-skewed": 20, "bilingual": 48, "short": 12}
 
 
 def decode(model: Path, run: Path, task: str, rows: list[dict], hypotheses: int, strategy: str) -> list[list[str]]:
@@ -249,7 +262,7 @@ def score(task: str, rows: list[dict], candidates: list[list[str]], identifier) 
     chrf = CHRF()
     quality, modes = [], []
     for row, cands in zip(rows, candidates, strict=True):
-        if task == "markov":
+        if is_markov(task):
             scored = [markov_score(row["prompt"], c) for c in cands]
             quality.append([float(valid) for valid, _ in scored])
             modes.append([mode for valid, mode in scored if valid])
@@ -330,7 +343,7 @@ def one_run(args, task: str, setting: str, seed: int) -> dict:
         result = json.loads((run / "results.json").read_text())
         missing = [s for s in strategies if s not in result["test"]]  # a strategy added since the run finished
         if missing:
-            identifier = None if task == "markov" else language_identifier(data, task)
+            identifier = None if is_markov(task) else language_identifier(data, task)
             decoded = json.loads((run / "candidates.json").read_text())
             for strategy in missing:
                 decoded[strategy] = decode(args.model, run, task, rows, hypotheses, strategy)
@@ -342,7 +355,7 @@ def one_run(args, task: str, setting: str, seed: int) -> dict:
     if not (run / "run.json").exists():
         train_run(args.model, data, run, setting, hypotheses, seed, args.steps, args.learning_rate, args.rank)
     trained = time.perf_counter() - started
-    identifier = None if task == "markov" else language_identifier(data, task)
+    identifier = None if is_markov(task) else language_identifier(data, task)
     decoded = {s: decode(args.model, run, task, rows, hypotheses, s) for s in strategies}
     record = json.loads((run / "run.json").read_text())
     result = {"task": task, "setting": setting, "seed": seed, "K": hypotheses, "steps": args.steps,
@@ -362,7 +375,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=Path("models/SmolLM2-135M-Instruct"))
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--tasks", nargs="+", default=list(MAIN_TASKS), choices=list(TASKS))
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--steps", type=int, default=60)
@@ -440,10 +453,10 @@ def goal_table(out: Path, mle: str = "mle") -> str:
     Best of K at the task's ceiling for both (every Markov prompt has a valid candidate: ``CEILING``) cannot be beaten:
     the tie counts, and the cell says so. A cell: yes / no and what fell short (best of K, modes, mean)."""
     results = [json.loads(p.read_text()) for p in sorted(out.glob("*/*/results.json"))]
-    lines = ["| setting | " + " | ".join(TASKS) + " | tasks met |", "|---|" + "---|" * (len(TASKS) + 1)]
+    lines = ["| setting | " + " | ".join(MAIN_TASKS) + " | tasks met |", "|---|" + "---|" * (len(MAIN_TASKS) + 1)]
     for setting in (s for s in SETTINGS if not is_mle(s)):
         cells, met = [], 0
-        for task in TASKS:
+        for task in MAIN_TASKS:
             mcl, beam, greedy = (means(results, task, name, strategy) for name, strategy in
                                  ((setting, "greedy"), (mle, "beam"), (mle, "greedy")))
             if not (mcl and beam and greedy):

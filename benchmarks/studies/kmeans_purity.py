@@ -138,7 +138,7 @@ def table(results: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=Path("models/SmolLM2-135M-Instruct"))
-    parser.add_argument("--tasks", nargs="+", default=list(study.TASKS), choices=list(study.TASKS))
+    parser.add_argument("--tasks", nargs="+", default=list(study.MAIN_TASKS), choices=list(study.TASKS))
     parser.add_argument("--examples", type=int, default=1000, help="the first training rows of each task")
     parser.add_argument("--seed", type=int, default=0, help="k-means' seed")
     parser.add_argument("--data", type=Path, default=None,

@@ -25,10 +25,11 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.studies.defaults_study import SHORT_LANGUAGES, is_mle, language_identifier, markov_score, read_rows
+from benchmarks.studies.defaults_study import (SHORT_LANGUAGES, is_markov, is_mle, language_identifier, markov_score,
+                                              read_rows)
 from loramcl.analysis.outputs import MODE_PURITY, output_verdict
 
-TASKS = ("markov", "bilingual", "short")
+TASKS = ("markov", "markov-skewed", "bilingual", "short")
 LANGUAGES = {"bilingual": ("fr", "de"), "short": SHORT_LANGUAGES}
 NOT_A_MODE = {"en", "empty", "invalid"}  # what no hypothesis may own: the source language, nothing, no chain
 EXAMPLES_PER_STEP = 16  # the study's batch
@@ -52,7 +53,7 @@ def chain(prompt: str, answer: str) -> str:
 def test_prompts(data: Path, task: str) -> tuple[list[dict], list[list[str]]] | None:
     """The test prompts with their references, and each reference's mode; None for a Markov task without drawn
     references (the defaults study's)."""
-    if task != "markov":
+    if not is_markov(task):
         tests = read_rows(data / "test.jsonl")
         return tests, [[LANGUAGES[task][m] for m in t["reference_modes"]] for t in tests]
     if not (data / "references.jsonl").exists():
@@ -75,7 +76,7 @@ def run_verdicts(out: Path) -> list[dict]:
                 continue
             steps = result.get("best_step", result.get("steps"))  # the budget study decodes its best checkpoint
             answers = json.loads((results.parent / "candidates.json").read_text())["greedy"]
-            if task == "markov":
+            if is_markov(task):
                 written = [[chain(t["prompt"], a) for a in row] for t, row in zip(tests, answers, strict=True)]
             else:
                 identifier = identifier or language_identifier(data, task)

@@ -172,3 +172,18 @@ def test_on_the_markov_task_an_answers_mode_is_the_chain_it_follows(tmp_path):
     (run / "candidates.json").write_text(json.dumps(answers))
     [row] = run_verdicts(tmp_path)
     assert (row["split"], row["output_verdict"]) == (False, "write the same")
+
+
+def test_the_skewed_markov_task_draws_its_chains_60_30_10(tmp_path):
+    """markov-skewed: the Markov task's chains drawn with MARKOV_WEIGHTS, scored as the Markov task."""
+    from collections import Counter
+
+    rows = study.markov_rows(2000, seed=0, weights=study.MARKOV_WEIGHTS["markov-skewed"])
+    shares = {mode: count / len(rows) for mode, count in Counter(r["mode"] for r in rows).items()}
+    assert shares == pytest.approx({0: 0.6, 1: 0.3, 2: 0.1}, abs=0.03)
+    assert all(study.markov_score(r["prompt"], r["target"])[1] is not None for r in rows)  # 8 states each
+    equal = Counter(r["mode"] for r in study.markov_rows(2000, seed=0))
+    assert min(equal.values()) > 600  # the Markov task's: equal weights
+    study.build_task("markov-skewed", tmp_path, 300, 3)
+    assert study.read_rows(tmp_path / "test.jsonl") == study.markov_prompts()
+    assert study.is_markov("markov-skewed") and not study.is_markov("short")
