@@ -437,7 +437,13 @@ REGISTRY = {
         ".venv/bin/python -m benchmarks.studies.budget_study --out /tmp/budgets --budgets 60 200 600 --seeds 0 1 "
         "--spoken_recipe /tmp/spoken-budgets",
         ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
-        "--budgets 200 --seeds 0 --tasks markov bilingual short --settings mle relaxed-0.05 bias-0.1 shared")},
+        "--budgets 60 200 --seeds 0 --tasks markov bilingual short --settings mle relaxed-0.05 bias-0.1",
+        ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
+        "--budgets 200 --seeds 1 --tasks markov short --settings mle relaxed-0.05 bias-0.1",
+        ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
+        "--budgets 200 --seeds 0 --tasks markov --settings ensemble",
+        ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
+        "--budgets 200 --seeds 0 --tasks markov-skewed --settings mle relaxed-0.05 bias-0.1")},
     ("docs/benchmarks.md", ".venv/bin/python -m benchmarks.studies.kmeans_purity --model models/SmolLM2-135M-Instruct "
                            "--tasks markov bilingual short"):
         Module(append=("--examples", "24"), covered_by="tests/system/test_kmeans_purity.py::"
