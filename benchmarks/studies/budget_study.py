@@ -2,8 +2,9 @@
 ways and the K-seed ensemble, every system decoded from its best checkpoint at an equal forward budget (issue 64).
 
 The tasks, the MCL settings and the scoring are the defaults study's (``benchmarks.studies.defaults_study``: markov
-K = 3, bilingual K = 2, short K = 3, and on request ``--tasks markov-skewed``: the Markov chains drawn 60/30/10; SmolLM2-135M-Instruct through `loramcl train`'s own code, LoRA r = 8 per
-hypothesis on q_proj and v_proj, 16 examples a step, learning rate 2e-3, cosine after 10 warm-up steps). New here:
+K = 3, bilingual K = 2, short K = 3, and on request ``--tasks markov-skewed``: the Markov chains drawn 60/30/10;
+SmolLM2-135M-Instruct through `loramcl train`'s own code, LoRA r = 8 per hypothesis on q_proj and v_proj, 16 examples a
+step, learning rate 2e-3, cosine after 10 warm-up steps). New here:
 
   budgets     each budget (optimizer steps) is a whole run with its own schedule, as a user's budget is
   validation  ``--validation`` rows of the task's data held out (``build_data``: the training rows are the defaults

@@ -10,9 +10,9 @@ whose typical transitions it takes, "invalid" for a sequence no chain explains),
 verdict reads the same answers another way (an answer's mode: the mode of the reference it is closest to by chrF,
 "prompt" when it copies the prompt; the Markov task's references: the budget study's sequences drawn from the
 mixture, each of the chain that explains it; the defaults study keeps none, and its Markov runs are left out); the
-NLL verdict reads the training logs only. It reads the budget study's runs too (``benchmarks.studies.budget_study``: OUT/<task>/<budget>-steps/<run>, decoded from the best checkpoint), and
-there adds the verdict the run gave itself in training (``output_verdict: 16`` on validation prompts, with the rows'
-mode column).
+NLL verdict reads the training logs only. It reads the budget study's runs too (``benchmarks.studies.budget_study``:
+OUT/<task>/<budget>-steps/<run>, decoded from the best checkpoint), and there adds the verdict the run gave itself
+in training (``output_verdict: 16`` on validation prompts, with the rows' mode column).
 
     python -m benchmarks.studies.verdict_agreement --out /tmp/defaults   # the defaults study's --out
     python -m benchmarks.studies.verdict_agreement --out /tmp/budgets    # the budget study's

@@ -6,9 +6,10 @@ As TRL's ``LogCompletionsCallback``, it holds the trainer and logs through ``tra
 logger gets ``outputs_distinct``, ``outputs_same_rate``, ``outputs_best_of_k``, ``outputs_mean_over_k``,
 ``outputs_exact_best_of_k``); the answers go to the console (a few lines), to a JSONL file, and as a table (step,
 prompt, reference, one column per hypothesis; every decoding so far) to the ``report_to`` loggers that keep tables:
-Weights & Biases (``wandb.Table``), Comet (``log_table``) and MLflow (``log_table``), each when its run is active. Unlike it, it decodes
-the whole sample on every rank, with the unwrapped model (no DDP hook, no gather): each rank decodes the same prompts
-with the same adapters, no collective runs inside, and only the first process writes and prints. Sharded weights
+Weights & Biases (``wandb.Table``), Comet (``log_table``) and MLflow (``log_table``), each when its run is active.
+Unlike it, it decodes the whole sample on every rank, with the unwrapped model (no DDP hook, no gather): each rank
+decodes the same prompts with the same adapters, no collective runs inside, and only the first process writes and
+prints. Sharded weights
 (FSDP, DeepSpeed ZeRO-3) would need every rank in step through ``generate``: no verdict there.
 
 The sample: up to ``SCAN_ROWS`` examples of the validation set (else of the training set) are read; their prompts
