@@ -165,18 +165,20 @@ def test_a_resumed_run_counts_the_seconds_its_checkpoint_recorded(tmp_path, rest
     recorded = json.loads(state_file.read_text())["stateful_callbacks"]["TrainingClock"]["attributes"]["earlier"]
     assert recorded > 0
 
-    def resumed():
-        trainer = MCLTrainer(_model(), args=_args(tmp_path / "b", max_steps=4,
+    def resumed(out):  # and saves checkpoints again: each keeps the seconds so far (or None: unknown)
+        trainer = MCLTrainer(_model(), args=_args(tmp_path / out, max_steps=4, save_strategy="steps", save_steps=1,
                                                   restore_callback_states_from_checkpoint=restore),
                              train_dataset=data)
         trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
-        return TrainingClock.of(trainer).earlier
+        saved = json.loads((tmp_path / out / "checkpoint-4" / "trainer_state.json").read_text())
+        return TrainingClock.of(trainer).earlier, saved["stateful_callbacks"]["TrainingClock"]["attributes"]["earlier"]
 
-    assert resumed() == recorded
+    earlier, at_step_4 = resumed("b")
+    assert earlier == recorded and at_step_4 > recorded
     state = json.loads(state_file.read_text())
-    del state["stateful_callbacks"]["TrainingClock"]
+    del state["stateful_callbacks"]["TrainingClock"]  # Trainer indexes the entry at every save: put back, as None
     state_file.write_text(json.dumps(state))
-    assert resumed() is None
+    assert resumed("c") == (None, None)
 
 
 def test_trainer_refuses_a_plain_model_and_options_it_would_ignore(tmp_path):

@@ -127,11 +127,14 @@ class TrainingClock(TrainerCallback, ExportableState):
         return next(c for c in trainer.callback_handler.callbacks if isinstance(c, cls))
 
     def on_train_begin(self, args, state, control, **kwargs):
-        stored = state.stateful_callbacks.get(type(self).__name__) if state.global_step else None
+        name = type(self).__name__
+        stored = state.stateful_callbacks.get(name) if state.global_step else None
         if isinstance(stored, list):  # Trainer's form for several callbacks of one class: there is one
             stored = stored[0]
         self.earlier = (stored or {}).get("attributes", {}).get("earlier") if state.global_step else 0.0
         self.started = time.perf_counter()
+        # a checkpoint written without this callback has no entry, and Trainer indexes it at every save (KeyError)
+        state.stateful_callbacks.setdefault(name, self.state())
 
     @property
     def seconds(self) -> float | None:
