@@ -16,7 +16,7 @@ from loramcl.utils.run_record import RunRecord
 # diverse beam search of K groups, K samples) and the K-seed ensemble
 BASELINES = {"beam": "beam K", "diverse_beam": "diverse beam K", "sample": "sample K", ENSEMBLE: "ensemble"}
 
-MEASURES = ("oracle", "mean", "distinct", "modes_covered", "oracle_nll", "best_step", "train_seconds", "resumed")
+MEASURES = ("oracle", "mean", "distinct", "modes_covered", "oracle_nll", "best_step", "train_seconds", "partial")
 
 
 def read_results(out: Path) -> list[dict]:
@@ -39,7 +39,7 @@ def systems(result: dict):
     steps = result["best_step"]
     shared = {"oracle_nll": result["oracle_nll"], "train_seconds": result["train_seconds"],
               "best_step": statistics.mean(steps) if isinstance(steps, list) else steps,
-              "resumed": bool(result.get("seconds_partial"))}
+              "partial": bool(result.get("seconds_partial"))}
     for strategy, scores in result["test"].items():
         name = f"{result['setting']}:{strategy}" if study.is_mle(result["setting"]) else result["setting"]
         yield name, scores | shared
@@ -90,8 +90,8 @@ def task_table(task: str, by_system: dict, rank: int) -> str:
             lines.append(f"| {system_name(name, task, rank)} | {budget} | {seeds} | {scale.format(m['oracle'])} | "
                          f"{scale.format(m['mean'])} | {m['distinct']:.2f} | {m['modes_covered']:.2f} | "
                          f"{m['oracle_nll']:.3f} | {m['best_step']:.0f} | {m['train_seconds']:.0f}"
-                         f"{'*' if m['resumed'] else ''} |")
-    if any(m["resumed"] for by_budget in by_system.values() for _, m in by_budget.values()):
+                         f"{'*' if m['partial'] else ''} |")
+    if any(m["partial"] for by_budget in by_system.values() for _, m in by_budget.values()):
         lines += ["", "\\* a run resumed from a checkpoint that did not record the seconds before it: its training "
                   "seconds count from the resume"]
     return "\n".join(lines)

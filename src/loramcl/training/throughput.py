@@ -108,9 +108,6 @@ class Throughput(TrainerCallback):
         return fields | gpu_fields(self.device, seconds, flops)
 
 
-__all__ = ["Throughput", "flops_per_token", "gpu_fields", "peak_flops"]
-
-
 class TrainingClock(TrainerCallback, ExportableState):
     """A run's training seconds across resumes. Every checkpoint keeps the seconds trained until it was written (this
     callback's state in its ``trainer_state.json``, Trainer's place for callback state: ``ExportableState``); a run
@@ -146,3 +143,6 @@ class TrainingClock(TrainerCallback, ExportableState):
     def state(self) -> dict:
         # at a checkpoint: the seconds so far become the "earlier" seconds of a run resumed from it
         return {"args": {}, "attributes": {"earlier": self.seconds}}
+
+
+__all__ = ["Throughput", "TrainingClock", "flops_per_token", "gpu_fields", "peak_flops"]
