@@ -439,9 +439,11 @@ REGISTRY = {
         ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
         "--budgets 60 200 --seeds 0 --tasks markov bilingual short --settings mle relaxed-0.05 bias-0.1",
         ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
-        "--budgets 200 --seeds 1 --tasks markov short --settings mle relaxed-0.05 bias-0.1",
+        "--budgets 200 --seeds 1 --tasks markov markov-skewed short --settings mle relaxed-0.05 bias-0.1",
         ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
-        "--budgets 200 --seeds 0 --tasks markov --settings ensemble",
+        "--budgets 200 --seeds 0 --tasks markov bilingual short --settings ensemble",
+        ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
+        "--budgets 200 --seeds 0 --tasks markov short --settings staged loraplus",
         ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
         "--budgets 200 --seeds 0 --tasks markov-skewed --settings mle relaxed-0.05 bias-0.1")},
     ("docs/benchmarks.md", ".venv/bin/python -m benchmarks.studies.kmeans_purity --model models/SmolLM2-135M-Instruct "
