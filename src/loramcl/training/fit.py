@@ -59,7 +59,7 @@ METHODS = ("mcl", "moe", "multihead")  # LoRA-MCL (K = 1: LoRA-MLE), LoRA-MoE, m
 # budgets (issue 64, docs/benchmarks.md "Measured: 60 and 200 steps"): vanilla WTA with the balancing bias at 0.1
 # matched or beat it where the modes are of equal size (5 of 6 task-budget cells), but it pushes every hypothesis
 # toward 1/K of the wins, and on Markov chains drawn 60/30/10 it took the rare chain's hypothesis away (2.17 chains of
-# 3 against 3.00 on two seeds, beam search of one LoRA 2.00): a rare mode is the one case where MCL beat every baseline.
+# 3 against 3.00 on two seeds, beam search of one LoRA 2.00): a rare mode, which beam search leaves out, is MCL's case.
 COMMAND_MCL = MCLConfig(loss="relaxed", epsilon="auto", temperature_decay="auto")
 MethodConfig = MCLConfig | MoEConfig | MultiHeadConfig
 logger = logging.getLogger(__name__)  # a run's progress, which `loramcl <command>` shows (docs/guide/cli.md)
