@@ -9,8 +9,7 @@ prompt, reference, one column per hypothesis; every decoding so far) to the ``re
 Weights & Biases (``wandb.Table``), Comet (``log_table``) and MLflow (``log_table``), each when its run is active.
 Unlike it, it decodes the whole sample on every rank, with the unwrapped model (no DDP hook, no gather): each rank
 decodes the same prompts with the same adapters, no collective runs inside, and only the first process writes and
-prints. Sharded weights
-(FSDP, DeepSpeed ZeRO-3) would need every rank in step through ``generate``: no verdict there.
+prints. Sharded weights (FSDP, DeepSpeed ZeRO-3) would need every rank in step through ``generate``: no verdict there.
 
 The sample: up to ``SCAN_ROWS`` examples of the validation set (else of the training set) are read; their prompts
 are the input_ids before each example's first label, its reference the label tokens decoded; examples with the same
