@@ -4,11 +4,13 @@ recipe's own command, which already compares LoRA-MCL, LoRA-MLE and the K-seed e
 
 Per budget B and seed s, run files made of the packaged ones with `training:` overridden (steps B, training seed,
 validation and a checkpoint every B / 5 steps, keep_best):
-  mcl-B-s<s>        the recipe's LoRA-MCL (K = 2 of rank 8, annealed MCL as the recipe has it)
-  mle-B-s<s>        LoRA-MLE of rank 16 (equal trainable parameters)
-  mle-r8-B-s<m>     LoRA-MLE of rank 8, training seeds m = 2 s and 2 s + 1: the members of
-  ensemble-B-s<s>   the K-seed ensemble (K = 2)
-experiment.yaml decodes the three from their best checkpoints ('<run>@best': an ensemble's, its members' best) at
+  mcl-B-s<s>           LoRA-MCL with today's default loss (K = 2 of rank 8, relaxed WTA with epsilon 0.05: the
+                       packaged mcl-relaxed.yaml, `loramcl train`'s loss)
+  mcl-annealed-B-s<s>  the recipe's own LoRA-MCL (mcl.yaml: annealed MCL, the paper's)
+  mle-B-s<s>           LoRA-MLE of rank 16 (equal trainable parameters)
+  mle-r8-B-s<m>        LoRA-MLE of rank 8, training seeds m = 2 s and 2 s + 1: the members of
+  ensemble-B-s<s>      the K-seed ensemble (K = 2)
+experiment.yaml decodes the four from their best checkpoints ('<run>@best': an ensemble's, its members' best) at
 budget 2 (MCL greedy per hypothesis, LoRA-MLE beam 2, diverse beam of 2 groups (lambda 0.8) and 2 samples) and scores
 every run's oracle NLL of the test references at its last and best adapters.
 
@@ -62,7 +64,8 @@ def write_recipe(folder: Path, out: Path, budgets: list[int], seeds: list[int], 
     for budget in budgets:
         for seed in seeds:
             members = [f"mle-r8-{budget}-s{m}" for m in (2 * seed, 2 * seed + 1)]
-            runs = {f"mcl-{budget}-s{seed}": ("mcl", seed), f"mle-{budget}-s{seed}": ("mle", seed),
+            runs = {f"mcl-{budget}-s{seed}": ("mcl-relaxed", seed), f"mcl-annealed-{budget}-s{seed}": ("mcl", seed),
+                    f"mle-{budget}-s{seed}": ("mle", seed),
                     members[0]: ("mle-r8", 2 * seed), members[1]: ("mle-r8", 2 * seed + 1)}
             for run, (packaged_run, run_seed) in runs.items():
                 write_yaml(folder / f"{run}.yaml", run_file(packaged, packaged_run, budget, run_seed, evaluations),
@@ -70,7 +73,7 @@ def write_recipe(folder: Path, out: Path, budgets: list[int], seeds: list[int], 
             ensemble = f"ensemble-{budget}-s{seed}"
             write_yaml(folder / f"{ensemble}.yaml", {"ensemble": members},
                        f"the K-seed ensemble of {', '.join(members)} (budget_study)")
-            decoded += [f"mcl-{budget}-s{seed}@best", f"mle-{budget}-s{seed}@best", f"{ensemble}@best"]
+            decoded += [f"{run}-{budget}-s{seed}@best" for run in ("mcl", "mcl-annealed", "mle")] + [f"{ensemble}@best"]
     table = [entry for run in decoded for entry in (run.removesuffix("@best"), run)]
     experiment = read_yaml(packaged / "experiment.yaml") | {
         "out": str(out), "decoded": decoded, "nll_table": table, "budgets": [2], "mcl_decodings": ["greedy"],

@@ -7,9 +7,13 @@ from __future__ import annotations
 import json
 import shutil
 from argparse import Namespace
+from dataclasses import replace
 
 import pytest
 from tiny_models import save_tiny_run_inputs
+
+from loramcl import MCLConfig
+from loramcl.training.fit import COMMAND_MCL
 
 from benchmarks.studies import budget_study as study
 from benchmarks.studies import budget_tables
@@ -112,15 +116,19 @@ def test_the_spoken_translation_recipe_has_every_budget_and_seed_and_reads_as_th
     command = write_recipe(folder, tmp_path / "out", budgets=[60, 200], seeds=[0, 1])
     assert command == ["loramcl", "spoken-translation", "--recipes", str(folder), "--threads", "1"]
     runs = run_names(folder, ("common.yaml", "experiment.yaml"))
-    assert len(runs) == 2 * 2 * 5  # budgets x seeds x (MCL, the one LoRA, two members, the ensemble)
+    assert len(runs) == 2 * 2 * 6  # budgets x seeds x (MCL twice, the one LoRA, two members, the ensemble)
     values = {run: read_recipe(folder, ["common.yaml", f"{run}.yaml"]) for run in runs}
     assert ensembles(values)["ensemble-200-s1"] == ["mle-r8-200-s2", "mle-r8-200-s3"]  # checked as the runner does
     assert values["mcl-200-s1"]["training"] | {"learning_rate": None} == values["mcl-60-s0"]["training"] | {
         "steps": 200, "seed": 1, "eval_every": 40, "save_every": 40, "learning_rate": None}
     assert values["mcl-60-s0"]["training"]["keep_best"] and values["mle-60-s0"]["mcl"]["r"] == 16
+    mcl, default = MCLConfig.from_dict(values["mcl-60-s0"]["mcl"]), replace(COMMAND_MCL, num_hypotheses=2)
+    assert (mcl.loss, mcl.relaxed_epsilon, mcl.tie_break) == (  # `loramcl train`'s loss; the recipe's own beside it
+        default.loss, default.relaxed_epsilon, default.tie_break)
+    assert values["mcl-annealed-60-s0"]["mcl"]["loss"] == "annealed"
     experiment = Experiment.read(folder / "experiment.yaml")
     assert experiment.out == str(tmp_path / "out")
     assert experiment.decoded_runs(runs) == [f"{run}-{budget}-s{seed}@best" for budget in (60, 200) for seed in (0, 1)
-                                             for run in ("mcl", "mle", "ensemble")]  # each from its best checkpoint
+                                             for run in ("mcl", "mcl-annealed", "mle", "ensemble")]  # from the best
     assert "ensemble-600-s0@best" not in experiment.table_runs(runs)
     assert experiment.table_runs(runs)[:2] == ["mcl-60-s0", "mcl-60-s0@best"]
