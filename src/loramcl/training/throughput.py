@@ -125,10 +125,12 @@ class TrainingClock(TrainerCallback, ExportableState):
 
     def on_train_begin(self, args, state, control, **kwargs):
         name = type(self).__name__
-        stored = state.stateful_callbacks.get(name) if state.global_step else None
-        if isinstance(stored, list):  # Trainer's form for several callbacks of one class: there is one
-            stored = stored[0]
-        self.earlier = (stored or {}).get("attributes", {}).get("earlier") if state.global_step else 0.0
+        self.earlier = 0.0  # a new run; a resumed one (global_step > 0) starts from its checkpoint's seconds
+        if state.global_step:
+            stored = state.stateful_callbacks.get(name)
+            if isinstance(stored, list):  # Trainer's form for several callbacks of one class: there is one
+                stored = stored[0]
+            self.earlier = (stored or {}).get("attributes", {}).get("earlier")
         self.started = time.perf_counter()
         # a checkpoint written without this callback has no entry, and Trainer indexes it at every save (KeyError)
         state.stateful_callbacks.setdefault(name, self.state())
