@@ -22,7 +22,8 @@ step, learning rate 2e-3, cosine after 10 warm-up steps). New here:
               the ensemble: over its members), averaged over the references
   crossover   per task and MCL setting, the smallest budget from which on (at it and every larger budget measured) it
               beats each baseline (beam K, diverse beam K, samples, the ensemble) on best-of-K and modes covered: as
-              good on both and better on one (``beats``); else "not within <largest budget> steps"
+              good on both and better on one (``beats``), each budget on the seeds both finished; else "not within
+              <largest budget> steps"
 
     python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets \
         --budgets 60 200 600 --tasks markov bilingual short --seeds 0 1

@@ -45,15 +45,24 @@ def systems(result: dict):
         yield name, scores | shared
 
 
-def means(results: list[dict]) -> dict:
-    """{task: {system: {budget: (seeds, {measure: mean over the seeds})}}}"""
+def per_seed(results: list[dict]) -> dict:
+    """{task: {system: {budget: {seed: scores}}}}"""
     found: dict = {}
     for result in results:
         for name, scores in systems(result):
-            found.setdefault(result["task"], {}).setdefault(name, {}).setdefault(result["budget"], []).append(scores)
-    return {task: {name: {budget: (len(runs), {m: statistics.mean(r[m] for r in runs) for m in MEASURES})
-                          for budget, runs in by_budget.items()} for name, by_budget in by_system.items()}
-            for task, by_system in found.items()}
+            found.setdefault(result["task"], {}).setdefault(name, {}).setdefault(result["budget"], {})[
+                result["seed"]] = scores
+    return found
+
+
+def mean(runs: list[dict]) -> dict:
+    return {m: statistics.mean(r[m] for r in runs) for m in MEASURES}
+
+
+def means(found: dict) -> dict:
+    """{task: {system: {budget: (seeds, {measure: mean over the seeds})}}} of ``per_seed``'s runs"""
+    return {task: {name: {budget: (len(runs), mean(list(runs.values()))) for budget, runs in by_budget.items()}
+                   for name, by_budget in by_system.items()} for task, by_system in found.items()}
 
 
 def system_name(name: str, task: str, rank: int) -> str:
@@ -119,9 +128,20 @@ def crossover(points: dict[int, tuple[dict, dict]]) -> str:
     return str(since) if since is not None else f"not within {max(points)} steps"
 
 
+def paired(mine: dict, other: dict) -> dict[int, tuple[dict, dict]]:
+    """{budget: (MCL's means, the baseline's)} over the seeds both finished at that budget (a setting run with seed 0
+    only is held to the baseline's seed 0, not to its mean over more seeds); budgets with no common seed left out."""
+    points = {}
+    for budget in mine.keys() & other.keys():
+        seeds = sorted(mine[budget].keys() & other[budget].keys())
+        if seeds:
+            points[budget] = (mean([mine[budget][s] for s in seeds]), mean([other[budget][s] for s in seeds]))
+    return points
+
+
 def crossover_table(found: dict, mle: str = "mle") -> str:
     """Per task and MCL setting, the crossover with each baseline (``BASELINES``: the one LoRA ``mle``'s beam K,
-    diverse beam K and samples, the ensemble)."""
+    diverse beam K and samples, the ensemble), from ``per_seed``'s runs: each budget compared on the common seeds."""
     lines = ["| task | setting | " + " | ".join(BASELINES.values()) + " |",
              "|---|---|" + "---|" * len(BASELINES)]
     for task, by_system in found.items():
@@ -129,8 +149,7 @@ def crossover_table(found: dict, mle: str = "mle") -> str:
             cells = []
             for baseline in BASELINES:
                 other = by_system.get(ENSEMBLE if baseline == ENSEMBLE else f"{mle}:{baseline}", {})
-                mine = by_system[setting]
-                cells.append(crossover({b: (mine[b][1], other[b][1]) for b in mine if b in other}))
+                cells.append(crossover(paired(by_system[setting], other)))
             lines.append(f"| {task} | {setting} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -140,10 +159,10 @@ def tables(out: Path) -> str:
     results = read_results(out)
     if not results:
         return f"no finished run in {out} (a finished run has a results.json)"
-    found = {task: by_system for task, by_system in sorted(means(results).items(), key=lambda t: list(
-        study.TASKS).index(t[0]))}
+    found = dict(sorted(per_seed(results).items(), key=lambda t: list(study.TASKS).index(t[0])))
     rank = results[0]["rank"]
-    parts = [task_table(task, by_system, rank) for task, by_system in found.items()]
+    parts = [task_table(task, by_system, rank) for task, by_system in means(found).items()]
     parts.append("Crossover: the smallest budget (steps) from which each MCL setting beats the baseline on best of "
-                 "K and modes covered (as good on both, better on one)\n\n" + crossover_table(found))
+                 "K and modes covered (as good on both, better on one), on the seeds both ran\n\n"
+                 + crossover_table(found))
     return "\n\n".join(parts)

@@ -98,6 +98,19 @@ def test_the_crossover_is_the_budget_from_which_mcl_beats_each_baseline(tmp_path
     assert not budget_tables.beats(scores(0.9, 3.0), same)  # more modes, worse best of K
 
 
+def test_the_crossover_holds_a_setting_to_the_baseline_on_the_seeds_both_ran():
+    def scores(oracle, modes):
+        return {"oracle": oracle, "mean": 0.1, "distinct": 2.0, "modes_covered": modes, "oracle_nll": 2.0,
+                "best_step": 10, "train_seconds": 1.0, "partial": False}
+
+    staged = {200: {0: scores(0.2, 1.2)}, 600: {1: scores(0.3, 2.0)}}  # one seed at each budget
+    beam = {200: {0: scores(0.25, 1.0), 1: scores(0.1, 0.5)}, 600: {0: scores(0.1, 1.0)}}
+    points = budget_tables.paired(staged, beam)
+    assert list(points) == [200] and points[200][1]["oracle"] == 0.25  # seed 0 only; 600: no common seed
+    assert budget_tables.crossover(points) == "not within 200 steps"  # the mean over both seeds (0.175) it would beat
+    assert budget_tables.beats(staged[200][0], budget_tables.mean(list(beam[200].values())))
+
+
 @pytest.mark.parametrize("argv", [["--budgets", "0"], ["--seeds", "-1"]])
 def test_bad_budgets_and_seeds_are_refused(argv, monkeypatch, tmp_path):
     monkeypatch.setattr("sys.argv", ["budget_study", "--out", str(tmp_path), *argv])
