@@ -1,6 +1,6 @@
 """The tables of the study across budgets (``benchmarks.studies.budget_study``, issue 64), from its results.json
 files: per task, every system at every budget (means over the finished seeds), and the crossover of each MCL setting
-with each baseline."""
+with each baseline (on the seeds both finished)."""
 
 from __future__ import annotations
 
