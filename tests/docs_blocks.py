@@ -445,7 +445,9 @@ REGISTRY = {
         ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
         "--budgets 200 --seeds 0 --tasks markov short --settings staged loraplus",
         ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
-        "--budgets 200 --seeds 0 --tasks markov-skewed --settings mle relaxed-0.05 bias-0.1")},
+        "--budgets 600 --seeds 0 --tasks markov short --settings mle relaxed-0.05",
+        ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
+        "--budgets 200 --seeds 0 --tasks markov-skewed --settings mle relaxed-0.05 bias-0.1 staged")},
     ("docs/benchmarks.md", ".venv/bin/python -m benchmarks.studies.kmeans_purity --model models/SmolLM2-135M-Instruct "
                            "--tasks markov bilingual short"):
         Module(append=("--examples", "24"), covered_by="tests/system/test_kmeans_purity.py::"

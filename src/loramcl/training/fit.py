@@ -56,7 +56,7 @@ METHODS = ("mcl", "moe", "multihead")  # LoRA-MCL (K = 1: LoRA-MLE), LoRA-MoE, m
 # seeds) left one hypothesis idle (under 1% of the wins) in 4 of 6 vanilla-WTA runs and in none of 12 relaxed ones,
 # which covered as many or more of the data's modes. An annealed run's temperature decay fitted to the run's length
 # (issue 52: a first try is too short for the paper's 0.999 to leave the soft regime). Kept by the study across
-# budgets (issue 64, docs/benchmarks.md "Measured: 60 and 200 steps"): vanilla WTA with the balancing bias at 0.1
+# budgets (issue 64, docs/benchmarks.md "Measured: 60, 200 and 600 steps"): vanilla WTA with the balancing bias at 0.1
 # matched or beat it where the modes are of equal size (5 of 6 task-budget cells), but it pushes every hypothesis
 # toward 1/K of the wins, and on Markov chains drawn 60/30/10 it took the rare chain's hypothesis away (2.17 chains of
 # 3 against 3.00 on two seeds, beam search of one LoRA 2.00): a rare mode, which beam search leaves out, is MCL's case.
