@@ -447,7 +447,21 @@ REGISTRY = {
         ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
         "--budgets 600 --seeds 0 --tasks markov short --settings mle relaxed-0.05",
         ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
-        "--budgets 200 --seeds 0 --tasks markov-skewed --settings mle relaxed-0.05 bias-0.1 staged")},
+        "--budgets 200 --seeds 0 --tasks markov-skewed --settings mle relaxed-0.05 bias-0.1 staged",
+        ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
+        "--budgets 200 --seeds 0 --tasks markov markov-skewed bilingual short --settings mle mle-loraplus loraplus "
+        "--record benchmarks/studies/records/budget",
+        ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
+        "--budgets 200 --seeds 1 --tasks markov short --settings mle mle-loraplus loraplus "
+        "--record benchmarks/studies/records/budget",
+        ".venv/bin/python -m benchmarks.studies.budget_study --out /tmp/budgets --data_only "
+        "--tasks markov markov-skewed bilingual short",
+        ".venv/bin/python -m benchmarks.studies.verdict_agreement --out benchmarks/studies/records/budget "
+        "--data /tmp/budgets/data")},
+    ("docs/benchmarks.md",
+     ".venv/bin/python -m benchmarks.studies.budget_study --out benchmarks/studies/records/budget --table"):
+        Module(replace=(("benchmarks/studies/records/budget", str(ROOT / "benchmarks/studies/records/budget")),),
+               why="the repository's records, read from the checkout (the block runs in a folder of its own)"),
     ("docs/benchmarks.md", ".venv/bin/python -m benchmarks.studies.kmeans_purity --model models/SmolLM2-135M-Instruct "
                            "--tasks markov bilingual short"):
         Module(append=("--examples", "24"), covered_by="tests/system/test_kmeans_purity.py::"

@@ -23,14 +23,17 @@ step, learning rate 2e-3, cosine after 10 warm-up steps). New here:
   crossover   per task and MCL setting, the smallest budget from which on (at it and every larger budget measured) it
               beats each baseline (beam K, diverse beam K, samples, the ensemble) on best-of-K and modes covered: as
               good on both and better on one (``beats``), each budget on the seeds both finished; else "not within
-              <largest budget> steps"
+              <largest budget> steps"; where the one LoRA also ran with an option (``mle-loraplus``), a crossover
+              table against it too
 
     python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets \
         --budgets 60 200 600 --tasks markov bilingual short --seeds 0 1
     python -m benchmarks.studies.budget_study --out /tmp/budgets --table
 
 Finished runs (a results.json) are skipped, a run killed while training resumes from its last checkpoint (one at each
-validation), so the command can be stopped and started again. ``--device cuda`` trains with bfloat16 autocast and TF32
+validation), so the command can be stopped and started again. ``--record DIR`` copies each finished run's scores and
+answers to DIR (``record``; the repository's: ``RECORDS``), where ``--table`` and ``verdict_agreement`` read them after
+the run's folder is gone. ``--device cuda`` trains with bfloat16 autocast and TF32
 (``--no-bf16``: float32) and decodes in float32 on the GPU; ``--prune`` deletes each finished run's weights.
 """
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -59,6 +63,9 @@ MARKOV_REFERENCES = 60  # sequences drawn from the mixture as the markov task's 
 # MCL runs decode this many validation prompts per hypothesis at each validation and at the end: the output verdict
 # (training.outputs, issue 64) with the rows' "mode" column, kept in results.json beside the NLL verdict
 OUTPUT_PROMPTS = 16
+# the finished runs the repository keeps (--record): a machine's runs go with it, these stay and add up
+RECORDS = Path(__file__).parent / "records" / "budget"
+DATA_FILES = ("train.jsonl", "validation.jsonl", "test.jsonl", "references.jsonl")  # build_data's
 
 
 # ---- data ----------------------------------------------------------------------------------------------------
@@ -265,6 +272,48 @@ def finish(args, run: Path, result: dict, decoded: dict) -> dict:
     return result
 
 
+# ---- records --------------------------------------------------------------------------------------------------
+
+def data_digest(folder: Path) -> dict:
+    """The SHA-256 of each of a task's data files (``build_data``'s in ``folder``)."""
+    return {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in DATA_FILES}
+
+
+def check_data(records: Path, data: Path, task: str) -> None:
+    """Refuse ``data`` (a task's folder) unless it is the data ``records``' runs of ``task`` were scored on."""
+    kept = records / "data" / f"{task}.json"
+    if not kept.exists():
+        return
+    missing = [name for name in DATA_FILES if not (data / name).exists()]
+    if missing or json.loads(kept.read_text())["sha256"] != data_digest(data):
+        what = f"no {', '.join(missing)}" if missing else f"not the {task} data the runs of {records} were scored on"
+        raise SystemExit(f"{data}: {what} ({kept}): build it with this checkout's `budget_study --data_only --tasks "
+                         f"{task}` on a machine with the same gettext catalogs, or record into another folder")
+
+
+def record(out: Path, records: Path, task: str, budget: int, setting: str, seed: int) -> Path:
+    """Copy one finished run from ``out`` to ``records``, in the same layout: its scores (results.json, with its
+    run.json's ``seconds_partial`` in it) and its decoded answers (candidates.json), what ``--table`` and
+    ``verdict_agreement`` read; and records/data/<task>.json, the SHA-256 of the task's data files (the data is built
+    again from the code, never kept: the translation tasks' comes from this machine's gettext catalogs). A run scored
+    on other data than the runs recorded before is refused."""
+    from loramcl.utils.run_record import RunRecord
+
+    run = out / task / f"{budget}-steps" / f"{setting}-s{seed}"
+    data = out / "data" / task
+    check_data(records, data, task)
+    (records / "data").mkdir(parents=True, exist_ok=True)
+    (records / "data" / f"{task}.json").write_text(json.dumps({"sha256": data_digest(data)}, indent=1) + "\n")
+    result = json.loads((run / "results.json").read_text())
+    if (run / "run.json").exists():
+        result["seconds_partial"] = RunRecord.of(json.loads((run / "run.json").read_text())).seconds_partial
+    kept = records / task / f"{budget}-steps" / run.name
+    kept.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(run / "candidates.json", kept / "candidates.json")
+    (kept / "results.json").write_text(json.dumps(result, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    return kept
+
+
 def parser() -> argparse.ArgumentParser:
     parse = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parse.add_argument("--model", type=Path, default=Path("models/SmolLM2-135M-Instruct"))
@@ -290,7 +339,10 @@ def parser() -> argparse.ArgumentParser:
     parse.add_argument("--spoken_recipe", type=Path, help="only write a copy of the spoken-translation recipe with its "
                        "runs at --budgets and --seeds in this folder (its outputs: OUT/spoken-translation; "
                        "benchmarks.studies.spoken_budgets) and print the command that runs it")
-    parse.add_argument("--table", action="store_true", help="only print the tables of the finished runs")
+    parse.add_argument("--record", type=Path, help="copy each finished run's scores and answers to this folder (the "
+                       f"repository's: {RECORDS.relative_to(Path(__file__).parents[2])})")
+    parse.add_argument("--table", action="store_true", help="only print the tables of the finished runs (of --out: "
+                       "a study's or a --record folder)")
     return parse
 
 
@@ -332,6 +384,8 @@ def main() -> None:
             for task in args.tasks:
                 for setting in args.settings:
                     result = one_run(args, task, budget, setting, seed)
+                    if args.record is not None:
+                        record(args.out, args.record, task, budget, setting, seed)
                     print(json.dumps({k: result[k] for k in ("task", "budget", "setting", "seed", "train_seconds",
                                                              "best_step", "oracle_nll", "test")}), flush=True)
 

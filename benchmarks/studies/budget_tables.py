@@ -20,8 +20,9 @@ MEASURES = ("oracle", "mean", "distinct", "modes_covered", "oracle_nll", "best_s
 
 
 def read_results(out: Path) -> list[dict]:
-    """Every finished run's results, with ``seconds_partial`` from its run.json: its training seconds leave out the
-    processes before a resume (a checkpoint that did not record their seconds; an ensemble: some member's)."""
+    """Every finished run's results, with ``seconds_partial`` from its run.json (a ``--record`` folder's results hold
+    it): its training seconds leave out the processes before a resume (a checkpoint that did not record their
+    seconds; an ensemble: some member's)."""
     results = []
     for path in sorted(out.glob("*/*-steps/*/results.json")):
         result = json.loads(path.read_text())
@@ -165,4 +166,8 @@ def tables(out: Path) -> str:
     parts.append("Crossover: the smallest budget (steps) from which each MCL setting beats the baseline on best of "
                  "K and modes covered (as good on both, better on one), on the seeds both ran\n\n"
                  + crossover_table(found))
+    others = sorted({n.split(":")[0] for by_system in found.values() for n in by_system if ":" in n} - {"mle"})
+    for mle in others:  # the one LoRA trained as an option trains MCL (mle-loraplus): MCL held to it too
+        parts.append(f"Crossover against the one LoRA of `{mle}` (its decodings; the ensemble as above)\n\n"
+                     + crossover_table(found, mle))
     return "\n\n".join(parts)

@@ -12,10 +12,13 @@ verdict reads the same answers another way (an answer's mode: the mode of the re
 mixture, each of the chain that explains it; the defaults study keeps none, and its Markov runs are left out); the
 NLL verdict reads the training logs only. It reads the budget study's runs too (``benchmarks.studies.budget_study``:
 OUT/<task>/<budget>-steps/<run>, decoded from the best checkpoint), and there adds the verdict the run gave itself
-in training (``output_verdict: 16`` on validation prompts, with the rows' mode column).
+in training (``output_verdict: 16`` on validation prompts, with the rows' mode column), and its records
+(``budget_study --record``), which keep no data: ``--data`` names the tasks' data built again (``budget_study
+--data_only``), refused unless it is the data the runs were scored on.
 
     python -m benchmarks.studies.verdict_agreement --out /tmp/defaults   # the defaults study's --out
     python -m benchmarks.studies.verdict_agreement --out /tmp/budgets    # the budget study's
+    python -m benchmarks.studies.verdict_agreement --out benchmarks/studies/records/budget --data /tmp/budgets/data
 """
 
 from __future__ import annotations
@@ -62,11 +65,15 @@ def test_prompts(data: Path, task: str) -> tuple[list[dict], list[list[str]]] | 
     return tests, [[chain(t["prompt"], r) for r in t["references"]] for t in tests]
 
 
-def run_verdicts(out: Path) -> list[dict]:
-    """One row per finished MCL run of each task: the truth and the two verdicts."""
-    rows = []
+def run_verdicts(out: Path, data: Path | None = None) -> list[dict]:
+    """One row per finished MCL run of each task: the truth and the two verdicts. ``data``: the tasks' data folders
+    (default ``out``/data; a budget-study record's must be the data it recorded)."""
+    from benchmarks.studies.budget_study import check_data
+
+    rows, root = [], out / "data" if data is None else data
     for task in TASKS:
-        data = out / "data" / task
+        data = root / task
+        check_data(out, data, task)
         if not (data / "test.jsonl").exists() or (found := test_prompts(data, task)) is None:
             continue
         (tests, modes), identifier = found, None
@@ -128,8 +135,10 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="the defaults or budget study's --out")
-    print(table(run_verdicts(parser.parse_args().out)))
+    parser.add_argument("--out", type=Path, required=True, help="the defaults or budget study's --out, or a record")
+    parser.add_argument("--data", type=Path, help="the tasks' data (default: OUT/data)")
+    args = parser.parse_args()
+    print(table(run_verdicts(args.out, args.data)))
 
 
 if __name__ == "__main__":

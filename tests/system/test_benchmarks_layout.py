@@ -10,6 +10,7 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 ROOMS = ("speed", "checks", "studies")  # measurements; fault injection and the GPU check; studies that train
 SHARED = ["__init__.py", "common.py", "tiny.py"]  # what every room imports, as benchmarks.common, benchmarks.tiny
+DATA = {"studies": ["records"]}  # folders of data, no script: the runs a study keeps (budget_study --record)
 
 
 def test_every_script_lives_in_a_room():
@@ -17,7 +18,10 @@ def test_every_script_lives_in_a_room():
     assert top == sorted([*ROOMS, *SHARED])
     for room in ROOMS:
         assert (BENCHMARKS / room / "__init__.py").is_file(), f"benchmarks/{room} is no package: `python -m` fails"
-        assert not [p for p in (BENCHMARKS / room).iterdir() if p.is_dir() and p.name != "__pycache__"]
+        folders = [p.name for p in (BENCHMARKS / room).iterdir() if p.is_dir() and p.name != "__pycache__"]
+        assert folders == DATA.get(room, [])
+        for folder in folders:
+            assert not [p for p in (BENCHMARKS / room / folder).rglob("*") if p.suffix in (".py", ".sh")]
 
 
 def test_no_script_edits_sys_path():

@@ -59,6 +59,37 @@ def test_two_budgets_train_keep_the_best_decode_score_and_are_reused(tmp_path, m
     assert "| LoRA-MLE r8, diverse beam 2 | 2 | 1 |" in printed
     assert "| ensemble of 2 LoRA-MLE r4, greedy | 1 | 1 |" in printed
     assert "| markov | relaxed-0.05 |" in printed
+    # --record: the runs' scores and answers kept elsewhere read as the runs did, after the runs are gone
+    from benchmarks.studies.verdict_agreement import run_verdicts
+
+    records, verdicts = tmp_path / "records", run_verdicts(args.out)
+    for budget, setting in results:
+        study.record(args.out, records, "markov", budget, setting, seed=0)
+    assert not list(records.rglob("*.safetensors")) and (records / "data" / "markov.json").exists()
+    shutil.move(args.out / "markov", tmp_path / "gone")
+    assert budget_tables.tables(records) == printed
+    assert run_verdicts(records, data.parent) == verdicts and len(verdicts) == 2  # the MCL setting at both budgets
+    with pytest.raises(SystemExit, match="no train.jsonl, validation.jsonl, test.jsonl, references.jsonl"):
+        run_verdicts(records, tmp_path)  # the data not built again
+    (data / "train.jsonl").write_text(read_rows.__name__)  # other data: refused, read or recorded
+    with pytest.raises(SystemExit, match="not the markov data the runs of .*records were scored on"):
+        run_verdicts(records, data.parent)
+    shutil.move(tmp_path / "gone", args.out / "markov")
+    with pytest.raises(SystemExit, match="build it with this checkout's `budget_study --data_only --tasks markov`"):
+        study.record(args.out, records, "markov", 2, "mle", seed=0)
+
+
+def test_the_repositorys_records_read_as_the_studys_runs():
+    """The study's runs kept in the repository (RECORDS, ``--record``): each with its answers and its task's data
+    digest, and ``--table`` reads them."""
+    results = budget_tables.read_results(study.RECORDS)
+    assert results, f"no records in {study.RECORDS}"
+    for result in results:
+        run = study.RECORDS / result["task"] / f"{result['budget']}-steps" / f"{result['setting']}-s{result['seed']}"
+        assert (run / "candidates.json").exists() and (study.RECORDS / "data" / f"{result['task']}.json").exists()
+        assert "seconds_partial" in result
+    printed = budget_tables.tables(study.RECORDS)
+    assert all(f"{task} (K = " in printed for task in {r["task"] for r in results})
 
 
 def test_the_crossover_is_the_budget_from_which_mcl_beats_each_baseline(tmp_path):
@@ -92,6 +123,14 @@ def test_the_crossover_is_the_budget_from_which_mcl_beats_each_baseline(tmp_path
     lines = printed.split("Crossover")[1].splitlines()[-2:]
     never = " | ".join(["not within 600 steps"] * 4)
     assert lines == ["| short | shared | 200 | 200 | 60 | not within 600 steps |", f"| short | bias | {never} |"]
+    assert "mle-loraplus" not in printed
+    write("mle-loraplus", 200, beam=scores(0.2, 1.7), diverse_beam=scores(0.1, 1.0), sample=scores(0.05, 1.0),
+          greedy=scores(0.1, 0.5))  # the one LoRA with LoRA+: a crossover table of its own
+    printed = budget_tables.tables(tmp_path)
+    assert "| LoRA-MLE r24-loraplus, beam 3 | 200 | 1 | 0.20 |" in printed
+    lines = printed.split("Crossover against the one LoRA of `mle-loraplus`")[1].splitlines()[-2:]
+    assert lines == ["| short | shared | not within 200 steps | 200 | 200 | not within 600 steps |",
+                     "| short | bias | not within 200 steps | 200 | 200 | not within 600 steps |"]
     assert budget_tables.crossover({}) == "-"
     same = scores(1.0, 2.0)
     assert not budget_tables.beats(same, same) and budget_tables.beats(scores(1.0, 2.5), same)  # Markov: modes decide
