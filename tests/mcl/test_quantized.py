@@ -381,7 +381,14 @@ def test_a_shared_adapter_trains_on_a_quantized_base_and_exports_to_peft(folders
     mcl.export_hypothesis(1, tmp_path / "peft")
     assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["r"] == 6
     peft = PeftModel.from_pretrained(quantized(folders, "llama", quantization), tmp_path / "peft").eval()
+    modules = dict(peft.named_modules())
+    for name, layer in mcl.mcl_layers():  # each layer on one input: the same function, to float32's rounding
+        x = torch.randn(2, 7, layer.base_layer.in_features)
+        with torch.no_grad(), mcl.use_hypotheses(1):
+            torch.testing.assert_close(modules[f"base_model.model.{name}"](x), layer(x), atol=1e-5, rtol=0)
     with torch.no_grad(), mcl.use_hypotheses(1):
         ours = mcl.base_model(**inputs).logits
-    with torch.no_grad():
-        torch.testing.assert_close(peft(**inputs).logits, ours, atol=1e-4, rtol=0)
+    with torch.no_grad():  # the whole model: on a CPU with AVX512-BF16, bitsandbytes' 4-bit kernel rounds its input
+        # (inputs 1e-6 apart give the same output), and a float32 rounding upstream can flip one (3.8e-4 on these
+        # logits): compared within bfloat16's margin
+        torch.testing.assert_close(peft(**inputs).logits, ours, atol=2e-3, rtol=0)
