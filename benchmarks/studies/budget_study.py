@@ -297,16 +297,14 @@ def record(out: Path, records: Path, task: str, budget: int, setting: str, seed:
     ``verdict_agreement`` read; and records/data/<task>.json, the SHA-256 of the task's data files (the data is built
     again from the code, never kept: the translation tasks' comes from this machine's gettext catalogs). A run scored
     on other data than the runs recorded before is refused."""
-    from loramcl.utils.run_record import RunRecord
+    from benchmarks.studies.budget_tables import read_result
 
-    run = out / task / f"{budget}-steps" / f"{setting}-s{seed}"
-    data = out / "data" / task
+    run, data, digest = out / task / f"{budget}-steps" / f"{setting}-s{seed}", out / "data" / task, records / "data"
     check_data(records, data, task)
-    (records / "data").mkdir(parents=True, exist_ok=True)
-    (records / "data" / f"{task}.json").write_text(json.dumps({"sha256": data_digest(data)}, indent=1) + "\n")
-    result = json.loads((run / "results.json").read_text())
-    if (run / "run.json").exists():
-        result["seconds_partial"] = RunRecord.of(json.loads((run / "run.json").read_text())).seconds_partial
+    if not (digest / f"{task}.json").exists():  # the first run of the task recorded
+        digest.mkdir(parents=True, exist_ok=True)
+        (digest / f"{task}.json").write_text(json.dumps({"sha256": data_digest(data)}, indent=1) + "\n")
+    result = read_result(run / "results.json")
     kept = records / task / f"{budget}-steps" / run.name
     kept.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(run / "candidates.json", kept / "candidates.json")

@@ -19,18 +19,20 @@ BASELINES = {"beam": "beam K", "diverse_beam": "diverse beam K", "sample": "samp
 MEASURES = ("oracle", "mean", "distinct", "modes_covered", "oracle_nll", "best_step", "train_seconds", "partial")
 
 
+def read_result(path: Path) -> dict:
+    """One finished run's results (its results.json at ``path``), with ``seconds_partial`` from its run.json (a
+    ``--record`` folder's results hold it): its training seconds leave out the processes before a resume (a
+    checkpoint that did not record their seconds; an ensemble: some member's)."""
+    result = json.loads(path.read_text())
+    record = path.parent / "run.json"
+    if record.exists():
+        result["seconds_partial"] = RunRecord.of(json.loads(record.read_text())).seconds_partial
+    return result
+
+
 def read_results(out: Path) -> list[dict]:
-    """Every finished run's results, with ``seconds_partial`` from its run.json (a ``--record`` folder's results hold
-    it): its training seconds leave out the processes before a resume (a checkpoint that did not record their
-    seconds; an ensemble: some member's)."""
-    results = []
-    for path in sorted(out.glob("*/*-steps/*/results.json")):
-        result = json.loads(path.read_text())
-        record = path.parent / "run.json"
-        if record.exists():
-            result["seconds_partial"] = RunRecord.of(json.loads(record.read_text())).seconds_partial
-        results.append(result)
-    return results
+    """Every finished run's results in ``out`` (``read_result``)."""
+    return [read_result(path) for path in sorted(out.glob("*/*-steps/*/results.json"))]
 
 
 def systems(result: dict):

@@ -71,7 +71,7 @@ def test_two_budgets_train_keep_the_best_decode_score_and_are_reused(tmp_path, m
     assert run_verdicts(records, data.parent) == verdicts and len(verdicts) == 2  # the MCL setting at both budgets
     with pytest.raises(SystemExit, match="no train.jsonl, validation.jsonl, test.jsonl, references.jsonl"):
         run_verdicts(records, tmp_path)  # the data not built again
-    (data / "train.jsonl").write_text(read_rows.__name__)  # other data: refused, read or recorded
+    (data / "train.jsonl").write_text("{}\n")  # other data: refused, read or recorded
     with pytest.raises(SystemExit, match="not the markov data the runs of .*records were scored on"):
         run_verdicts(records, data.parent)
     shutil.move(tmp_path / "gone", args.out / "markov")
