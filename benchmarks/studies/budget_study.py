@@ -22,9 +22,13 @@ step, learning rate 2e-3, cosine after 10 warm-up steps). New here:
               the ensemble: over its members), averaged over the references
   crossover   per task and MCL setting, the smallest budget from which on (at it and every larger budget measured) it
               beats each baseline (beam K, diverse beam K, samples, the ensemble) on best-of-K and modes covered: as
-              good on both and better on one (``beats``), each budget on the seeds both finished; else "not within
-              <largest budget> steps"; where the one LoRA also ran with an option (``mle-loraplus``), a crossover
-              table against it too
+              good on both and better on one (``beats``), each budget on the seeds both finished and at the same
+              learning rate; else "not within <largest budget> steps"; where the one LoRA also ran with an option
+              (``mle-loraplus``), a crossover table against it too
+  learning    2e-3 for every system (``LEARNING_RATE``); the same command with another ``--learning_rate`` adds runs
+  rates       named by it (``run_name``: relaxed-0.05-lr0.004-s0) beside the study's, and ``--table`` then shows too
+              the systems run at two rates or more each at its rate of lowest validation loss (``budget_tables.tuned``:
+              the oracle NLL of the kept adapters, which every results.json holds as ``best_eval_loss``)
 
     python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets \
         --budgets 60 200 600 --tasks markov bilingual short --seeds 0 1
@@ -66,6 +70,19 @@ OUTPUT_PROMPTS = 16
 # the finished runs the repository keeps (--record): a machine's runs go with it, these stay and add up
 RECORDS = Path(__file__).parent / "records" / "budget"
 DATA_FILES = ("train.jsonl", "validation.jsonl", "test.jsonl", "references.jsonl")  # build_data's
+LEARNING_RATE = 2e-3  # the study's, for every system; runs at another (--learning_rate) carry it in their names
+
+
+def rate_suffix(learning_rate: float) -> str:
+    """"" at the study's learning rate, else "-lr<rate>" (e.g. "-lr0.004"): in a run's name and its system's."""
+    return "" if learning_rate == LEARNING_RATE else f"-lr{learning_rate:g}"
+
+
+def run_name(setting: str, seed: int, learning_rate: float = LEARNING_RATE) -> str:
+    """A run's folder in <task>/<budget>-steps: ``<setting>-s<seed>``, ``<setting>-lr<rate>-s<seed>`` at a learning
+    rate not the study's, so that one system's runs at several rates sit side by side (``budget_tables.tuned``
+    picks each system's by its validation loss)."""
+    return f"{setting}{rate_suffix(learning_rate)}-s{seed}"
 
 
 # ---- data ----------------------------------------------------------------------------------------------------
@@ -186,8 +203,9 @@ def evaluate(args, task: str, adapters: Path, hypotheses: int, strategies) -> tu
     return scores, decoded
 
 
-def best_step(run: Path) -> int:
-    return json.loads((run / "best" / "best.json").read_text())["step"]
+def best(run: Path) -> dict:
+    """The step and validation loss of ``run``'s kept adapters (best.json: the oracle NLL min_k for K >= 2)."""
+    return json.loads((run / "best" / "best.json").read_text())
 
 
 KEPT = ("results.json", "candidates.json", "run.json", "train_log.json", "best.json", "reference_nll.jsonl")
@@ -209,7 +227,7 @@ def one_run(args, task: str, budget: int, setting: str, seed: int) -> dict:
     """Train (or reuse), decode from the best checkpoint and score one system of ``setting`` at ``budget`` steps;
     its results.json, once written, is read back instead."""
     folder = args.out / task / f"{budget}-steps"
-    run = folder / f"{setting}-s{seed}"
+    run = folder / run_name(setting, seed, args.learning_rate)
     if (run / "results.json").exists():
         return json.loads((run / "results.json").read_text())
     data, hypotheses = args.out / "data" / task, study.TASKS[task]
@@ -225,7 +243,8 @@ def one_run(args, task: str, budget: int, setting: str, seed: int) -> dict:
     scores, decoded = evaluate(args, task, run / "best", hypotheses,
                                MLE_STRATEGIES if study.is_mle(setting) else ("greedy",))
     result = common | {"train_seconds": record["seconds"], "resumed_from": record.get("resumed_from"),
-                       "best_step": best_step(run), "trainable_parameters": record.get("trainable_parameters")} | scores
+                       "best_step": best(run)["step"], "best_eval_loss": best(run)["eval_loss"],
+                       "trainable_parameters": record.get("trainable_parameters")} | scores
     if not study.is_mle(setting):
         table = study.wins_by_mode(args.model, run / "best", data, hypotheses)
         result |= {"verdict": record.get("specialisation"), "output_verdict": record.get("outputs"),
@@ -241,18 +260,20 @@ def ensemble_run(args, task: str, budget: int, seed: int, common: dict) -> dict:
     from loramcl.recipes.ensemble import assemble
 
     folder, data, hypotheses = args.out / task / f"{budget}-steps", args.out / "data" / task, study.TASKS[task]
-    members = [f"mle-r{args.rank}-s{seed * hypotheses + i}" for i in range(hypotheses)]
+    rate = rate_suffix(args.learning_rate)
+    members = [f"mle-r{args.rank}{rate}-s{seed * hypotheses + i}" for i in range(hypotheses)]
     for member in members:
         if not (folder / member / "run.json").exists():
             train_run(args, data, folder / member, "mle", 1, int(member.rsplit("-s", 1)[1]), budget)
-    run = folder / f"{ENSEMBLE}-s{seed}"
+    run = folder / run_name(ENSEMBLE, seed, args.learning_rate)
     if not (run / "run.json").exists():
         assemble(folder, run.name, {"model": str(args.model), "dtype": "float32"}, members, best=True)
     record = json.loads((run / "run.json").read_text())
     started = time.perf_counter()
     scores, decoded = evaluate(args, task, run / "best", hypotheses, ("greedy",))
     result = common | {"members": members, "train_seconds": record["seconds"],
-                       "best_step": [best_step(folder / m) for m in members],
+                       "best_step": [best(folder / m)["step"] for m in members],
+                       "best_eval_loss": [best(folder / m)["eval_loss"] for m in members],
                        "trainable_parameters": record.get("trainable_parameters")} | scores
     result["eval_seconds"] = round(time.perf_counter() - started, 1)
     if args.prune:
@@ -291,7 +312,8 @@ def check_data(records: Path, data: Path, task: str) -> None:
                          f"{task}` on a machine with the same gettext catalogs, or record into another folder")
 
 
-def record(out: Path, records: Path, task: str, budget: int, setting: str, seed: int) -> Path:
+def record(out: Path, records: Path, task: str, budget: int, setting: str, seed: int,
+           learning_rate: float = LEARNING_RATE) -> Path:
     """Copy one finished run from ``out`` to ``records``, in the same layout: its scores (results.json, with its
     run.json's ``seconds_partial`` in it) and its decoded answers (candidates.json), what ``--table`` and
     ``verdict_agreement`` read; and records/data/<task>.json, the SHA-256 of the task's data files (the data is built
@@ -299,7 +321,8 @@ def record(out: Path, records: Path, task: str, budget: int, setting: str, seed:
     on other data than the runs recorded before is refused."""
     from benchmarks.studies.budget_tables import read_result
 
-    run, data, digest = out / task / f"{budget}-steps" / f"{setting}-s{seed}", out / "data" / task, records / "data"
+    run = out / task / f"{budget}-steps" / run_name(setting, seed, learning_rate)
+    data, digest = out / "data" / task, records / "data"
     check_data(records, data, task)
     if not (digest / f"{task}.json").exists():  # the first run of the task recorded
         digest.mkdir(parents=True, exist_ok=True)
@@ -325,7 +348,8 @@ def parser() -> argparse.ArgumentParser:
     parse.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                        help="--device cuda: bfloat16 autocast in training (--no-bf16: float32)")
     parse.add_argument("--threads", type=int, default=1, help="torch CPU threads of each run")
-    parse.add_argument("--learning_rate", type=float, default=2e-3)
+    parse.add_argument("--learning_rate", type=float, default=LEARNING_RATE, help="of every run; runs at another "
+                       "than the study's carry it in their names (a second command adds a learning rate)")
     parse.add_argument("--rank", type=int, default=8, help="LoRA rank of each hypothesis (LoRA-MLE: rank * K)")
     parse.add_argument("--evaluations", type=int, default=5, help="validations (and checkpoints) per run")
     parse.add_argument("--train_examples", type=int, default=2000)
@@ -383,7 +407,7 @@ def main() -> None:
                 for setting in args.settings:
                     result = one_run(args, task, budget, setting, seed)
                     if args.record is not None:
-                        record(args.out, args.record, task, budget, setting, seed)
+                        record(args.out, args.record, task, budget, setting, seed, args.learning_rate)
                     print(json.dumps({k: result[k] for k in ("task", "budget", "setting", "seed", "train_seconds",
                                                              "best_step", "oracle_nll", "test")}), flush=True)
 

@@ -1,15 +1,17 @@
 """The tables of the study across budgets (``benchmarks.studies.budget_study``, issue 64), from its results.json
 files: per task, every system at every budget (means over the finished seeds), and the crossover of each MCL setting
-with each baseline (on the seeds both finished)."""
+with each baseline (on the seeds both finished, at the same learning rate); where systems ran at several learning
+rates, the same tables with each system at its rate of lowest validation loss (``tuned``)."""
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 
 from benchmarks.studies import defaults_study as study
-from benchmarks.studies.budget_study import ENSEMBLE, MLE_STRATEGIES
+from benchmarks.studies.budget_study import ENSEMBLE, LEARNING_RATE, MLE_STRATEGIES, rate_suffix
 from loramcl.utils.run_record import RunRecord
 
 # the baselines MCL is held to, as the crossover table heads them: the one LoRA's decodings (beam search of K beams,
@@ -37,15 +39,24 @@ def read_results(out: Path) -> list[dict]:
 
 def systems(result: dict):
     """(system, scores) of one run: an MCL setting's greedy hypotheses; the one LoRA's four decodings
-    ("mle:beam", ...); the ensemble. scores: the test scores with the run's oracle NLL, best step and training
-    seconds (an ensemble's best step: the mean of its members')."""
+    ("mle:beam", ...); the ensemble; each with its learning rate when not the study's ("mle-lr0.004:beam").
+    scores: the test scores with the run's oracle NLL, best step and training seconds (an ensemble's best step: the
+    mean of its members')."""
     steps = result["best_step"]
     shared = {"oracle_nll": result["oracle_nll"], "train_seconds": result["train_seconds"],
               "best_step": statistics.mean(steps) if isinstance(steps, list) else steps,
               "partial": bool(result.get("seconds_partial"))}
+    setting = result["setting"] + rate_suffix(result.get("learning_rate", LEARNING_RATE))
     for strategy, scores in result["test"].items():
-        name = f"{result['setting']}:{strategy}" if study.is_mle(result["setting"]) else result["setting"]
-        yield name, scores | shared
+        yield (f"{setting}:{strategy}" if study.is_mle(result["setting"]) else setting), scores | shared
+
+
+def parts(name: str) -> tuple[str, str, str]:
+    """(setting, learning-rate suffix, strategy) of a system's name: "mle-lr0.004:beam" -> ("mle", "-lr0.004",
+    "beam"); "relaxed-0.05" -> ("relaxed-0.05", "", "")."""
+    system, _, strategy = name.partition(":")
+    setting, rate = re.fullmatch(r"(.+?)(-lr[0-9.e+-]+)?", system).groups()
+    return setting, rate or "", strategy
 
 
 def per_seed(results: list[dict]) -> dict:
@@ -69,26 +80,27 @@ def means(found: dict) -> dict:
 
 
 def system_name(name: str, task: str, rank: int) -> str:
-    k = study.TASKS[task]
-    if name == ENSEMBLE:
-        return f"ensemble of {k} LoRA-MLE r{rank}, greedy"
-    if ":" in name:
-        setting, strategy = name.split(":")
+    k, (setting, rate, strategy) = study.TASKS[task], parts(name)
+    rate = f" (lr {rate[3:]})" if rate else ""
+    if setting == ENSEMBLE:
+        return f"ensemble of {k} LoRA-MLE r{rank}{rate}, greedy"
+    if strategy:
         what = {"beam": f"beam {k}", "diverse_beam": f"diverse beam {k}", "sample": f"sample {k}",
                 "greedy": "greedy 1"}[strategy]
-        return f"LoRA-MLE r{rank * k}{setting[3:]}, {what}"
-    return name
+        return f"LoRA-MLE r{rank * k}{setting[3:]}{rate}, {what}"
+    return setting + rate
 
 
 def order(name: str) -> tuple:
-    """MCL settings in the study's order, then the one LoRA's decodings, then the ensemble."""
-    names = list(study.SETTINGS)
-    if name == ENSEMBLE:
-        return (2, 0, 0)
-    if ":" in name:
-        setting, strategy = name.split(":")
-        return (1, names.index(setting), MLE_STRATEGIES.index(strategy))
-    return (0, names.index(name), 0)
+    """MCL settings in the study's order, then the one LoRA's decodings, then the ensemble; each system's learning
+    rates in increasing order (the study's first)."""
+    setting, rate, strategy = parts(name)
+    rate = float(rate[3:]) if rate else 0.0
+    if setting == ENSEMBLE:
+        return (2, 0, rate, 0)
+    if strategy:
+        return (1, list(study.SETTINGS).index(setting), rate, MLE_STRATEGIES.index(strategy))
+    return (0, list(study.SETTINGS).index(setting), rate, 0)
 
 
 def task_table(task: str, by_system: dict, rank: int) -> str:
@@ -144,32 +156,73 @@ def paired(mine: dict, other: dict) -> dict[int, tuple[dict, dict]]:
 
 def crossover_table(found: dict, mle: str = "mle") -> str:
     """Per task and MCL setting, the crossover with each baseline (``BASELINES``: the one LoRA ``mle``'s beam K,
-    diverse beam K and samples, the ensemble), from ``per_seed``'s runs: each budget compared on the common seeds."""
+    diverse beam K and samples, the ensemble) at the setting's learning rate, from ``per_seed``'s runs: each budget
+    compared on the common seeds."""
     lines = ["| task | setting | " + " | ".join(BASELINES.values()) + " |",
              "|---|---|" + "---|" * len(BASELINES)]
     for task, by_system in found.items():
-        for setting in sorted((n for n in by_system if ":" not in n and n != ENSEMBLE), key=order):
-            cells = []
+        for setting in sorted((n for n in by_system if ":" not in n and parts(n)[0] != ENSEMBLE), key=order):
+            cells, rate = [], parts(setting)[1]
             for baseline in BASELINES:
-                other = by_system.get(ENSEMBLE if baseline == ENSEMBLE else f"{mle}:{baseline}", {})
+                other = by_system.get(ENSEMBLE + rate if baseline == ENSEMBLE else f"{mle}{rate}:{baseline}", {})
                 cells.append(crossover(paired(by_system[setting], other)))
             lines.append(f"| {task} | {setting} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def tuned(results: list[dict]) -> tuple[list[dict], list[str]]:
+    """Each system at its own learning rate: of the runs of one setting, task, budget and seed at two learning rates
+    or more, the one whose kept adapters had the lowest validation loss (``best_eval_loss``; the ensemble: its
+    members' mean), named as at the study's rate. (those runs, a table of the choices)."""
+    groups: dict = {}
+    for result in results:
+        key = (result["task"], result["setting"], result["budget"], result["seed"])
+        groups.setdefault(key, []).append(result)
+    chosen, lines = [], ["| task | system | steps | seed | validation loss at each learning rate | chosen |",
+                         "|---|---|---|---|---|---|"]
+    for (task, setting, budget, seed), runs in sorted(groups.items(), key=lambda g: (
+            list(study.TASKS).index(g[0][0]), order(g[0][1]), g[0][2], g[0][3])):
+        if len(runs) < 2:
+            continue
+        missing = [r["learning_rate"] for r in runs if "best_eval_loss" not in r]
+        if missing:
+            raise SystemExit(f"{task} {setting} {budget} steps seed {seed}: the runs at learning rate {missing} have "
+                             "no best_eval_loss (results.json of a study before 2026-11-30): add it from the run's "
+                             "best/best.json (eval_loss)")
+        losses = {r["learning_rate"]: statistics.mean(r["best_eval_loss"] if isinstance(r["best_eval_loss"], list)
+                                                      else [r["best_eval_loss"]]) for r in runs}
+        rate = min(losses, key=losses.get)
+        chosen.append(next(r for r in runs if r["learning_rate"] == rate) | {"learning_rate": LEARNING_RATE})
+        lines.append(f"| {task} | {setting} | {budget} | {seed} | "
+                     + ", ".join(f"{r:g}: {loss:.3f}" for r, loss in sorted(losses.items())) + f" | {rate:g} |")
+    return chosen, lines
+
+
+def sections(results: list[dict]) -> list[str]:
+    """Every task's table and the crossover tables of ``results``."""
+    found = dict(sorted(per_seed(results).items(), key=lambda t: list(study.TASKS).index(t[0])))
+    rank = results[0]["rank"]
+    shown = [task_table(task, by_system, rank) for task, by_system in means(found).items()]
+    shown.append("Crossover: the smallest budget (steps) from which each MCL setting beats the baseline on best of "
+                 "K and modes covered (as good on both, better on one), on the seeds both ran, at the same learning "
+                 "rate\n\n" + crossover_table(found))
+    others = sorted({parts(n)[0] for by_system in found.values() for n in by_system if ":" in n} - {"mle"})
+    for mle in others:  # the one LoRA trained as an option trains MCL (mle-loraplus): MCL held to it too
+        shown.append(f"Crossover against the one LoRA of `{mle}` (its decodings; the ensemble as above)\n\n"
+                     + crossover_table(found, mle))
+    return shown
+
+
 def tables(out: Path) -> str:
-    """Every task's table and the crossover table, of the runs finished in ``out``."""
+    """Every task's table and the crossover tables, of the runs finished in ``out``; where systems ran at several
+    learning rates, the same of those systems each at its rate of lowest validation loss (``tuned``)."""
     results = read_results(out)
     if not results:
         return f"no finished run in {out} (a finished run has a results.json)"
-    found = dict(sorted(per_seed(results).items(), key=lambda t: list(study.TASKS).index(t[0])))
-    rank = results[0]["rank"]
-    parts = [task_table(task, by_system, rank) for task, by_system in means(found).items()]
-    parts.append("Crossover: the smallest budget (steps) from which each MCL setting beats the baseline on best of "
-                 "K and modes covered (as good on both, better on one), on the seeds both ran\n\n"
-                 + crossover_table(found))
-    others = sorted({n.split(":")[0] for by_system in found.values() for n in by_system if ":" in n} - {"mle"})
-    for mle in others:  # the one LoRA trained as an option trains MCL (mle-loraplus): MCL held to it too
-        parts.append(f"Crossover against the one LoRA of `{mle}` (its decodings; the ensemble as above)\n\n"
-                     + crossover_table(found, mle))
-    return "\n\n".join(parts)
+    shown = sections(results)
+    chosen, choices = tuned(results)
+    if chosen:
+        shown += ["Each system at its own learning rate: of the systems run at two learning rates or more, the run "
+                  "of the lowest validation loss (oracle NLL of the kept adapters; an ensemble: its members' mean)"
+                  "\n\n" + "\n".join(choices), *sections(chosen)]
+    return "\n\n".join(shown)

@@ -68,7 +68,7 @@ def test_prompts(data: Path, task: str) -> tuple[list[dict], list[list[str]]] | 
 def run_verdicts(out: Path, data: Path | None = None) -> list[dict]:
     """One row per finished MCL run of each task: the truth and the two verdicts. ``data``: the tasks' data folders
     (default ``out``/data; a budget-study record's must be the data it recorded)."""
-    from benchmarks.studies.budget_study import check_data
+    from benchmarks.studies.budget_study import LEARNING_RATE, check_data, rate_suffix
 
     rows, root = [], out / "data" if data is None else data
     for task in TASKS:
@@ -94,7 +94,8 @@ def run_verdicts(out: Path, data: Path | None = None) -> list[dict]:
             verdict = output_verdict(answers, [t["references"] for t in tests], modes,
                                      examples_seen=steps * EXAMPLES_PER_STEP,
                                      prompts=[t["prompt"] for t in tests])
-            rows.append({"task": task, "setting": result["setting"], "seed": result["seed"], "split": split,
+            setting = result["setting"] + rate_suffix(result.get("learning_rate", LEARNING_RATE))
+            rows.append({"task": task, "setting": setting, "seed": result["seed"], "split": split,
                          "budget": result.get("budget"),
                          "trained_verdict": (result.get("output_verdict") or {}).get("kind"),
                          "majority": majority, "purity": [round(p, 2) for p in purity],

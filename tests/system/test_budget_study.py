@@ -23,8 +23,8 @@ from benchmarks.studies.defaults_study import read_rows
 def test_two_budgets_train_keep_the_best_decode_score_and_are_reused(tmp_path, monkeypatch):
     monkeypatch.setitem(study.study.TASKS, "markov", 2)  # K = 2 (the task has 3 chains): two ensemble members to train
     base = save_tiny_run_inputs(tmp_path) / "base"
-    args = Namespace(model=base, out=tmp_path / "study", learning_rate=1e-3, rank=4, evaluations=2, device="cpu",
-                     bf16=True, threads=1, prune=False)
+    args = Namespace(model=base, out=tmp_path / "study", learning_rate=study.LEARNING_RATE, rank=4, evaluations=2,
+                     device="cpu", bf16=True, threads=1, prune=False)
     data = args.out / "data" / "markov"
     study.build_data("markov", data, train=40, validation=8, test=3)
     assert [len(read_rows(data / f"{name}.jsonl")) for name in ("train", "validation", "test")] == [40, 8, 3]
@@ -32,10 +32,15 @@ def test_two_budgets_train_keep_the_best_decode_score_and_are_reused(tmp_path, m
     results = {(budget, setting): study.one_run(args, "markov", budget, setting, seed=0)
                for budget in (1, 2) for setting in ("relaxed-0.05", "mle", "ensemble")}
     for (budget, setting), result in results.items():
-        assert {"train_seconds", "best_step", "oracle_nll", "test", "trainable_parameters"} <= set(result)
+        assert {"train_seconds", "best_step", "best_eval_loss", "oracle_nll", "test", "trainable_parameters"} <= set(
+            result)
         assert result["budget"] == budget and result["oracle_nll"] > 0
         steps = result["best_step"] if setting == "ensemble" else [result["best_step"]]
         assert all(1 <= step <= budget for step in steps)  # validated every step: the best is a step of the run
+        runs = result["members"] if setting == "ensemble" else [f"{setting}-s0"]
+        assert [json.loads((args.out / "markov" / f"{budget}-steps" / run / "best" / "best.json").read_text())[
+            "eval_loss"] for run in runs] == (result["best_eval_loss"] if setting == "ensemble" else
+                                              [result["best_eval_loss"]])  # the kept adapters' validation loss
         assert result["trainable_parameters"] == 2 * 4 * 224  # K r = r K = K members of rank r: equal
     assert set(results[2, "mle"]["test"]) == {"beam", "diverse_beam", "sample", "greedy"}
     assert set(results[2, "relaxed-0.05"]["test"]) == set(results[2, "ensemble"]["test"]) == {"greedy"}
@@ -59,12 +64,22 @@ def test_two_budgets_train_keep_the_best_decode_score_and_are_reused(tmp_path, m
     assert "| LoRA-MLE r8, diverse beam 2 | 2 | 1 |" in printed
     assert "| ensemble of 2 LoRA-MLE r4, greedy | 1 | 1 |" in printed
     assert "| markov | relaxed-0.05 |" in printed
+    # a second learning rate: its runs named by it, tabled beside the study's, and each system at its rate of lowest
+    # validation loss
+    slower = study.one_run(Namespace(**vars(args) | {"learning_rate": 1e-3}), "markov", 2, "mle", seed=0)
+    assert slower["learning_rate"] == 1e-3 and (folder / "mle-lr0.001-s0" / "best").is_dir()
+    printed = budget_tables.tables(args.out)
+    assert "| LoRA-MLE r8, beam 2 | 2 | 1 |" in printed and "| LoRA-MLE r8 (lr 0.001), beam 2 | 2 | 1 |" in printed
+    losses = {1e-3: slower["best_eval_loss"], 2e-3: results[2, "mle"]["best_eval_loss"]}
+    assert (f"| markov | mle | 2 | 0 | 0.001: {losses[1e-3]:.3f}, 0.002: {losses[2e-3]:.3f} | "
+            f"{min(losses, key=losses.get):g} |") in printed.split("Each system at its own learning rate")[1]
     # --record: the runs' scores and answers kept elsewhere read as the runs did, after the runs are gone
     from benchmarks.studies.verdict_agreement import run_verdicts
 
     records, verdicts = tmp_path / "records", run_verdicts(args.out)
     for budget, setting in results:
         study.record(args.out, records, "markov", budget, setting, seed=0)
+    study.record(args.out, records, "markov", 2, "mle", seed=0, learning_rate=1e-3)
     assert not list(records.rglob("*.safetensors")) and (records / "data" / "markov.json").exists()
     shutil.move(args.out / "markov", tmp_path / "gone")
     assert budget_tables.tables(records) == printed
@@ -85,9 +100,10 @@ def test_the_repositorys_records_read_as_the_studys_runs():
     results = budget_tables.read_results(study.RECORDS)
     assert results, f"no records in {study.RECORDS}"
     for result in results:
-        run = study.RECORDS / result["task"] / f"{result['budget']}-steps" / f"{result['setting']}-s{result['seed']}"
+        run = study.RECORDS / result["task"] / f"{result['budget']}-steps" / study.run_name(
+            result["setting"], result["seed"], result["learning_rate"])
         assert (run / "candidates.json").exists() and (study.RECORDS / "data" / f"{result['task']}.json").exists()
-        assert "seconds_partial" in result
+        assert "seconds_partial" in result and "best_eval_loss" in result
     printed = budget_tables.tables(study.RECORDS)
     assert all(f"{task} (K = " in printed for task in {r["task"] for r in results})
 
@@ -135,6 +151,51 @@ def test_the_crossover_is_the_budget_from_which_mcl_beats_each_baseline(tmp_path
     same = scores(1.0, 2.0)
     assert not budget_tables.beats(same, same) and budget_tables.beats(scores(1.0, 2.5), same)  # Markov: modes decide
     assert not budget_tables.beats(scores(0.9, 3.0), same)  # more modes, worse best of K
+
+
+def test_each_system_is_held_to_the_baselines_at_its_learning_rate_and_at_its_own_best_rate(tmp_path):
+    def write(setting, rate, loss, **test):
+        folder = tmp_path / "short" / "200-steps" / study.run_name(setting, 0, rate)
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps(
+            {"task": "short", "setting": setting, "seed": 0, "budget": 200, "rank": 8, "learning_rate": rate,
+             "best_step": 10, "best_eval_loss": loss, "train_seconds": 1.0, "oracle_nll": 2.0, "test": test}))
+
+    def scores(oracle, modes):
+        return {"oracle": oracle, "mean": 0.1, "distinct": 2.0, "modes_covered": modes}
+
+    assert study.run_name("relaxed-0.05", 1) == "relaxed-0.05-s1"  # the study's rate: the names of before
+    assert study.run_name("relaxed-0.05", 1, 4e-3) == "relaxed-0.05-lr0.004-s1"
+    assert budget_tables.parts("mle-loraplus-lr0.004:beam") == ("mle-loraplus", "-lr0.004", "beam")
+    assert budget_tables.parts("relaxed-0.05") == ("relaxed-0.05", "", "")
+    mle = {"beam": scores(0.2, 1.0), "diverse_beam": scores(0.1, 1.0), "sample": scores(0.1, 1.0),
+           "greedy": scores(0.1, 0.5)}
+    write("mle", 2e-3, 3.0, **mle)
+    write("mle", 4e-3, 2.5, **mle | {"beam": scores(0.4, 1.0)})  # better at the higher rate
+    write("relaxed-0.05", 2e-3, 2.9, greedy=scores(0.3, 1.5))  # beats the one LoRA at 2e-3
+    write("relaxed-0.05", 4e-3, 2.95, greedy=scores(0.35, 1.5))  # loses to it at 4e-3 (beam 0.4)
+    write("ensemble", 2e-3, [2.0, 4.0], greedy=scores(0.5, 2.0))
+    write("ensemble", 4e-3, [2.8, 3.0], greedy=scores(0.1, 0.5))  # lower mean (2.9 < 3.0): chosen
+    printed = budget_tables.tables(tmp_path)
+    assert "| relaxed-0.05 (lr 0.004) | 200 | 1 | 0.35 |" in printed
+    assert "| LoRA-MLE r24 (lr 0.004), beam 3 | 200 | 1 | 0.40 |" in printed
+    assert "| ensemble of 3 LoRA-MLE r8 (lr 0.004), greedy | 200 | 1 | 0.10 |" in printed
+    assert printed.index("| relaxed-0.05 |") < printed.index("| relaxed-0.05 (lr 0.004) |")
+    crossover = printed.split("Crossover: ")[1].split("Each system")[0].strip().splitlines()[-2:]
+    assert crossover == ["| short | relaxed-0.05 | 200 | 200 | 200 | not within 200 steps |",
+                         "| short | relaxed-0.05-lr0.004 | not within 200 steps | 200 | 200 | 200 |"]  # same rates
+    tuned = printed.split("Each system at its own learning rate")[1]
+    assert "| short | relaxed-0.05 | 200 | 0 | 0.002: 2.900, 0.004: 2.950 | 0.002 |" in tuned
+    assert "| short | mle | 200 | 0 | 0.002: 3.000, 0.004: 2.500 | 0.004 |" in tuned
+    assert "| short | ensemble | 200 | 0 | 0.002: 3.000, 0.004: 2.900 | 0.004 |" in tuned
+    assert "| LoRA-MLE r24, beam 3 | 200 | 1 | 0.40 |" in tuned and "(lr " not in tuned  # named as the system
+    assert tuned.split("Crossover: ")[1].splitlines()[-1] == (
+        "| short | relaxed-0.05 | not within 200 steps | 200 | 200 | 200 |")  # 2e-3 held to the one LoRA's 4e-3
+    (tmp_path / "short" / "200-steps" / "mle-s0" / "results.json").write_text(json.dumps(
+        {k: v for k, v in json.loads((tmp_path / "short" / "200-steps" / "mle-s0" / "results.json").read_text())
+         .items() if k != "best_eval_loss"}))  # a run scored before the study kept its validation loss
+    with pytest.raises(SystemExit, match=r"learning rate \[0.002\] have no best_eval_loss .* best/best.json"):
+        budget_tables.tables(tmp_path)
 
 
 def test_the_crossover_holds_a_setting_to_the_baseline_on_the_seeds_both_ran():
