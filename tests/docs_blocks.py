@@ -658,8 +658,8 @@ REGISTRY = {
                        "60 --training.learning_rate 2.5e-4 --training.loraplus_lr_ratio 16"):
         Run(replace=(_BASE,), append=("--training.steps", "2"), outputs=("runs/x/loraplus/run.json",),
             why=f"BASE: the tiny model; {_STEPS}"),
-    (G + "scores.md", "loramcl train --model BASE --out runs/x/mean-form --data.train_file train.jsonl --training.steps "
-                       "60 --mcl.epsilon 0.05 --mcl.epsilon_form mean"):
+    (G + "scores.md", "loramcl train --model BASE --out runs/x/mean-form --data.train_file train.jsonl "
+                       "--training.steps 60 --mcl.epsilon 0.05 --mcl.epsilon_form mean"):
         Run(replace=(_BASE,), append=("--training.steps", "2"), outputs=("runs/x/mean-form/mcl_config.json",),
             why=f"BASE: the tiny model; {_STEPS}"),
     (G + "scores.md", "loramcl train --model $R/SmolLM2-135M-Instruct --scores_for $R/mcl-k3 --out "

@@ -34,8 +34,9 @@ LOSSES = {"wta": {}, "relaxed": {"epsilon": 0.05}, "annealed": {"temperature0": 
 
 
 class _Recording(MCLTrainer):
-    """MCLTrainer keeping each training step's loss, the NLL [B, K] its loss saw and the winners [B] it trained (two-pass
-    WTA: those its scoring pass drew; one pass: the loss weights' argmax, ties broken as the loss broke them)."""
+    """MCLTrainer keeping each training step's loss, the NLL [B, K] its loss saw and the winners [B] it trained
+    (two-pass WTA: those its scoring pass drew; one pass: the loss weights' argmax, ties broken as the loss broke
+    them)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -108,8 +108,8 @@ def run_verdicts(out: Path, data: Path | None = None) -> list[dict]:
 def table(rows: list[dict]) -> str:
     """Per run, then how often each verdict's "split" agrees with the split by mode."""
     budgets = any(r.get("budget") for r in rows)  # the budget study's runs: their steps and own verdict too
-    lines = ["| task | setting | seed | " + ("steps | " if budgets else "") + "split by mode (most written, share) | NLL "
-             "verdict | output verdict (most written by chrF; same answer; copies) |"
+    lines = ["| task | setting | seed | " + ("steps | " if budgets else "") + "split by mode (most written, share) | "
+             "NLL verdict | output verdict (most written by chrF; same answer; copies) |"
              + (" in training (validation prompts) |" if budgets else ""),
              "|---|---|---|---|---|---|" + ("---|---|" if budgets else "")]
     for r in rows:
@@ -129,8 +129,8 @@ def table(rows: list[dict]) -> str:
     if trained:
         agree = sum((r["trained_verdict"] == "split by mode") == r["split"] for r in trained)
         said = sum(r["trained_verdict"] == "split by mode" and not r["split"] for r in trained)
-        lines[-1] += (f" The verdict the {len(trained)} budget-study runs gave themselves in training agrees on {agree} "
-                      f"(said \"split by mode\" on {said} that did not).")
+        lines[-1] += (f" The verdict the {len(trained)} budget-study runs gave themselves in training agrees on "
+                      f"{agree} (said \"split by mode\" on {said} that did not).")
     return "\n".join(lines)
 
 
