@@ -198,14 +198,15 @@ def tuned(results: list[dict]) -> tuple[list[dict], list[str]]:
     return chosen, lines
 
 
-def sections(results: list[dict]) -> list[str]:
-    """Every task's table and the crossover tables of ``results``."""
+def sections(results: list[dict], rates: str = "at the same learning rate") -> list[str]:
+    """Every task's table and the crossover tables of ``results`` (``rates``: how the systems' learning rates were
+    set, for the crossover's heading)."""
     found = dict(sorted(per_seed(results).items(), key=lambda t: list(study.TASKS).index(t[0])))
     rank = results[0]["rank"]
     shown = [task_table(task, by_system, rank) for task, by_system in means(found).items()]
     shown.append("Crossover: the smallest budget (steps) from which each MCL setting beats the baseline on best of "
-                 "K and modes covered (as good on both, better on one), on the seeds both ran, at the same learning "
-                 "rate\n\n" + crossover_table(found))
+                 f"K and modes covered (as good on both, better on one), on the seeds both ran, {rates}\n\n"
+                 + crossover_table(found))
     others = sorted({parts(n)[0] for by_system in found.values() for n in by_system if ":" in n} - {"mle"})
     for mle in others:  # the one LoRA trained as an option trains MCL (mle-loraplus): MCL held to it too
         shown.append(f"Crossover against the one LoRA of `{mle}` (its decodings; the ensemble as above)\n\n"
@@ -224,5 +225,5 @@ def tables(out: Path) -> str:
     if chosen:
         shown += ["Each system at its own learning rate: of the systems run at two learning rates or more, the run "
                   "of the lowest validation loss (oracle NLL of the kept adapters; an ensemble: its members' mean)"
-                  "\n\n" + "\n".join(choices), *sections(chosen)]
+                  "\n\n" + "\n".join(choices), *sections(chosen, "each at its own learning rate")]
     return "\n\n".join(shown)
