@@ -454,6 +454,11 @@ REGISTRY = {
         ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
         "--budgets 200 --seeds 1 --tasks markov short --settings mle mle-loraplus loraplus "
         "--record benchmarks/studies/records/budget",
+        *(".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
+          f"--budgets 200 --seeds 0 --tasks {tasks} --settings mle relaxed-0.05 --learning_rate {rate} "
+          "--record benchmarks/studies/records/budget"
+          for tasks, rate in (("bilingual short markov", "0.004"), ("bilingual short markov", "0.008"),
+                              ("bilingual", "0.016"))),
         ".venv/bin/python -m benchmarks.studies.budget_study --out /tmp/budgets --data_only "
         "--tasks markov markov-skewed bilingual short",
         ".venv/bin/python -m benchmarks.studies.verdict_agreement --out benchmarks/studies/records/budget "
