@@ -238,12 +238,12 @@ def one_run(args, task: str, budget: int, setting: str, seed: int) -> dict:
         return ensemble_run(args, task, budget, seed, common)
     if not (run / "run.json").exists():
         train_run(args, data, run, setting, hypotheses, seed, budget)
-    record = json.loads((run / "run.json").read_text())
+    record, kept = json.loads((run / "run.json").read_text()), best(run)
     started = time.perf_counter()
     scores, decoded = evaluate(args, task, run / "best", hypotheses,
                                MLE_STRATEGIES if study.is_mle(setting) else ("greedy",))
     result = common | {"train_seconds": record["seconds"], "resumed_from": record.get("resumed_from"),
-                       "best_step": best(run)["step"], "best_eval_loss": best(run)["eval_loss"],
+                       "best_step": kept["step"], "best_eval_loss": kept["eval_loss"],
                        "trainable_parameters": record.get("trainable_parameters")} | scores
     if not study.is_mle(setting):
         table = study.wins_by_mode(args.model, run / "best", data, hypotheses)
@@ -268,12 +268,11 @@ def ensemble_run(args, task: str, budget: int, seed: int, common: dict) -> dict:
     run = folder / run_name(ENSEMBLE, seed, args.learning_rate)
     if not (run / "run.json").exists():
         assemble(folder, run.name, {"model": str(args.model), "dtype": "float32"}, members, best=True)
-    record = json.loads((run / "run.json").read_text())
+    record, kept = json.loads((run / "run.json").read_text()), [best(folder / m) for m in members]
     started = time.perf_counter()
     scores, decoded = evaluate(args, task, run / "best", hypotheses, ("greedy",))
     result = common | {"members": members, "train_seconds": record["seconds"],
-                       "best_step": [best(folder / m)["step"] for m in members],
-                       "best_eval_loss": [best(folder / m)["eval_loss"] for m in members],
+                       "best_step": [b["step"] for b in kept], "best_eval_loss": [b["eval_loss"] for b in kept],
                        "trainable_parameters": record.get("trainable_parameters")} | scores
     result["eval_seconds"] = round(time.perf_counter() - started, 1)
     if args.prune:

@@ -191,10 +191,11 @@ def tuned(results: list[dict]) -> tuple[list[dict], list[str]]:
                              "best/best.json (eval_loss)")
         losses = {r["learning_rate"]: statistics.mean(r["best_eval_loss"] if isinstance(r["best_eval_loss"], list)
                                                       else [r["best_eval_loss"]]) for r in runs}
-        rate = min(losses, key=losses.get)
-        chosen.append(next(r for r in runs if r["learning_rate"] == rate) | {"learning_rate": LEARNING_RATE})
+        pick = min(runs, key=lambda r: losses[r["learning_rate"]])
+        chosen.append(pick | {"learning_rate": LEARNING_RATE})
         lines.append(f"| {task} | {setting} | {budget} | {seed} | "
-                     + ", ".join(f"{r:g}: {loss:.3f}" for r, loss in sorted(losses.items())) + f" | {rate:g} |")
+                     + ", ".join(f"{r:g}: {loss:.3f}" for r, loss in sorted(losses.items()))
+                     + f" | {pick['learning_rate']:g} |")
     return chosen, lines
 
 
