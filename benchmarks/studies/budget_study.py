@@ -28,7 +28,8 @@ step, learning rate 2e-3, cosine after 10 warm-up steps). New here:
   learning    2e-3 for every system (``LEARNING_RATE``); the same command with another ``--learning_rate`` adds runs
   rates       named by it (``run_name``: relaxed-0.05-lr0.004-s0) beside the study's, and ``--table`` then shows too
               the systems run at two rates or more each at its rate of lowest validation loss (``budget_tables.tuned``:
-              the oracle NLL of the kept adapters, which every results.json holds as ``best_eval_loss``)
+              the oracle NLL of the kept adapters, which every results.json holds as ``best_eval_loss``, on the seeds
+              that ran every rate), with every seed run at that rate: tune on seed 0, add seed 1 at the rate chosen
 
     python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets \
         --budgets 60 200 600 --tasks markov bilingual short --seeds 0 1

@@ -1,7 +1,8 @@
 """The tables of the study across budgets (``benchmarks.studies.budget_study``, issue 64), from its results.json
 files: per task, every system at every budget (means over the finished seeds), and the crossover of each MCL setting
 with each baseline (on the seeds both finished, at the same learning rate); where systems ran at several learning
-rates, the same tables with each system at its rate of lowest validation loss (``tuned``)."""
+rates, the same tables with each system at its rate of lowest validation loss (``tuned``: chosen on the seeds
+that ran every rate, then every seed at it)."""
 
 from __future__ import annotations
 
@@ -170,32 +171,41 @@ def crossover_table(found: dict, mle: str = "mle") -> str:
     return "\n".join(lines)
 
 
+def validation_loss(result: dict) -> float:
+    """A run's ``best_eval_loss`` (an ensemble: its members' mean); a run without it is refused with what to do."""
+    if "best_eval_loss" not in result:
+        raise SystemExit(f"{result['task']} {result['setting']} {result['budget']} steps seed {result['seed']} at "
+                         f"learning rate {result.get('learning_rate', LEARNING_RATE):g} has no best_eval_loss "
+                         "(results.json of a study before 2026-11-30): add it from the run's best/best.json "
+                         "(eval_loss)")
+    loss = result["best_eval_loss"]
+    return statistics.mean(loss if isinstance(loss, list) else [loss])
+
+
 def tuned(results: list[dict]) -> tuple[list[dict], list[str]]:
-    """Each system at its own learning rate: of the runs of one setting, task, budget and seed at two learning rates
-    or more, the one whose kept adapters had the lowest validation loss (``best_eval_loss``; the ensemble: its
-    members' mean), named as at the study's rate. (those runs, a table of the choices)."""
+    """Each system at its own learning rate: of a setting run on a task and budget at two learning rates or more, the
+    rate of the lowest validation loss (``validation_loss``), compared on the seeds that ran at every one of its rates
+    (the mean over them; where no seed did, each rate's own seeds), then every seed's run at that rate, named as at
+    the study's rate: a rate is tuned on one seed and the other seeds measure it. (those runs, a table of the
+    choices)."""
     groups: dict = {}
     for result in results:
-        key = (result["task"], result["setting"], result["budget"], result["seed"])
-        groups.setdefault(key, []).append(result)
-    chosen, lines = [], ["| task | system | steps | seed | validation loss at each learning rate | chosen |",
-                         "|---|---|---|---|---|---|"]
-    for (task, setting, budget, seed), runs in sorted(groups.items(), key=lambda g: (
-            list(study.TASKS).index(g[0][0]), order(g[0][1]), g[0][2], g[0][3])):
-        if len(runs) < 2:
+        key = (result["task"], result["setting"], result["budget"])
+        groups.setdefault(key, {}).setdefault(result.get("learning_rate", LEARNING_RATE), {})[result["seed"]] = result
+    chosen, lines = [], ["| task | system | steps | chosen on seeds | validation loss at each learning rate | chosen "
+                         "| its seeds |", "|---|---|---|---|---|---|---|"]
+    for (task, setting, budget), by_rate in sorted(groups.items(), key=lambda g: (
+            list(study.TASKS).index(g[0][0]), order(g[0][1]), g[0][2])):
+        if len(by_rate) < 2:
             continue
-        missing = [r["learning_rate"] for r in runs if "best_eval_loss" not in r]
-        if missing:
-            raise SystemExit(f"{task} {setting} {budget} steps seed {seed}: the runs at learning rate {missing} have "
-                             "no best_eval_loss (results.json of a study before 2026-11-30): add it from the run's "
-                             "best/best.json (eval_loss)")
-        losses = {r["learning_rate"]: statistics.mean(r["best_eval_loss"] if isinstance(r["best_eval_loss"], list)
-                                                      else [r["best_eval_loss"]]) for r in runs}
-        pick = min(runs, key=lambda r: losses[r["learning_rate"]])
-        chosen.append(pick | {"learning_rate": LEARNING_RATE})
-        lines.append(f"| {task} | {setting} | {budget} | {seed} | "
-                     + ", ".join(f"{r:g}: {loss:.3f}" for r, loss in sorted(losses.items()))
-                     + f" | {pick['learning_rate']:g} |")
+        common = set.intersection(*(set(runs) for runs in by_rate.values()))
+        losses = {rate: statistics.mean(validation_loss(run) for seed, run in runs.items()
+                                        if not common or seed in common) for rate, runs in by_rate.items()}
+        pick = min(losses, key=losses.get)
+        chosen += [run | {"learning_rate": LEARNING_RATE} for _, run in sorted(by_rate[pick].items())]
+        lines.append(f"| {task} | {setting} | {budget} | {', '.join(map(str, sorted(common))) or 'each its own'} | "
+                     + ", ".join(f"{rate:g}: {loss:.3f}" for rate, loss in sorted(losses.items()))
+                     + f" | {pick:g} | {', '.join(map(str, sorted(by_rate[pick])))} |")
     return chosen, lines
 
 

@@ -154,11 +154,11 @@ def test_the_crossover_is_the_budget_from_which_mcl_beats_each_baseline(tmp_path
 
 
 def test_each_system_is_held_to_the_baselines_at_its_learning_rate_and_at_its_own_best_rate(tmp_path):
-    def write(setting, rate, loss, **test):
-        folder = tmp_path / "short" / "200-steps" / study.run_name(setting, 0, rate)
+    def write(setting, rate, loss, seed=0, **test):
+        folder = tmp_path / "short" / "200-steps" / study.run_name(setting, seed, rate)
         folder.mkdir(parents=True)
         (folder / "results.json").write_text(json.dumps(
-            {"task": "short", "setting": setting, "seed": 0, "budget": 200, "rank": 8, "learning_rate": rate,
+            {"task": "short", "setting": setting, "seed": seed, "budget": 200, "rank": 8, "learning_rate": rate,
              "best_step": 10, "best_eval_loss": loss, "train_seconds": 1.0, "oracle_nll": 2.0, "test": test}))
 
     def scores(oracle, modes):
@@ -185,16 +185,29 @@ def test_each_system_is_held_to_the_baselines_at_its_learning_rate_and_at_its_ow
     assert crossover == ["| short | relaxed-0.05 | 200 | 200 | 200 | not within 200 steps |",
                          "| short | relaxed-0.05-lr0.004 | not within 200 steps | 200 | 200 | 200 |"]  # same rates
     tuned = printed.split("Each system at its own learning rate")[1]
-    assert "| short | relaxed-0.05 | 200 | 0 | 0.002: 2.900, 0.004: 2.950 | 0.002 |" in tuned
-    assert "| short | mle | 200 | 0 | 0.002: 3.000, 0.004: 2.500 | 0.004 |" in tuned
-    assert "| short | ensemble | 200 | 0 | 0.002: 3.000, 0.004: 2.900 | 0.004 |" in tuned
+    assert "| short | relaxed-0.05 | 200 | 0 | 0.002: 2.900, 0.004: 2.950 | 0.002 | 0 |" in tuned
+    assert "| short | mle | 200 | 0 | 0.002: 3.000, 0.004: 2.500 | 0.004 | 0 |" in tuned
+    assert "| short | ensemble | 200 | 0 | 0.002: 3.000, 0.004: 2.900 | 0.004 | 0 |" in tuned
     assert "| LoRA-MLE r24, beam 3 | 200 | 1 | 0.40 |" in tuned and "(lr " not in tuned  # named as the system
     assert tuned.split("Crossover: ")[1].splitlines()[-1] == (
         "| short | relaxed-0.05 | not within 200 steps | 200 | 200 | 200 |")  # 2e-3 held to the one LoRA's 4e-3
+    # a second seed, run at one rate: the rate is chosen on the seed that ran both (seed 1's high loss at 2e-3 does
+    # not move it), and every seed at the chosen rate is measured
+    write("relaxed-0.05", 2e-3, 3.5, seed=1, greedy=scores(0.1, 1.5))
+    write("mle", 4e-3, 2.6, seed=1, **mle | {"beam": scores(0.2, 1.0)})
+    tuned = budget_tables.tables(tmp_path).split("Each system at its own learning rate")[1]
+    assert "| short | relaxed-0.05 | 200 | 0 | 0.002: 2.900, 0.004: 2.950 | 0.002 | 0, 1 |" in tuned
+    assert "| short | mle | 200 | 0 | 0.002: 3.000, 0.004: 2.500 | 0.004 | 0, 1 |" in tuned
+    assert "| relaxed-0.05 | 200 | 2 | 0.20 |" in tuned and "| LoRA-MLE r24, beam 3 | 200 | 2 | 0.30 |" in tuned
+    write("bias", 2e-3, 2.0, seed=0, greedy=scores(0.1, 1.0))
+    write("bias", 4e-3, 1.5, seed=1, greedy=scores(0.1, 1.0))  # no seed ran both rates: each rate's own seeds
+    tuned = budget_tables.tables(tmp_path).split("Each system at its own learning rate")[1]
+    assert "| short | bias | 200 | each its own | 0.002: 2.000, 0.004: 1.500 | 0.004 | 1 |" in tuned
     (tmp_path / "short" / "200-steps" / "mle-s0" / "results.json").write_text(json.dumps(
         {k: v for k, v in json.loads((tmp_path / "short" / "200-steps" / "mle-s0" / "results.json").read_text())
          .items() if k != "best_eval_loss"}))  # a run scored before the study kept its validation loss
-    with pytest.raises(SystemExit, match=r"learning rate \[0.002\] have no best_eval_loss .* best/best.json"):
+    with pytest.raises(SystemExit, match=r"short mle 200 steps seed 0 at learning rate 0.002 has no best_eval_loss "
+                       r".* best/best.json"):
         budget_tables.tables(tmp_path)
 
 
