@@ -455,10 +455,21 @@ REGISTRY = {
         "--budgets 200 --seeds 1 --tasks markov short --settings mle mle-loraplus loraplus "
         "--record benchmarks/studies/records/budget",
         *(".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
-          f"--budgets 200 --seeds 0 --tasks {tasks} --settings mle relaxed-0.05 --learning_rate {rate} "
+          f"--budgets 200 --seeds {seed} --tasks {tasks} --settings {settings}{rate} "
           "--record benchmarks/studies/records/budget"
-          for tasks, rate in (("bilingual short markov", "0.004"), ("bilingual short markov", "0.008"),
-                              ("bilingual", "0.016"))),
+          for seed, tasks, settings, rate in (
+              (0, "bilingual short markov markov-skewed", "mle relaxed-0.05", " --learning_rate 0.004"),
+              (0, "bilingual short markov markov-skewed", "mle relaxed-0.05", " --learning_rate 0.008"),
+              (0, "bilingual", "mle relaxed-0.05", " --learning_rate 0.016"),
+              (1, "bilingual short", "mle relaxed-0.05", " --learning_rate 0.008"),
+              (1, "markov markov-skewed", "relaxed-0.05", " --learning_rate 0.004"),
+              (1, "markov-skewed", "mle", " --learning_rate 0.008"),
+              (2, "markov-skewed", "relaxed-0.05", " --learning_rate 0.004"),
+              (2, "markov-skewed", "mle", " --learning_rate 0.008"),
+              (1, "bilingual", "mle relaxed-0.05", ""),
+              (0, "markov", "bias-0.1", ""),
+              (0, "markov", "bias-0.1", " --learning_rate 0.004"),
+              (0, "markov bilingual", "bias-0.1", " --learning_rate 0.008"))),
         ".venv/bin/python -m benchmarks.studies.budget_study --out /tmp/budgets --data_only "
         "--tasks markov markov-skewed bilingual short",
         ".venv/bin/python -m benchmarks.studies.verdict_agreement --out benchmarks/studies/records/budget "
