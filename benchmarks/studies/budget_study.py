@@ -25,6 +25,9 @@ step, learning rate 2e-3, cosine after 10 warm-up steps). New here:
               good on both and better on one (``beats``), each budget on the seeds both finished and at the same
               learning rate; else "not within <largest budget> steps"; where the one LoRA also ran with an option
               (``mle-loraplus``), a crossover table against it too
+  spoken      the issue's fourth task runs through its own recipe (``--spoken_recipe``), at the recipe's learning
+  translation rate (1e-3); ``benchmarks.studies.spoken_budgets`` scores its runs into OUT/spoken-translation as
+              this study's runs, which ``--table`` reads with them
   learning    2e-3 for every system (``LEARNING_RATE``); the same command with another ``--learning_rate`` adds runs
   rates       named by it (``run_name``: relaxed-0.05-lr0.004-s0) beside the study's, and ``--table`` then shows too
               the systems run at two rates or more each at its rate of lowest validation loss (``budget_tables.tuned``:
@@ -384,7 +387,8 @@ def main() -> None:
         command = write_recipe(args.spoken_recipe, args.out.absolute() / "spoken-translation", args.budgets,
                                args.seeds, args.evaluations)
         print(f"the spoken-translation recipe at {args.budgets} steps: {args.spoken_recipe}; run it with\n"
-              + " ".join(command))
+              + " ".join(command) + "\nthen score its runs as this study's (--table reads them) with\n"
+              f"python -m benchmarks.studies.spoken_budgets --out {args.out}")
         return
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch starts CUDA: training would take a GPU it sees

@@ -13,13 +13,20 @@ from pathlib import Path
 
 from benchmarks.studies import defaults_study as study
 from benchmarks.studies.budget_study import ENSEMBLE, LEARNING_RATE, MLE_STRATEGIES, rate_suffix
+from benchmarks.studies.spoken_budgets import HYPOTHESES, TASK
 from loramcl.utils.run_record import RunRecord
 
 # the baselines MCL is held to, as the crossover table heads them: the one LoRA's decodings (beam search of K beams,
 # diverse beam search of K groups, K samples) and the K-seed ensemble
 BASELINES = {"beam": "beam K", "diverse_beam": "diverse beam K", "sample": "sample K", ENSEMBLE: "ensemble"}
 
+CHRF_TASKS = ("bilingual", TASK)  # scored by chrF (0-100): one decimal
 MEASURES = ("oracle", "mean", "distinct", "modes_covered", "oracle_nll", "best_step", "train_seconds", "partial")
+
+
+def tasks() -> dict[str, int]:
+    """Task -> K: the study's tasks, then spoken translation (its recipe's runs, ``spoken_budgets``)."""
+    return study.TASKS | {TASK: HYPOTHESES}
 
 
 def read_result(path: Path) -> dict:
@@ -81,7 +88,7 @@ def means(found: dict) -> dict:
 
 
 def system_name(name: str, task: str, rank: int) -> str:
-    k, (setting, rate, strategy) = study.TASKS[task], parts(name)
+    k, (setting, rate, strategy) = tasks()[task], parts(name)
     rate = f" (lr {rate[3:]})" if rate else ""
     if setting == ENSEMBLE:
         return f"ensemble of {k} LoRA-MLE r{rank}{rate}, greedy"
@@ -93,20 +100,22 @@ def system_name(name: str, task: str, rank: int) -> str:
 
 
 def order(name: str) -> tuple:
-    """MCL settings in the study's order, then the one LoRA's decodings, then the ensemble; each system's learning
-    rates in increasing order (the study's first)."""
+    """MCL settings in the study's order (a setting of its own, spoken translation's annealed MCL, after them), then
+    the one LoRA's decodings, then the ensemble; each system's learning rates in increasing order (the study's
+    first)."""
     setting, rate, strategy = parts(name)
     rate = float(rate[3:]) if rate else 0.0
+    known = list(study.SETTINGS).index(setting) if setting in study.SETTINGS else len(study.SETTINGS)
     if setting == ENSEMBLE:
         return (2, 0, rate, 0)
     if strategy:
-        return (1, list(study.SETTINGS).index(setting), rate, MLE_STRATEGIES.index(strategy))
-    return (0, list(study.SETTINGS).index(setting), rate, 0)
+        return (1, known, rate, MLE_STRATEGIES.index(strategy))
+    return (0, known, rate, 0)
 
 
 def task_table(task: str, by_system: dict, rank: int) -> str:
-    scale = "{:.1f}" if task == "bilingual" else "{:.2f}"
-    lines = [f"{task} (K = {study.TASKS[task]})", "",
+    scale = "{:.1f}" if task in CHRF_TASKS else "{:.2f}"
+    lines = [f"{task} (K = {tasks()[task]})", "",
              "| system | steps | seeds | valid or chrF: best of K | mean over K | distinct | modes covered | "
              "oracle NLL | best step | training s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in sorted(by_system, key=order):
@@ -195,7 +204,7 @@ def tuned(results: list[dict]) -> tuple[list[dict], list[str]]:
     chosen, lines = [], ["| task | system | steps | chosen on seeds | validation loss at each learning rate | chosen "
                          "| its seeds |", "|---|---|---|---|---|---|---|"]
     for (task, setting, budget), by_rate in sorted(groups.items(), key=lambda g: (
-            list(study.TASKS).index(g[0][0]), order(g[0][1]), g[0][2])):
+            list(tasks()).index(g[0][0]), order(g[0][1]), g[0][2])):
         if len(by_rate) < 2:
             continue
         common = set.intersection(*(set(runs) for runs in by_rate.values()))
@@ -212,7 +221,7 @@ def tuned(results: list[dict]) -> tuple[list[dict], list[str]]:
 def sections(results: list[dict], rates: str = "at the same learning rate") -> list[str]:
     """Every task's table and the crossover tables of ``results`` (``rates``: how the systems' learning rates were
     set, for the crossover's heading)."""
-    found = dict(sorted(per_seed(results).items(), key=lambda t: list(study.TASKS).index(t[0])))
+    found = dict(sorted(per_seed(results).items(), key=lambda t: list(tasks()).index(t[0])))
     rank = results[0]["rank"]
     shown = [task_table(task, by_system, rank) for task, by_system in means(found).items()]
     shown.append("Crossover: the smallest budget (steps) from which each MCL setting beats the baseline on best of "

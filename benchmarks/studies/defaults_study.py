@@ -252,9 +252,11 @@ def markov_score(prompt: str, text: str) -> tuple[bool, int | None]:
     return typical[best] >= 6, best
 
 
-def score(task: str, rows: list[dict], candidates: list[list[str]], identifier) -> dict:
-    """Valid share (markov, short) or chrF (bilingual): best of K and mean over K; distinct answers and modes
-    covered per prompt."""
+def score(task: str, rows: list[dict], candidates: list[list[str]], identifier,
+          no_mode: tuple[str, ...] = ("empty", "en")) -> dict:
+    """Valid share (markov, short) or chrF (bilingual, and any other task): best of K and mean over K; distinct
+    answers and modes covered per prompt: the identified languages but ``no_mode`` (here English copies the prompt;
+    spoken translation's English transcript is one of its modes)."""
     from sacrebleu.metrics import CHRF
 
     from loramcl.metrics.short_answers import normalise_answer
@@ -275,7 +277,7 @@ def score(task: str, rows: list[dict], candidates: list[list[str]], identifier) 
             modes.append(identifier.predict([c for c in cands if c.strip()]))
     return {"oracle": statistics.mean(max(q) for q in quality), "mean": statistics.mean(np.mean(q) for q in quality),
             "distinct": statistics.mean(len({normalise_answer(c) for c in cands}) for cands in candidates),
-            "modes_covered": statistics.mean(len(set(m) - {"empty", "en"}) for m in modes)}
+            "modes_covered": statistics.mean(len(set(m) - set(no_mode)) for m in modes)}
 
 
 def language_identifier(data: Path, task: str):

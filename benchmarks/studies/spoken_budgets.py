@@ -17,13 +17,32 @@ every run's oracle NLL of the test references at its last and best adapters.
     python -m benchmarks.studies.budget_study --out /tmp/budgets --budgets 60 200 600 --seeds 0 1 \
         --spoken_recipe /tmp/spoken-budgets
     loramcl spoken-translation --recipes /tmp/spoken-budgets --threads 1
+    python -m benchmarks.studies.spoken_budgets --out /tmp/budgets
+    python -m benchmarks.studies.budget_study --out /tmp/budgets --table
+
+Then ``score`` (the third command) puts each decoded run in the study's layout, OUT/spoken-translation/<B>-steps/
+<setting>-lr0.001-s<s>/ (results.json, candidates.json: what ``--table`` reads; ``--record DIR`` copies them as the
+study's ``--record`` does): the study's measures (``defaults_study.score``: sentence chrF of each candidate against
+the message's references of both modes, best of 2 and mean over 2, distinct answers, modes covered by the recipe's
+language identifier, English and French both modes here) and the recipe's oracle NLL of the test references at the
+best adapters, best step, validation loss and training seconds. The settings: ``relaxed-0.05`` (mcl-B-s<s>),
+``annealed-<decay>`` (mcl-annealed-B-s<s>), ``mle`` and ``ensemble``, at the recipe's learning rate (1e-3).
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
+import re
+import shutil
 from pathlib import Path
 
 KEPT = ("common.yaml",)  # copied as it is; every run file is written from the packaged ones
+TASK = "spoken-translation"  # the task's folder in the study's --out and in its records, its name in the tables
+HYPOTHESES = 2  # the recipe's K
+RUN = re.compile(r"(mcl|mcl-annealed|mle|ensemble)-(\d+)-s(\d+)")  # a run of ``write_recipe``: kind, budget, seed
+DATA_FILES = ("train.jsonl", "validation.jsonl", "test.jsonl")
 
 
 def read_yaml(path: Path) -> dict:
@@ -50,8 +69,6 @@ def run_file(packaged: Path, name: str, budget: int, seed: int, evaluations: int
 def write_recipe(folder: Path, out: Path, budgets: list[int], seeds: list[int], evaluations: int = 5) -> list[str]:
     """A spoken-translation recipe in ``folder`` (written whole, its outputs in ``out``) with the runs of every budget
     and seed; returns the command that runs it."""
-    import shutil
-
     from loramcl.recipes.files import packaged_recipes
 
     packaged = packaged_recipes() / "spoken_translation"
@@ -81,3 +98,144 @@ def write_recipe(folder: Path, out: Path, budgets: list[int], seeds: list[int], 
     write_yaml(folder / "experiment.yaml", experiment, "spoken translation at budgets "
                f"{', '.join(map(str, budgets))} steps, seeds {', '.join(map(str, seeds))} (budget_study)")
     return ["loramcl", "spoken-translation", "--recipes", str(folder), "--threads", "1"]
+
+
+# ---- the recipe's runs as the study's results ----------------------------------------------------------------
+
+def setting_of(kind: str, mcl: dict) -> str:
+    """The study's name of a run of ``write_recipe``: mcl -> relaxed-0.05, mcl-annealed -> annealed-<its decay>."""
+    from benchmarks.studies.budget_study import ENSEMBLE
+
+    if kind == "mcl":
+        return f"{mcl['loss']}-{mcl['epsilon']:g}"
+    if kind == "mcl-annealed":
+        return f"annealed-{mcl['temperature_decay']:g}"
+    return {"mle": "mle", "ensemble": ENSEMBLE}[kind]
+
+
+def decoded_runs(root: Path) -> dict[str, dict[str, str]]:
+    """{run: {strategy: system}} of the runs decoded from their best adapters in ``root`` (predictions/<system>
+    .jsonl beside its .settings.json, whichever copy of the recipe decoded them): the one LoRA's beam search, diverse
+    beam search and samples; an MCL run's and the ensemble's greedy hypotheses (their samples are not the study's)."""
+    from benchmarks.studies.budget_study import MLE_STRATEGIES
+
+    runs: dict[str, dict[str, str]] = {}
+    for stamp in sorted((root / "predictions").glob("*@best-*.settings.json")):
+        name = stamp.name.removesuffix(".settings.json")
+        found, settings = RUN.fullmatch(name.split("@best-")[0]), json.loads(stamp.read_text())["settings"]
+        if found and (root / "predictions" / f"{name}.jsonl").exists() and settings["strategy"] in (
+                MLE_STRATEGIES if found[1] == "mle" else ("greedy",)):
+            runs.setdefault(found[0], {})[settings["strategy"]] = name
+    if not runs:
+        raise SystemExit(f"{root}: no run decoded from its best adapters: run the recipe to its end first "
+                         "(`loramcl spoken-translation --recipes DIR --threads 1`, DIR written by budget_study "
+                         "--spoken_recipe)")
+    return runs
+
+
+def members_of(root: Path, run: str) -> list[str]:
+    """An ensemble's members, from its recipe file's copy in the run (``recipes.ensemble``'s run.json)."""
+    members = json.loads((root / run / "run.json").read_text()).get("members")
+    if not members:
+        raise SystemExit(f"{root / run}: run.json names no members: is it an ensemble assembled by the recipe?")
+    return list(members)
+
+
+def scored(root: Path) -> list[tuple[dict, dict]]:
+    """(results, candidates) of each run decoded from its best adapters by the recipe in ``root``, in the budget
+    study's shape (``budget_study.one_run``'s results.json and candidates.json)."""
+    from benchmarks.studies import defaults_study as study
+    from benchmarks.studies.budget_study import ENSEMBLE
+    from loramcl.metrics.io import load_nll
+    from loramcl.metrics.nll import oracle_nll
+    from loramcl.recipes.spoken_translation.messages import read_rows
+    from loramcl.recipes.spoken_translation.report import train_identifier
+    from loramcl.utils.files import read_jsonl
+    from loramcl.utils.run_record import RunRecord
+
+    test = read_rows(root / "data" / "test.jsonl")
+    ids, references = [row["id"] for row in test], [row["references"] for row in test]
+    identifier, _ = train_identifier(read_rows(root / "data" / "train.jsonl"), test)
+    found = []
+    for run, systems in decoded_runs(root).items():
+        kind, budget, seed = RUN.fullmatch(run).groups()
+        record = RunRecord.read(root / run)
+        members = members_of(root, run) if kind == ENSEMBLE else [run]
+        kept = [json.loads((root / m / "best" / "best.json").read_text()) for m in members]
+        settings = RunRecord.read(root / members[0]).settings.values
+        decoded = {}
+        for strategy, name in systems.items():
+            predictions = read_jsonl(root / "predictions" / f"{name}.jsonl", "candidates")
+            decoded[strategy] = [predictions[row["id"]]["candidates"] for row in test]
+        scored = root / "nll" / f"{run}@best.jsonl"
+        if not scored.exists():
+            raise SystemExit(f"{scored} does not exist: keep experiment.yaml's nll_table as budget_study "
+                             "--spoken_recipe wrote it (every run at its best adapters) and run the recipe again")
+        one = [k["step"] for k in kept], [k["eval_loss"] for k in kept]
+        result = {"task": TASK, "setting": setting_of(kind, settings["mcl"]), "seed": int(seed), "K": HYPOTHESES,
+                  "budget": int(budget), "learning_rate": settings["training"]["learning_rate"],
+                  "rank": settings["mcl"]["r"], "device": "cpu", "train_seconds": record.seconds,
+                  "seconds_partial": record.seconds_partial, "resumed_from": record.resumed_from,
+                  "best_step": one[0] if kind == ENSEMBLE else one[0][0],
+                  "best_eval_loss": one[1] if kind == ENSEMBLE else one[1][0],
+                  "trainable_parameters": record.trainable_parameters,
+                  "test": {s: study.score(TASK, test, c, identifier, no_mode=("empty",)) for s, c in decoded.items()},
+                  "oracle_nll": oracle_nll(load_nll(scored, ids, references))["oracle_nll"]}
+        if kind == ENSEMBLE:
+            result["members"] = members
+        elif kind != "mle":
+            result |= {"verdict": record.values.get("specialisation"), "output_verdict": record.values.get("outputs")}
+        found.append((result, decoded))
+    return found
+
+
+def data_digest(data: Path) -> dict:
+    """The SHA-256 of each of the recipe's data files, its rows without their clip's path (where the recipe's
+    outputs are; espeak-ng speaks the clip again from the row's text and voice)."""
+    def rows(name: str) -> bytes:
+        lines = (data / name).read_text(encoding="utf-8").splitlines()
+        kept = [{k: v for k, v in json.loads(line).items() if k != "audio"} for line in lines if line.strip()]
+        return json.dumps(kept, sort_keys=True, ensure_ascii=False).encode()
+
+    return {name: hashlib.sha256(rows(name)).hexdigest() for name in DATA_FILES}
+
+
+def score(out: Path, records: Path | None = None) -> list[Path]:
+    """Write each decoded run of the recipe in OUT/spoken-translation (``scored``) as the study writes a run, in
+    OUT/spoken-translation/<B>-steps/<run_name>/, and with ``records`` copy it there too, with records/data/
+    spoken-translation.json (the SHA-256 of the data files): a run scored on other data is refused."""
+    from benchmarks.studies.budget_study import run_name
+
+    root, written = out / TASK, []
+    digest = data_digest(root / "data")
+    kept = records / "data" / f"{TASK}.json" if records is not None else None
+    if kept is not None and kept.exists() and json.loads(kept.read_text())["sha256"] != digest:
+        raise SystemExit(f"{root / 'data'}: not the {TASK} data the runs of {records} were scored on ({kept}): "
+                         "record into another folder")
+    for result, decoded in scored(root):
+        name = f"{result['budget']}-steps/{run_name(result['setting'], result['seed'], result['learning_rate'])}"
+        for folder in [root / name] + ([records / TASK / name] if records is not None else []):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "candidates.json").write_text(json.dumps(decoded, ensure_ascii=False) + "\n", encoding="utf-8")
+            (folder / "results.json").write_text(json.dumps(result, ensure_ascii=False, indent=1) + "\n",
+                                                 encoding="utf-8")
+            written.append(folder)
+    if kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps({"sha256": digest}, indent=1) + "\n")
+    return written
+
+
+def main() -> None:
+    parse = argparse.ArgumentParser(description="the spoken-translation recipe's runs at budgets as the budget "
+                                    "study's results (OUT/spoken-translation/<B>-steps/<run>)")
+    parse.add_argument("--out", type=Path, required=True, help="the study's --out (the recipe's outputs in "
+                       f"OUT/{TASK}: budget_study --spoken_recipe sets them there)")
+    parse.add_argument("--record", type=Path, help="copy them to this folder too (benchmarks/studies/records/budget)")
+    args = parse.parse_args()
+    for folder in score(args.out, args.record):
+        print(folder)
+
+
+if __name__ == "__main__":
+    main()

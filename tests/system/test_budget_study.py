@@ -258,3 +258,84 @@ def test_the_spoken_translation_recipe_has_every_budget_and_seed_and_reads_as_th
                                              for run in ("mcl", "mcl-annealed", "mle", "ensemble")]  # from the best
     assert "ensemble-600-s0@best" not in experiment.table_runs(runs)
     assert experiment.table_runs(runs)[:2] == ["mcl-60-s0", "mcl-60-s0@best"]
+
+
+SPOKEN_TRAIN = [("Open the file", "Ouvrir le fichier"), ("Save the document", "Enregistrer le document"),
+                ("Close the window", "Fermer la fenêtre"), ("Delete this message", "Supprimer ce message"),
+                ("Print the page", "Imprimer la page"), ("Show hidden files", "Afficher les fichiers cachés"),
+                ("Connection failed", "La connexion a échoué"), ("Unable to read the file", "Impossible de lire le "
+                "fichier"), ("New folder", "Nouveau dossier"), ("Search the web", "Rechercher sur le web")]
+
+
+def write_spoken_outputs(root, candidates: dict[str, list[list[str]]], runs: dict[str, tuple]):
+    """A spoken-translation recipe's outputs as `loramcl spoken-translation` leaves them: data, run folders (run.json,
+    best/best.json), each system's predictions and their settings, each run's NLL of the test references at its best
+    adapters (its oracle NLL 1.5, 1.6, ... in the order of ``runs``). ``candidates``: {system name: per test message
+    its 2 candidates}; ``runs``: {run: (loss or None for LoRA-MLE, seconds, best step, members)}."""
+    def jsonl(path, rows):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+
+    jsonl(root / "data" / "train.jsonl", [{"id": f"train-{i}", "source": en, "fr": [fr]}
+                                          for i, (en, fr) in enumerate(SPOKEN_TRAIN)])
+    jsonl(root / "data" / "validation.jsonl", [])
+    jsonl(root / "data" / "test.jsonl", [{"id": f"test-{i}", "source": en, "fr": [fr], "references": [en, fr],
+                                          "reference_modes": ["en", "fr"]}
+                                         for i, (en, fr) in enumerate(SPOKEN_TRAIN[:2])])
+    for run, (loss, seconds, step, members) in runs.items():
+        (root / run / "best").mkdir(parents=True)
+        mcl = {"r": 8, "loss": loss, "epsilon": 0.05, "temperature_decay": 0.97} if loss else {"r": 16}
+        record = {"settings": {"mcl": mcl, "training": {"learning_rate": 1e-3}}, "seconds": seconds,
+                  "trainable_parameters": 100}
+        (root / run / "run.json").write_text(json.dumps(record | ({"members": members} if members else {})))
+        (root / run / "best" / "best.json").write_text(json.dumps({"step": step, "eval_loss": step / 100}))
+    for name, cands in candidates.items():
+        strategy = name.rsplit("-", 2)[1]
+        strategy = {"dbs0.8": "diverse_beam", "temperature1": "sample"}.get(strategy, strategy)
+        jsonl(root / "predictions" / f"{name}.jsonl", [{"id": f"test-{i}", "candidates": c}
+                                                       for i, c in enumerate(cands)])
+        (root / "predictions" / f"{name}.settings.json").write_text(json.dumps({"settings": {
+            "strategy": strategy, "trained": "stamp"} | ({"best": "stamp"} if "@best" in name else {})}))
+    for i, (run, (loss, *_)) in enumerate(runs.items()):  # [references, K]: the oracle is the first column
+        jsonl(root / "nll" / f"{run}@best.jsonl", [{"id": f"test-{n}", "nll": [[1.5 + i / 10] + [9.0] * bool(loss)] * 2}
+                                                  for n in range(2)])
+
+
+def test_the_spoken_translation_recipes_runs_are_scored_recorded_and_tabled_as_the_studys(tmp_path):
+    from benchmarks.studies import spoken_budgets
+
+    out, records = tmp_path / "study", tmp_path / "records"
+    both, one = [["Open the file", "Ouvrir le fichier"], ["Save the document", "Save the document"]], [
+        ["Open the file", "Open a file"], ["Save the document", "Save document"]]
+    write_spoken_outputs(out / "spoken-translation", {
+        "mcl-60-s0@best-greedy-b2": both, "mcl-60-s0@best-temperature1-b2": one,  # MCL: its greedy hypotheses only
+        "mcl-annealed-60-s0@best-greedy-b2": one, "mle-60-s0@best-beam-b2": one, "mle-60-s0@best-dbs0.8-b2": one,
+        "mle-60-s0@best-temperature1-b2": both, "mle-60-s0-beam-b2": both,  # the last adapters: not the study's
+        "ensemble-60-s0@best-greedy-b2": one}, {
+        "mcl-60-s0": ("relaxed", 30.0, 48, None), "mcl-annealed-60-s0": ("annealed", 31.0, 60, None),
+        "mle-60-s0": (None, 20.0, 36, None), "mle-r8-60-s0": (None, 10.0, 24, None),
+        "mle-r8-60-s1": (None, 12.0, 60, None), "ensemble-60-s0": (None, 22.0, 0, {"mle-r8-60-s0": 10.0,
+                                                                                "mle-r8-60-s1": 12.0})})
+    written = spoken_budgets.score(out, records)
+    assert sorted(f.name for f in written) == sorted(2 * ["annealed-0.97-lr0.001-s0", "ensemble-lr0.001-s0",
+                                                          "mle-lr0.001-s0", "relaxed-0.05-lr0.001-s0"])
+    mcl = json.loads((records / "spoken-translation" / "60-steps" / "relaxed-0.05-lr0.001-s0" / "results.json")
+                     .read_text())
+    assert mcl["test"] == {"greedy": {"oracle": 100.0, "mean": 100.0, "distinct": 1.5, "modes_covered": 1.5}}
+    assert (mcl["best_step"], mcl["train_seconds"], mcl["oracle_nll"]) == (48, 30.0, 1.5)  # both modes once of 2
+    folder = out / "spoken-translation" / "60-steps"
+    ensemble = json.loads((folder / "ensemble-lr0.001-s0" / "results.json").read_text())
+    assert (ensemble["members"], ensemble["best_step"], ensemble["train_seconds"]) == (
+        ["mle-r8-60-s0", "mle-r8-60-s1"], [24, 60], 22.0)  # each member's best
+    mle = json.loads((folder / "mle-lr0.001-s0" / "results.json").read_text())
+    assert set(mle["test"]) == {"beam", "diverse_beam", "sample"} and mle["test"]["sample"]["modes_covered"] == 1.5
+    for folder in (out, records):  # the study's table reads them where the study's runs are read
+        shown = budget_tables.tables(folder)
+        assert "spoken-translation (K = 2)" in shown
+        assert "| relaxed-0.05 (lr 0.001) | 60 | 1 | 100.0 |" in shown and "| annealed-0.97 (lr 0.001) | 60 |" in shown
+        assert "| LoRA-MLE r16 (lr 0.001), beam 2 | 60 | 1 | 100.0 |" in shown
+        # as good on best of 2, more modes: MCL beats beam search and the ensemble, not the samples (both modes too)
+        assert "| spoken-translation | relaxed-0.05-lr0.001 | 60 | 60 | not within 60 steps | 60 |" in shown
+    (out / "spoken-translation" / "data" / "test.jsonl").write_text("")
+    with pytest.raises(SystemExit, match="not the spoken-translation data the runs of"):
+        spoken_budgets.score(out, records)
