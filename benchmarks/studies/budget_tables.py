@@ -45,14 +45,18 @@ def read_results(out: Path) -> list[dict]:
     return [read_result(path) for path in sorted(out.glob("*/*-steps/*/results.json"))]
 
 
+def members_mean(value: float | list[float]) -> float:
+    """A run's value, or an ensemble's members' mean (best_step, best_eval_loss: a list for an ensemble)."""
+    return statistics.mean(value) if isinstance(value, list) else value
+
+
 def systems(result: dict):
     """(system, scores) of one run: an MCL setting's greedy hypotheses; the one LoRA's four decodings
     ("mle:beam", ...); the ensemble; each with its learning rate when not the study's ("mle-lr0.004:beam").
     scores: the test scores with the run's oracle NLL, best step and training seconds (an ensemble's best step: the
     mean of its members')."""
-    steps = result["best_step"]
     shared = {"oracle_nll": result["oracle_nll"], "train_seconds": result["train_seconds"],
-              "best_step": statistics.mean(steps) if isinstance(steps, list) else steps,
+              "best_step": members_mean(result["best_step"]),
               "partial": bool(result.get("seconds_partial"))}
     setting = result["setting"] + rate_suffix(result.get("learning_rate", LEARNING_RATE))
     for strategy, scores in result["test"].items():
@@ -187,8 +191,7 @@ def validation_loss(result: dict) -> float:
                          f"learning rate {result.get('learning_rate', LEARNING_RATE):g} has no best_eval_loss "
                          "(results.json of a study before 2026-11-30): add it from the run's best/best.json "
                          "(eval_loss)")
-    loss = result["best_eval_loss"]
-    return statistics.mean(loss if isinstance(loss, list) else [loss])
+    return members_mean(result["best_eval_loss"])
 
 
 def tuned(results: list[dict]) -> tuple[list[dict], list[str]]:
