@@ -232,8 +232,9 @@ def sections(results: list[dict], rates: str = "at the same learning rate") -> l
                  + crossover_table(found))
     others = sorted({parts(n)[0] for by_system in found.values() for n in by_system if ":" in n} - {"mle"})
     for mle in others:  # the one LoRA trained as an option trains MCL (mle-loraplus): MCL held to it too
+        ran = {task: by_system for task, by_system in found.items() if any(parts(n)[0] == mle for n in by_system)}
         shown.append(f"Crossover against the one LoRA of `{mle}` (its decodings; the ensemble as above)\n\n"
-                     + crossover_table(found, mle))
+                     + crossover_table(ran, mle))  # on the tasks where it ran
     return shown
 
 

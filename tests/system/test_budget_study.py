@@ -142,11 +142,15 @@ def test_the_crossover_is_the_budget_from_which_mcl_beats_each_baseline(tmp_path
     assert "mle-loraplus" not in printed
     write("mle-loraplus", 200, beam=scores(0.2, 1.7), diverse_beam=scores(0.1, 1.0), sample=scores(0.05, 1.0),
           greedy=scores(0.1, 0.5))  # the one LoRA with LoRA+: a crossover table of its own
+    markov = tmp_path / "markov" / "200-steps" / "shared-s0"  # a task where it did not run
+    markov.mkdir(parents=True)
+    (markov / "results.json").write_text((tmp_path / "short" / "200-steps" / "shared-s0" / "results.json").read_text()
+                                         .replace('"short"', '"markov"'))
     printed = budget_tables.tables(tmp_path)
     assert "| LoRA-MLE r24-loraplus, beam 3 | 200 | 1 | 0.20 |" in printed
-    lines = printed.split("Crossover against the one LoRA of `mle-loraplus`")[1].splitlines()[-2:]
+    lines = printed.split("Crossover against the one LoRA of `mle-loraplus`")[1].splitlines()[4:]
     assert lines == ["| short | shared | not within 200 steps | 200 | 200 | not within 600 steps |",
-                     "| short | bias | not within 200 steps | 200 | 200 | not within 600 steps |"]
+                     "| short | bias | not within 200 steps | 200 | 200 | not within 600 steps |"]  # not markov's
     assert budget_tables.crossover({}) == "-"
     same = scores(1.0, 2.0)
     assert not budget_tables.beats(same, same) and budget_tables.beats(scores(1.0, 2.5), same)  # Markov: modes decide
