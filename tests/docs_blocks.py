@@ -472,6 +472,12 @@ REGISTRY = {
               (0, "markov bilingual", "bias-0.1", " --learning_rate 0.008"))),
         ".venv/bin/python -m benchmarks.studies.budget_study --out /tmp/budgets --data_only "
         "--tasks markov markov-skewed bilingual short",
+        ".venv/bin/python -m benchmarks.studies.budget_study --out /tmp/budgets --budgets 60 200 --seeds 0 1 "
+        "--spoken_recipe /tmp/spoken-budgets",
+        ".venv/bin/python -m benchmarks.studies.budget_study --out /tmp/budgets --budgets 600 --seeds 0 "
+        "--spoken_recipe /tmp/spoken-600",
+        ".venv/bin/python -m benchmarks.studies.spoken_budgets --out /tmp/budgets "
+        "--record benchmarks/studies/records/budget",
         ".venv/bin/python -m benchmarks.studies.verdict_agreement --out benchmarks/studies/records/budget "
         "--data /tmp/budgets/data")},
     ("docs/benchmarks.md",
