@@ -134,7 +134,7 @@ def decoded_runs(root: Path) -> dict[str, dict[str, str]]:
 
 
 def members_of(root: Path, run: str) -> list[str]:
-    """An ensemble's members, from its recipe file's copy in the run (``recipes.ensemble``'s run.json)."""
+    """An assembled ensemble's members, in order (its run.json, written by ``recipes.ensemble.assemble``)."""
     members = json.loads((root / run / "run.json").read_text()).get("members")
     if not members:
         raise SystemExit(f"{root / run}: run.json names no members: is it an ensemble assembled by the recipe?")
@@ -167,9 +167,9 @@ def scored(root: Path) -> list[tuple[dict, dict]]:
         for strategy, name in systems.items():
             predictions = read_jsonl(root / "predictions" / f"{name}.jsonl", "candidates")
             decoded[strategy] = [predictions[row["id"]]["candidates"] for row in test]
-        scored = root / "nll" / f"{run}@best.jsonl"
-        if not scored.exists():
-            raise SystemExit(f"{scored} does not exist: keep experiment.yaml's nll_table as budget_study "
+        nll_file = root / "nll" / f"{run}@best.jsonl"
+        if not nll_file.exists():
+            raise SystemExit(f"{nll_file} does not exist: keep experiment.yaml's nll_table as budget_study "
                              "--spoken_recipe wrote it (every run at its best adapters) and run the recipe again")
         one = [k["step"] for k in kept], [k["eval_loss"] for k in kept]
         result = {"task": TASK, "setting": setting_of(kind, settings["mcl"]), "seed": int(seed), "K": HYPOTHESES,
@@ -180,7 +180,7 @@ def scored(root: Path) -> list[tuple[dict, dict]]:
                   "best_eval_loss": one[1] if kind == ENSEMBLE else one[1][0],
                   "trainable_parameters": record.trainable_parameters,
                   "test": {s: study.score(TASK, test, c, identifier, no_mode=("empty",)) for s, c in decoded.items()},
-                  "oracle_nll": oracle_nll(load_nll(scored, ids, references))["oracle_nll"]}
+                  "oracle_nll": oracle_nll(load_nll(nll_file, ids, references))["oracle_nll"]}
         if kind == ENSEMBLE:
             result["members"] = members
         elif kind != "mle":
@@ -203,7 +203,7 @@ def data_digest(data: Path) -> dict:
 def score(out: Path, records: Path | None = None) -> list[Path]:
     """Write each decoded run of the recipe in OUT/spoken-translation (``scored``) as the study writes a run, in
     OUT/spoken-translation/<B>-steps/<run_name>/, and with ``records`` copy it there too, with records/data/
-    spoken-translation.json (the SHA-256 of the data files): a run scored on other data is refused."""
+    spoken-translation.json (``data_digest``: of the data's rows): a run scored on other data is refused."""
     from benchmarks.studies.budget_study import run_name
 
     root, written = out / TASK, []
