@@ -133,11 +133,11 @@ def decoded_runs(root: Path) -> dict[str, dict[str, str]]:
     return runs
 
 
-def members_of(root: Path, run: str) -> list[str]:
-    """An assembled ensemble's members, in order (its run.json, written by ``recipes.ensemble.assemble``)."""
-    members = json.loads((root / run / "run.json").read_text()).get("members")
+def members_of(record, run: Path) -> list[str]:
+    """An assembled ensemble's members, in order, from its run.json's ``record`` (``recipes.ensemble.assemble``)."""
+    members = record.values.get("members")
     if not members:
-        raise SystemExit(f"{root / run}: run.json names no members: is it an ensemble assembled by the recipe?")
+        raise SystemExit(f"{run}: run.json names no members: is it an ensemble assembled by the recipe?")
     return list(members)
 
 
@@ -145,7 +145,7 @@ def scored(root: Path) -> list[tuple[dict, dict]]:
     """(results, candidates) of each run decoded from its best adapters by the recipe in ``root``, in the budget
     study's shape (``budget_study.one_run``'s results.json and candidates.json)."""
     from benchmarks.studies import defaults_study as study
-    from benchmarks.studies.budget_study import ENSEMBLE
+    from benchmarks.studies.budget_study import ENSEMBLE, best
     from loramcl.metrics.io import load_nll
     from loramcl.metrics.nll import oracle_nll
     from loramcl.recipes.spoken_translation.messages import read_rows
@@ -160,9 +160,9 @@ def scored(root: Path) -> list[tuple[dict, dict]]:
     for run, systems in decoded_runs(root).items():
         kind, budget, seed = RUN.fullmatch(run).groups()
         record = RunRecord.read(root / run)
-        members = members_of(root, run) if kind == ENSEMBLE else [run]
-        kept = [json.loads((root / m / "best" / "best.json").read_text()) for m in members]
-        settings = RunRecord.read(root / members[0]).settings.values
+        members = members_of(record, root / run) if kind == ENSEMBLE else [run]
+        kept = [best(root / m) for m in members]  # an ensemble's best: each member's own
+        settings = (RunRecord.read(root / members[0]) if kind == ENSEMBLE else record).settings.values
         decoded = {}
         for strategy, name in systems.items():
             predictions = read_jsonl(root / "predictions" / f"{name}.jsonl", "candidates")
@@ -171,13 +171,13 @@ def scored(root: Path) -> list[tuple[dict, dict]]:
         if not nll_file.exists():
             raise SystemExit(f"{nll_file} does not exist: keep experiment.yaml's nll_table as budget_study "
                              "--spoken_recipe wrote it (every run at its best adapters) and run the recipe again")
-        one = [k["step"] for k in kept], [k["eval_loss"] for k in kept]
+        steps, losses = [k["step"] for k in kept], [k["eval_loss"] for k in kept]
         result = {"task": TASK, "setting": setting_of(kind, settings["mcl"]), "seed": int(seed), "K": HYPOTHESES,
                   "budget": int(budget), "learning_rate": settings["training"]["learning_rate"],
                   "rank": settings["mcl"]["r"], "device": "cpu", "train_seconds": record.seconds,
                   "seconds_partial": record.seconds_partial, "resumed_from": record.resumed_from,
-                  "best_step": one[0] if kind == ENSEMBLE else one[0][0],
-                  "best_eval_loss": one[1] if kind == ENSEMBLE else one[1][0],
+                  "best_step": steps if kind == ENSEMBLE else steps[0],
+                  "best_eval_loss": losses if kind == ENSEMBLE else losses[0],
                   "trainable_parameters": record.trainable_parameters,
                   "test": {s: study.score(TASK, test, c, identifier, no_mode=("empty",)) for s, c in decoded.items()},
                   "oracle_nll": oracle_nll(load_nll(nll_file, ids, references))["oracle_nll"]}
