@@ -479,7 +479,7 @@ REGISTRY = {
         ".venv/bin/python -m benchmarks.studies.spoken_budgets --out /tmp/budgets "
         "--record benchmarks/studies/records/budget",
         ".venv/bin/python -m benchmarks.studies.verdict_agreement --out benchmarks/studies/records/budget "
-        "--data /tmp/budgets/data")},
+        "--data /tmp/budgets/data --spoken_data /tmp/budgets/spoken-translation/data")},
     ("docs/benchmarks.md",
      ".venv/bin/python -m benchmarks.studies.budget_study --out benchmarks/studies/records/budget --table"):
         Module(replace=(("benchmarks/studies/records/budget", str(ROOT / "benchmarks/studies/records/budget")),),

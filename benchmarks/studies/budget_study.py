@@ -303,16 +303,19 @@ def data_digest(folder: Path) -> dict:
     return {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in DATA_FILES}
 
 
-def check_data(records: Path, data: Path, task: str) -> None:
-    """Refuse ``data`` (a task's folder) unless it is the data ``records``' runs of ``task`` were scored on."""
+def check_data(records: Path, data: Path, task: str, digest=data_digest, files: tuple[str, ...] = DATA_FILES,
+               build: str | None = None) -> None:
+    """Refuse ``data`` (a task's folder) unless it is the data ``records``' runs of ``task`` were scored on: the
+    ``digest`` of its ``files`` (another task's: spoken_budgets'), ``build`` saying how to build it again."""
     kept = records / "data" / f"{task}.json"
     if not kept.exists():
         return
-    missing = [name for name in DATA_FILES if not (data / name).exists()]
-    if missing or json.loads(kept.read_text())["sha256"] != data_digest(data):
+    missing = [name for name in files if not (data / name).exists()]
+    if missing or json.loads(kept.read_text())["sha256"] != digest(data):
         what = f"no {', '.join(missing)}" if missing else f"not the {task} data the runs of {records} were scored on"
-        raise SystemExit(f"{data}: {what} ({kept}): build it with this checkout's `budget_study --data_only --tasks "
-                         f"{task}` on a machine with the same gettext catalogs, or record into another folder")
+        build = build or (f"build it with this checkout's `budget_study --data_only --tasks {task}` on a machine "
+                          "with the same gettext catalogs")
+        raise SystemExit(f"{data}: {what} ({kept}): {build}, or record into another folder")
 
 
 def record(out: Path, records: Path, task: str, budget: int, setting: str, seed: int,

@@ -200,6 +200,16 @@ def data_digest(data: Path) -> dict:
     return {name: hashlib.sha256(rows(name)).hexdigest() for name in DATA_FILES}
 
 
+def check_data(records: Path, data: Path) -> None:
+    """Refuse the recipe's ``data`` folder unless it is the data the runs of ``records`` were scored on
+    (``data_digest``)."""
+    from benchmarks.studies import budget_study
+
+    budget_study.check_data(records, data, TASK, data_digest, DATA_FILES, build=(
+        "build it with `loramcl spoken-translation --recipes DIR --stop_after data` (DIR written by budget_study "
+        "--spoken_recipe) on a machine with the same gettext catalogs"))
+
+
 def score(out: Path, records: Path | None = None) -> list[Path]:
     """Write each decoded run of the recipe in OUT/spoken-translation (``scored``) as the study writes a run, in
     OUT/spoken-translation/<B>-steps/<run_name>/, and with ``records`` copy it there too, with records/data/
@@ -207,11 +217,8 @@ def score(out: Path, records: Path | None = None) -> list[Path]:
     from benchmarks.studies.budget_study import run_name
 
     root, written = out / TASK, []
-    digest = data_digest(root / "data")
-    kept = records / "data" / f"{TASK}.json" if records is not None else None
-    if kept is not None and kept.exists() and json.loads(kept.read_text())["sha256"] != digest:
-        raise SystemExit(f"{root / 'data'}: not the {TASK} data the runs of {records} were scored on ({kept}): "
-                         "record into another folder")
+    if records is not None:
+        check_data(records, root / "data")
     for result, decoded in scored(root):
         name = f"{result['budget']}-steps/{run_name(result['setting'], result['seed'], result['learning_rate'])}"
         for folder in [root / name] + ([records / TASK / name] if records is not None else []):
@@ -220,9 +227,10 @@ def score(out: Path, records: Path | None = None) -> list[Path]:
             (folder / "results.json").write_text(json.dumps(result, ensure_ascii=False, indent=1) + "\n",
                                                  encoding="utf-8")
             written.append(folder)
-    if kept is not None:
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        kept.write_text(json.dumps({"sha256": digest}, indent=1) + "\n")
+    if records is not None:
+        (records / "data").mkdir(parents=True, exist_ok=True)
+        (records / "data" / f"{TASK}.json").write_text(json.dumps({"sha256": data_digest(root / "data")}, indent=1)
+                                                       + "\n")
     return written
 
 

@@ -14,11 +14,14 @@ NLL verdict reads the training logs only. It reads the budget study's runs too (
 OUT/<task>/<budget>-steps/<run>, decoded from the best checkpoint), and there adds the verdict the run gave itself
 in training (``output_verdict: 16`` on validation prompts, with the rows' mode column), and its records
 (``budget_study --record``), which keep no data: ``--data`` names the tasks' data built again (``budget_study
---data_only``), refused unless it is the data the runs were scored on.
+--data_only``), refused unless it is the data the runs were scored on. The spoken-translation runs
+(``spoken_budgets``: OUT/spoken-translation/<B>-steps/<run>) are read on the recipe's data (``--spoken_data``, default
+OUT/spoken-translation/data): English, the transcript, is one of their two modes, and their prompts are clips.
 
     python -m benchmarks.studies.verdict_agreement --out /tmp/defaults   # the defaults study's --out
     python -m benchmarks.studies.verdict_agreement --out /tmp/budgets    # the budget study's
-    python -m benchmarks.studies.verdict_agreement --out benchmarks/studies/records/budget --data /tmp/budgets/data
+    python -m benchmarks.studies.verdict_agreement --out benchmarks/studies/records/budget --data /tmp/budgets/data \
+        --spoken_data /tmp/budgets/spoken-translation/data
 """
 
 from __future__ import annotations
@@ -35,15 +38,17 @@ from loramcl.analysis.outputs import MODE_PURITY, output_verdict
 TASKS = ("markov", "markov-skewed", "bilingual", "short")
 LANGUAGES = {"bilingual": ("fr", "de"), "short": SHORT_LANGUAGES}
 NOT_A_MODE = {"en", "empty", "invalid"}  # what no hypothesis may own: the source language, nothing, no chain
-EXAMPLES_PER_STEP = 16  # the study's batch
+EXAMPLES_PER_STEP = 16  # the study's batch, and the spoken-translation recipe's
+SPOKEN = "spoken-translation"  # spoken_budgets.TASK: its runs in OUT/spoken-translation/<B>-steps
 
 
-def split_by_mode(languages: list[list[str]]) -> tuple[bool, list[str], list[float]]:
-    """(split, most written language, its share) per hypothesis from ``languages`` [N][K], each answer's language."""
+def split_by_mode(languages: list[list[str]], not_a_mode=NOT_A_MODE) -> tuple[bool, list[str], list[float]]:
+    """(split, most written language, its share) per hypothesis from ``languages`` [N][K], each answer's language;
+    no hypothesis may own one of ``not_a_mode``."""
     counts = [Counter(row[k] for row in languages) for k in range(len(languages[0]))]
     majority = [c.most_common(1)[0][0] for c in counts]
     purity = [c[m] / len(languages) for c, m in zip(counts, majority, strict=True)]
-    split = len(set(majority)) == len(majority) and min(purity) >= MODE_PURITY and not NOT_A_MODE & set(majority)
+    split = len(set(majority)) == len(majority) and min(purity) >= MODE_PURITY and not set(not_a_mode) & set(majority)
     return split, majority, purity
 
 
@@ -65,10 +70,11 @@ def test_prompts(data: Path, task: str) -> tuple[list[dict], list[list[str]]] | 
     return tests, [[chain(t["prompt"], r) for r in t["references"]] for t in tests]
 
 
-def run_verdicts(out: Path, data: Path | None = None) -> list[dict]:
+def run_verdicts(out: Path, data: Path | None = None, spoken_data: Path | None = None) -> list[dict]:
     """One row per finished MCL run of each task: the truth and the two verdicts. ``data``: the tasks' data folders
-    (default ``out``/data; a budget-study record's must be the data it recorded)."""
-    from benchmarks.studies.budget_study import LEARNING_RATE, check_data, rate_suffix
+    (default ``out``/data; a budget-study record's must be the data it recorded); ``spoken_data``: the spoken-
+    translation recipe's data folder (default ``out``/spoken-translation/data), read where ``out`` has its runs."""
+    from benchmarks.studies.budget_study import check_data
 
     rows, root = [], out / "data" if data is None else data
     for task in TASKS:
@@ -81,28 +87,65 @@ def run_verdicts(out: Path, data: Path | None = None) -> list[dict]:
             result = json.loads(results.read_text())
             if is_mle(result["setting"]) or result["setting"] == "ensemble":
                 continue
-            steps = result.get("best_step", result.get("steps"))  # the budget study decodes its best checkpoint
             answers = json.loads((results.parent / "candidates.json").read_text())["greedy"]
             if is_markov(task):
                 written = [[chain(t["prompt"], a) for a in row] for t, row in zip(tests, answers, strict=True)]
             else:
                 identifier = identifier or language_identifier(data, task)
-                written = [identifier.predict([a if a.strip() else "-" for a in row]) for row in answers]
-                written = [[lang if a.strip() else "empty" for lang, a in zip(row, answers_row, strict=True)]
-                           for row, answers_row in zip(written, answers, strict=True)]
-            split, majority, purity = split_by_mode(written)
-            verdict = output_verdict(answers, [t["references"] for t in tests], modes,
-                                     examples_seen=steps * EXAMPLES_PER_STEP,
-                                     prompts=[t["prompt"] for t in tests])
-            setting = result["setting"] + rate_suffix(result.get("learning_rate", LEARNING_RATE))
-            rows.append({"task": task, "setting": setting, "seed": result["seed"], "split": split,
-                         "budget": result.get("budget"),
-                         "trained_verdict": (result.get("output_verdict") or {}).get("kind"),
-                         "majority": majority, "purity": [round(p, 2) for p in purity],
-                         "nll_verdict": (result.get("verdict") or {}).get("kind"), "output_verdict": verdict.kind,
-                         "output_majority": verdict.majority, "same_rate": verdict.same_rate,
-                         "copy_rate": verdict.copy_rate})
+                written = languages_written(identifier, answers)
+            rows.append(verdict_row(task, result, answers, written, tests, modes, prompts=[t["prompt"] for t in tests]))
+    spoken = sorted((out / SPOKEN).glob("*-steps/*/results.json"))
+    return rows + spoken_verdicts(out, spoken, spoken_data or out / SPOKEN / "data") if spoken else rows
+
+
+def spoken_verdicts(out: Path, results: list[Path], data: Path) -> list[dict]:
+    """The rows of the spoken-translation runs ``results`` (``spoken_budgets``' results.json), on the recipe's
+    ``data``: an answer's language by the recipe's identifier (``report.train_identifier``), English one of the two
+    modes (the transcript); no prompts, the clips' audio (nothing to copy)."""
+    from benchmarks.studies.spoken_budgets import check_data
+    from loramcl.recipes.spoken_translation.messages import read_rows
+    from loramcl.recipes.spoken_translation.report import train_identifier
+
+    if not (data / "test.jsonl").exists():
+        raise SystemExit(f"{data}: no test.jsonl for the {SPOKEN} runs of {out}: give --spoken_data, the recipe's "
+                         "data (`loramcl spoken-translation --recipes DIR --stop_after data` builds it in its out/data)")
+    check_data(out, data)
+    tests = read_rows(data / "test.jsonl")
+    identifier, _ = train_identifier(read_rows(data / "train.jsonl"), tests)
+    rows = []
+    for found in results:
+        result = json.loads(found.read_text())
+        if is_mle(result["setting"]) or result["setting"] == "ensemble":
+            continue
+        answers = json.loads((found.parent / "candidates.json").read_text())["greedy"]
+        rows.append(verdict_row(SPOKEN, result, answers, languages_written(identifier, answers), tests,
+                                [t["reference_modes"] for t in tests], not_a_mode={"empty"}))
     return rows
+
+
+def languages_written(identifier, answers: list[list[str]]) -> list[list[str]]:
+    """Each answer's language by ``identifier`` [N][K], "empty" for a blank one."""
+    written = [identifier.predict([a if a.strip() else "-" for a in row]) for row in answers]
+    return [[lang if a.strip() else "empty" for lang, a in zip(row, answers_row, strict=True)]
+            for row, answers_row in zip(written, answers, strict=True)]
+
+
+def verdict_row(task: str, result: dict, answers: list[list[str]], written: list[list[str]], tests: list[dict],
+                modes: list[list[str]], prompts: list[str] | None = None, not_a_mode=NOT_A_MODE) -> dict:
+    """One run's row: the split by mode of what it ``written`` (each answer's mode), its NLL verdict, the output
+    verdict on its test ``answers`` and the one it gave itself in training."""
+    from benchmarks.studies.budget_study import LEARNING_RATE, rate_suffix
+
+    split, majority, purity = split_by_mode(written, not_a_mode)
+    steps = result.get("best_step", result.get("steps"))  # the budget study decodes its best checkpoint
+    verdict = output_verdict(answers, [t["references"] for t in tests], modes,
+                             examples_seen=steps * EXAMPLES_PER_STEP, prompts=prompts)
+    return {"task": task, "setting": result["setting"] + rate_suffix(result.get("learning_rate", LEARNING_RATE)),
+            "seed": result["seed"], "split": split, "budget": result.get("budget"),
+            "trained_verdict": (result.get("output_verdict") or {}).get("kind"),
+            "majority": majority, "purity": [round(p, 2) for p in purity],
+            "nll_verdict": (result.get("verdict") or {}).get("kind"), "output_verdict": verdict.kind,
+            "output_majority": verdict.majority, "same_rate": verdict.same_rate, "copy_rate": verdict.copy_rate}
 
 
 def table(rows: list[dict]) -> str:
@@ -116,7 +159,8 @@ def table(rows: list[dict]) -> str:
         written = ", ".join(f"{m} {p:.2f}" for m, p in zip(r["majority"], r["purity"], strict=True))
         lines.append(f"| {r['task']} | {r['setting']} | {r['seed']} | " + (f"{r.get('budget')} | " if budgets else "")
                      + f"{'yes' if r['split'] else 'no'} ({written}) | {r['nll_verdict']} | {r['output_verdict']} "
-                     f"({', '.join(r['output_majority'] or [])}; {r['same_rate']:.2f}; {r['copy_rate']:.2f}) |"
+                     f"({', '.join(r['output_majority'] or [])}; {r['same_rate']:.2f}; "
+                     f"{'-' if r['copy_rate'] is None else format(r['copy_rate'], '.2f')}) |"
                      + (f" {r.get('trained_verdict')} |" if budgets else ""))
     agree_nll = sum((r["nll_verdict"] == "split") == r["split"] for r in rows)
     agree_out = sum((r["output_verdict"] == "split by mode") == r["split"] for r in rows)
@@ -125,6 +169,11 @@ def table(rows: list[dict]) -> str:
     lines += ["", f"{len(rows)} runs, {sum(r['split'] for r in rows)} split by mode. The NLL verdict agrees on "
               f"{agree_nll} (said \"split\" on {said_nll} that did not split by mode); the output verdict agrees on "
               f"{agree_out} (said \"split by mode\" on {said_out} that did not)."]
+    split = [r for r in rows if r["split"]]
+    if split:
+        lines[-1] += (f" Of the {len(split)} that split by mode, the output verdict said \"split by mode\" on "
+                      f"{sum(r['output_verdict'] == 'split by mode' for r in split)}, the NLL verdict \"split\" on "
+                      f"{sum(r['nll_verdict'] == 'split' for r in split)}.")
     trained = [r for r in rows if r.get("trained_verdict")]
     if trained:
         agree = sum((r["trained_verdict"] == "split by mode") == r["split"] for r in trained)
@@ -138,8 +187,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the defaults or budget study's --out, or a record")
     parser.add_argument("--data", type=Path, help="the tasks' data (default: OUT/data)")
+    parser.add_argument("--spoken_data", type=Path, help="the spoken-translation recipe's data, read where OUT has "
+                        "its runs (default: OUT/spoken-translation/data)")
     args = parser.parse_args()
-    print(table(run_verdicts(args.out, args.data)))
+    print(table(run_verdicts(args.out, args.data, args.spoken_data)))
 
 
 if __name__ == "__main__":

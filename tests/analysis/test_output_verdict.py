@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from loramcl.analysis.outputs import COPY, MIN_EXAMPLES_PER_HYPOTHESIS, NO_VERDICT, output_verdict
+from loramcl.analysis.outputs import COPY, MIN_EXAMPLES_PER_HYPOTHESIS, NEAR, NO_VERDICT, _chrf, output_verdict
 
 REFERENCES = [["bonjour le monde", "hallo welt"], ["merci beaucoup", "danke sehr"], ["au revoir", "auf wiedersehen"]]
 MODES = [["fr", "de"]] * 3
@@ -47,6 +47,29 @@ def test_hypotheses_that_each_write_a_mode_split_by_mode():
     assert found.kind == "split by mode" and found.majority == ["fr", "de"] and found.purity == [1.0, 1.0]
     assert found.modes == ["de", "fr"] and found.mode_table == [[0, 3], [3, 0]]
     assert found.line.startswith("outputs: split by mode: h0 writes fr (100%), h1 writes de (100%)")
+
+
+MESSAGES = [("Open the file", "Ouvrir le fichier"), ("Save the document", "Enregistrer le document"),
+            ("Close the window", "Fermer la fenêtre"), ("Connection failed", "La connexion a échoué"),
+            ("Delete this message", "Supprimer ce message"), ("Print the page", "Imprimer la page"),
+            ("Show hidden files", "Afficher les fichiers cachés"), ("Unable to read the file", "Impossible de lire le "
+            "fichier"), ("New folder", "Nouveau dossier"), ("Search the web", "Rechercher sur le web")]
+
+
+def test_a_far_answer_has_the_mode_its_references_resemble_not_its_closest_references():
+    """Spoken translation's French hypothesis writes French that misses the message, often closer by chrF to the
+    English transcript (names, shared characters) than to the French reference: its mode is the one whose references
+    it resembles (a character n-gram classifier fit on the references), its closest reference's only when near."""
+    wrong_french = ["Des fenêtres sans nom", "Les documents sont ouverts", "Ce dossier est caché",
+                    "Le chat est sur la table", "Le chat est sur la table"]
+    answers = [[en, wrong_french[i] if i < len(wrong_french) else fr] for i, (en, fr) in enumerate(MESSAGES)]
+    for (en, fr), wrong in zip(MESSAGES, wrong_french):
+        assert _chrf(wrong, fr) < _chrf(wrong, en) < NEAR  # by the closest reference alone: English
+    found = output_verdict(answers, [list(m) for m in MESSAGES], [["en", "fr"]] * len(MESSAGES))
+    assert found.kind == "split by mode" and found.majority == ["en", "fr"] and found.purity == [1.0, 1.0]
+    one_mode = output_verdict(answers, [[en] for en, _ in MESSAGES], [["en"]] * len(MESSAGES))  # no classifier
+    assert one_mode.mode_table == [[10], [10]]  # every answer shares a character n-gram with its one reference
+    assert output_verdict([["", "x"]], [["x", "y"]], [["a", "b"]]).mode_table == [[0, 0, 1], [1, 0, 0]]  # empty
 
 
 def test_a_collapsed_run_writing_one_mode_is_no_split():

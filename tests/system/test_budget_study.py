@@ -341,6 +341,20 @@ def test_the_spoken_translation_recipes_runs_are_scored_recorded_and_tabled_as_t
         assert "| LoRA-MLE r16 (lr 0.001), beam 2 | 60 | 1 | 100.0 |" in shown
         # as good on best of 2, more modes: MCL beats beam search and the ensemble, not the samples (both modes too)
         assert "| spoken-translation | relaxed-0.05-lr0.001 | 60 | 60 | not within 60 steps | 60 |" in shown
+    # the verdicts: English, the transcript, is a mode here; the records read on the recipe's data
+    from benchmarks.studies.verdict_agreement import run_verdicts
+
+    verdicts = run_verdicts(records, tmp_path / "no-data", out / "spoken-translation" / "data")
+    assert [(v["task"], v["setting"], v["budget"]) for v in verdicts] == [
+        ("spoken-translation", "annealed-0.97-lr0.001", 60), ("spoken-translation", "relaxed-0.05-lr0.001", 60)]
+    assert verdicts == run_verdicts(out)  # the study's folder: its data where the recipe wrote it
+    mcl = verdicts[1]
+    assert (mcl["split"], mcl["majority"], mcl["purity"]) == (False, ["en", "fr"], [1.0, 0.5])  # h1: fr, then en
+    assert mcl["output_verdict"] == "write the same" and mcl["copy_rate"] is None  # one message of 2; no text prompt
+    with pytest.raises(SystemExit, match="no test.jsonl for the spoken-translation runs .* give --spoken_data"):
+        run_verdicts(records, tmp_path / "no-data")
     (out / "spoken-translation" / "data" / "test.jsonl").write_text("")
     with pytest.raises(SystemExit, match="not the spoken-translation data the runs of"):
         spoken_budgets.score(out, records)
+    with pytest.raises(SystemExit, match="not the spoken-translation data .* --stop_after data"):
+        run_verdicts(records, tmp_path / "no-data", out / "spoken-translation" / "data")

@@ -136,7 +136,8 @@ def test_the_verdicts_are_checked_against_the_split_by_mode():
             for s, split, nll, out in (("a", True, "split", "split by mode"), ("b", False, "split", "differ"))]
     assert table(rows).splitlines()[-1] == (
         '2 runs, 1 split by mode. The NLL verdict agrees on 1 (said "split" on 1 that did not split by mode); the '
-        'output verdict agrees on 2 (said "split by mode" on 0 that did not).')
+        'output verdict agrees on 2 (said "split by mode" on 0 that did not). Of the 1 that split by mode, the output '
+        'verdict said "split by mode" on 1, the NLL verdict "split" on 1.')
     budget = [dict(rows[1], budget=200, trained_verdict="split by mode")]  # a budget-study run: its own verdict too
     lines = table(budget).splitlines()
     assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == 9 and "| 200 | no (" in lines[2]

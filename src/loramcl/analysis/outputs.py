@@ -11,9 +11,12 @@ study calls it post hoc on its decoded candidates.
 Answers are compared after SQuAD's normalisation (``metrics.short_answers.normalise_answer``: case, punctuation,
 articles, white space). Quality is sacrebleu's sentence chrF (0-100) of an answer against each reference, the best
 one kept; exact match after the same normalisation is the second number. An answer's mode is the mode of the
-reference it is closest to by chrF (none when it shares no character n-gram with any), or, with the prompts, "prompt"
-when it copies its prompt (its words, normalised, are words of the prompt, and it is no reference): the defaults
-study's hypotheses mostly copied the English source after 60 steps, which chrF would call the closest language.
+reference it is closest to by chrF when it is that close (NEAR: a near-right answer), otherwise the mode whose
+references its character n-grams resemble most (``analysis.language.LanguageIdentifier`` fit on every reference given,
+labelled by its mode; the closest reference's mode when the references name one mode only, none when it shares no
+character n-gram with any), or, with the prompts, "prompt" when it copies its prompt (its words, normalised, are words
+of the prompt, and it is no reference): the defaults study's hypotheses mostly copied the English source after 60
+steps, which chrF would call the closest language.
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ MODE_PURITY = 0.7
 # runs split by language after 800 to 1,600; before about 100 examples each hypothesis has won only a few dozen to
 # learn from, and its answers are the base model's (issue 64: a verdict after 4 steps of 2 clips, 8 examples).
 MIN_EXAMPLES_PER_HYPOTHESIS = 100
+# An answer at least this close to a reference (sentence chrF) is of that reference's mode; a farther one is of the
+# mode whose references it resembles. By the closest reference alone, an imperfect French answer to a spoken English
+# message is English (it keeps the message's names and technical words): on the study's spoken translation runs that
+# split by language (one hypothesis 85-89% French by the recipe's language identifier), every hypothesis was "en".
+NEAR = 50.0
 NO_VERDICT = "no verdict"
 NO_MODE = "none"  # the mode of an answer sharing no character n-gram with any reference
 COPY = "prompt"  # the mode of an answer that copies its prompt (``prompts`` given)
@@ -123,7 +131,7 @@ def output_verdict(answers: Sequence[Sequence[str]], references: Sequence[Sequen
                     f"best of {k} {100 * found.exact_best_of_k:.0f}%, mean over {k} "
                     f"{100 * found.exact_mean_over_k:.0f}%")
         if modes is not None:
-            numbers += "; " + _mode_table(found, scores, modes, copied)
+            numbers += "; " + _mode_table(found, answers, scores, references, modes, copied)
     minimum = min_examples if min_examples is not None else MIN_EXAMPLES_PER_HYPOTHESIS * k
     if examples_seen is not None and examples_seen < minimum:
         found.kind, found.reason = NO_VERDICT, (f"{examples_seen} training examples seen, fewer than {minimum} "
@@ -165,14 +173,14 @@ def _copies(answer: str, prompt: str, references: set[str]) -> bool:
     return bool(answer) and f" {answer} " in prompt and answer not in references
 
 
-def _mode_table(found: OutputVerdict, scores: list, modes: Sequence[Sequence[str]], copied: list) -> str:
-    """Fill ``found``'s hypothesis x mode table, majority modes and purity from chrF ``scores`` [N][K][R_i] (an
-    answer ``copied`` [N][K] from its prompt: COPY); the table as text."""
+def _mode_table(found: OutputVerdict, answers: list, scores: list, references: Sequence[Sequence[str]],
+                modes: Sequence[Sequence[str]], copied: list) -> str:
+    """Fill ``found``'s hypothesis x mode table, majority modes and purity from each answer's mode (``_answer_modes``;
+    an answer ``copied`` [N][K] from its prompt: COPY); the table as text."""
     written = [Counter() for _ in range(found.hypotheses)]  # [K] mode -> answers
-    for row, row_modes, row_copied in zip(scores, modes, copied, strict=True):
-        for k, per_reference in enumerate(row):
-            best = max(range(len(per_reference)), key=per_reference.__getitem__)  # the first of equals
-            written[k][COPY if row_copied[k] else row_modes[best] if per_reference[best] > 0 else NO_MODE] += 1
+    for row, row_copied in zip(_answer_modes(answers, scores, references, modes), copied, strict=True):
+        for k, mode in enumerate(row):
+            written[k][COPY if row_copied[k] else mode] += 1
     names = sorted({str(m) for row in modes for m in row})
     names += [m for m in (COPY, NO_MODE) if any(c[m] for c in written) and m not in names]
     found.modes = names
@@ -182,6 +190,35 @@ def _mode_table(found: OutputVerdict, scores: list, modes: Sequence[Sequence[str
     return "modes written " + ", ".join(
         f"h{k} " + " / ".join(f"{m} {n}" for m, n in zip(names, row, strict=True) if n)
         for k, row in enumerate(found.mode_table))
+
+
+def _answer_modes(answers: list, scores: list, references: Sequence[Sequence[str]],
+                  modes: Sequence[Sequence[str]]) -> list[list[str]]:
+    """Each answer's mode [N][K]: its closest reference's (chrF ``scores`` [N][K][R_i]) when within NEAR, else the
+    mode a character n-gram classifier fit on the ``references`` with their ``modes`` gives it; the closest
+    reference's when they name one mode; NO_MODE for an empty answer, or one sharing no n-gram with any reference
+    when there is no classifier."""
+    texts = [(r, str(m)) for refs, row in zip(references, modes, strict=True) for r, m in zip(refs, row, strict=True)
+             if r.strip()]
+    classifier = None
+    if len({m for _, m in texts}) > 1:
+        from loramcl.analysis.language import EMPTY, LanguageIdentifier
+
+        if EMPTY not in {m for _, m in texts}:  # the identifier's reserved label: such modes keep the closest rule
+            classifier = LanguageIdentifier().fit([t for t, _ in texts], [m for _, m in texts])
+    found = []
+    for row, row_scores, row_modes in zip(answers, scores, modes, strict=True):
+        predicted = classifier.predict(row) if classifier is not None else [None] * len(row)
+        found.append([])
+        for answer, per_reference, guess in zip(row, row_scores, predicted, strict=True):
+            best = max(range(len(per_reference)), key=per_reference.__getitem__)  # the first of equals
+            if not answer.strip():
+                found[-1].append(NO_MODE)
+            elif per_reference[best] >= NEAR or guess is None:
+                found[-1].append(str(row_modes[best]) if per_reference[best] > 0 else NO_MODE)
+            else:
+                found[-1].append(guess)
+    return found
 
 
 def _abstained(reason: str, prompts: int, k: int) -> OutputVerdict:
@@ -223,5 +260,5 @@ def _mean(values) -> float:
     return sum(values) / len(values)
 
 
-__all__ = ["COPY", "MIN_EXAMPLES_PER_HYPOTHESIS", "MODE_PURITY", "NO_VERDICT", "OPTIONS", "REMEDIES", "SAME_RATE",
+__all__ = ["COPY", "MIN_EXAMPLES_PER_HYPOTHESIS", "MODE_PURITY", "NEAR", "NO_VERDICT", "OPTIONS", "REMEDIES", "SAME_RATE",
            "OutputVerdict", "output_verdict"]
