@@ -71,6 +71,13 @@ def test_a_far_answer_has_the_mode_its_references_resemble_not_its_closest_refer
     assert one_mode.mode_table == [[10], [10]]  # every answer shares a character n-gram with its one reference
     assert output_verdict([["", "x"]], [["x", "y"]], [["a", "b"]]).mode_table == [[0, 0, 1], [1, 0, 0]]  # empty
 
+    class Always:  # a classifier given: it names the mode of every far answer, near ones keep their reference's
+        def predict(self, texts):
+            return ["other"] * len(texts)
+
+    given = output_verdict(answers, [list(m) for m in MESSAGES], [["en", "fr"]] * len(MESSAGES), classifier=Always())
+    assert given.modes == ["en", "fr", "other"] and given.mode_table == [[10, 0, 0], [0, 5, 5]]
+
 
 def test_a_collapsed_run_writing_one_mode_is_no_split():
     """Every hypothesis writes French: pure (purity 1), but no hypothesis owns German."""

@@ -65,6 +65,11 @@ def test_different_adapters_differ_and_the_mode_column_gives_a_table(tmp_path):
     found = callback.verdict
     assert found.kind in ("differ", "split by mode") and found.same_rate < 0.5
     assert found.modes[:2] == ["a", "b"] and len(found.mode_table) == 2 and len(found.purity) == 2
+    # an answer far from its references gets its mode from a classifier fit once on every prompt read (6), not only
+    # on the 4 decoded
+    references, modes = callback._sample.every_reference
+    assert len(references) == 6 and len(callback._sample.references) == 4 and modes[0] == ["a", "b"]
+    assert callback._classifier[0].labels == ["a", "b"]
 
 
 def test_decoding_changes_no_adapter_and_an_evaluation_at_the_last_step_is_decoded_once(tmp_path):

@@ -93,12 +93,14 @@ class OutputVerdict:
 def output_verdict(answers: Sequence[Sequence[str]], references: Sequence[Sequence[str]] | None = None,
                    modes: Sequence[Sequence[str]] | None = None, examples_seen: int | None = None,
                    min_examples: int | None = None, remedies: str | None = None,
-                   prompts: Sequence[str] | None = None) -> OutputVerdict:
+                   prompts: Sequence[str] | None = None, classifier=None) -> OutputVerdict:
     """The verdict on ``answers`` [N][K] (hypothesis k's answer to prompt i), with ``references`` [N][R_i] and their
     ``modes`` [N][R_i] when known, and the ``prompts`` [N] (their text: answers that copy them are counted).
     ``examples_seen``: the training examples the hypotheses had seen (None: not checked); under ``min_examples``
     (default MIN_EXAMPLES_PER_HYPOTHESIS x K) the numbers are given, no verdict.
-    ``remedies``: what the line says to try when they write the same (default REMEDIES)."""
+    ``remedies``: what the line says to try when they write the same (default REMEDIES). ``classifier``: what
+    names the mode of an answer far from its references (``predict(texts) -> modes``, e.g. a ``LanguageIdentifier``
+    fit on more text of each mode than the references given; default one fit on the references, ``mode_classifier``)."""
     answers = [list(row) for row in answers]
     k = len(answers[0]) if answers else 0
     _check(answers, references, modes, prompts)
@@ -131,7 +133,8 @@ def output_verdict(answers: Sequence[Sequence[str]], references: Sequence[Sequen
                     f"best of {k} {100 * found.exact_best_of_k:.0f}%, mean over {k} "
                     f"{100 * found.exact_mean_over_k:.0f}%")
         if modes is not None:
-            numbers += "; " + _mode_table(found, answers, scores, references, modes, copied)
+            classifier = classifier if classifier is not None else mode_classifier(references, modes)
+            numbers += "; " + _mode_table(found, answers, scores, modes, copied, classifier)
     minimum = min_examples if min_examples is not None else MIN_EXAMPLES_PER_HYPOTHESIS * k
     if examples_seen is not None and examples_seen < minimum:
         found.kind, found.reason = NO_VERDICT, (f"{examples_seen} training examples seen, fewer than {minimum} "
@@ -173,15 +176,29 @@ def _copies(answer: str, prompt: str, references: set[str]) -> bool:
     return bool(answer) and f" {answer} " in prompt and answer not in references
 
 
-def _mode_table(found: OutputVerdict, answers: list, scores: list, references: Sequence[Sequence[str]],
-                modes: Sequence[Sequence[str]], copied: list) -> str:
+def mode_classifier(references: Sequence[Sequence[str]], modes: Sequence[Sequence[str]]):
+    """A character n-gram classifier (``analysis.language.LanguageIdentifier``) fit on the ``references`` [N][R_i]
+    labelled by their ``modes``, or None when they name fewer than two modes (or the identifier's reserved label)."""
+    texts = [(r, str(m)) for refs, row in zip(references, modes, strict=True) for r, m in zip(refs, row, strict=True)
+             if r.strip()]
+    from loramcl.analysis.language import EMPTY, LanguageIdentifier
+
+    labels = {m for _, m in texts}
+    if len(labels) < 2 or EMPTY in labels:
+        return None
+    return LanguageIdentifier().fit([t for t, _ in texts], [m for _, m in texts])
+
+
+def _mode_table(found: OutputVerdict, answers: list, scores: list, modes: Sequence[Sequence[str]], copied: list,
+                classifier) -> str:
     """Fill ``found``'s hypothesis x mode table, majority modes and purity from each answer's mode (``_answer_modes``;
     an answer ``copied`` [N][K] from its prompt: COPY); the table as text."""
     written = [Counter() for _ in range(found.hypotheses)]  # [K] mode -> answers
-    for row, row_copied in zip(_answer_modes(answers, scores, references, modes), copied, strict=True):
+    for row, row_copied in zip(_answer_modes(answers, scores, modes, classifier), copied, strict=True):
         for k, mode in enumerate(row):
             written[k][COPY if row_copied[k] else mode] += 1
     names = sorted({str(m) for row in modes for m in row})
+    names += sorted({m for c in written for m in c} - set(names) - {COPY, NO_MODE})  # a given classifier's own modes
     names += [m for m in (COPY, NO_MODE) if any(c[m] for c in written) and m not in names]
     found.modes = names
     found.mode_table = [[c[m] for m in names] for c in written]
@@ -192,20 +209,10 @@ def _mode_table(found: OutputVerdict, answers: list, scores: list, references: S
         for k, row in enumerate(found.mode_table))
 
 
-def _answer_modes(answers: list, scores: list, references: Sequence[Sequence[str]],
-                  modes: Sequence[Sequence[str]]) -> list[list[str]]:
+def _answer_modes(answers: list, scores: list, modes: Sequence[Sequence[str]], classifier) -> list[list[str]]:
     """Each answer's mode [N][K]: its closest reference's (chrF ``scores`` [N][K][R_i]) when within NEAR, else the
-    mode a character n-gram classifier fit on the ``references`` with their ``modes`` gives it; the closest
-    reference's when they name one mode; NO_MODE for an empty answer, or one sharing no n-gram with any reference
-    when there is no classifier."""
-    texts = [(r, str(m)) for refs, row in zip(references, modes, strict=True) for r, m in zip(refs, row, strict=True)
-             if r.strip()]
-    classifier = None
-    if len({m for _, m in texts}) > 1:
-        from loramcl.analysis.language import EMPTY, LanguageIdentifier
-
-        if EMPTY not in {m for _, m in texts}:  # the identifier's reserved label: such modes keep the closest rule
-            classifier = LanguageIdentifier().fit([t for t, _ in texts], [m for _, m in texts])
+    mode ``classifier`` gives it; without one, the closest reference's; NO_MODE for an empty answer, or one sharing
+    no n-gram with any reference when there is no classifier."""
     found = []
     for row, row_scores, row_modes in zip(answers, scores, modes, strict=True):
         predicted = classifier.predict(row) if classifier is not None else [None] * len(row)
@@ -261,4 +268,4 @@ def _mean(values) -> float:
 
 
 __all__ = ["COPY", "MIN_EXAMPLES_PER_HYPOTHESIS", "MODE_PURITY", "NEAR", "NO_VERDICT", "OPTIONS", "REMEDIES", "SAME_RATE",
-           "OutputVerdict", "output_verdict"]
+           "OutputVerdict", "mode_classifier", "output_verdict"]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from loramcl.analysis.outputs import NO_VERDICT, OPTIONS, OutputVerdict, output_verdict
+from loramcl.analysis.outputs import NO_VERDICT, OPTIONS, OutputVerdict, mode_classifier, output_verdict
 from loramcl.decoding.candidates import is_encoder_decoder, text_tokenizer
 from loramcl.decoding.strategies import generate_hypotheses
 from loramcl.mcl.config import MCLConfig
@@ -47,12 +47,14 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Sample:
     """The prompts decoded: their token ids [N][T_i], references [N][R_i], the references' modes (or None), and
-    the tokens of the longest reference (what a decoding needs at most)."""
+    the tokens of the longest reference (what a decoding needs at most); with modes, the references of every prompt
+    read and their modes (what the classifier of an answer's mode learns from)."""
 
     prompts: list[list[int]]
     references: list[list[str]]
     modes: list[list[str]] | None
     longest: int
+    every_reference: tuple[list[list[str]], list[list[str]]] | None = None
 
 
 class OutputVerdictCallback(TrainerCallback):
@@ -72,6 +74,7 @@ class OutputVerdictCallback(TrainerCallback):
         self.verdict: OutputVerdict | None = None
         self._sample: Sample | str | None = None  # a str: why there is none
         self._last: tuple[int, OutputVerdict] | None = None  # (step, verdict) of the latest decoding
+        self._classifier: tuple | None = None  # (the mode classifier or None), fit once
         self.table: list[list[str]] = []  # [step, prompt, reference, h0 .. hK-1] of every decoding: the loggers' table
 
     def on_evaluate(self, args, state, control, **kwargs):
@@ -104,9 +107,12 @@ class OutputVerdictCallback(TrainerCallback):
             found = OutputVerdict(NO_VERDICT, f"outputs: no verdict: {sample}.", 0, model.num_hypotheses,
                                   reason=sample)
         else:
+            if self._classifier is None and sample.every_reference is not None:
+                self._classifier = (mode_classifier(*sample.every_reference),)
             found = output_verdict(answers, sample.references, sample.modes, self._examples_seen(state),
                                    self.min_examples, self._remedies(model),
-                                   prompts=[self._text(None, prompt) for prompt in sample.prompts])
+                                   prompts=[self._text(None, prompt) for prompt in sample.prompts],
+                                   classifier=self._classifier[0] if self._classifier else None)
             self._report(state, sample, answers, found)
         self._last = (state.global_step, found)
         return found
@@ -194,7 +200,9 @@ class OutputVerdictCallback(TrainerCallback):
         drawn = [found[p] for i, p in enumerate(found) if i in chosen]  # in the dataset's order
         return Sample([list(p) for i, p in enumerate(found) if i in chosen], [refs for refs, _, _ in drawn],
                       [modes for _, modes, _ in drawn] if with_modes else None,
-                      max(max(lengths) for _, _, lengths in drawn))
+                      max(max(lengths) for _, _, lengths in drawn),
+                      ([refs for refs, _, _ in found.values()], [modes for _, modes, _ in found.values()])
+                      if with_modes else None)
 
     def _examples_seen(self, state) -> int:
         args = self.trainer.args
