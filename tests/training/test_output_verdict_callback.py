@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 from conftest import randomize_adapters
-from tiny_models import build_model, save_tiny_run_inputs, word_tokenizer
+from tiny_models import build_batch, build_model, save_tiny_run_inputs, word_tokenizer
 from transformers import TrainingArguments
 
 from loramcl import MCLConfig, MCLTrainer, get_mcl_model
@@ -131,21 +131,59 @@ def test_no_verdict_before_the_minimum_of_examples(tmp_path):
     assert "outputs" not in trainer.state.log_history[-1]  # as the NLL verdict, an abstention adds no entry
 
 
-@pytest.mark.parametrize("case", ["encoder-decoder", "multimodal"])
-def test_other_models_get_no_verdict_and_a_reason(tmp_path, case):
-    rows = _rows(2)
-    if case == "multimodal":
-        rows = [row | {"pixel_values": torch.zeros(3, 4, 4)} for row in rows]
-        trainer, callback = _trainer(tmp_path, rows=rows)
-    else:
-        trainer, callback = _trainer(tmp_path, model="t5", rows=[{
-            "input_ids": torch.tensor([5, 6, 2]), "labels": torch.tensor([40, 60, 2])}] * 4)
+def _audio_rows(clips=2, modes=("a", "b")):
+    """Qwen2-Audio examples: per clip (its features and a prompt of audio tokens), one target per mode."""
+    inputs, _ = build_batch("qwen2_audio", None, batch=clips)
+    prompt = inputs["input_ids"].shape[1] - 5
+    rows = []
+    for b in range(clips):
+        for m, mode in enumerate(modes):
+            target = torch.tensor([40 + 10 * m, 41, 42, 2])
+            rows.append({"input_ids": torch.cat([inputs["input_ids"][b, :prompt], target]),
+                         "attention_mask": torch.ones(prompt + 4, dtype=torch.long),
+                         "labels": torch.cat([torch.full((prompt,), -100), target]), "mode": mode,
+                         "input_features": inputs["input_features"][b],
+                         "feature_attention_mask": inputs["feature_attention_mask"][b]})
+    return rows
+
+
+@pytest.mark.parametrize("model", ["qwen2_audio", "t5", "whisper"])
+def test_audio_and_encoder_decoder_models_are_decoded_one_prompt_at_a_time(tmp_path, model):
+    """A prompt with other inputs than text (a clip's features) or an encoder-decoder's source: one prompt per
+    distinct inputs, its examples' references pooled, batched by the trainer's collator and decoded alone."""
+    clips = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0))
+    rows = _audio_rows() if model == "qwen2_audio" else [
+        {"input_ids": torch.tensor([5 + i, 6, 2]), "labels": torch.tensor([40 + 10 * m, 60, 2]), "mode": mode}
+        if model == "t5" else {"input_features": clips[i], "labels": torch.tensor([40 + 10 * m, 60, 2]), "mode": mode}
+        for i in range(2) for m, mode in enumerate("ab")]
+    trainer, callback = _trainer(tmp_path, model=model, rows=rows)
     callback.on_train_end(trainer.args, trainer.state, trainer.control)  # no training needed
     found = callback.verdict
-    assert found.kind == "no verdict"
-    assert ("an encoder-decoder model" if case == "encoder-decoder" else "the examples carry pixel_values") \
-        in found.reason
+    assert found.kind != "no verdict" and found.prompts == 2 and found.hypotheses == 2
+    assert found.modes[:2] == ["a", "b"] and callback._sample.inputs is not None
+    lines = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and lines[0]["references"] == (
+        ["w40 w41 w42", "w50 w41 w42"] if model == "qwen2_audio" else ["w40 w60", "w50 w60"])
+    if model == "t5":
+        assert lines[0]["prompt"] == "w5 w6"  # the source: copies of it are counted
+
+
+def test_a_prompt_that_cannot_be_decoded_gets_no_verdict_and_a_reason(tmp_path):
+    """Inputs the model's generate does not take, or a collator that needs the labels: no verdict, training goes on."""
+    rows = [row | {"pixel_values": torch.zeros(3, 4, 4)} for row in _rows(2)]  # a text model given pixels
+    trainer, callback = _trainer(tmp_path, rows=rows)
+    callback.on_train_end(trainer.args, trainer.state, trainer.control)
+    assert callback.verdict.kind == "no verdict" and callback.verdict.reason.startswith(
+        "generate does not take this prompt's inputs (attention_mask, input_ids, pixel_values")
     assert not (tmp_path / "outputs.jsonl").exists()
+    encoded = [{"encoder_states": torch.zeros(4, 8), "labels": row["labels"], "input_ids": row["input_ids"]}
+               for row in _rows(2)]  # a recipe's collator of precomputed states: it needs the labels
+    trainer, callback = _trainer(tmp_path / "encoded", rows=encoded)
+    trainer.data_collator = lambda batch: {"encoder_states": torch.stack([r["encoder_states"] for r in batch]),
+                                           "labels": torch.stack([r["labels"] for r in batch])}
+    callback.on_train_end(trainer.args, trainer.state, trainer.control)
+    assert "the trainer's data_collator cannot batch a prompt without its labels (KeyError('labels'))" in \
+        callback.verdict.reason
 
 
 def test_train_writes_the_verdict_beside_the_nll_verdict(tmp_path, capsys):

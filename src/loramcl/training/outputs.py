@@ -12,9 +12,12 @@ decodes the same prompts with the same adapters, no collective runs inside, and 
 prints. Sharded weights (FSDP, DeepSpeed ZeRO-3) would need every rank in step through ``generate``: no verdict there.
 
 The sample: up to ``SCAN_ROWS`` examples of the validation set (else of the training set) are read; their prompts
-are the input_ids before each example's first label, its reference the label tokens decoded; examples with the same
-prompt pool their references (one example per reference, as a file of several references per prompt gives them);
-``prompts`` distinct prompts are drawn with a seeded ``random.Random``, the same at every decoding.
+are the input_ids before each example's first label (an encoder-decoder's: its encoder inputs), its reference the
+label tokens decoded; examples with the same prompt pool their references (one example per reference, as a file of
+several references per prompt gives them); ``prompts`` distinct prompts are drawn with a seeded ``random.Random``, the
+same at every decoding. A prompt with other inputs than text (an audio clip's ``input_features``, an image's
+``pixel_values``, an encoder-decoder's source) is one prompt per distinct inputs, batched alone by the trainer's
+``data_collator`` without its labels (per-token fields, as long as ``input_ids``, cut to the prompt) and decoded alone.
 """
 
 from __future__ import annotations
@@ -38,10 +41,17 @@ from loramcl.training.specialisation import remedies
 from loramcl.utils.validate import OptionError
 
 SCAN_ROWS = 4096  # examples read to find the prompts (a multi-reference file lists a prompt's references together)
+# examples read where they carry other inputs than text: a clip or an image is loaded and processed for each, and its
+# examples (one per reference: Clotho's 5 captions) come together
+SCAN_ROWS_WITH_INPUTS = 256
 MAX_NEW_TOKENS = 64  # at most; each decoding stops at the longest reference of its sample
 TEXT_COLUMNS = frozenset({"input_ids", "attention_mask", "labels", "position_ids", "token_type_ids", "row"})
 SHOWN = 3  # prompts whose answers the console shows at each decoding
 logger = logging.getLogger(__name__)
+
+
+class Undecodable(Exception):
+    """Why the sample's prompts cannot be decoded in this run (the verdict abstains with it; training goes on)."""
 
 
 @dataclass
@@ -55,6 +65,7 @@ class Sample:
     modes: list[list[str]] | None
     longest: int
     every_reference: tuple[list[list[str]], list[list[str]]] | None = None
+    inputs: list[dict] | None = None  # [N] each prompt's example without its labels, where it is more than text
 
 
 class OutputVerdictCallback(TrainerCallback):
@@ -101,7 +112,7 @@ class OutputVerdictCallback(TrainerCallback):
         if not isinstance(sample, str):
             try:
                 answers = self._answers(model, sample)
-            except OptionError as error:  # the prompts and references do not fit the model's positions
+            except (OptionError, Undecodable) as error:  # e.g. prompts and references longer than the positions
                 sample = str(error)
         if answers is None:
             found = OutputVerdict(NO_VERDICT, f"outputs: no verdict: {sample}.", 0, model.num_hypotheses,
@@ -122,6 +133,8 @@ class OutputVerdictCallback(TrainerCallback):
         evaluation's batch size, each prompt made K rows)."""
         import torch
 
+        if sample.inputs is not None:
+            return [self._answers_alone(model, sample, row) for row in sample.inputs]
         pad, batch = _pad_id(self.tokenizer, model), self.trainer.args.per_device_eval_batch_size
         answers = []
         for start in range(0, len(sample.prompts), batch):
@@ -134,6 +147,26 @@ class OutputVerdictCallback(TrainerCallback):
                                           log_probs=False)
             answers += [[self._text(c.text, c.token_ids) for c in row] for row in decoded]
         return answers
+
+    def _answers_alone(self, model, sample: Sample, row: dict) -> list[str]:
+        """Each hypothesis's greedy answer to one prompt with other inputs than text: its example without labels,
+        batched by the trainer's collator."""
+        try:
+            inputs = self.trainer.data_collator([row])
+        except (KeyError, TypeError, ValueError, RuntimeError) as error:
+            raise Undecodable(f"the trainer's data_collator cannot batch a prompt without its labels ({error!r}): "
+                              "decode the saved adapters with loramcl generate and call "
+                              "loramcl.analysis.output_verdict") from error
+        inputs = {name: value for name, value in inputs.items()
+                  if name != "labels" and not isinstance(value, str | int | float | bool | None)}
+        try:
+            decoded = generate_hypotheses(model, self.tokenizer, inputs, strategy="greedy",
+                                          max_new_tokens=min(sample.longest, MAX_NEW_TOKENS), log_probs=False)
+        except (TypeError, ValueError) as error:  # e.g. inputs the model's generate does not take
+            raise Undecodable(f"generate does not take this prompt's inputs ({', '.join(sorted(inputs))}: {error}): "
+                              "decode the saved adapters with loramcl generate and call "
+                              "loramcl.analysis.output_verdict") from error
+        return [self._text(c.text, c.token_ids) for c in decoded[0]]
 
     def _report(self, state, sample: Sample, answers: list[list[str]], found: OutputVerdict) -> None:
         metrics = {f"outputs_{name}": getattr(found, name) for name in (
@@ -164,32 +197,34 @@ class OutputVerdictCallback(TrainerCallback):
         """The prompts decoded at every decoding, or why there are none."""
         if model.num_hypotheses < 2:
             return f"one hypothesis (K = {model.num_hypotheses}), nothing to compare"
-        if is_encoder_decoder(model):
-            return ("an encoder-decoder model: the output verdict decodes decoder-only text models in this version "
-                    "(decode the saved adapters with loramcl generate and call loramcl.analysis.output_verdict)")
         if self.trainer.is_fsdp_enabled or _zero3(self.trainer):
             return ("the model's weights are sharded (FSDP or ZeRO-3), and decoding would need every rank in step: "
                     "decode the saved adapters with loramcl generate and call loramcl.analysis.output_verdict")
         dataset = self.trainer.eval_dataset if self.trainer.eval_dataset is not None else self.trainer.train_dataset
         dataset = next(iter(dataset.values())) if isinstance(dataset, dict) else dataset
-        rows = list(islice(iter(dataset), SCAN_ROWS)) if not hasattr(dataset, "__len__") else [
-            dataset[i] for i in range(min(SCAN_ROWS, len(dataset)))]
-        if not rows or "input_ids" not in rows[0] or "labels" not in rows[0]:
-            return "the examples have no input_ids and labels to read prompts and references from"
-        other = sorted(name for name, value in rows[0].items() if name not in TEXT_COLUMNS | {self.mode_column}
-                       and not isinstance(value, str | int | float | bool | None))  # other inputs, not metadata
-        if other:
-            return (f"the examples carry {', '.join(other)} besides the text (a multimodal model): the output verdict "
-                    "decodes decoder-only text models in this version")
-        found: dict[tuple, tuple[list[str], list[str], list[int]]] = {}  # prompt ids -> references, modes, lengths
+        rows = list(islice(iter(dataset), 1)) if not hasattr(dataset, "__len__") else [dataset[0]] if len(
+            dataset) else []
+        scan = SCAN_ROWS_WITH_INPUTS if rows and _other_inputs(rows[0], self.mode_column) else SCAN_ROWS
+        rows = list(islice(iter(dataset), scan)) if not hasattr(dataset, "__len__") else [
+            dataset[i] for i in range(min(scan, len(dataset)))]
+        if not rows or "labels" not in rows[0] or ("input_ids" not in rows[0]
+                                                   and not _other_inputs(rows[0], self.mode_column)):
+            return "the examples have no inputs and labels to read prompts and references from"
+        encoder_decoder = is_encoder_decoder(model)
+        found: dict[tuple, tuple[list[str], list[str], list[int], dict]] = {}  # prompt -> refs, modes, lengths, row
         with_modes = all(self.mode_column in row for row in rows)
         for row in rows:
-            ids, labels = self._ids(row["input_ids"]), self._ids(row["labels"])
-            first = next((t for t, label in enumerate(labels) if label != IGNORE_INDEX), 0)
+            ids, labels = self._ids(row.get("input_ids", [])), self._ids(row["labels"])
             mask = self._ids(row.get("attention_mask", [1] * len(ids)))
-            prompt = tuple(i for i, m in zip(ids[:first], mask[:first], strict=True) if m)
-            if prompt:  # an example labelled from its first token (a text row) has no prompt to decode from
-                refs, modes, lengths = found.setdefault(prompt, ([], [], []))
+            first = 0 if encoder_decoder else next((t for t, label in enumerate(labels) if label != IGNORE_INDEX), 0)
+            end = len(ids) if encoder_decoder else first
+            prompt = tuple(i for i, m in zip(ids[:end], mask[:end], strict=True) if m)
+            inputs = {name: row[name] for name in sorted(_other_inputs(row, self.mode_column))}
+            if prompt or (encoder_decoder and inputs):  # a text row labelled from its first token has no prompt
+                key = (prompt, _digest(inputs)) if inputs or encoder_decoder else (prompt,)
+                alone = {name: _cut(row[name], end, len(ids)) for name in sorted(set(row) & TEXT_COLUMNS - {
+                    "labels", "row"})} | inputs if len(key) > 1 else {}
+                refs, modes, lengths, _ = found.setdefault(key, ([], [], [], alone))
                 target = [t for t in labels[first:] if t != IGNORE_INDEX]  # its end token included
                 refs.append(self._text(None, target))
                 modes.append(str(row[self.mode_column]) if with_modes else "")
@@ -198,11 +233,12 @@ class OutputVerdictCallback(TrainerCallback):
             return "no example has a prompt (each is labelled from its first token): nothing to decode from"
         chosen = set(random.Random(self.seed).sample(range(len(found)), min(self.count, len(found))))
         drawn = [found[p] for i, p in enumerate(found) if i in chosen]  # in the dataset's order
-        return Sample([list(p) for i, p in enumerate(found) if i in chosen], [refs for refs, _, _ in drawn],
-                      [modes for _, modes, _ in drawn] if with_modes else None,
-                      max(max(lengths) for _, _, lengths in drawn),
-                      ([refs for refs, _, _ in found.values()], [modes for _, modes, _ in found.values()])
-                      if with_modes else None)
+        return Sample([list(p[0]) for i, p in enumerate(found) if i in chosen], [refs for refs, _, _, _ in drawn],
+                      [modes for _, modes, _, _ in drawn] if with_modes else None,
+                      max(max(lengths) for _, _, lengths, _ in drawn),
+                      ([refs for refs, _, _, _ in found.values()], [modes for _, modes, _, _ in found.values()])
+                      if with_modes else None,
+                      [row for _, _, _, row in drawn] if any(len(p) > 1 for p in found) else None)
 
     def _examples_seen(self, state) -> int:
         args = self.trainer.args
@@ -269,6 +305,33 @@ def example_modes(values: list, rows: list[int], column: str, where) -> list[str
         taken[row] += 1
         modes.append(str(value))
     return modes
+
+
+def _other_inputs(row: dict, mode_column: str) -> set[str]:
+    """The fields of an example that a model takes besides its text (an audio clip's features, an image's pixels):
+    not token ids, masks, labels, the decoder's inputs (the target, teacher-forced), its mode column or metadata (a
+    string or a number)."""
+    return {name for name, value in row.items() if name not in TEXT_COLUMNS | {mode_column}
+            and not name.startswith("decoder_") and not isinstance(value, str | int | float | bool | None)}
+
+
+def _digest(inputs: dict) -> str:
+    """A prompt's other inputs, as a key: the SHA-256 of their values' bytes."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name, value in sorted(inputs.items()):
+        value = value if torch.is_tensor(value) else torch.as_tensor(value)
+        digest.update(name.encode() + str(tuple(value.shape)).encode() + value.detach().cpu().contiguous().numpy()
+                      .tobytes())
+    return digest.hexdigest()
+
+
+def _cut(value, end: int, length: int):
+    """A per-token field (as long as ``length``, the example's input_ids) cut to its first ``end`` tokens."""
+    return value[:end] if hasattr(value, "__len__") and len(value) == length else value
 
 
 def _pad_id(tokenizer, model) -> int:
