@@ -162,7 +162,7 @@ class OutputVerdictCallback(TrainerCallback):
         try:
             decoded = generate_hypotheses(model, self.tokenizer, inputs, strategy="greedy",
                                           max_new_tokens=min(sample.longest, MAX_NEW_TOKENS), log_probs=False)
-        except (TypeError, ValueError) as error:  # e.g. inputs the model's generate does not take
+        except (TypeError, ValueError, RuntimeError) as error:  # e.g. inputs the model's generate does not take
             raise Undecodable(f"generate does not take this prompt's inputs ({', '.join(sorted(inputs))}: {error}): "
                               "decode the saved adapters with loramcl generate and call "
                               "loramcl.analysis.output_verdict") from error
