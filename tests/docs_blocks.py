@@ -447,6 +447,9 @@ REGISTRY = {
         ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
         "--budgets 600 --seeds 0 --tasks markov short --settings mle relaxed-0.05",
         ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
+        "--budgets 600 --seeds 0 --tasks bilingual --settings mle relaxed-0.05 ensemble "
+        "--record benchmarks/studies/records/budget",
+        ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
         "--budgets 200 --seeds 0 --tasks markov-skewed --settings mle relaxed-0.05 bias-0.1 staged",
         ".venv/bin/python -m benchmarks.studies.budget_study --model models/SmolLM2-135M-Instruct --out /tmp/budgets "
         "--budgets 200 --seeds 0 --tasks markov markov-skewed bilingual short --settings mle mle-loraplus loraplus "
