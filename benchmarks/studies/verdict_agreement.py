@@ -108,7 +108,8 @@ def spoken_verdicts(out: Path, results: list[Path], data: Path) -> list[dict]:
 
     if not (data / "test.jsonl").exists():
         raise SystemExit(f"{data}: no test.jsonl for the {SPOKEN} runs of {out}: give --spoken_data, the recipe's "
-                         "data (`loramcl spoken-translation --recipes DIR --stop_after data` builds it in its out/data)")
+                         "data (`loramcl spoken-translation --recipes DIR --stop_after data` builds it in its "
+                         "out/data)")
     check_data(out, data)
     tests = read_rows(data / "test.jsonl")
     identifier, _ = train_identifier(read_rows(data / "train.jsonl"), tests)

@@ -267,5 +267,5 @@ def _mean(values) -> float:
     return sum(values) / len(values)
 
 
-__all__ = ["COPY", "MIN_EXAMPLES_PER_HYPOTHESIS", "MODE_PURITY", "NEAR", "NO_VERDICT", "OPTIONS", "REMEDIES", "SAME_RATE",
-           "OutputVerdict", "mode_classifier", "output_verdict"]
+__all__ = ["COPY", "MIN_EXAMPLES_PER_HYPOTHESIS", "MODE_PURITY", "NEAR", "NO_VERDICT", "OPTIONS", "REMEDIES",
+           "SAME_RATE", "OutputVerdict", "mode_classifier", "output_verdict"]
