@@ -11,6 +11,7 @@ from tiny_models import build_batch, build_model, save_tiny_run_inputs, word_tok
 from transformers import TrainingArguments
 
 from loramcl import MCLConfig, MCLTrainer, get_mcl_model
+from loramcl.analysis.outputs import mode_classifier
 from loramcl.cli import main
 from loramcl.training.outputs import OutputVerdictCallback
 
@@ -58,7 +59,12 @@ def test_identical_hypotheses_write_the_same(tmp_path):
     assert lines[0]["references"] == ["w40 w60", "w40 w70"] and lines[0]["modes"] == ["a", "b"]  # grouped by prompt
 
 
-def test_different_adapters_differ_and_the_mode_column_gives_a_table(tmp_path):
+def test_different_adapters_differ_and_the_mode_column_gives_a_table(tmp_path, monkeypatch):
+    from loramcl.training import outputs
+
+    fitted = []  # the references and modes each mode classifier was fit on
+    monkeypatch.setattr(outputs, "mode_classifier", lambda refs, modes: fitted.append((refs, modes)) or
+                        mode_classifier(refs, modes))
     trainer, callback = _trainer(tmp_path, learning_rate=0.0)
     randomize_adapters(trainer.model, std=1.0)
     trainer.train()
@@ -67,9 +73,10 @@ def test_different_adapters_differ_and_the_mode_column_gives_a_table(tmp_path):
     assert found.modes[:2] == ["a", "b"] and len(found.mode_table) == 2 and len(found.purity) == 2
     # an answer far from its references gets its mode from a classifier fit once on every prompt read (6), not only
     # on the 4 decoded
-    references, modes = callback._sample.every_reference
+    assert len(fitted) == 1  # once, for every decoding
+    references, modes = fitted[0]
     assert len(references) == 6 and len(callback._sample.references) == 4 and modes[0] == ["a", "b"]
-    assert callback._classifier[0].labels == ["a", "b"]
+    assert callback._sample.classifier.labels == ["a", "b"]
 
 
 def test_decoding_changes_no_adapter_and_an_evaluation_at_the_last_step_is_decoded_once(tmp_path):

@@ -57,14 +57,14 @@ class Undecodable(Exception):
 @dataclass
 class Sample:
     """The prompts decoded: their token ids [N][T_i], references [N][R_i], the references' modes (or None), and
-    the tokens of the longest reference (what a decoding needs at most); with modes, the references of every prompt
-    read and their modes (what the classifier of an answer's mode learns from)."""
+    the tokens of the longest reference (what a decoding needs at most); with modes, the classifier of an answer's
+    mode (``analysis.outputs.mode_classifier``), fit on the references of every prompt read."""
 
     prompts: list[list[int]]
     references: list[list[str]]
     modes: list[list[str]] | None
     longest: int
-    every_reference: tuple[list[list[str]], list[list[str]]] | None = None
+    classifier: object | None = None
     inputs: list[dict] | None = None  # [N] each prompt's example without its labels, where it is more than text
 
 
@@ -85,7 +85,6 @@ class OutputVerdictCallback(TrainerCallback):
         self.verdict: OutputVerdict | None = None
         self._sample: Sample | str | None = None  # a str: why there is none
         self._last: tuple[int, OutputVerdict] | None = None  # (step, verdict) of the latest decoding
-        self._classifier: tuple | None = None  # (the mode classifier or None), fit once
         self.table: list[list[str]] = []  # [step, prompt, reference, h0 .. hK-1] of every decoding: the loggers' table
 
     def on_evaluate(self, args, state, control, **kwargs):
@@ -118,12 +117,10 @@ class OutputVerdictCallback(TrainerCallback):
             found = OutputVerdict(NO_VERDICT, f"outputs: no verdict: {sample}.", 0, model.num_hypotheses,
                                   reason=sample)
         else:
-            if self._classifier is None and sample.every_reference is not None:
-                self._classifier = (mode_classifier(*sample.every_reference),)
             found = output_verdict(answers, sample.references, sample.modes, self._examples_seen(state),
                                    self.min_examples, self._remedies(model),
                                    prompts=[self._text(None, prompt) for prompt in sample.prompts],
-                                   classifier=self._classifier[0] if self._classifier else None)
+                                   classifier=sample.classifier)
             self._report(state, sample, answers, found)
         self._last = (state.global_step, found)
         return found
@@ -202,11 +199,10 @@ class OutputVerdictCallback(TrainerCallback):
                     "decode the saved adapters with loramcl generate and call loramcl.analysis.output_verdict")
         dataset = self.trainer.eval_dataset if self.trainer.eval_dataset is not None else self.trainer.train_dataset
         dataset = next(iter(dataset.values())) if isinstance(dataset, dict) else dataset
-        rows = list(islice(iter(dataset), 1)) if not hasattr(dataset, "__len__") else [dataset[0]] if len(
-            dataset) else []
+        stream = (dataset[i] for i in range(len(dataset))) if hasattr(dataset, "__len__") else iter(dataset)
+        rows = list(islice(stream, 1))
         scan = SCAN_ROWS_WITH_INPUTS if rows and _other_inputs(rows[0], self.mode_column) else SCAN_ROWS
-        rows = list(islice(iter(dataset), scan)) if not hasattr(dataset, "__len__") else [
-            dataset[i] for i in range(min(scan, len(dataset)))]
+        rows += islice(stream, scan - 1)
         if not rows or "labels" not in rows[0] or ("input_ids" not in rows[0]
                                                    and not _other_inputs(rows[0], self.mode_column)):
             return "the examples have no inputs and labels to read prompts and references from"
@@ -221,10 +217,11 @@ class OutputVerdictCallback(TrainerCallback):
             prompt = tuple(i for i, m in zip(ids[:end], mask[:end], strict=True) if m)
             inputs = {name: row[name] for name in sorted(_other_inputs(row, self.mode_column))}
             if prompt or (encoder_decoder and inputs):  # a text row labelled from its first token has no prompt
-                key = (prompt, _digest(inputs)) if inputs or encoder_decoder else (prompt,)
-                alone = {name: _cut(row[name], end, len(ids)) for name in sorted(set(row) & TEXT_COLUMNS - {
-                    "labels", "row"})} | inputs if len(key) > 1 else {}
-                refs, modes, lengths, _ = found.setdefault(key, ([], [], [], alone))
+                alone = encoder_decoder or bool(inputs)  # decoded alone, its inputs batched by the collator
+                key = (prompt, _digest(inputs)) if alone else (prompt,)
+                text = sorted(set(row) & TEXT_COLUMNS - {"labels", "row"})
+                example = {name: _cut(row[name], end, len(ids)) for name in text} | inputs if alone else {}
+                refs, modes, lengths, _ = found.setdefault(key, ([], [], [], example))
                 target = [t for t in labels[first:] if t != IGNORE_INDEX]  # its end token included
                 refs.append(self._text(None, target))
                 modes.append(str(row[self.mode_column]) if with_modes else "")
@@ -236,9 +233,9 @@ class OutputVerdictCallback(TrainerCallback):
         return Sample([list(p[0]) for i, p in enumerate(found) if i in chosen], [refs for refs, _, _, _ in drawn],
                       [modes for _, modes, _, _ in drawn] if with_modes else None,
                       max(max(lengths) for _, _, lengths, _ in drawn),
-                      ([refs for refs, _, _, _ in found.values()], [modes for _, modes, _, _ in found.values()])
-                      if with_modes else None,
-                      [row for _, _, _, row in drawn] if any(len(p) > 1 for p in found) else None)
+                      mode_classifier([refs for refs, _, _, _ in found.values()],
+                                      [modes for _, modes, _, _ in found.values()]) if with_modes else None,
+                      [example for _, _, _, example in drawn] if any(example for *_, example in drawn) else None)
 
     def _examples_seen(self, state) -> int:
         args = self.trainer.args
