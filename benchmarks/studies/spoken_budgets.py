@@ -43,6 +43,7 @@ TASK = "spoken-translation"  # the task's folder in the study's --out and in its
 HYPOTHESES = 2  # the recipe's K
 RUN = re.compile(r"(mcl|mcl-annealed|mle|ensemble)-(\d+)-s(\d+)")  # a run of ``write_recipe``: kind, budget, seed
 DATA_FILES = ("train.jsonl", "validation.jsonl", "test.jsonl")
+NOT_MODES = ("empty",)  # what no answer's language counts as a mode: English, the transcript, is one here
 
 
 def read_yaml(path: Path) -> dict:
@@ -179,7 +180,7 @@ def scored(root: Path) -> list[tuple[dict, dict]]:
                   "best_step": steps if kind == ENSEMBLE else steps[0],
                   "best_eval_loss": losses if kind == ENSEMBLE else losses[0],
                   "trainable_parameters": record.trainable_parameters,
-                  "test": {s: study.score(TASK, test, c, identifier, no_mode=("empty",)) for s, c in decoded.items()},
+                  "test": {s: study.score(TASK, test, c, identifier, no_mode=NOT_MODES) for s, c in decoded.items()},
                   "oracle_nll": oracle_nll(load_nll(nll_file, ids, references))["oracle_nll"]}
         if kind == ENSEMBLE:
             result["members"] = members

@@ -83,18 +83,15 @@ def run_verdicts(out: Path, data: Path | None = None, spoken_data: Path | None =
         if not (data / "test.jsonl").exists() or (found := test_prompts(data, task)) is None:
             continue
         (tests, modes), identifier = found, None
-        for results in sorted([*(out / task).glob("*/results.json"), *(out / task).glob("*-steps/*/results.json")]):
-            result = json.loads(results.read_text())
-            if is_mle(result["setting"]) or result["setting"] == "ensemble":
-                continue
-            answers = json.loads((results.parent / "candidates.json").read_text())["greedy"]
+        for result, answers in mcl_runs([*(out / task).glob("*/results.json"),
+                                         *(out / task).glob("*-steps/*/results.json")]):
             if is_markov(task):
                 written = [[chain(t["prompt"], a) for a in row] for t, row in zip(tests, answers, strict=True)]
             else:
                 identifier = identifier or language_identifier(data, task)
                 written = languages_written(identifier, answers)
             rows.append(verdict_row(task, result, answers, written, tests, modes, prompts=[t["prompt"] for t in tests]))
-    spoken = sorted((out / SPOKEN).glob("*-steps/*/results.json"))
+    spoken = list((out / SPOKEN).glob("*-steps/*/results.json"))
     return rows + spoken_verdicts(out, spoken, spoken_data or out / SPOKEN / "data") if spoken else rows
 
 
@@ -102,7 +99,7 @@ def spoken_verdicts(out: Path, results: list[Path], data: Path) -> list[dict]:
     """The rows of the spoken-translation runs ``results`` (``spoken_budgets``' results.json), on the recipe's
     ``data``: an answer's language by the recipe's identifier (``report.train_identifier``), English one of the two
     modes (the transcript); no prompts, the clips' audio (nothing to copy)."""
-    from benchmarks.studies.spoken_budgets import check_data
+    from benchmarks.studies.spoken_budgets import NOT_MODES, check_data
     from loramcl.recipes.spoken_translation.messages import read_rows
     from loramcl.recipes.spoken_translation.report import train_identifier
 
@@ -113,15 +110,20 @@ def spoken_verdicts(out: Path, results: list[Path], data: Path) -> list[dict]:
     check_data(out, data)
     tests = read_rows(data / "test.jsonl")
     identifier, _ = train_identifier(read_rows(data / "train.jsonl"), tests)
-    rows = []
-    for found in results:
-        result = json.loads(found.read_text())
-        if is_mle(result["setting"]) or result["setting"] == "ensemble":
-            continue
-        answers = json.loads((found.parent / "candidates.json").read_text())["greedy"]
-        rows.append(verdict_row(SPOKEN, result, answers, languages_written(identifier, answers), tests,
-                                [t["reference_modes"] for t in tests], not_a_mode={"empty"}))
-    return rows
+    return [verdict_row(SPOKEN, result, answers, languages_written(identifier, answers), tests,
+                        [t["reference_modes"] for t in tests], not_a_mode=NOT_MODES)
+            for result, answers in mcl_runs(results)]
+
+
+def mcl_runs(results: list[Path]):
+    """(results, greedy answers [N][K]) of each MCL run among the results.json files ``results``, in path order (the
+    one LoRA's and the ensemble's left out)."""
+    from benchmarks.studies.budget_study import ENSEMBLE
+
+    for path in sorted(results):
+        result = json.loads(path.read_text())
+        if not is_mle(result["setting"]) and result["setting"] != ENSEMBLE:
+            yield result, json.loads((path.parent / "candidates.json").read_text())["greedy"]
 
 
 def languages_written(identifier, answers: list[list[str]]) -> list[list[str]]:
